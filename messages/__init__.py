@@ -1,0 +1,1 @@
+"""Every message that crosses a service boundary, defined once (msgspec Structs)."""

@@ -1,0 +1,79 @@
+"""Per-request sampling and exit parameters (the part of a request every service sees)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from messages.errors import RequestError
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM-like sampling knobs plus the looped-model exit policy.
+
+    ``max_loops=None`` means "the model's total_ut_steps"; ``resolve`` fills it in.
+    ``top_k=0`` and ``top_p=1.0`` disable those filters; ``temperature=0`` is greedy.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    min_loops: int = 2
+    max_loops: int | None = None
+    exit_threshold: float = 1.0
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    priority: int = 0
+
+    def validate(self) -> None:
+        """Model-independent range checks; raises RequestError with a clear message."""
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, lo=0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
+        _check_int("min_loops", self.min_loops, lo=1)
+        if self.max_loops is not None:
+            _check_int("max_loops", self.max_loops, lo=1)
+            if self.min_loops > self.max_loops:
+                raise RequestError(
+                    f"min_loops ({self.min_loops}) must not exceed max_loops ({self.max_loops})"
+                )
+        if not (0.0 <= self.exit_threshold <= 1.0):
+            raise RequestError(f"exit_threshold must be in [0, 1], got {self.exit_threshold}")
+        for tok in self.stop_token_ids:
+            _check_int("stop_token_ids entry", tok, lo=0)
+        _check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
+
+    def resolve(self, total_ut_steps: int, vocab_size: int) -> SamplingParams:
+        """Checks against the model and returns a copy with ``max_loops`` filled in."""
+        self.validate()
+        max_loops = total_ut_steps if self.max_loops is None else self.max_loops
+        if max_loops > total_ut_steps:
+            raise RequestError(
+                f"max_loops ({max_loops}) exceeds the model's total_ut_steps ({total_ut_steps})"
+            )
+        if self.min_loops > max_loops:
+            raise RequestError(
+                f"min_loops ({self.min_loops}) must not exceed max_loops ({max_loops})"
+            )
+        for tok in self.stop_token_ids:
+            if tok >= vocab_size:
+                raise RequestError(f"stop token id {tok} is outside the vocabulary ({vocab_size})")
+        return msgspec.structs.replace(self, max_loops=max_loops)
+
+
+def _check_int(name: str, value: int, lo: int | None = None, hi: int | None = None) -> None:
+    # bool is an int subclass in Python; a JSON `true` must not pass as 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise RequestError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise RequestError(f"{name} must be <= {hi}, got {value}")

@@ -1,0 +1,506 @@
+"""Serial oracle: a plain, single-request, float32 reference for looped LMs (Ouro).
+
+This module is deliberately independent of the serving engine: it reads the checkpoint
+itself, does its own layer math and keeps a dense per-depth KV cache (plain tensors indexed
+``[plane][layer][position]``), with no paging and no batching. Tests compare the engine's
+tokens and exit depths with this implementation, so a shared bug cannot hide in both.
+
+The prompt is processed one matrix per loop with a causal mask; decode runs one token at a
+time. Everything is float32, including the exit-policy arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+KV_LAYOUTS = ("last_exited", "shared")
+
+Sampler = Callable[[torch.Tensor, int], int]
+
+
+# --------------------------------------------------------------------------------------------
+# Public result types
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OracleStep:
+    """Diagnostics for one generated token."""
+
+    token_id: int
+    exit_depth: int
+    # logits[top1] - logits[top2] of the logits this token was chosen from; lets tests tell a
+    # real mismatch from a near-tie that float reordering may legitimately flip.
+    top2_gap: float
+    # min |cdf - threshold| over the loops where the threshold test was evaluated; +inf if
+    # none. Small values flag exits that rounding differences could move.
+    threshold_margin: float
+
+
+@dataclass
+class OracleResult:
+    token_ids: list[int]
+    exit_depths: list[int]
+    finish_reason: str
+    steps: list[OracleStep] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# Exit policy
+# --------------------------------------------------------------------------------------------
+
+
+class ExitTracker:
+    """Per-token exit policy state, evaluated exactly in float32.
+
+    After loop r: ``λ_r = sigmoid(gate_logit)``; ``remaining *= 1 - λ_r`` (on every loop, also
+    below ``min_loops``); ``cdf = 1 - remaining``. Exit when ``r >= max_loops`` or when
+    ``threshold < 1 and r >= min_loops and cdf >= threshold``. The comparison is done in
+    float32 (the threshold is rounded to float32), as a tensor comparison on device would.
+    """
+
+    def __init__(self, min_loops: int, max_loops: int, threshold: float) -> None:
+        self.min_loops = min_loops
+        self.max_loops = max_loops
+        self.threshold = threshold
+        self._threshold_f32 = torch.tensor(threshold, dtype=torch.float32)
+        self.remaining = torch.tensor(1.0, dtype=torch.float32)
+        self.loops = 0
+        self.margin = math.inf
+
+    @property
+    def cdf(self) -> torch.Tensor:
+        return (1.0 - self.remaining).to(torch.float32)
+
+    def observe(self, gate_logit: torch.Tensor | float) -> bool:
+        """Account for one finished loop given its gate logit; return True to exit now."""
+        logit = torch.as_tensor(gate_logit, dtype=torch.float32).reshape(())
+        return self.observe_hazard(torch.sigmoid(logit))
+
+    def observe_hazard(self, hazard: torch.Tensor | float) -> bool:
+        """Like :meth:`observe` but with the hazard λ_r given directly."""
+        lam = torch.as_tensor(hazard, dtype=torch.float32).reshape(())
+        self.loops += 1
+        # Each op on float32 0-d tensors rounds to float32, matching a float32 device kernel.
+        self.remaining = (self.remaining * (1.0 - lam)).to(torch.float32)
+        r = self.loops
+        if r >= self.max_loops:
+            return True
+        if self.threshold < 1.0 and r >= self.min_loops:
+            cdf = self.cdf
+            self.margin = min(self.margin, abs(float(cdf) - self.threshold))
+            return bool(cdf >= self._threshold_f32)
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Config:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    total_ut_steps: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+
+def _read_config(path: Path) -> _Config:
+    raw = json.loads(path.read_text())
+    hidden = int(raw["hidden_size"])
+    heads = int(raw["num_attention_heads"])
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    head_dim = raw.get("head_dim")
+    head_dim = int(head_dim) if head_dim else hidden // heads
+    if heads % kv_heads != 0:
+        raise ValueError(f"num_attention_heads={heads} not divisible by kv heads={kv_heads}")
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        eos_ids: tuple[int, ...] = ()
+    elif isinstance(eos, list):
+        eos_ids = tuple(int(e) for e in eos)
+    else:
+        eos_ids = (int(eos),)
+    return _Config(
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=int(raw["vocab_size"]),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        total_ut_steps=int(raw.get("total_ut_steps", 4)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _read_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    single = ckpt / "model.safetensors"
+    index = ckpt / "model.safetensors.index.json"
+    if single.exists():
+        tensors = load_file(str(single))
+    elif index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        tensors = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(load_file(str(ckpt / shard)))
+    else:
+        raise FileNotFoundError(f"no model.safetensors(.index.json) in {ckpt}")
+    # The oracle is float32 throughout, whatever the checkpoint dtype.
+    return {name: t.to(torch.float32) for name, t in tensors.items()}
+
+
+@dataclass
+class _Layer:
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    norm_in: torch.Tensor  # input_layernorm
+    norm_attn_out: torch.Tensor  # input_layernorm_2
+    norm_post: torch.Tensor  # post_attention_layernorm
+    norm_mlp_out: torch.Tensor  # post_attention_layernorm_2
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise KeyError(f"checkpoint is missing tensor {name!r}")
+    return tensors[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Dense per-depth KV
+# --------------------------------------------------------------------------------------------
+
+
+class _DenseKV:
+    """K/V as plain tensors indexed [plane][layer][position] -> [kv_heads, head_dim]."""
+
+    def __init__(self, planes: int, layers: int, capacity: int, kv_heads: int, hd: int) -> None:
+        def plane() -> list[torch.Tensor]:
+            return [torch.zeros(capacity, kv_heads, hd, dtype=torch.float32) for _ in range(layers)]
+
+        self.k = [plane() for _ in range(planes)]
+        self.v = [plane() for _ in range(planes)]
+
+    def copy_up(self, position: int, src: int) -> None:
+        """LAST_EXITED: propagate one token's KV at plane ``src`` to all higher planes."""
+        for dst in range(src + 1, len(self.k)):
+            for layer in range(len(self.k[src])):
+                self.k[dst][layer][position] = self.k[src][layer][position]
+                self.v[dst][layer][position] = self.v[src][layer][position]
+
+
+# --------------------------------------------------------------------------------------------
+# The oracle
+# --------------------------------------------------------------------------------------------
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SerialOracle:
+    """Single-request float32 reference generator for an Ouro-format checkpoint."""
+
+    def __init__(self, checkpoint_dir: str | Path) -> None:
+        ckpt = Path(checkpoint_dir)
+        cfg = _read_config(ckpt / "config.json")
+        self._cfg = cfg
+        self.total_ut_steps = cfg.total_ut_steps
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = cfg.eos_token_ids
+        self.max_position_embeddings = cfg.max_position_embeddings
+
+        t = _read_tensors(ckpt)
+        self._embed = _take(t, "model.embed_tokens.weight")
+        self._norm = _take(t, "model.norm.weight")
+        self._gate_w = _take(t, "model.early_exit_gate.weight").reshape(1, cfg.hidden_size)
+        self._gate_b = _take(t, "model.early_exit_gate.bias").reshape(1)
+        if "lm_head.weight" in t:
+            self._lm_head = t["lm_head.weight"]
+        elif cfg.tie_word_embeddings:
+            self._lm_head = self._embed
+        else:
+            raise KeyError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        self._layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            self._layers.append(
+                _Layer(
+                    wq=_take(t, p + "self_attn.q_proj.weight"),
+                    wk=_take(t, p + "self_attn.k_proj.weight"),
+                    wv=_take(t, p + "self_attn.v_proj.weight"),
+                    wo=_take(t, p + "self_attn.o_proj.weight"),
+                    w_gate=_take(t, p + "mlp.gate_proj.weight"),
+                    w_up=_take(t, p + "mlp.up_proj.weight"),
+                    w_down=_take(t, p + "mlp.down_proj.weight"),
+                    norm_in=_take(t, p + "input_layernorm.weight"),
+                    norm_attn_out=_take(t, p + "input_layernorm_2.weight"),
+                    norm_post=_take(t, p + "post_attention_layernorm.weight"),
+                    norm_mlp_out=_take(t, p + "post_attention_layernorm_2.weight"),
+                )
+            )
+        hd = cfg.head_dim
+        exponents = torch.arange(0, hd, 2, dtype=torch.int64).to(torch.float32) / hd
+        self._inv_freq = 1.0 / (cfg.rope_theta**exponents)
+
+    # ---- math -------------------------------------------------------------------------------
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(dim=-1, keepdim=True)
+        return w * (x * torch.rsqrt(var + self._cfg.rms_norm_eps))
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [n, heads, hd]; same rotation at every depth (position only)."""
+        freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        return x * cos + _rotate_half(x) * sin
+
+    def _attention(
+        self, layer: int, w: _Layer, x: torch.Tensor, start: int, kv: _DenseKV, plane: int
+    ) -> torch.Tensor:
+        """Causal attention for queries at positions [start, start+n) against ``plane``.
+
+        The queries' own K/V are written into the plane first, so each query sees itself and
+        every earlier position's current content of that plane.
+        """
+        cfg = self._cfg
+        n = x.shape[0]
+        end = start + n
+        positions = torch.arange(start, end)
+        q = F.linear(x, w.wq).view(n, cfg.num_heads, cfg.head_dim)
+        k = F.linear(x, w.wk).view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = F.linear(x, w.wv).view(n, cfg.num_kv_heads, cfg.head_dim)
+        q = self._rope(q, positions)
+        k = self._rope(k, positions)
+        kv.k[plane][layer][start:end] = k
+        kv.v[plane][layer][start:end] = v
+
+        group = cfg.num_heads // cfg.num_kv_heads
+        # GQA: query head h uses kv head h // group, hence repeat_interleave.
+        keys = kv.k[plane][layer][:end].repeat_interleave(group, dim=1).transpose(0, 1)
+        vals = kv.v[plane][layer][:end].repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = q.transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(cfg.head_dim)
+        key_pos = torch.arange(end)
+        future = key_pos[None, :] > positions[:, None]  # [n, end]
+        scores = scores.masked_fill(future[None], float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ vals  # [heads, n, hd]
+        out = out.transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim)
+        return F.linear(out, w.wo)
+
+    def _loop(self, h: torch.Tensor, start: int, kv: _DenseKV, plane: int) -> torch.Tensor:
+        """One loop: all L layers, then the final norm (inside the loop)."""
+        for i, w in enumerate(self._layers):
+            x = self._rms(h, w.norm_in)
+            h = h + self._rms(self._attention(i, w, x, start, kv, plane), w.norm_attn_out)
+            x = self._rms(h, w.norm_post)
+            mlp = F.linear(F.silu(F.linear(x, w.w_gate)) * F.linear(x, w.w_up), w.w_down)
+            h = h + self._rms(mlp, w.norm_mlp_out)
+        return self._rms(h, self._norm)
+
+    def _gate_logit(self, h_normed: torch.Tensor) -> torch.Tensor:
+        return F.linear(h_normed, self._gate_w, self._gate_b).reshape(())
+
+    def _coda(self, h_normed: torch.Tensor) -> torch.Tensor:
+        return F.linear(h_normed, self._lm_head)
+
+    # ---- phases -----------------------------------------------------------------------------
+
+    def _prefill(
+        self, prompt: list[int], kv: _DenseKV, layout: str, chunk_size: int | None
+    ) -> torch.Tensor:
+        """Run every prompt token through all D loops; return the final normed hidden [P, H].
+
+        Chunks are atomic: a chunk runs loops 0..D-1 before the next chunk starts. With
+        LAST_EXITED loop d uses plane d (chunking is then mathematically irrelevant); with
+        SHARED every loop overwrites plane 0, so a later chunk reads earlier chunks' final
+        version and its own current-loop version.
+        """
+        size = chunk_size or len(prompt)
+        outs = []
+        for start in range(0, len(prompt), size):
+            ids = torch.tensor(prompt[start : start + size], dtype=torch.int64)
+            h = self._embed[ids]
+            for depth in range(self.total_ut_steps):
+                plane = depth if layout == "last_exited" else 0
+                h = self._loop(h, start, kv, plane)
+            outs.append(h)
+        return torch.cat(outs, dim=0)
+
+    def prompt_logits(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        kv_layout: str = "last_exited",
+        prefill_chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        """Full-depth logits [P, V] for every prompt position (debug/tests)."""
+        prompt = self._check_tokens(prompt_token_ids)
+        layout = self._check_layout(kv_layout)
+        self._check_positions(len(prompt))
+        kv = self._new_kv(layout, len(prompt))
+        return self._coda(self._prefill(prompt, kv, layout, prefill_chunk_size))
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        min_loops: int = 2,
+        max_loops: int | None = None,
+        exit_threshold: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        kv_layout: str = "last_exited",
+        prefill_chunk_size: int | None = None,
+        sampler: Sampler | None = None,
+        forced_exit_depths: Sequence[int] | None = None,
+    ) -> OracleResult:
+        """Generate up to ``max_tokens`` tokens for one request.
+
+        ``sampler(logits_f32[V], output_index) -> token`` defaults to greedy argmax (lowest
+        index on exact ties). ``forced_exit_depths[i]`` (i >= 1) makes generated token i exit
+        after exactly that many loops instead of following the policy; entry 0 is ignored
+        because the first token always comes from the full-depth prefill.
+        """
+        D = self.total_ut_steps
+        prompt = self._check_tokens(prompt_token_ids)
+        layout = self._check_layout(kv_layout)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        max_loops = D if max_loops is None else max_loops
+        if not 1 <= max_loops <= D:
+            raise ValueError(f"max_loops must be in [1, {D}], got {max_loops}")
+        if min_loops < 1:
+            raise ValueError(f"min_loops must be >= 1, got {min_loops}")
+        if not 0.0 <= exit_threshold <= 1.0:
+            raise ValueError(f"exit_threshold must be in [0, 1], got {exit_threshold}")
+        if prefill_chunk_size is not None and prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
+        # The last sampled token is never fed back, so positions reach P + max_tokens - 2.
+        self._check_positions(len(prompt) + max_tokens - 1)
+        sample = sampler or _greedy
+        stops = set(stop_token_ids)
+        if not ignore_eos:
+            stops.update(self.eos_token_ids)
+
+        kv = self._new_kv(layout, len(prompt) + max_tokens)
+        h_prompt = self._prefill(prompt, kv, layout, prefill_chunk_size)
+        # Coda on a [1, H] row, the same op shape as every decode step.
+        logits = self._coda(h_prompt[-1:])[0]
+        token = self._sample(sample, logits, 0)
+        steps = [OracleStep(token, D, _top2_gap(logits), math.inf)]
+
+        while True:
+            if token in stops:
+                finish = "stop"
+                break
+            if len(steps) >= max_tokens:
+                finish = "length"
+                break
+            index = len(steps)
+            position = len(prompt) + index - 1
+            forced = None
+            if forced_exit_depths is not None:
+                if index >= len(forced_exit_depths):
+                    raise ValueError(f"forced_exit_depths has no entry for token {index}")
+                forced = int(forced_exit_depths[index])
+                if not 1 <= forced <= D:
+                    raise ValueError(f"forced exit depth {forced} not in [1, {D}]")
+            tracker = ExitTracker(min_loops, max_loops, exit_threshold)
+            h = self._embed[torch.tensor([token])]
+            for r in range(1, D + 1):
+                plane = r - 1 if layout == "last_exited" else 0
+                h = self._loop(h, position, kv, plane)
+                # Always update the tracker so the margin diagnostic stays meaningful.
+                policy_exit = tracker.observe(self._gate_logit(h))
+                if (r == forced) if forced is not None else policy_exit:
+                    break
+            exit_depth = r
+            if layout == "last_exited" and exit_depth < D:
+                kv.copy_up(position, exit_depth - 1)
+            logits = self._coda(h[0])
+            token = self._sample(sample, logits, index)
+            steps.append(OracleStep(token, exit_depth, _top2_gap(logits), tracker.margin))
+
+        return OracleResult(
+            token_ids=[s.token_id for s in steps],
+            exit_depths=[s.exit_depth for s in steps],
+            finish_reason=finish,
+            steps=steps,
+        )
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _new_kv(self, layout: str, capacity: int) -> _DenseKV:
+        planes = self.total_ut_steps if layout == "last_exited" else 1
+        cfg = self._cfg
+        return _DenseKV(planes, cfg.num_layers, capacity, cfg.num_kv_heads, cfg.head_dim)
+
+    def _check_tokens(self, ids: Sequence[int]) -> list[int]:
+        tokens = [int(t) for t in ids]
+        if not tokens:
+            raise ValueError("prompt must contain at least one token")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return tokens
+
+    def _check_positions(self, count: int) -> None:
+        if count > self.max_position_embeddings:
+            raise ValueError(
+                f"{count} positions exceed max_position_embeddings={self.max_position_embeddings}"
+            )
+
+    @staticmethod
+    def _check_layout(kv_layout: str) -> str:
+        layout = kv_layout.lower()
+        if layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+        return layout
+
+    def _sample(self, sample: Sampler, logits: torch.Tensor, index: int) -> int:
+        token = int(sample(logits, index))
+        if not 0 <= token < self.vocab_size:
+            raise ValueError(f"sampler returned out-of-range token {token}")
+        return token
+
+
+def _greedy(logits: torch.Tensor, _index: int) -> int:
+    # torch.argmax returns the first maximal index, i.e. the lowest id on exact ties.
+    return int(torch.argmax(logits))
+
+
+def _top2_gap(logits: torch.Tensor) -> float:
+    if logits.numel() < 2:
+        return math.inf
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])

@@ -1,0 +1,52 @@
+"""The scheduler's own view of a batch: tasks that point at live requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from messages.batch import Batch, BatchPhase
+from services.scheduler.request import Request
+
+
+class TaskKind(StrEnum):
+    PRELUDE = "prelude"  # split prefill: embedding of a prompt span
+    PREFILL = "prefill"  # prefill recurrent work (split depth task or atomic chunk)
+    DECODE = "decode"  # one loop of one generated token
+
+
+@dataclass(eq=False)
+class ScheduledTask:
+    request: Request
+    kind: TaskKind
+    token_start: int
+    token_count: int
+    depth: int = 0
+    num_loops: int = 1
+    embed: bool = False
+    compute_logits: bool = False
+    forced_exit: int = 0
+    generation: int = 0
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + self.token_count
+
+    def key(self) -> tuple[str, int, int, int]:
+        """(request_id, token_start, token_count, depth) as traces and tests print it."""
+        return (self.request.request_id, self.token_start, self.token_count, self.depth)
+
+
+@dataclass(eq=False)
+class ScheduledBatch:
+    seq: int
+    phase: BatchPhase
+    tasks: list[ScheduledTask]
+    wire: Batch
+    progress_applied: bool = False
+    outputs_applied: bool = False
+    # events produced when progress was applied (kept so both paths report the same)
+    progress_events: list = field(default_factory=list)
+
+    def rows(self) -> list[tuple[str, int, int, int]]:
+        return [t.key() for t in self.tasks]

@@ -1,0 +1,53 @@
+"""Scheduler configuration and the model facts the scheduler needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class KVLayout(StrEnum):
+    LAST_EXITED = "last_exited"  # one plane per depth; exited tokens copied upwards
+    SHARED = "shared"  # one plane overwritten by every loop
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    total_ut_steps: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    split_prefill: bool = False
+    wavefront_chunked_prefill: bool = False
+    block_size: int = 16
+    num_blocks: int = 4096
+    kv_layout: KVLayout = KVLayout.LAST_EXITED
+    # continuous depth batching: an exited row starts its next token in the next pass
+    refill: bool = True
+    enable_prefix_caching: bool = False
+    async_scheduling: bool = False
+    max_inflight_batches: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size",
+                     "block_size", "num_blocks", "max_inflight_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.wavefront_chunked_prefill and not self.split_prefill:
+            # WCPB is a way of running split prefill; turning it on implies split.
+            object.__setattr__(self, "split_prefill", True)
+        if self.kv_layout == KVLayout.SHARED and self.split_prefill:
+            raise ValueError(
+                "kv_layout=shared needs atomic prefill: with split/wavefront prefill the KV "
+                "version a chunk reads would depend on timing"
+            )
+
+    def num_planes(self, total_ut_steps: int) -> int:
+        return total_ut_steps if self.kv_layout == KVLayout.LAST_EXITED else 1

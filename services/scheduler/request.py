@@ -1,0 +1,103 @@
+"""Per-request scheduling state: phase, prefill frontiers, decode cursor, outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from messages.sampling import SamplingParams
+
+
+class RequestPhase(StrEnum):
+    WAITING = "waiting"
+    PREFILL = "prefill"  # atomic chunked prefill
+    PREFILLING_PRELUDE = "prefilling_prelude"
+    PREFILLING_RECURRENT = "prefilling_recurrent"
+    RECURRENT = "recurrent"  # decode; Ouro's prelude (embedding) is fused into the depth-0 row
+    FINISHED = "finished"
+
+
+PREFILL_PHASES = (
+    RequestPhase.PREFILL,
+    RequestPhase.PREFILLING_PRELUDE,
+    RequestPhase.PREFILLING_RECURRENT,
+)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # resolved: max_loops is set
+    seed: int
+    arrival_seq: int
+    total_depths: int
+    trace_id: str = ""
+    phase: RequestPhase = RequestPhase.WAITING
+    # bumped on preemption so results of batches sent before it are ignored
+    generation: int = 0
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_exit_depths: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    # prefill (split / wavefront): prelude frontier and one [origin, right_d) per depth
+    prefill_window_origin: int = 0
+    num_preluded_tokens: int = 0
+    prefill_depth_ranges: list[tuple[int, int]] = field(default_factory=list)
+    prefill_reclaimable_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    # decode: next position to compute, its loop cursor and survival so far
+    num_computed_tokens: int = 0
+    decode_depth: int = 0
+    decode_remaining: float = 1.0
+    # a decode row or the prompt's coda row is in flight; its result decides what is next
+    awaiting_output: bool = False
+    inflight_batches: int = 0
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        return (self.params.priority, self.arrival_seq)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.phase == RequestPhase.FINISHED
+
+    def prefill_right(self, depth: int) -> int:
+        """Right end of the depth frontier; depth -1 is the prelude frontier."""
+        if depth < 0:
+            return self.num_preluded_tokens
+        return self.prefill_depth_ranges[depth][1]
+
+    def token_at(self, position: int) -> int:
+        if position < self.num_prompt_tokens:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - self.num_prompt_tokens]
+
+    def forced_exit_at(self, position: int) -> int:
+        """Recorded exit depth of the token fed at ``position`` (0 = decide by policy).
+
+        Feeding output i at position P+i produced output i+1, so a position whose output is
+        already known replays that token's recorded depth.
+        """
+        index = position - self.num_prompt_tokens + 1
+        if index < len(self.output_token_ids):
+            return self.output_exit_depths[index]
+        return 0
+
+    def reset_prefill(self, origin: int) -> None:
+        """Admission / preemption reset: the only writers of the frontiers besides progress."""
+        self.prefill_window_origin = origin
+        self.num_preluded_tokens = origin
+        self.prefill_depth_ranges = [(origin, origin) for _ in range(self.total_depths)]
+        self.prefill_reclaimable_tokens = origin
+        self.num_computed_tokens = origin
+        self.decode_depth = 0
+        self.decode_remaining = 1.0
+        self.awaiting_output = False

@@ -1,0 +1,657 @@
+"""The scheduler core: admission, depth-major selection, and one shared progress path.
+
+Pure Python, no NATS and no torch. One ``schedule()`` returns one batch (one phase; a
+RECURRENT batch holds decode rows first, then split-prefill recurrent rows). Progress is
+applied by ``update_after_submission`` (async scheduling) or ``update_from_output`` (sync);
+both go through ``_apply_prefill_phase_progress`` so they cannot diverge.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from messages.api import FinishedEvent, StreamEvent, TokenEvent
+from messages.batch import Batch, BatchPhase, BatchResult, BatchRow, NewRequest, WorkerSampling
+from messages.errors import ErrorCode, RequestError
+from messages.sampling import SamplingParams
+from services.scheduler.batch import ScheduledBatch, ScheduledTask, TaskKind
+from services.scheduler.config import ModelLimits, SchedulerConfig
+from services.scheduler.kv_manager import KVManager
+from services.scheduler.request import PREFILL_PHASES, Request, RequestPhase
+
+
+class SchedulerInvariantError(RuntimeError):
+    """A progress update broke a frontier rule; this is a bug, never bad client input."""
+
+
+@dataclass
+class _Selection:
+    """State of one batch while it is being selected."""
+
+    budget_left: int
+    max_seqs: int
+    selected: dict[str, Request] = field(default_factory=dict)
+    tasks: list[ScheduledTask] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerStats:
+    num_batches: int = 0
+    num_preemptions: int = 0
+    num_decode_rows: int = 0
+    num_core_passes_with_mixed_depths: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, limits: ModelLimits, seed: int = 0) -> None:
+        self.config = config
+        self.limits = limits
+        self.total_depths = limits.total_ut_steps
+        self.kv = KVManager(
+            config.num_blocks, config.block_size, config.num_planes(limits.total_ut_steps)
+        )
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []  # kept in queue order (priority, arrival)
+        self._waiting: list[tuple[tuple[int, int], Request]] = []
+        self._arrivals = 0
+        self._next_seq = 0
+        self._last_phase: BatchPhase | None = None
+        self._pending_new: list[Request] = []
+        self._pending_finished: list[str] = []
+        self._rng = random.Random(seed)
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ requests in/out
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        trace_id: str = "",
+    ) -> Request:
+        """Validates and queues a request; raises RequestError and changes nothing on failure."""
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError("request_id must be a non-empty string")
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already live")
+        self._validate_prompt(prompt_token_ids)
+        resolved = params.resolve(self.limits.total_ut_steps, self.limits.vocab_size)
+        total = len(prompt_token_ids) + resolved.max_tokens
+        if total > self.limits.max_position_embeddings:
+            raise RequestError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({resolved.max_tokens}) "
+                f"exceeds the model's max_position_embeddings "
+                f"({self.limits.max_position_embeddings})"
+            )
+        # the last sampled token is never fed back, so it needs no KV slot
+        kv_tokens = total - 1
+        if not self.kv.can_ever_fit(kv_tokens):
+            raise RequestError(
+                f"request needs {self.kv.blocks_for(kv_tokens)} KV blocks but the cache has only "
+                f"{self.kv.num_blocks}; shorten the prompt or max_tokens"
+            )
+        seed = resolved.seed if resolved.seed is not None else self._rng.getrandbits(63)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=resolved,
+            seed=seed,
+            arrival_seq=self._arrivals,
+            total_depths=self.total_depths,
+            trace_id=trace_id,
+        )
+        self._arrivals += 1
+        self.requests[request_id] = request
+        heapq.heappush(self._waiting, (request.priority_key, request))
+        return request
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
+            raise RequestError("prompt must contain at least one token")
+        vocab = self.limits.vocab_size
+        for tok in prompt_token_ids:
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise RequestError(
+                    f"prompt token id {tok!r} is outside the vocabulary [0, {vocab})"
+                )
+
+    def abort_request(self, request_id: str) -> list[StreamEvent]:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise RequestError(f"unknown request id {request_id!r}", ErrorCode.NOT_FOUND)
+        events: list[StreamEvent] = []
+        self._finish(request, "abort", events)
+        return events
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_waiting(self) -> int:
+        return sum(1 for _, r in self._waiting if not r.is_finished)
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> ScheduledBatch | None:
+        self._admit_waiting()
+        for phase in self._phase_preference():
+            selection = _Selection(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+            if phase == BatchPhase.RECURRENT:
+                self._take_decode_rows(selection)
+            self._take_wavefront_phase(phase, selection)
+            if selection.tasks:
+                return self._build_batch(phase, selection.tasks)
+        return None
+
+    def _admit_waiting(self) -> None:
+        while self._waiting and len(self.running) < self.config.max_num_seqs:
+            _, request = heapq.heappop(self._waiting)
+            if request.is_finished:
+                continue  # aborted while waiting
+            request.reset_prefill(origin=0)
+            request.phase = (
+                RequestPhase.PREFILLING_PRELUDE
+                if self.config.split_prefill
+                else RequestPhase.PREFILL
+            )
+            self._insert_running(request)
+            self._pending_new.append(request)
+
+    def _insert_running(self, request: Request) -> None:
+        keys = [r.priority_key for r in self.running]
+        index = next((i for i, k in enumerate(keys) if k > request.priority_key), len(keys))
+        self.running.insert(index, request)
+
+    def _phase_preference(self) -> list[BatchPhase]:
+        if not self.config.split_prefill:
+            # atomic prefill and decode cannot share a batch: alternate when both have work
+            if self._last_phase == BatchPhase.PREFILL:
+                return [BatchPhase.RECURRENT, BatchPhase.PREFILL]
+            return [BatchPhase.PREFILL, BatchPhase.RECURRENT]
+        # split: the prelude is cheap; run it when some request's depth-0 work has caught
+        # up with its prelude (it would stall otherwise), else keep the core busy
+        starved = any(
+            r.phase == RequestPhase.PREFILLING_PRELUDE
+            and r.prefill_right(0) >= r.num_preluded_tokens
+            for r in self.running
+        )
+        if starved:
+            return [BatchPhase.PREFILLING_PRELUDE, BatchPhase.RECURRENT]
+        return [BatchPhase.RECURRENT, BatchPhase.PREFILLING_PRELUDE]
+
+    # ------------------------------------------------------------------ selection
+    def _take_decode_rows(self, sel: _Selection) -> None:
+        """Decode rows come first in a RECURRENT batch, one loop per request."""
+        cohort_busy = not self.config.refill and any(
+            r.phase == RequestPhase.RECURRENT and r.decode_depth > 0 for r in self.running
+        )
+        for request in list(self.running):
+            if request.phase != RequestPhase.RECURRENT or request.awaiting_output:
+                continue
+            if cohort_busy and request.decode_depth == 0:
+                continue  # no-refill baseline: wait for the whole cohort to exit
+            position = request.num_computed_tokens
+            forced = request.forced_exit_at(position)
+            task = ScheduledTask(
+                request=request,
+                kind=TaskKind.DECODE,
+                token_start=position,
+                token_count=1,
+                depth=request.decode_depth,
+                embed=request.decode_depth == 0,
+                compute_logits=forced == 0,
+                forced_exit=forced,
+            )
+            self._accept_task(task, sel)
+            if sel.budget_left <= 0:
+                return
+
+    def _take_wavefront_phase(self, phase: BatchPhase, sel: _Selection) -> None:
+        """Depth-major selection shared by PRELUDE, split RECURRENT and atomic PREFILL.
+
+        For each level (PRELUDE: chunk order; RECURRENT: depth 0..D-1; PREFILL: one level)
+        every candidate in queue order offers its ready task; ``_accept_task`` checks KV
+        capacity and charges (and truncates to) the budget as each task is accepted.
+        """
+        candidates = [r for r in self.running if r.phase in PREFILL_PHASES]
+        if not candidates or sel.budget_left <= 0:
+            return
+        prelude_cursors: dict[str, int] | None = (
+            {} if phase == BatchPhase.PREFILLING_PRELUDE else None
+        )
+        for level in self._levels(phase):
+            offered = False
+            for request in candidates:
+                if request.phase not in PREFILL_PHASES:
+                    continue  # preempted by an earlier acceptance in this batch
+                task = self._make_wavefront_task(request, phase, level, prelude_cursors)
+                if task is None:
+                    continue
+                offered = True
+                accepted = self._accept_task(task, sel)
+                if accepted is not None and prelude_cursors is not None:
+                    prelude_cursors[request.request_id] = accepted.token_end
+                if sel.budget_left <= 0:
+                    return
+            if prelude_cursors is not None and not offered:
+                return
+
+    def _levels(self, phase: BatchPhase) -> Iterable[int]:
+        if phase == BatchPhase.PREFILLING_PRELUDE:
+            return _count_up()
+        if phase == BatchPhase.PREFILL:
+            return (0,)
+        return range(self.total_depths)
+
+    def _chunk_end(self, request: Request, start: int) -> int:
+        """Chunk boundaries are measured from the prefill origin (the prefix-cache hit)."""
+        origin = request.prefill_window_origin
+        size = self.config.prefill_chunk_size
+        end = origin + ((start - origin) // size + 1) * size
+        return min(end, request.num_prompt_tokens)
+
+    def _make_wavefront_task(
+        self,
+        request: Request,
+        phase: BatchPhase,
+        level: int,
+        prelude_cursors: dict[str, int] | None,
+    ) -> ScheduledTask | None:
+        prompt_len = request.num_prompt_tokens
+        if phase == BatchPhase.PREFILLING_PRELUDE:
+            if request.phase != RequestPhase.PREFILLING_PRELUDE or prelude_cursors is None:
+                return None
+            start = prelude_cursors.get(request.request_id, request.num_preluded_tokens)
+            if start >= prompt_len:
+                return None
+            end = self._chunk_end(request, start)
+            return self._task(request, TaskKind.PRELUDE, start, end, depth=0, loops=0)
+
+        if phase == BatchPhase.PREFILL:
+            if request.phase != RequestPhase.PREFILL:
+                return None
+            start = request.prefill_right(self.total_depths - 1)
+            if start >= prompt_len:
+                return None
+            end = self._chunk_end(request, start)
+            return self._task(
+                request, TaskKind.PREFILL, start, end, depth=0, loops=self.total_depths, embed=True
+            )
+
+        if request.phase not in (
+            RequestPhase.PREFILLING_PRELUDE,
+            RequestPhase.PREFILLING_RECURRENT,
+        ):
+            return None
+        depth = level
+        start = request.prefill_right(depth)
+        # ready as of the start of the step: [right_d, ...) bounded by depth d-1's frontier
+        limit = request.prefill_right(depth - 1)
+        end = min(self._chunk_end(request, start), limit)
+        if end <= start:
+            return None
+        loops = 1
+        if not self.config.wavefront_chunked_prefill:
+            # depth-serial split prefill: run every depth whose frontier is level with this
+            # one in the same task (several depths of one request in one update)
+            while (
+                depth + loops < self.total_depths
+                and request.prefill_right(depth + loops) == start
+            ):
+                loops += 1
+        return self._task(request, TaskKind.PREFILL, start, end, depth=depth, loops=loops)
+
+    def _task(
+        self,
+        request: Request,
+        kind: TaskKind,
+        start: int,
+        end: int,
+        *,
+        depth: int,
+        loops: int,
+        embed: bool = False,
+    ) -> ScheduledTask:
+        return ScheduledTask(
+            request=request,
+            kind=kind,
+            token_start=start,
+            token_count=end - start,
+            depth=depth,
+            num_loops=loops,
+            embed=embed,
+            generation=request.generation,
+        )
+
+    def _accept_task(self, task: ScheduledTask, sel: _Selection) -> ScheduledTask | None:
+        """Admits one task into the batch: seats, budget (truncating), then KV capacity."""
+        request = task.request
+        if request.request_id not in sel.selected and len(sel.selected) >= sel.max_seqs:
+            return None
+        if sel.budget_left <= 0:
+            return None
+        count = min(task.token_count, sel.budget_left)
+        if task.kind != TaskKind.PRELUDE and not self._ensure_execution_capacity(
+            request, task.token_start + count, sel
+        ):
+            return None
+        task.token_count = count
+        task.generation = request.generation
+        if task.kind == TaskKind.PREFILL:
+            reaches_coda = (
+                task.depth + task.num_loops == self.total_depths
+                and task.token_end == request.num_prompt_tokens
+            )
+            # a recomputed request already knows its first token
+            task.compute_logits = reaches_coda and not request.output_token_ids
+        sel.budget_left -= count
+        sel.selected[request.request_id] = request
+        sel.tasks.append(task)
+        return task
+
+    def _ensure_execution_capacity(
+        self, request: Request, num_tokens: int, sel: _Selection
+    ) -> bool:
+        """Allocates KV for ``num_tokens`` positions, preempting lower-priority requests.
+
+        Never preempts a request already selected in this batch, one with work in flight,
+        or one ahead of ``request`` in queue order (that would thrash).
+        """
+        while not self.kv.ensure(request.request_id, num_tokens):
+            victim = self._pick_victim(request, sel)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        return True
+
+    def _pick_victim(self, request: Request, sel: _Selection) -> Request | None:
+        for candidate in reversed(self.running):
+            if candidate.priority_key <= request.priority_key:
+                return None
+            if (
+                candidate.request_id not in sel.selected
+                and candidate.inflight_batches == 0
+                and self.kv.num_held_blocks(candidate.request_id) > 0
+            ):
+                return candidate
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: free KV, keep outputs, requeue at its old priority."""
+        self.kv.free(request.request_id)
+        self.running.remove(request)
+        request.generation += 1
+        request.phase = RequestPhase.WAITING
+        request.reset_prefill(origin=0)
+        self._pending_finished.append(request.request_id)
+        if request in self._pending_new:
+            self._pending_new.remove(request)
+        heapq.heappush(self._waiting, (request.priority_key, request))
+        self.stats.num_preemptions += 1
+
+    # ------------------------------------------------------------------ batch building
+    def _build_batch(self, phase: BatchPhase, tasks: list[ScheduledTask]) -> ScheduledBatch:
+        decode = [t for t in tasks if t.kind == TaskKind.DECODE]
+        prompt = [t for t in tasks if t.kind != TaskKind.DECODE]
+        # execution order only: selection, budget and queue order are already settled
+        prompt.sort(key=lambda t: (t.request.priority_key, t.token_start))
+        ordered = decode + prompt
+        seq = self._next_seq
+        self._next_seq += 1
+        wire = Batch(
+            seq=seq,
+            phase=phase,
+            rows=[self._wire_row(t) for t in ordered],
+            new_requests=[self._new_request(r) for r in self._pending_new],
+            block_deltas=self.kv.take_deltas(),
+            finished_request_ids=self._pending_finished,
+            trace_ids={r.request_id: r.trace_id for r in self._pending_new if r.trace_id},
+        )
+        self._pending_new = []
+        self._pending_finished = []
+        self._last_phase = phase
+        self.stats.num_batches += 1
+        self.stats.num_decode_rows += len(decode)
+        if len({t.depth for t in ordered if t.kind != TaskKind.PRELUDE}) >= 2:
+            self.stats.num_core_passes_with_mixed_depths += 1
+        return ScheduledBatch(seq=seq, phase=phase, tasks=ordered, wire=wire)
+
+    def _wire_row(self, task: ScheduledTask) -> BatchRow:
+        request = task.request
+        if task.kind == TaskKind.DECODE:
+            return BatchRow(
+                request_id=request.request_id,
+                token_start=task.token_start,
+                token_count=1,
+                depth=task.depth,
+                num_loops=1,
+                embed=task.embed,
+                input_token_id=request.token_at(task.token_start),
+                remaining=request.decode_remaining,
+                forced_exit=task.forced_exit,
+                compute_logits=task.compute_logits,
+                output_index=len(request.output_token_ids),
+            )
+        return BatchRow(
+            request_id=request.request_id,
+            token_start=task.token_start,
+            token_count=task.token_count,
+            depth=task.depth,
+            num_loops=task.num_loops,
+            embed=task.embed or task.kind == TaskKind.PRELUDE,
+            compute_logits=task.compute_logits,
+            output_index=len(request.output_token_ids),
+        )
+
+    def _new_request(self, request: Request) -> NewRequest:
+        p = request.params
+        assert p.max_loops is not None
+        return NewRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=WorkerSampling(
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                seed=request.seed,
+                min_loops=p.min_loops,
+                max_loops=p.max_loops,
+                exit_threshold=p.exit_threshold,
+            ),
+        )
+
+    # ------------------------------------------------------------------ progress
+    def update_after_submission(self, batch: ScheduledBatch) -> list[StreamEvent]:
+        """Called when the batch is handed to the worker. With async scheduling the prefill
+        progress is applied here, so the next batch can be built before this one finishes."""
+        for task in batch.tasks:
+            task.request.inflight_batches += 1
+            if task.kind == TaskKind.DECODE or task.compute_logits:
+                task.request.awaiting_output = True
+        if not self.config.async_scheduling:
+            return []
+        return self._apply_prefill_phase_progress(batch)
+
+    def update_from_output(self, batch: ScheduledBatch, result: BatchResult) -> list[StreamEvent]:
+        """Applies a worker result: prefill progress (if not applied at submission), exit
+        decisions, sampled tokens, stops. Results of preempted/aborted requests are dropped."""
+        if batch.outputs_applied:
+            raise SchedulerInvariantError(f"batch {batch.seq} output applied twice")
+        if result.seq != batch.seq or len(result.rows) != len(batch.tasks):
+            raise SchedulerInvariantError(
+                f"result for batch {result.seq} with {len(result.rows)} rows does not match "
+                f"batch {batch.seq} with {len(batch.tasks)} rows"
+            )
+        batch.outputs_applied = True
+        events: list[StreamEvent] = []
+        if not batch.progress_applied:
+            events.extend(self._apply_prefill_phase_progress(batch))
+        for task, row in zip(batch.tasks, result.rows, strict=True):
+            request = task.request
+            request.inflight_batches -= 1
+            if self._is_stale(task):
+                continue
+            if task.kind == TaskKind.DECODE:
+                self._apply_decode_output(task, row.exited, row.exit_depth, row.remaining,
+                                          row.token_id, events)
+            elif task.compute_logits:
+                request.awaiting_output = False
+                self._append_token(request, row.token_id, self.total_depths, events)
+        return events
+
+    def _is_stale(self, task: ScheduledTask) -> bool:
+        return task.request.is_finished or task.generation != task.request.generation
+
+    def _apply_prefill_phase_progress(self, batch: ScheduledBatch) -> list[StreamEvent]:
+        """The one progress path: groups the batch's prompt rows once per request and phase
+        and advances frontiers through ``_advance_prefill_depth_frontier``."""
+        batch.progress_applied = True
+        groups: dict[tuple[str, TaskKind], list[ScheduledTask]] = {}
+        for task in batch.tasks:
+            if task.kind == TaskKind.DECODE or self._is_stale(task):
+                continue
+            groups.setdefault((task.request.request_id, task.kind), []).append(task)
+        events: list[StreamEvent] = []
+        for (_, kind), tasks in groups.items():
+            request = tasks[0].request
+            if kind == TaskKind.PRELUDE:
+                self._apply_prelude_spans(request, tasks)
+                continue
+            for task in tasks:
+                if task.embed:  # atomic prefill runs its prelude in the same task
+                    self._apply_prelude_spans(request, [task])
+                if self._advance_prefill_depth_frontier(
+                    request, task.depth, task.token_start, task.token_end, task.num_loops
+                ):
+                    self._retire_prefill_chunk(request, task.token_start, task.token_end)
+        batch.progress_events = events
+        return events
+
+    def _apply_prelude_spans(self, request: Request, tasks: list[ScheduledTask]) -> None:
+        """One pass over the spans in token order: they must continue the prelude frontier
+        without gaps; contiguous spans merge into one advance."""
+        frontier = request.num_preluded_tokens
+        for task in sorted(tasks, key=lambda t: t.token_start):
+            if task.token_start != frontier:
+                raise SchedulerInvariantError(
+                    f"{request.request_id}: prelude span starts at {task.token_start}, "
+                    f"frontier is {frontier}"
+                )
+            frontier = task.token_end
+        request.num_preluded_tokens = frontier
+        if frontier == request.num_prompt_tokens and request.phase == (
+            RequestPhase.PREFILLING_PRELUDE
+        ):
+            request.phase = RequestPhase.PREFILLING_RECURRENT
+
+    def _advance_prefill_depth_frontier(
+        self, request: Request, depth: int, start: int, end: int, loop_count: int
+    ) -> bool:
+        """The only per-step writer of ``prefill_depth_ranges``. Returns True when the
+        task's last loop is the final depth."""
+        if loop_count <= 0:
+            return False
+        for d in range(depth, depth + loop_count):
+            origin, right = request.prefill_depth_ranges[d]
+            if start != right:
+                raise SchedulerInvariantError(
+                    f"{request.request_id}: depth {d} frontier is at {right}, "
+                    f"task starts at {start}"
+                )
+            if end > request.prefill_right(d - 1):
+                raise SchedulerInvariantError(
+                    f"{request.request_id}: depth {d} task ends at {end}, beyond depth {d - 1}'s "
+                    f"frontier {request.prefill_right(d - 1)}"
+                )
+            request.prefill_depth_ranges[d] = (origin, end)
+        return depth + loop_count == self.total_depths
+
+    def _retire_prefill_chunk(self, request: Request, start: int, end: int) -> None:
+        """The final depth passed [start, end): those prompt positions are complete."""
+        if start != request.prefill_reclaimable_tokens:
+            raise SchedulerInvariantError(
+                f"{request.request_id}: chunk [{start}, {end}) retired out of prompt order "
+                f"(retired up to {request.prefill_reclaimable_tokens})"
+            )
+        request.prefill_reclaimable_tokens = end
+        if end == request.num_prompt_tokens:
+            request.num_computed_tokens = end
+            request.decode_depth = 0
+            request.decode_remaining = 1.0
+            request.phase = RequestPhase.RECURRENT
+
+    def _apply_decode_output(
+        self,
+        task: ScheduledTask,
+        exited: bool,
+        exit_depth: int,
+        remaining: float,
+        token_id: int,
+        events: list[StreamEvent],
+    ) -> None:
+        request = task.request
+        request.awaiting_output = False
+        if not exited:
+            request.decode_depth += 1
+            request.decode_remaining = remaining
+            return
+        if exit_depth != task.depth + 1:
+            raise SchedulerInvariantError(
+                f"{request.request_id}: row at depth {task.depth} reported exit depth {exit_depth}"
+            )
+        request.num_computed_tokens += 1
+        request.decode_depth = 0
+        request.decode_remaining = 1.0
+        if task.forced_exit:
+            return  # replayed position: its token is already known
+        self._append_token(request, token_id, exit_depth, events)
+
+    def _append_token(
+        self, request: Request, token_id: int, exit_depth: int, events: list[StreamEvent]
+    ) -> None:
+        request.output_token_ids.append(token_id)
+        request.output_exit_depths.append(exit_depth)
+        events.append(
+            TokenEvent(
+                request_id=request.request_id,
+                index=len(request.output_token_ids) - 1,
+                token_id=token_id,
+                exit_depth=exit_depth,
+            )
+        )
+        params = request.params
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.limits.eos_token_ids
+        ):
+            self._finish(request, "stop", events)
+        elif len(request.output_token_ids) >= params.max_tokens:
+            self._finish(request, "length", events)
+
+    def _finish(self, request: Request, reason: str, events: list[StreamEvent]) -> None:
+        request.phase = RequestPhase.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request.request_id)
+        if request in self.running:
+            self.running.remove(request)
+            self._pending_finished.append(request.request_id)
+        if request in self._pending_new:
+            self._pending_new.remove(request)
+        self.requests.pop(request.request_id, None)
+        events.append(
+            FinishedEvent(
+                request_id=request.request_id,
+                finish_reason=reason,
+                token_ids=list(request.output_token_ids),
+                exit_depths=list(request.output_exit_depths),
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+            )
+        )
+
+
+def _count_up() -> Iterator[int]:
+    level = 0
+    while True:
+        yield level
+        level += 1

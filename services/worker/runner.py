@@ -1,0 +1,287 @@
+"""Executes one batch on the model: the worker's pure core (no NATS).
+
+The runner owns device KV and per-request hidden state, and mirrors block tables from the
+deltas each batch carries. A batch is a set of rows; a row runs ``num_loops`` loops from
+loop index ``depth``. Loops of rows at different depths share one core pass, so a batch
+runs max(num_loops) passes over a shrinking set of rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import (
+    AttentionMetadata,
+    Segment,
+    build_attention_metadata,
+    copy_kv_slots,
+    exit_copy_slots,
+    paged_attention,
+    write_kv,
+)
+from messages.batch import Batch, BatchPhase, BatchResult, BatchRow, RowResult, WorkerSampling
+from services.common.exit_policy import should_exit, update_survival
+from services.common.sampling import sample_token
+from services.scheduler.config import KVLayout
+from services.worker.model.ouro import OuroModel
+
+
+@dataclass
+class _WorkerRequest:
+    prompt: torch.Tensor  # [P] int64 on device
+    sampling: WorkerSampling
+    tables: list[list[int]]  # one block table per plane
+    prefill_hidden: torch.Tensor | None = None  # [P, H]: hidden of each prompt position
+    decode_hidden: torch.Tensor | None = None  # [H]: the token in progress
+
+
+@dataclass
+class _RowState:
+    index: int
+    row: BatchRow
+    depth: int
+    loops_left: int
+    result: RowResult = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.result = RowResult(row_index=self.index)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.row.input_token_id >= 0
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: OuroModel,
+        num_blocks: int,
+        block_size: int,
+        kv_layout: KVLayout = KVLayout.LAST_EXITED,
+    ) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.block_size = block_size
+        self.kv_layout = kv_layout
+        self.total_depths = cfg.total_ut_steps
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                 cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.v_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.scale = cfg.head_dim**-0.5
+        self.requests: dict[str, _WorkerRequest] = {}
+        self.last_seq = -1
+        self.num_core_passes = 0
+
+    # ------------------------------------------------------------------ state mirroring
+    def _apply_deltas(self, batch: Batch) -> None:
+        for request_id in batch.finished_request_ids:
+            self.requests.pop(request_id, None)
+        num_planes = self.total_depths if self.kv_layout == KVLayout.LAST_EXITED else 1
+        for new in batch.new_requests:
+            self.requests[new.request_id] = _WorkerRequest(
+                prompt=torch.tensor(new.prompt_token_ids, dtype=torch.long,
+                                    device=self.model.device),
+                sampling=new.sampling,
+                tables=[[] for _ in range(num_planes)],
+            )
+        for delta in batch.block_deltas:
+            state = self.requests.get(delta.request_id)
+            if state is None:
+                raise ValueError(f"block delta for unknown request {delta.request_id!r}")
+            for table, blocks in zip(state.tables, delta.plane_blocks, strict=True):
+                table.extend(blocks)
+
+    def _plane(self, depth: int) -> int:
+        return depth if self.kv_layout == KVLayout.LAST_EXITED else 0
+
+    # ------------------------------------------------------------------ execution
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> BatchResult:
+        if batch.seq <= self.last_seq:
+            raise ValueError(f"batch {batch.seq} arrived after batch {self.last_seq}")
+        self._apply_deltas(batch)
+        self.last_seq = batch.seq
+        states = [
+            _RowState(index=i, row=row, depth=row.depth, loops_left=row.num_loops)
+            for i, row in enumerate(batch.rows)
+        ]
+        if batch.phase == BatchPhase.PREFILLING_PRELUDE:
+            self._run_prelude(states)
+        else:
+            self._run_recurrent(states)
+        return BatchResult(seq=batch.seq, rows=[s.result for s in states])
+
+    def _run_prelude(self, states: list[_RowState]) -> None:
+        if not states:
+            return
+        spans = [(self.requests[s.row.request_id], s.row) for s in states]
+        ids = torch.cat([req.prompt[r.token_start:r.token_start + r.token_count]
+                         for req, r in spans])
+        hidden = self.model.prelude(ids)
+        offset = 0
+        for req, row in spans:
+            self._prefill_buffer(req)[row.token_start:row.token_start + row.token_count] = (
+                hidden[offset:offset + row.token_count]
+            )
+            offset += row.token_count
+
+    def _prefill_buffer(self, req: _WorkerRequest) -> torch.Tensor:
+        if req.prefill_hidden is None:
+            req.prefill_hidden = torch.empty(
+                (req.prompt.numel(), self.model.cfg.hidden_size),
+                dtype=self.model.dtype, device=self.model.device,
+            )
+        return req.prefill_hidden
+
+    def _run_recurrent(self, states: list[_RowState]) -> None:
+        first_pass = True
+        coda_rows: list[tuple[_RowState, torch.Tensor]] = []
+        while True:
+            active = [s for s in states if s.loops_left > 0]
+            if not active:
+                break
+            hidden, positions, segments = self._gather_inputs(active, first_pass)
+            first_pass = False
+            meta = build_attention_metadata(
+                segments, self.block_size, hidden.shape[0], device=self.model.device
+            )
+            out, gates = self.model.core_loop(hidden, positions, self._attend(meta))
+            self.num_core_passes += 1
+            self._scatter_outputs(active, out, gates, coda_rows)
+        self._run_coda(coda_rows)
+
+    def _gather_inputs(
+        self, active: list[_RowState], first_pass: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Segment]]:
+        pieces: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        segments: list[Segment] = []
+        embed_ids: list[torch.Tensor] = []
+        embed_slots: list[int] = []
+        row = 0
+        for state in active:
+            r = state.row
+            req = self.requests[r.request_id]
+            count = r.token_count
+            if state.is_decode:
+                if state.depth == 0:
+                    embed_ids.append(torch.tensor([r.input_token_id], device=req.prompt.device))
+                    embed_slots.append(len(pieces))
+                    pieces.append(torch.empty(0))  # filled after one batched embedding call
+                else:
+                    assert req.decode_hidden is not None, "decode row without hidden state"
+                    pieces.append(req.decode_hidden.unsqueeze(0))
+            elif r.embed and first_pass:
+                embed_ids.append(req.prompt[r.token_start:r.token_start + count])
+                embed_slots.append(len(pieces))
+                pieces.append(torch.empty(0))
+            else:
+                pieces.append(self._prefill_buffer(req)[r.token_start:r.token_start + count])
+            positions.append(torch.arange(r.token_start, r.token_start + count))
+            segments.append(Segment(row_start=row, num_rows=count, pos_start=r.token_start,
+                                    block_table=req.tables[self._plane(state.depth)]))
+            row += count
+        if embed_ids:
+            embedded = self.model.prelude(torch.cat(embed_ids))
+            offset = 0
+            for slot, ids in zip(embed_slots, embed_ids, strict=True):
+                pieces[slot] = embedded[offset:offset + ids.numel()]
+                offset += ids.numel()
+        hidden = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        return hidden, torch.cat(positions).to(self.model.device), segments
+
+    def _attend(self, meta: AttentionMetadata):
+        k_cache, v_cache, scale = self.k_cache, self.v_cache, self.scale
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            write_kv(k_cache[layer], v_cache[layer], meta.slot_mapping, k, v)
+            return paged_attention(q, k_cache[layer], v_cache[layer], meta, scale)
+
+        return attend
+
+    def _scatter_outputs(
+        self,
+        active: list[_RowState],
+        out: torch.Tensor,
+        gates: torch.Tensor,
+        coda_rows: list[tuple[_RowState, torch.Tensor]],
+    ) -> None:
+        decode_index = [i for i, s in enumerate(active) if s.is_decode]
+        offsets: list[int] = []
+        row = 0
+        for state in active:
+            offsets.append(row)
+            row += state.row.token_count
+        survival: list[float] = []
+        if decode_index:
+            rows = torch.tensor([offsets[i] for i in decode_index])
+            before = torch.tensor([active[i].row.remaining for i in decode_index],
+                                  dtype=torch.float32)
+            survival = update_survival(before, gates[rows].cpu()).tolist()
+        decode_survival = dict(zip(decode_index, survival, strict=True))
+        for i, state in enumerate(active):
+            r = state.row
+            req = self.requests[r.request_id]
+            h = out[offsets[i]:offsets[i] + r.token_count]
+            loops_run = state.depth + 1
+            state.loops_left -= 1
+            if state.is_decode:
+                self._finish_decode_loop(state, req, h[0], decode_survival[i], coda_rows)
+            else:
+                self._prefill_buffer(req)[r.token_start:r.token_start + r.token_count] = h
+                if r.compute_logits and loops_run == self.total_depths:
+                    coda_rows.append((state, h[-1]))
+                if loops_run == self.total_depths and (
+                    r.token_start + r.token_count == req.prompt.numel()
+                ):
+                    req.prefill_hidden = None  # prompt done: its hidden rows are dead
+            state.depth += 1
+
+    def _finish_decode_loop(
+        self,
+        state: _RowState,
+        req: _WorkerRequest,
+        h: torch.Tensor,
+        remaining: float,
+        coda_rows: list[tuple[_RowState, torch.Tensor]],
+    ) -> None:
+        r = state.row
+        loops_run = state.depth + 1
+        s = req.sampling
+        if r.forced_exit:
+            exited = loops_run >= r.forced_exit
+        else:
+            exited = should_exit(loops_run, remaining, s.min_loops, s.max_loops,
+                                 s.exit_threshold)
+        state.result.remaining = remaining
+        state.result.exited = exited
+        if not exited:
+            req.decode_hidden = h
+            return
+        state.result.exit_depth = loops_run
+        req.decode_hidden = None
+        if self.kv_layout == KVLayout.LAST_EXITED and loops_run < self.total_depths:
+            src, dst = exit_copy_slots(req.tables, r.token_start, state.depth, self.block_size)
+            device = self.k_cache.device
+            copy_kv_slots(self.k_cache, self.v_cache, torch.tensor(src, device=device),
+                          torch.tensor(dst, device=device))
+        if r.compute_logits:
+            coda_rows.append((state, h))
+
+    def _run_coda(self, coda_rows: list[tuple[_RowState, torch.Tensor]]) -> None:
+        if not coda_rows:
+            return
+        logits = self.model.coda(torch.stack([h for _, h in coda_rows])).cpu()
+        for (state, _), row_logits in zip(coda_rows, logits, strict=True):
+            s = self.requests[state.row.request_id].sampling
+            state.result.token_id = sample_token(
+                row_logits,
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                seed=s.seed,
+                output_index=state.row.output_index,
+            )
