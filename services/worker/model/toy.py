@@ -1,0 +1,228 @@
+"""Small random Ouro checkpoints in the exact HF on-disk format, for tests, demos and benches.
+
+No weights can be downloaded here, so the loader, worker and engine are exercised on these.
+The init is deterministic from a seed and tuned so that outputs are not degenerate and the
+exit gate yields a mix of exit depths (see ``write_toy_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from .config import OuroConfig
+from .loader import CONFIG_FILE, SINGLE_FILE, expected_shapes
+
+EOS_TOKEN = "<|endoftext|>"
+
+_COMMON = {
+    "max_position_embeddings": 2048,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "total_ut_steps": 4,
+    "early_exit_threshold": 1.0,
+    "tie_word_embeddings": False,
+}
+
+TOY_SIZES: dict[str, dict[str, int | float | bool]] = {
+    "toy": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        **_COMMON,
+    },
+    "small": {
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 2048,
+        **_COMMON,
+    },
+}
+
+# Deterministic built-in training text for the toy BPE (plain English, varied vocabulary).
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A looped language model runs the same stack of
+layers several times for every token, and it may stop early when it is confident enough.
+Once upon a time there was a small village by the sea. The fishermen went out every morning
+before the sun rose, and the children waited on the shore for the boats to come back home.
+In the evening the lights of the harbour were reflected in the calm water, and old sailors
+told stories about storms, islands, whales and distant cities beyond the horizon.
+Science is the patient work of asking questions and testing answers against the world.
+Mathematics gives us a language for patterns: numbers, shapes, functions and proofs.
+Computers follow instructions exactly, which is why a single missing character can break a
+program. Engineers write tests so that they notice mistakes before their users do.
+The weather today is sunny with a light breeze from the west; tomorrow it will rain.
+She opened the window, made a cup of tea, and read the letter twice before answering it.
+He said that the train would arrive at seven, but it was late because of the snow.
+Good morning! How are you? I am fine, thank you. What would you like to eat for lunch?
+We planted apples, pears, cherries and plums in the garden, and grew beans and potatoes.
+The library was quiet except for the sound of pages turning and the clock on the wall.
+Music, painting and poetry help people share feelings that are hard to put into words.
+A river flows from the mountains to the ocean, carving valleys through ancient rock.
+Every request is scheduled in batches; the server streams tokens back as they are ready.
+Birds sing in the trees, cats sleep in the sun, and dogs chase balls across the park.
+History teaches us that great change often begins with small and ordinary decisions.
+The doctor listened carefully, wrote a short note, and asked the patient to rest.
+Please remember to close the door, turn off the lights, and feed the cat before leaving.
+Learning a new language takes time, practice, curiosity and a little bit of courage.
+The market was full of colours: red tomatoes, yellow lemons, green peppers, purple grapes.
+Children asked why the sky is blue, why the moon changes shape, and where the wind goes.
+Our team finished the project on Friday and celebrated with pizza, cake and lemonade.
+The first chapter introduces the characters; the second describes their long journey north.
+Numbers such as 1, 2, 3, 10, 42, 100 and 2024 appear in dates, prices and measurements.
+Energy from the sun warms the earth, drives the winds, and feeds every growing plant.
+"""
+
+
+def toy_config(size: str = "toy") -> OuroConfig:
+    if size not in TOY_SIZES:
+        raise ValueError(f"unknown toy size {size!r}; choose one of {sorted(TOY_SIZES)}")
+    s = TOY_SIZES[size]
+    hidden, heads = int(s["hidden_size"]), int(s["num_attention_heads"])
+    return OuroConfig(
+        hidden_size=hidden,
+        intermediate_size=int(s["intermediate_size"]),
+        num_hidden_layers=int(s["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(s["num_key_value_heads"]),
+        vocab_size=int(s["vocab_size"]),
+        rms_norm_eps=float(s["rms_norm_eps"]),
+        rope_theta=float(s["rope_theta"]),
+        max_position_embeddings=int(s["max_position_embeddings"]),
+        total_ut_steps=int(s["total_ut_steps"]),
+        early_exit_threshold=float(s["early_exit_threshold"]),
+        tie_word_embeddings=bool(s["tie_word_embeddings"]),
+        eos_token_ids=(0,),  # the BPE trainer gives the first special token id 0
+        bos_token_id=0,
+        head_dim=hidden // heads,
+    )
+
+
+def toy_weights(cfg: OuroConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float32 weights, deterministic from ``seed``.
+
+    Scales: sandwich norms renormalise every sublayer output, so projection scale only shapes
+    the direction; embeddings are unit-scale so the token identity survives in the residual;
+    lm_head and gate are scaled against the unit-RMS normed hidden state so logits have
+    std ~2 (distinct argmaxes) and gate logits std ~1 (hazards spread over ~0.15..0.85).
+    """
+    g = torch.Generator().manual_seed(seed)
+    h = cfg.hidden_size
+
+    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=g, dtype=torch.float32) * std
+
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            out[name] = 1.0 + normal(shape, 0.05)
+        elif name == "model.embed_tokens.weight":
+            out[name] = normal(shape, 1.0)
+        elif name == "lm_head.weight":
+            out[name] = normal(shape, 2.0 / math.sqrt(h))
+        elif name == "model.early_exit_gate.weight":
+            out[name] = normal(shape, 1.0 / math.sqrt(h))
+        elif name == "model.early_exit_gate.bias":
+            out[name] = normal(shape, 0.1)
+        else:
+            # Fan-in scaled projections keep pre-norm activations O(1) (no overflow in fp16).
+            out[name] = normal(shape, 1.0 / math.sqrt(shape[1]))
+    if cfg.tie_word_embeddings:
+        del out["lm_head.weight"]
+    return out
+
+
+def train_toy_tokenizer(vocab_size: int) -> Tokenizer:
+    """Byte-level BPE trained in-process on the built-in corpus; EOS is id 0.
+
+    The small corpus cannot fill a large vocab, so the rest is padded with reserved special
+    tokens: every id the model can emit then decodes (to "" with skip_special_tokens), as with
+    the padded vocabularies of real checkpoints.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    trained = tok.get_vocab_size()
+    tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - trained)])
+    return tok
+
+
+def num_trained_tokens(tok: Tokenizer) -> int:
+    """Ids below this are real BPE tokens; the rest are reserved padding."""
+    reserved = [i for t, i in tok.get_vocab().items() if t.startswith("<|reserved_")]
+    return min(reserved) if reserved else tok.get_vocab_size()
+
+
+def write_toy_checkpoint(
+    out_dir: str | Path,
+    seed: int = 0,
+    size: str = "toy",
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write config.json, model.safetensors, tokenizer files into ``out_dir``; return it."""
+    dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if dtype not in dtype_name:
+        raise ValueError(f"unsupported toy checkpoint dtype {dtype}")
+    cfg = replace(toy_config(size), torch_dtype=dtype_name[dtype])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = train_toy_tokenizer(cfg.vocab_size)
+    if tok.get_vocab_size() > cfg.vocab_size or tok.token_to_id(EOS_TOKEN) != cfg.eos_token_ids[0]:
+        raise RuntimeError("toy tokenizer does not fit the toy config")  # a bug, not user input
+    tok.save(str(out / "tokenizer.json"))
+
+    weights = toy_weights(cfg, seed)
+    # Untrained padding ids get zero lm_head rows (logit 0), so greedy decoding never picks
+    # them and sampling rarely does, like the unused vocab rows of real checkpoints.
+    if "lm_head.weight" in weights:
+        weights["lm_head.weight"][num_trained_tokens(tok) :] = 0.0
+    weights = {k: v.to(dtype).contiguous() for k, v in weights.items()}
+    save_file(weights, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": EOS_TOKEN,
+                "eos_token": EOS_TOKEN,
+                "unk_token": None,
+                "model_max_length": cfg.max_position_embeddings,
+                "add_bos_token": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": cfg.bos_token_id,
+                "eos_token_id": cfg.eos_token_ids[0],
+                "do_sample": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return out
