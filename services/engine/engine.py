@@ -94,10 +94,17 @@ class LLMEngine:
                 self._on_batch(batch)
             events.extend(self.scheduler.update_after_submission(batch))
             # the worker runs batches strictly in seq order; in-process that is right now
-            self._inflight.append(_Inflight(batch, self.runner.execute(batch.wire)))
+            try:
+                result = self.runner.execute(batch.wire)
+            except Exception as exc:  # a failed batch ends its requests, never the engine
+                result = BatchResult(seq=batch.seq, error=f"{type(exc).__name__}: {exc}")
+            self._inflight.append(_Inflight(batch, result))
         if self._inflight:
             done = self._inflight.popleft()
-            events.extend(self.scheduler.update_from_output(done.batch, done.result))
+            if done.result.error is not None:
+                events.extend(self.scheduler.fail_batch(done.batch, done.result.error))
+            else:
+                events.extend(self.scheduler.update_from_output(done.batch, done.result))
         return events
 
     def run_until_done(self, max_steps: int = 1_000_000) -> list[StreamEvent]:

@@ -13,7 +13,7 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from messages.api import FinishedEvent, StreamEvent, TokenEvent
+from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent
 from messages.batch import Batch, BatchPhase, BatchResult, BatchRow, NewRequest, WorkerSampling
 from messages.errors import ErrorCode, RequestError
 from messages.sampling import SamplingParams
@@ -124,6 +124,18 @@ class Scheduler:
             raise RequestError(f"unknown request id {request_id!r}", ErrorCode.NOT_FOUND)
         events: list[StreamEvent] = []
         self._finish(request, "abort", events)
+        return events
+
+    def fail_request(self, request_id: str, message: str) -> list[StreamEvent]:
+        """Ends a request with an error event (e.g. the worker failed its batch)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return []
+        events: list[StreamEvent] = []
+        self._finish(request, "error", events)
+        events[-1] = ErrorEvent(
+            request_id=request_id, code=ErrorCode.INTERNAL.value, message=message
+        )
         return events
 
     def has_unfinished_requests(self) -> bool:
@@ -498,6 +510,17 @@ class Scheduler:
             elif task.compute_logits:
                 request.awaiting_output = False
                 self._append_token(request, row.token_id, self.total_depths, events)
+        return events
+
+    def fail_batch(self, batch: ScheduledBatch, message: str) -> list[StreamEvent]:
+        """The worker could not run ``batch``: every live request in it ends with an error."""
+        batch.outputs_applied = True
+        events: list[StreamEvent] = []
+        for task in batch.tasks:
+            task.request.inflight_batches -= 1
+        for task in batch.tasks:
+            if not self._is_stale(task):
+                events.extend(self.fail_request(task.request.request_id, message))
         return events
 
     def _is_stale(self, task: ScheduledTask) -> bool:

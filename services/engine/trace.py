@@ -1,0 +1,102 @@
+"""``rlt schedule-trace``: run offline and show every batch the scheduler built.
+
+Plain output prints one line per batch; ``--json`` one JSON object per batch; ``--diagram``
+adds, per request, a wavefront grid (depth rows x chunk columns) whose cells name the
+step(s) that ran that piece, so a maintainer sees the anti-diagonals at a glance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import string
+from collections import defaultdict
+
+from services.common.tokenizer import TextCodec
+from services.engine.engine import LLMEngine
+from services.engine.offline import collect_prompts
+from services.scheduler.batch import ScheduledBatch, TaskKind
+
+
+def request_names(n: int) -> list[str]:
+    return [string.ascii_lowercase[i] if i < 26 else f"r{i}" for i in range(n)]
+
+
+def batch_record(batch: ScheduledBatch) -> dict:
+    return {
+        "seq": batch.seq,
+        "phase": str(batch.phase),
+        "rows": [list(t.key()) for t in batch.tasks],
+        "kinds": [str(t.kind) for t in batch.tasks],
+        "loops": [t.num_loops for t in batch.tasks],
+    }
+
+
+def wavefront_diagram(
+    batches: list[ScheduledBatch], prompt_lens: dict[str, int], chunk: int, depths: int
+) -> str:
+    """Cells: the step numbers that ran (chunk, depth) for each request's prompt."""
+    cells: dict[str, dict[tuple[int, int], list[int]]] = defaultdict(lambda: defaultdict(list))
+    for batch in batches:
+        for task in batch.tasks:
+            if task.kind == TaskKind.DECODE:
+                continue
+            rid = task.request.request_id
+            first = task.token_start // chunk
+            last = (task.token_end - 1) // chunk
+            levels = [-1] if task.kind == TaskKind.PRELUDE else list(
+                range(task.depth, task.depth + task.num_loops)
+            )
+            if task.embed and task.kind == TaskKind.PREFILL:
+                levels = [-1, *levels]
+            for c in range(first, last + 1):
+                for level in levels:
+                    steps = cells[rid][(c, level)]
+                    if not steps or steps[-1] != batch.seq:
+                        steps.append(batch.seq)
+    lines: list[str] = []
+    for rid, grid in cells.items():
+        n_chunks = -(-prompt_lens[rid] // chunk)
+        text = {k: "+".join(str(s) for s in v) for k, v in grid.items()}
+        width = max([len(t) for t in text.values()] + [3])
+        lines.append(f"request {rid}: {prompt_lens[rid]} tokens, chunk {chunk}, cell = step(s)")
+        header = "        " + " ".join(f"c{c}".rjust(width) for c in range(n_chunks))
+        lines.append(header)
+        for level in range(-1, depths):
+            label = "prelude" if level == -1 else f"depth {level}"
+            row = " ".join(text.get((c, level), ".").rjust(width) for c in range(n_chunks))
+            lines.append(f"{label:>7} {row}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run_schedule_trace(args: argparse.Namespace) -> int:
+    from services.cli import (
+        ensure_checkpoint,
+        sampling_params_from_args,
+        scheduler_config_from_args,
+    )
+
+    checkpoint = ensure_checkpoint(args.checkpoint)
+    codec = TextCodec.from_checkpoint(checkpoint)
+    prompts = collect_prompts(args, codec)
+    batches: list[ScheduledBatch] = []
+    config = scheduler_config_from_args(args)
+    engine = LLMEngine.from_checkpoint(checkpoint, config, on_batch=batches.append)
+    names = request_names(len(prompts))
+    params = sampling_params_from_args(args)
+    for name, prompt in zip(names, prompts, strict=True):
+        engine.add_request(name, prompt, params)
+    engine.run_until_done()
+    for batch in batches:
+        if args.json:
+            print(json.dumps(batch_record(batch)))
+        else:
+            rows = " ".join(f"({r},{s},{n},{d})" for r, s, n, d in batch.rows())
+            print(f"seq={batch.seq:<4} {batch.phase!s:<19} {rows}")
+    if args.diagram:
+        lens = {name: len(p) for name, p in zip(names, prompts, strict=True)}
+        print()
+        print(wavefront_diagram(batches, lens, config.prefill_chunk_size,
+                                engine.model.cfg.total_ut_steps))
+    return 0

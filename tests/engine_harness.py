@@ -1,0 +1,149 @@
+"""Test helpers: drive the in-process engine with arrivals, check invariants every step,
+and compare finished requests with the serial oracle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from messages.api import FinishedEvent, StreamEvent, TokenEvent
+from messages.sampling import SamplingParams
+from services.engine.engine import LLMEngine
+from services.oracle import SerialOracle
+from services.scheduler.batch import ScheduledBatch, TaskKind
+from services.scheduler.config import KVLayout, SchedulerConfig
+from services.worker.model.ouro import OuroModel
+
+# a comparison may stop where the oracle itself is this close to a tie
+TIE_EPS = 1e-5
+
+
+@dataclass
+class Arrival:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    step: int = 0
+
+
+@dataclass
+class RunRecord:
+    finished: dict[str, FinishedEvent] = field(default_factory=dict)
+    tokens: dict[str, list[TokenEvent]] = field(default_factory=dict)
+    batches: list[ScheduledBatch] = field(default_factory=list)
+    engine: LLMEngine | None = None
+
+
+def check_batch_limits(batch: ScheduledBatch, config: SchedulerConfig) -> None:
+    tokens = sum(t.token_count for t in batch.tasks)
+    assert tokens <= config.max_num_batched_tokens, f"batch {batch.seq} over budget: {tokens}"
+    seqs = {t.request.request_id for t in batch.tasks}
+    assert len(seqs) <= config.max_num_seqs, f"batch {batch.seq} has {len(seqs)} requests"
+    kinds = [t.kind for t in batch.tasks]
+    # decode rows come first in a mixed batch
+    if TaskKind.DECODE in kinds:
+        first_other = next((i for i, k in enumerate(kinds) if k != TaskKind.DECODE), len(kinds))
+        assert all(k != TaskKind.DECODE for k in kinds[first_other:])
+
+
+class FrontierWatch:
+    """Checks frontier properties after every step: monotone per depth, right_d <= right_{d-1},
+    retirement never ahead of the final depth."""
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[str, int], list[int]] = {}
+
+    def check(self, engine: LLMEngine) -> None:
+        for request in engine.scheduler.running:
+            if not request.prefill_depth_ranges:
+                continue
+            rights = [r for _, r in request.prefill_depth_ranges]
+            key = (request.request_id, request.generation)
+            previous = self.last.get(key)
+            if previous is not None:
+                assert all(a >= b for a, b in zip(rights, previous, strict=True)), (
+                    f"{key}: frontier moved backwards {previous} -> {rights}"
+                )
+            upper = request.num_preluded_tokens
+            for right in rights:
+                assert right <= upper, f"{key}: frontiers not nested: {rights}"
+                upper = right
+            assert request.prefill_reclaimable_tokens <= rights[-1]
+            self.last[key] = rights
+
+
+def run_workload(
+    model: OuroModel,
+    config: SchedulerConfig,
+    arrivals: list[Arrival],
+    max_steps: int = 20_000,
+) -> RunRecord:
+    record = RunRecord()
+
+    def on_batch(batch: ScheduledBatch) -> None:
+        check_batch_limits(batch, config)
+        record.batches.append(batch)
+
+    engine = LLMEngine(model, config, on_batch=on_batch)
+    record.engine = engine
+    watch = FrontierWatch()
+    pending = sorted(arrivals, key=lambda a: a.step)
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0].step <= step:
+            a = pending.pop(0)
+            engine.add_request(a.request_id, a.prompt, a.params)
+        events: list[StreamEvent] = engine.step()
+        for event in events:
+            if isinstance(event, TokenEvent):
+                record.tokens.setdefault(event.request_id, []).append(event)
+            elif isinstance(event, FinishedEvent):
+                assert event.request_id not in record.finished, "two terminal events"
+                record.finished[event.request_id] = event
+        watch.check(engine)
+        step += 1
+        assert step < max_steps, "engine made no progress"
+    # KV fully reclaimed once everything ended
+    engine.scheduler.kv.check_consistency()
+    assert engine.scheduler.kv.num_free_blocks == config.num_blocks
+    return record
+
+
+def oracle_result(oracle: SerialOracle, prompt: list[int], params: SamplingParams,
+                  config: SchedulerConfig):
+    shared = config.kv_layout == KVLayout.SHARED
+    return oracle.generate(
+        prompt,
+        max_tokens=params.max_tokens,
+        min_loops=params.min_loops,
+        max_loops=params.max_loops,
+        exit_threshold=params.exit_threshold,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        kv_layout=config.kv_layout.value,
+        prefill_chunk_size=config.prefill_chunk_size if shared else None,
+    )
+
+
+def assert_matches_oracle(
+    finished: FinishedEvent, expected, label: str = ""
+) -> int:
+    """Tokens and exit depths must equal the oracle's; the comparison may stop early only
+    where the oracle's own top-2 logit gap or |cdf - threshold| is below TIE_EPS.
+    Returns how many tokens were compared."""
+    for i, step in enumerate(expected.steps):
+        if step.threshold_margin < TIE_EPS:
+            return i  # the exit depth of token i is a tie: stop before it
+        if step.top2_gap < TIE_EPS:
+            assert finished.exit_depths[i] == step.exit_depth, label
+            return i
+        assert i < len(finished.token_ids), (
+            f"{label}: engine stopped after {len(finished.token_ids)} tokens, oracle went on: "
+            f"{finished.token_ids} vs {expected.token_ids}"
+        )
+        assert (finished.token_ids[i], finished.exit_depths[i]) == (
+            step.token_id, step.exit_depth
+        ), (f"{label}: token {i} differs: engine {finished.token_ids} / {finished.exit_depths}"
+            f" oracle {expected.token_ids} / {expected.exit_depths}")
+    assert finished.token_ids == expected.token_ids, label
+    assert finished.finish_reason == expected.finish_reason, label
+    return len(expected.steps)
