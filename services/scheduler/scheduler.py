@@ -233,21 +233,22 @@ class Scheduler:
             {} if phase == BatchPhase.PREFILLING_PRELUDE else None
         )
         for level in self._levels(phase):
-            offered = False
+            accepted_any = False
             for request in candidates:
                 if request.phase not in PREFILL_PHASES:
                     continue  # preempted by an earlier acceptance in this batch
                 task = self._make_wavefront_task(request, phase, level, prelude_cursors)
                 if task is None:
                     continue
-                offered = True
                 accepted = self._accept_task(task, sel)
-                if accepted is not None and prelude_cursors is not None:
-                    prelude_cursors[request.request_id] = accepted.token_end
+                if accepted is not None:
+                    accepted_any = True
+                    if prelude_cursors is not None:
+                        prelude_cursors[request.request_id] = accepted.token_end
                 if sel.budget_left <= 0:
                     return
-            if prelude_cursors is not None and not offered:
-                return
+            if prelude_cursors is not None and not accepted_any:
+                return  # PRELUDE levels go on only while some request still advances
 
     def _levels(self, phase: BatchPhase) -> Iterable[int]:
         if phase == BatchPhase.PREFILLING_PRELUDE:
@@ -308,8 +309,7 @@ class Scheduler:
             # depth-serial split prefill: run every depth whose frontier is level with this
             # one in the same task (several depths of one request in one update)
             while (
-                depth + loops < self.total_depths
-                and request.prefill_right(depth + loops) == start
+                depth + loops < self.total_depths and request.prefill_right(depth + loops) == start
             ):
                 loops += 1
         return self._task(request, TaskKind.PREFILL, start, end, depth=depth, loops=loops)
@@ -505,8 +505,9 @@ class Scheduler:
             if self._is_stale(task):
                 continue
             if task.kind == TaskKind.DECODE:
-                self._apply_decode_output(task, row.exited, row.exit_depth, row.remaining,
-                                          row.token_id, events)
+                self._apply_decode_output(
+                    task, row.exited, row.exit_depth, row.remaining, row.token_id, events
+                )
             elif task.compute_logits:
                 request.awaiting_output = False
                 self._append_token(request, row.token_id, self.total_depths, events)
