@@ -15,7 +15,7 @@ class TaskKind(StrEnum):
     DECODE = "decode"  # one loop of one generated token
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ScheduledTask:
     request: Request
     kind: TaskKind

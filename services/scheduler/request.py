@@ -24,7 +24,7 @@ PREFILL_PHASES = (
 )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -56,14 +56,15 @@ class Request:
     awaiting_output: bool = False
     inflight_batches: int = 0
 
-    # ------------------------------------------------------------------ derived views
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    # fixed at creation; plain attributes because the selection loop reads them per row
+    num_prompt_tokens: int = field(init=False)
+    priority_key: tuple[int, int] = field(init=False)
 
-    @property
-    def priority_key(self) -> tuple[int, int]:
-        return (self.params.priority, self.arrival_seq)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.priority_key = (self.params.priority, self.arrival_seq)
+
+    # ------------------------------------------------------------------ derived views
 
     @property
     def is_finished(self) -> bool:

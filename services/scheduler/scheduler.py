@@ -344,7 +344,11 @@ class Scheduler:
         if sel.budget_left <= 0:
             return None
         count = min(task.token_count, sel.budget_left)
-        if task.kind != TaskKind.PRELUDE and not self._ensure_execution_capacity(
+        # prelude spans need no KV; a decode row's slot is allocated with its depth-0 row
+        needs_kv = task.kind == TaskKind.PREFILL or (
+            task.kind == TaskKind.DECODE and task.depth == 0
+        )
+        if needs_kv and not self._ensure_execution_capacity(
             request, task.token_start + count, sel
         ):
             return None
