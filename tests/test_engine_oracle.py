@@ -31,12 +31,15 @@ def request_params(draw: st.DrawFn) -> SamplingParams:
 @st.composite
 def workloads(draw: st.DrawFn) -> list[Arrival]:
     n = draw(st.integers(1, 4))
+    # often a shared prefix, so prefix caching (when drawn) has something to hit
+    shared = draw(st.lists(st.integers(1, VOCAB_TRAINED), min_size=2, max_size=14))
     return [
         Arrival(
             request_id=f"r{i}",
-            prompt=draw(st.lists(st.integers(1, VOCAB_TRAINED), min_size=1, max_size=20)),
+            prompt=(shared if draw(st.booleans()) else [])
+            + draw(st.lists(st.integers(1, VOCAB_TRAINED), min_size=1, max_size=12)),
             params=draw(request_params()),
-            step=draw(st.integers(0, 6)),
+            step=draw(st.sampled_from([0, 0, 1, 3, 8, 15, 25])),
         )
         for i in range(n)
     ]
@@ -72,6 +75,7 @@ def configs(draw: st.DrawFn, arrivals: list[Arrival], layout: KVLayout) -> Sched
         num_blocks=num_blocks,
         kv_layout=layout,
         refill=draw(st.booleans()),
+        enable_prefix_caching=layout == KVLayout.LAST_EXITED and draw(st.booleans()),
         async_scheduling=draw(st.booleans()),
         max_inflight_batches=draw(st.integers(2, 3)),
     )

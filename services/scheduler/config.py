@@ -36,13 +36,24 @@ class SchedulerConfig:
     max_inflight_batches: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size",
-                     "block_size", "num_blocks", "max_inflight_batches"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "prefill_chunk_size",
+            "block_size",
+            "num_blocks",
+            "max_inflight_batches",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.wavefront_chunked_prefill and not self.split_prefill:
             # WCPB is a way of running split prefill; turning it on implies split.
             object.__setattr__(self, "split_prefill", True)
+        if self.kv_layout == KVLayout.SHARED and self.enable_prefix_caching:
+            raise ValueError(
+                "kv_layout=shared cannot use prefix caching: a hit moves the chunk boundaries "
+                "that decide which KV version each chunk reads"
+            )
         if self.kv_layout == KVLayout.SHARED and self.split_prefill:
             raise ValueError(
                 "kv_layout=shared needs atomic prefill: with split/wavefront prefill the KV "

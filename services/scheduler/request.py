@@ -47,6 +47,9 @@ class Request:
     prefill_depth_ranges: list[tuple[int, int]] = field(default_factory=list)
     prefill_reclaimable_tokens: int = 0
     num_cached_tokens: int = 0
+    # prefix caching: chain hashes of the prompt's full blocks, and how many are published
+    block_hashes: list[int] = field(default_factory=list)
+    num_published_blocks: int = 0
 
     # decode: next position to compute, its loop cursor and survival so far
     num_computed_tokens: int = 0

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent
 from messages.batch import Batch, BatchPhase, BatchResult, BatchRow, NewRequest, WorkerSampling
 from messages.errors import ErrorCode, RequestError
+from messages.prefix import PrefixEventBatch, cacheable_prefix_blocks, prompt_block_hashes
 from messages.sampling import SamplingParams
 from services.scheduler.batch import ScheduledBatch, ScheduledTask, TaskKind
 from services.scheduler.config import ModelLimits, SchedulerConfig
 from services.scheduler.kv_manager import KVManager
+from services.scheduler.prefix_events import PrefixEventLog
 from services.scheduler.request import PREFILL_PHASES, Request, RequestPhase
 
 
@@ -46,13 +48,26 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, limits: ModelLimits, seed: int = 0) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        limits: ModelLimits,
+        seed: int = 0,
+        producer_id: str = "scheduler-0",
+        cache_salt: bytes = b"",
+    ) -> None:
         self.config = config
         self.limits = limits
         self.total_depths = limits.total_ut_steps
         self.kv = KVManager(
-            config.num_blocks, config.block_size, config.num_planes(limits.total_ut_steps)
+            config.num_blocks,
+            config.block_size,
+            config.num_planes(limits.total_ut_steps),
+            enable_prefix_caching=config.enable_prefix_caching,
         )
+        # prefix events leave in envelopes with a per-producer event_seq and a fresh epoch
+        self.prefix_log = PrefixEventLog(producer_id)
+        self.cache_salt = cache_salt
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # kept in queue order (priority, arrival)
         self._waiting: list[tuple[tuple[int, int], Request]] = []
@@ -103,6 +118,10 @@ class Scheduler:
             total_depths=self.total_depths,
             trace_id=trace_id,
         )
+        if self.config.enable_prefix_caching:
+            request.block_hashes = prompt_block_hashes(
+                request.prompt_token_ids, self.config.block_size, self.cache_salt
+            )
         self._arrivals += 1
         self.requests[request_id] = request
         heapq.heappush(self._waiting, (request.priority_key, request))
@@ -161,7 +180,7 @@ class Scheduler:
             _, request = heapq.heappop(self._waiting)
             if request.is_finished:
                 continue  # aborted while waiting
-            request.reset_prefill(origin=0)
+            request.reset_prefill(origin=self._claim_cached_prefix(request))
             request.phase = (
                 RequestPhase.PREFILLING_PRELUDE
                 if self.config.split_prefill
@@ -169,6 +188,25 @@ class Scheduler:
             )
             self._insert_running(request)
             self._pending_new.append(request)
+
+    def _claim_cached_prefix(self, request: Request) -> int:
+        """Attaches the longest cached prefix (never the last prompt token) and returns the
+        prefill origin it gives. The scheduler's own table is the authority on hits."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        usable = cacheable_prefix_blocks(request.num_prompt_tokens, self.config.block_size)
+        hits = self.kv.claim_prefix(
+            request.request_id, request.block_hashes[:usable], before_batch_seq=self._next_seq
+        )
+        request.num_published_blocks = hits
+        request.num_cached_tokens = hits * self.config.block_size
+        return request.num_cached_tokens
+
+    def take_prefix_events(self) -> PrefixEventBatch | None:
+        """Drains block stored/removed events into the next envelope of the producer log."""
+        if not self.config.enable_prefix_caching:
+            return None
+        return self.prefix_log.emit(self.kv.take_prefix_events())
 
     def _insert_running(self, request: Request) -> None:
         keys = [r.priority_key for r in self.running]
@@ -348,9 +386,7 @@ class Scheduler:
         needs_kv = task.kind == TaskKind.PREFILL or (
             task.kind == TaskKind.DECODE and task.depth == 0
         )
-        if needs_kv and not self._ensure_execution_capacity(
-            request, task.token_start + count, sel
-        ):
+        if needs_kv and not self._ensure_execution_capacity(request, task.token_start + count, sel):
             return None
         task.token_count = count
         task.generation = request.generation
@@ -552,7 +588,7 @@ class Scheduler:
                 if self._advance_prefill_depth_frontier(
                     request, task.depth, task.token_start, task.token_end, task.num_loops
                 ):
-                    self._retire_prefill_chunk(request, task.token_start, task.token_end)
+                    self._retire_prefill_chunk(request, task.token_start, task.token_end, batch.seq)
         batch.progress_events = events
         return events
 
@@ -595,19 +631,32 @@ class Scheduler:
             request.prefill_depth_ranges[d] = (origin, end)
         return depth + loop_count == self.total_depths
 
-    def _retire_prefill_chunk(self, request: Request, start: int, end: int) -> None:
-        """The final depth passed [start, end): those prompt positions are complete."""
+    def _retire_prefill_chunk(self, request: Request, start: int, end: int, batch_seq: int) -> None:
+        """The final depth passed [start, end): those prompt positions are complete, and
+        every full block behind the frontier is published as written by ``batch_seq``."""
         if start != request.prefill_reclaimable_tokens:
             raise SchedulerInvariantError(
                 f"{request.request_id}: chunk [{start}, {end}) retired out of prompt order "
                 f"(retired up to {request.prefill_reclaimable_tokens})"
             )
         request.prefill_reclaimable_tokens = end
+        self._publish_full_blocks(request, end, batch_seq)
         if end == request.num_prompt_tokens:
             request.num_computed_tokens = end
             request.decode_depth = 0
             request.decode_remaining = 1.0
             request.phase = RequestPhase.RECURRENT
+
+    def _publish_full_blocks(self, request: Request, end: int, batch_seq: int) -> None:
+        if not request.block_hashes:
+            return
+        complete = min(end // self.config.block_size, len(request.block_hashes))
+        for index in range(request.num_published_blocks, complete):
+            parent = request.block_hashes[index - 1] if index else None
+            self.kv.publish(
+                request.request_id, index, request.block_hashes[index], parent, batch_seq
+            )
+        request.num_published_blocks = max(request.num_published_blocks, complete)
 
     def _apply_decode_output(
         self,

@@ -1,0 +1,145 @@
+"""Prefix-cache wire contract: chained block hashes and the events/lookups every service shares.
+
+A full block of ``block_size`` token ids hashes as ``h_i = H(h_{i-1}, tokens_i, extra)``:
+blake2b-64 with a fixed personalization (the seed), over little-endian packed integers,
+so a hash is the same in every process, on every host, whatever PYTHONHASHSEED is.
+Only full blocks are ever hashed.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from hashlib import blake2b
+
+import msgspec
+
+# Bump the personalization if the byte layout ever changes: old and new hashes must never meet.
+_PERSON = b"rlt-prefix-v1"
+# Stand-in parent of block 0, so ``parent=None`` hashes differently from any small int parent.
+ROOT_PARENT_HASH = 0x9E3779B97F4A7C15
+# Header = parent hash + token count: the count keeps (tokens, extra) splits unambiguous.
+_HEADER = struct.Struct("<QI")
+_BASE = blake2b(digest_size=8, person=_PERSON)  # copying a primed object is ~2x cheaper
+_SWAP = sys.byteorder != "little"
+
+
+def _pack_tokens(tokens: Sequence[int]) -> bytes:
+    packed = array("q", tokens)
+    if _SWAP:  # the byte layout is little-endian everywhere
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def encode_extra_keys(*keys: str | bytes | None) -> bytes:
+    """Builds ``extra`` from cache salts / model ids; length-prefixed so keys never blur."""
+    out = bytearray()
+    for key in keys:
+        if key is None:
+            out += b"\xff\xff\xff\xff"  # distinct from an empty key
+            continue
+        raw = key.encode() if isinstance(key, str) else key
+        out += struct.pack("<I", len(raw)) + raw
+    return bytes(out)
+
+
+def hash_block_tokens(parent: int | None, tokens: Sequence[int], extra: bytes = b"") -> int:
+    """Hash of one block given its parent's hash (None for the first block)."""
+    h = _BASE.copy()
+    parent_hash = ROOT_PARENT_HASH if parent is None else parent
+    h.update(_HEADER.pack(parent_hash, len(tokens)) + _pack_tokens(tokens) + extra)
+    return int.from_bytes(h.digest(), "little")
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra: bytes = b"",
+    max_blocks: int | None = None,
+) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` (a partial last block is skipped)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    n = len(token_ids) // block_size
+    if max_blocks is not None:
+        n = min(n, max(max_blocks, 0))
+    if n == 0:
+        return []
+    # Pack the whole prompt once and slice bytes: per-block packing would dominate the cost.
+    packed = _pack_tokens(token_ids[: n * block_size])
+    stride = block_size * 8
+    pack, from_bytes, copy = _HEADER.pack, int.from_bytes, _BASE.copy
+    parent = ROOT_PARENT_HASH
+    out: list[int] = []
+    for start in range(0, n * stride, stride):
+        h = copy()
+        h.update(pack(parent, block_size) + packed[start : start + stride] + extra)
+        parent = from_bytes(h.digest(), "little")
+        out.append(parent)
+    return out
+
+
+def cacheable_prefix_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Full blocks that can come from the cache: the last prompt token is always recomputed
+    (its hidden state feeds the coda), so its block is never a hit."""
+    if num_prompt_tokens <= 0:
+        return 0
+    return (num_prompt_tokens - 1) // block_size
+
+
+# --------------------------------------------------------------------------------- events
+class BlockStored(msgspec.Struct, kw_only=True, tag="block_stored", tag_field="kind"):
+    """Consecutive chained blocks became cached; ``parent_hash`` is the first one's parent.
+
+    The blocks are written by batch ``batch_seq``; others may read them only in later batches.
+    """
+
+    block_hashes: list[int] = msgspec.field(default_factory=list)
+    parent_hash: int | None = None
+    num_tokens_per_block: int = 0
+    batch_seq: int = 0
+
+
+class BlockRemoved(msgspec.Struct, kw_only=True, tag="block_removed", tag_field="kind"):
+    block_hashes: list[int] = msgspec.field(default_factory=list)
+
+
+class AllBlocksCleared(msgspec.Struct, kw_only=True, tag="all_blocks_cleared", tag_field="kind"):
+    pass
+
+
+PrefixEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class PrefixEventBatch(msgspec.Struct, kw_only=True):
+    """One envelope per ``event_seq``; seqs start at 1 in every epoch (a new process = a new
+    epoch), so a consumer that has applied nothing of an epoch expects seq 1 next."""
+
+    producer_id: str
+    epoch: str
+    event_seq: int
+    events: list[PrefixEvent] = msgspec.field(default_factory=list)
+
+
+class PrefixLookup(msgspec.Struct, kw_only=True):
+    block_hashes: list[int] = msgspec.field(default_factory=list)
+    request_id: str = ""
+    trace_id: str = ""
+
+
+class PrefixLookupReply(msgspec.Struct, kw_only=True):
+    """Longest leading run cached by one producer, and how far that producer's log is applied."""
+
+    producer_id: str | None = None
+    num_blocks: int = 0
+    event_seq: int = 0
+
+
+class ReplayRequest(msgspec.Struct, kw_only=True):
+    """Consumer → producer: resend envelopes ``from_seq`` onwards of ``epoch``."""
+
+    producer_id: str
+    epoch: str
+    from_seq: int
