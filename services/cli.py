@@ -23,8 +23,10 @@ def ensure_checkpoint(path: str | None, size: str = "toy") -> Path:
     """The given checkpoint, or a toy one written once into the cache directory."""
     if path:
         return Path(path)
-    target = default_checkpoint_dir() if size == "toy" else default_checkpoint_dir().with_name(
-        f"{size}-checkpoint"
+    target = (
+        default_checkpoint_dir()
+        if size == "toy"
+        else default_checkpoint_dir().with_name(f"{size}-checkpoint")
     )
     if not (target / "config.json").exists():
         from services.worker.model.toy import write_toy_checkpoint
@@ -37,8 +39,9 @@ def ensure_checkpoint(path: str | None, size: str = "toy") -> Path:
 def add_request_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("requests")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
-    g.add_argument("--prompt-ids", action="append", default=[],
-                   help="comma-separated token ids (repeatable)")
+    g.add_argument(
+        "--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)"
+    )
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -61,8 +64,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=4096)
     g.add_argument("--kv-layout", choices=[k.value for k in KVLayout], default="last_exited")
-    g.add_argument("--no-refill", action="store_true",
-                   help="cohort decode baseline instead of continuous depth batching")
+    g.add_argument(
+        "--no-refill",
+        action="store_true",
+        help="cohort decode baseline instead of continuous depth batching",
+    )
     g.add_argument("--enable-prefix-caching", action="store_true")
     g.add_argument("--async-scheduling", action="store_true")
 
@@ -145,6 +151,12 @@ def cmd_service(args: argparse.Namespace) -> int:
     return main_service(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from services.bench.runner import main_bench
+
+    return main_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     p.set_defaults(func=cmd_up)
 
+    p = sub.add_parser("bench", help="benchmarks: engine comparisons side by side")
+    from services.bench.args import add_bench_arguments
+
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("service", help="run one service (for compose)")
     p.add_argument("name", choices=["admission", "scheduler", "worker", "prefix-cache"])
     add_engine_flags(p)
@@ -187,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from services.runtime.logging import configure_logging
+
+    configure_logging()  # JSON log lines on stderr; stdout stays for results
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

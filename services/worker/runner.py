@@ -18,7 +18,7 @@ from kernels import (
     build_attention_metadata,
     copy_kv_slots,
     exit_copy_slots,
-    paged_attention,
+    select_attention_backend,
     write_kv,
 )
 from messages.batch import Batch, BatchPhase, BatchResult, BatchRow, RowResult, WorkerSampling
@@ -60,17 +60,28 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         kv_layout: KVLayout = KVLayout.LAST_EXITED,
+        attention_backend: str | None = None,
     ) -> None:
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.kv_layout = kv_layout
         self.total_depths = cfg.total_ut_steps
-        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
-                 cfg.head_dim)
+        shape = (
+            cfg.num_hidden_layers,
+            num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        # KV dtype follows the model (bf16/fp16 on CUDA): attention kernels read it as is.
         self.k_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.scale = cfg.head_dim**-0.5
+        # Chosen once (and logged once); the CPU default is the reference kernel.
+        self.attention = select_attention_backend(
+            model.device, model.dtype, block_size, cfg.head_dim, prefer=attention_backend
+        )
         self.requests: dict[str, _WorkerRequest] = {}
         self.last_seq = -1
         self.num_core_passes = 0
@@ -82,8 +93,9 @@ class ModelRunner:
         num_planes = self.total_depths if self.kv_layout == KVLayout.LAST_EXITED else 1
         for new in batch.new_requests:
             self.requests[new.request_id] = _WorkerRequest(
-                prompt=torch.tensor(new.prompt_token_ids, dtype=torch.long,
-                                    device=self.model.device),
+                prompt=torch.tensor(
+                    new.prompt_token_ids, dtype=torch.long, device=self.model.device
+                ),
                 sampling=new.sampling,
                 tables=[[] for _ in range(num_planes)],
             )
@@ -118,21 +130,23 @@ class ModelRunner:
         if not states:
             return
         spans = [(self.requests[s.row.request_id], s.row) for s in states]
-        ids = torch.cat([req.prompt[r.token_start:r.token_start + r.token_count]
-                         for req, r in spans])
+        ids = torch.cat(
+            [req.prompt[r.token_start : r.token_start + r.token_count] for req, r in spans]
+        )
         hidden = self.model.prelude(ids)
         offset = 0
         for req, row in spans:
-            self._prefill_buffer(req)[row.token_start:row.token_start + row.token_count] = (
-                hidden[offset:offset + row.token_count]
-            )
+            self._prefill_buffer(req)[row.token_start : row.token_start + row.token_count] = hidden[
+                offset : offset + row.token_count
+            ]
             offset += row.token_count
 
     def _prefill_buffer(self, req: _WorkerRequest) -> torch.Tensor:
         if req.prefill_hidden is None:
             req.prefill_hidden = torch.empty(
                 (req.prompt.numel(), self.model.cfg.hidden_size),
-                dtype=self.model.dtype, device=self.model.device,
+                dtype=self.model.dtype,
+                device=self.model.device,
             )
         return req.prefill_hidden
 
@@ -175,30 +189,37 @@ class ModelRunner:
                     assert req.decode_hidden is not None, "decode row without hidden state"
                     pieces.append(req.decode_hidden.unsqueeze(0))
             elif r.embed and first_pass:
-                embed_ids.append(req.prompt[r.token_start:r.token_start + count])
+                embed_ids.append(req.prompt[r.token_start : r.token_start + count])
                 embed_slots.append(len(pieces))
                 pieces.append(torch.empty(0))
             else:
-                pieces.append(self._prefill_buffer(req)[r.token_start:r.token_start + count])
+                pieces.append(self._prefill_buffer(req)[r.token_start : r.token_start + count])
             positions.append(torch.arange(r.token_start, r.token_start + count))
-            segments.append(Segment(row_start=row, num_rows=count, pos_start=r.token_start,
-                                    block_table=req.tables[self._plane(state.depth)]))
+            segments.append(
+                Segment(
+                    row_start=row,
+                    num_rows=count,
+                    pos_start=r.token_start,
+                    block_table=req.tables[self._plane(state.depth)],
+                )
+            )
             row += count
         if embed_ids:
             embedded = self.model.prelude(torch.cat(embed_ids))
             offset = 0
             for slot, ids in zip(embed_slots, embed_ids, strict=True):
-                pieces[slot] = embedded[offset:offset + ids.numel()]
+                pieces[slot] = embedded[offset : offset + ids.numel()]
                 offset += ids.numel()
         hidden = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         return hidden, torch.cat(positions).to(self.model.device), segments
 
     def _attend(self, meta: AttentionMetadata):
-        k_cache, v_cache, scale = self.k_cache, self.v_cache, self.scale
+        k_cache, v_cache, scale, backend = self.k_cache, self.v_cache, self.scale, self.attention
+        backend.prepare(meta)  # per-pass index tensors, shared by every layer
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             write_kv(k_cache[layer], v_cache[layer], meta.slot_mapping, k, v)
-            return paged_attention(q, k_cache[layer], v_cache[layer], meta, scale)
+            return backend.forward(q, k_cache[layer], v_cache[layer], meta, scale)
 
         return attend
 
@@ -218,20 +239,21 @@ class ModelRunner:
         survival: list[float] = []
         if decode_index:
             rows = torch.tensor([offsets[i] for i in decode_index])
-            before = torch.tensor([active[i].row.remaining for i in decode_index],
-                                  dtype=torch.float32)
+            before = torch.tensor(
+                [active[i].row.remaining for i in decode_index], dtype=torch.float32
+            )
             survival = update_survival(before, gates[rows].cpu()).tolist()
         decode_survival = dict(zip(decode_index, survival, strict=True))
         for i, state in enumerate(active):
             r = state.row
             req = self.requests[r.request_id]
-            h = out[offsets[i]:offsets[i] + r.token_count]
+            h = out[offsets[i] : offsets[i] + r.token_count]
             loops_run = state.depth + 1
             state.loops_left -= 1
             if state.is_decode:
                 self._finish_decode_loop(state, req, h[0], decode_survival[i], coda_rows)
             else:
-                self._prefill_buffer(req)[r.token_start:r.token_start + r.token_count] = h
+                self._prefill_buffer(req)[r.token_start : r.token_start + r.token_count] = h
                 if r.compute_logits and loops_run == self.total_depths:
                     coda_rows.append((state, h[-1]))
                 if loops_run == self.total_depths and (
@@ -254,8 +276,7 @@ class ModelRunner:
         if r.forced_exit:
             exited = loops_run >= r.forced_exit
         else:
-            exited = should_exit(loops_run, remaining, s.min_loops, s.max_loops,
-                                 s.exit_threshold)
+            exited = should_exit(loops_run, remaining, s.min_loops, s.max_loops, s.exit_threshold)
         state.result.remaining = remaining
         state.result.exited = exited
         if not exited:
@@ -266,8 +287,12 @@ class ModelRunner:
         if self.kv_layout == KVLayout.LAST_EXITED and loops_run < self.total_depths:
             src, dst = exit_copy_slots(req.tables, r.token_start, state.depth, self.block_size)
             device = self.k_cache.device
-            copy_kv_slots(self.k_cache, self.v_cache, torch.tensor(src, device=device),
-                          torch.tensor(dst, device=device))
+            copy_kv_slots(
+                self.k_cache,
+                self.v_cache,
+                torch.tensor(src, device=device),
+                torch.tensor(dst, device=device),
+            )
         if r.compute_logits:
             coda_rows.append((state, h))
 

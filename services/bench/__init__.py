@@ -1,0 +1,1 @@
+"""``rlt bench``: workloads, metrics and side-by-side comparisons."""

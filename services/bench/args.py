@@ -1,0 +1,66 @@
+"""Argument definitions for ``rlt bench`` (import-light: the CLI builds its parser eagerly)."""
+
+from __future__ import annotations
+
+import argparse
+
+# kept here (not in comparisons.py) so building the parser imports nothing heavy
+COMPARISON_NAMES = ("depth_batching", "wcpb", "pipeline", "prefix_cache")
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in COMPARISON_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown comparison(s) {unknown or text!r}; choose from {', '.join(COMPARISON_NAMES)}"
+        )
+    return names
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="tiny settings, seconds not minutes")
+    p.add_argument(
+        "--size",
+        choices=["toy", "small"],
+        default="small",
+        help="random checkpoint to write and use when --checkpoint is not given",
+    )
+    p.add_argument("--checkpoint", default=None, help="an Ouro-format checkpoint directory")
+    p.add_argument("--device", default="cpu", help="torch device for the model (cpu, cuda)")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32"
+    )
+    p.add_argument(
+        "--repeats", type=_positive, default=3, help="repeats per arm, interleaved A B A B"
+    )
+    p.add_argument(
+        "--only",
+        type=_names,
+        default=list(COMPARISON_NAMES),
+        metavar="NAMES",
+        help=f"comma-separated subset of: {', '.join(COMPARISON_NAMES)}",
+    )
+    p.add_argument("--out", default="docs/benchmarks", help="output directory for the report")
+    p.add_argument(
+        "--concurrency",
+        type=_positive,
+        default=32,
+        help="closed-loop clients in flight (also the engine's max_num_seqs)",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="open-loop arrivals/s for the WCPB comparison (default: 60%% of measured capacity)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--no-plots", action="store_true", help="skip the matplotlib PNGs")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
