@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.oracle import SerialOracle
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import write_toy_checkpoint
+
+# Small matmuls on a 2-core box: extra threads only contend (10x slower when oversubscribed).
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"  # for subprocesses the tests start
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
