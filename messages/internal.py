@@ -1,0 +1,70 @@
+"""Messages between services (msgpack on internal subjects). Map encoding; every field added
+later gets a default so old and new services keep talking."""
+
+from __future__ import annotations
+
+import msgspec
+
+from messages.batch import Batch, BatchResult
+from messages.sampling import SamplingParams
+
+
+class AdmittedRequest(msgspec.Struct, kw_only=True):
+    """admission -> scheduler: a validated, tokenized request and where its stream goes."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    reply_subject: str
+    trace_id: str = ""
+    # prefix-cache hint from admission (tokens); the scheduler re-checks it (it is the authority)
+    num_cached_tokens_hint: int = 0
+    prefix_producer_id: str | None = None
+    # backpressure accounting: which admission sent it, and its per-admission sequence
+    admission_id: str = ""
+    admission_seq: int = 0
+    admitted_at: float = 0.0  # unix seconds
+
+
+class AbortForward(msgspec.Struct, kw_only=True):
+    """admission -> scheduler: a client abort and where to answer the abort requester."""
+
+    request_id: str
+    reply_subject: str = ""
+    trace_id: str = ""
+
+
+class SchedulerLoad(msgspec.Struct, kw_only=True):
+    """scheduler -> admission: queue depth for backpressure.
+
+    ``last_admission_seq[a]`` is the highest ``admission_seq`` received from admission ``a``,
+    so an admission can add what it sent since to this (slightly old) snapshot.
+    """
+
+    scheduler_id: str
+    num_waiting: int = 0
+    num_waiting_tokens: int = 0
+    num_running: int = 0
+    last_admission_seq: dict[str, int] = msgspec.field(default_factory=dict)
+    time: float = 0.0
+
+
+class WorkerBatch(msgspec.Struct, kw_only=True):
+    """scheduler -> worker. ``epoch`` is new for every scheduler incarnation: the worker
+    resets its mirrored state and sequence on a new epoch. The KV geometry travels along so
+    the worker always matches the scheduler's logical KV."""
+
+    epoch: str
+    batch: Batch
+    num_blocks: int = 0
+    block_size: int = 0
+    kv_layout: str = ""
+
+
+class WorkerResult(msgspec.Struct, kw_only=True):
+    """worker -> scheduler."""
+
+    epoch: str
+    result: BatchResult
+    worker_id: str = ""
+    execute_s: float = 0.0

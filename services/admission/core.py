@@ -1,0 +1,283 @@
+"""Admission's pure core: decode and validate a public request, tokenize, give it an id,
+check it against the model, and apply backpressure. No NATS here.
+
+Errors are raised as ``AdmissionError`` carrying the request id (when one could be read),
+a code from ``messages.errors.ErrorCode`` and a message for the client.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+from tokenizers import Tokenizer
+
+from messages.api import AbortRequest, ErrorEvent, GenerateRequest
+from messages.errors import ErrorCode, RequestError
+from messages.internal import AdmittedRequest, SchedulerLoad
+from messages.sampling import SamplingParams
+from services.scheduler.config import ModelLimits
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]+$")
+_GENERATE_DECODER = msgspec.json.Decoder(GenerateRequest)
+_ABORT_DECODER = msgspec.json.Decoder(AbortRequest)
+_ANY_DECODER = msgspec.json.Decoder()
+
+
+class AdmissionError(Exception):
+    def __init__(self, request_id: str, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.code = code
+        self.message = message
+
+    def event(self) -> ErrorEvent:
+        return ErrorEvent(request_id=self.request_id, code=str(self.code), message=self.message)
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    # backpressure: requests / prompt tokens queued at the scheduler (not yet running)
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 1 << 20
+    # a send the scheduler has not acknowledged in its load report after this long was lost
+    unseen_expiry_s: float = 10.0
+    # without a load report this recent, admission asks the scheduler directly whether it is
+    # there (reports come every 0.25 s), and refuses with "unavailable" if it is not
+    scheduler_stale_s: float = 1.0
+    max_request_id_length: int = 256
+    # KV geometry, to refuse requests that can never fit (None: leave it to the scheduler)
+    block_size: int = 16
+    num_blocks: int | None = None
+    num_kv_planes: int = 1
+    enable_prefix_caching: bool = False
+    prefix_lookup_timeout_s: float = 0.05
+
+
+@dataclass
+class Prepared:
+    """A request that passed every check that does not depend on load."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    trace_id: str
+
+
+class LoadTracker:
+    """The scheduler's waiting queue as this admission sees it: the last load report plus
+    what this admission sent since that report was taken."""
+
+    def __init__(self, admission_id: str, unseen_expiry_s: float) -> None:
+        self.admission_id = admission_id
+        self.unseen_expiry_s = unseen_expiry_s
+        self._seq = 0
+        self._unseen: deque[tuple[int, int, float]] = deque()  # (seq, tokens, sent_at)
+        self._unseen_tokens = 0
+        self._report: SchedulerLoad | None = None
+        self._report_at = float("-inf")
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def record_sent(self, seq: int, num_tokens: int, now: float) -> None:
+        self._unseen.append((seq, num_tokens, now))
+        self._unseen_tokens += num_tokens
+
+    def apply(self, report: SchedulerLoad, now: float | None = None) -> None:
+        self._report = report
+        self._report_at = time.monotonic() if now is None else now
+        self._drop_while(lambda seq, _t: seq <= report.last_admission_seq.get(self.admission_id, 0))
+
+    def is_stale(self, now: float, max_age_s: float) -> bool:
+        """No report from a scheduler recently: it may be gone."""
+        return now - self._report_at > max_age_s
+
+    def waiting(self, now: float) -> tuple[int, int]:
+        self._drop_while(lambda _seq, sent_at: now - sent_at > self.unseen_expiry_s)
+        base_n = self._report.num_waiting if self._report else 0
+        base_t = self._report.num_waiting_tokens if self._report else 0
+        return base_n + len(self._unseen), base_t + self._unseen_tokens
+
+    def _drop_while(self, pred) -> None:  # type: ignore[no-untyped-def]
+        while self._unseen and pred(self._unseen[0][0], self._unseen[0][2]):
+            _, tokens, _ = self._unseen.popleft()
+            self._unseen_tokens -= tokens
+
+
+class AdmissionCore:
+    def __init__(
+        self,
+        limits: ModelLimits,
+        tokenizer: Tokenizer | None,
+        config: AdmissionConfig | None = None,
+        admission_id: str | None = None,
+    ) -> None:
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.config = config or AdmissionConfig()
+        self.admission_id = admission_id or uuid.uuid4().hex[:12]
+        self.load = LoadTracker(self.admission_id, self.config.unseen_expiry_s)
+
+    # ------------------------------------------------------------------ generate
+    def prepare(self, data: bytes, trace_id: str | None = None) -> Prepared:
+        """Decode + validate + tokenize + model checks. Raises AdmissionError."""
+        request = self._decode(data)
+        request_id = self._request_id(request.request_id)
+        try:
+            prompt = self._prompt_ids(request)
+            params = request.sampling_params()
+            params.resolve(self.limits.total_ut_steps, self.limits.vocab_size)
+            self._check_fits(len(prompt), params.max_tokens)
+        except RequestError as exc:
+            raise AdmissionError(request_id, exc.code, exc.message) from None
+        return Prepared(request_id, prompt, params, trace_id or uuid.uuid4().hex[:16])
+
+    def check_backpressure(self, prepared: Prepared, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        n, tokens = self.load.waiting(now)
+        cfg = self.config
+        if n + 1 > cfg.max_waiting_requests:
+            raise AdmissionError(
+                prepared.request_id,
+                ErrorCode.OVERLOADED,
+                f"server overloaded: {n} requests are waiting (limit "
+                f"{cfg.max_waiting_requests}); retry later",
+            )
+        if tokens + len(prepared.prompt_token_ids) > cfg.max_waiting_tokens:
+            raise AdmissionError(
+                prepared.request_id,
+                ErrorCode.OVERLOADED,
+                f"server overloaded: {tokens} prompt tokens are waiting (limit "
+                f"{cfg.max_waiting_tokens}); retry later",
+            )
+
+    def admit(
+        self,
+        prepared: Prepared,
+        reply_subject: str,
+        *,
+        num_cached_tokens: int = 0,
+        prefix_producer_id: str | None = None,
+        now: float | None = None,
+    ) -> AdmittedRequest:
+        """Builds the message for the scheduler and counts it as waiting."""
+        seq = self.load.next_seq()
+        self.load.record_sent(
+            seq, len(prepared.prompt_token_ids), time.monotonic() if now is None else now
+        )
+        return AdmittedRequest(
+            request_id=prepared.request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            params=prepared.params,
+            reply_subject=reply_subject,
+            trace_id=prepared.trace_id,
+            num_cached_tokens_hint=num_cached_tokens,
+            prefix_producer_id=prefix_producer_id,
+            admission_id=self.admission_id,
+            admission_seq=seq,
+            admitted_at=time.time(),
+        )
+
+    # ------------------------------------------------------------------ abort
+    def parse_abort(self, data: bytes) -> AbortRequest:
+        try:
+            abort = _ABORT_DECODER.decode(data)
+        except msgspec.DecodeError as exc:
+            raise AdmissionError(
+                _salvage_request_id(data), ErrorCode.INVALID_REQUEST, _decode_message(exc)
+            ) from None
+        self._check_request_id(abort.request_id)
+        return abort
+
+    # ------------------------------------------------------------------ helpers
+    def _decode(self, data: bytes) -> GenerateRequest:
+        try:
+            return _GENERATE_DECODER.decode(data)
+        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+            raise AdmissionError(
+                _salvage_request_id(data), ErrorCode.INVALID_REQUEST, _decode_message(exc)
+            ) from None
+
+    def _request_id(self, given: str | None) -> str:
+        if given is None:
+            return f"req-{uuid.uuid4().hex}"
+        self._check_request_id(given)
+        return given
+
+    def _check_request_id(self, request_id: str) -> None:
+        limit = self.config.max_request_id_length
+        if not request_id or len(request_id) > limit or not _REQUEST_ID_RE.match(request_id):
+            shown = request_id[:64]
+            raise AdmissionError(
+                "",
+                ErrorCode.INVALID_REQUEST,
+                f"request_id must be 1-{limit} characters of [A-Za-z0-9._:-], got {shown!r}",
+            )
+
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        has_text = request.prompt is not None
+        has_ids = request.prompt_token_ids is not None
+        if has_text == has_ids:
+            raise RequestError("give exactly one of prompt or prompt_token_ids")
+        if request.prompt_token_ids is not None:
+            ids = request.prompt_token_ids
+        else:
+            ids = self._tokenize(request.prompt or "")
+        if not ids:
+            raise RequestError("prompt must contain at least one token")
+        vocab = self.limits.vocab_size
+        for tok in ids:
+            if not 0 <= tok < vocab:
+                raise RequestError(f"prompt token id {tok} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this checkpoint has no tokenizer.json; send prompt_token_ids")
+        # cheap guard before tokenizing: no tokenizer makes fewer than 1 token per 64 chars
+        max_chars = 64 * self.limits.max_position_embeddings
+        if len(text) > max_chars:
+            raise RequestError(f"prompt is too long ({len(text)} characters, limit {max_chars})")
+        return list(self.tokenizer.encode(text).ids)
+
+    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        limit = self.limits.max_position_embeddings
+        if num_prompt + max_tokens > limit:
+            raise RequestError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                f"max_position_embeddings ({limit})"
+            )
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            kv_tokens = num_prompt + max_tokens - 1  # the last sampled token needs no slot
+            blocks = -(-kv_tokens // cfg.block_size) * cfg.num_kv_planes
+            if blocks > cfg.num_blocks:
+                raise RequestError(
+                    f"request needs {blocks} KV blocks but the cache has only {cfg.num_blocks}; "
+                    "shorten the prompt or max_tokens"
+                )
+
+
+def _decode_message(exc: msgspec.DecodeError) -> str:
+    if isinstance(exc, msgspec.ValidationError):
+        return f"invalid request: {exc}"
+    return f"invalid JSON: {exc}"
+
+
+def _salvage_request_id(data: bytes) -> str:
+    """Best effort: the request id of a request that failed validation, for the error event."""
+    try:
+        obj = _ANY_DECODER.decode(data)
+    except msgspec.DecodeError:
+        return ""
+    if isinstance(obj, dict):
+        rid = obj.get("request_id")
+        if isinstance(rid, str) and len(rid) <= 256:
+            return rid
+    return ""

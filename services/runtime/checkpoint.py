@@ -1,0 +1,29 @@
+"""Checkpoint facts the CPU-only services need (admission, scheduler): model limits from
+config.json and the tokenizer, without loading any weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from services.scheduler.config import ModelLimits
+from services.worker.model.config import OuroConfig
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def load_model_limits(checkpoint: str | Path) -> ModelLimits:
+    cfg = OuroConfig.from_json_file(Path(checkpoint) / "config.json")
+    return ModelLimits(
+        total_ut_steps=cfg.total_ut_steps,
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        eos_token_ids=tuple(cfg.eos_token_ids),
+    )
+
+
+def load_tokenizer(checkpoint: str | Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer.json, or None (then only prompt_token_ids are accepted)."""
+    path = Path(checkpoint) / TOKENIZER_FILE
+    return Tokenizer.from_file(str(path)) if path.exists() else None

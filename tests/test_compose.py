@@ -1,0 +1,83 @@
+"""compose.yaml and Dockerfile agree with the CLI and the runtime (no Docker needed).
+
+Every rlt service command must parse with the real CLI parser, every service must have an
+honest healthcheck and wait for a healthy NATS, and all services share one checkpoint volume.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.cli import build_parser
+from services.runtime import subjects
+from services.runtime.health import main as health_main
+
+ROOT = Path(__file__).resolve().parents[1]
+RLT_SERVICES = set(subjects.SERVICE_NAMES)  # admission, scheduler, worker, prefix-cache
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def test_services_and_volumes(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert RLT_SERVICES | {"nats"} <= set(services)
+    assert "checkpoints" in compose["volumes"]
+    for name in RLT_SERVICES:
+        mounts = services[name].get("volumes", [])
+        assert any(str(m).startswith("checkpoints:") for m in mounts), name
+
+
+def test_commands_parse_with_the_cli(compose: dict[str, Any]) -> None:
+    parser = build_parser()
+    for name in RLT_SERVICES:
+        command = compose["services"][name]["command"]
+        assert command[0] == "rlt", command
+        args = parser.parse_args(command[1:])
+        assert args.command == "service" and args.name == name
+        assert args.nats_url == "nats://nats:4222"
+        if name != "prefix-cache":
+            # everyone reads the checkpoint the init step writes into the shared volume
+            assert args.checkpoint == "/data/toy-checkpoint"
+    init = compose["services"]["checkpoint-init"]
+    script = " ".join(init["command"])
+    assert "rlt toy-checkpoint /data/toy-checkpoint" in script
+    assert parser.parse_args(["toy-checkpoint", "/data/toy-checkpoint"]).dir
+
+
+def test_depends_on_and_healthchecks(
+    compose: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RLT_RUN_DIR", str(tmp_path))  # no service identity files here
+    services = compose["services"]
+    nats = services["nats"]
+    assert any("8222" in str(p) for p in nats["ports"])
+    assert "--jetstream" in nats["command"] or "-js" in nats["command"]
+    assert any("/healthz" in str(part) for part in nats["healthcheck"]["test"])
+    for name in RLT_SERVICES:
+        svc = services[name]
+        assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+        if name != "prefix-cache":
+            cond = svc["depends_on"]["checkpoint-init"]["condition"]
+            assert cond == "service_completed_successfully"
+        test = svc["healthcheck"]["test"]
+        assert test[0] == "CMD"
+        # the check module exists and takes exactly these arguments (the service's own name)
+        assert test[1:4] == ["python", "-m", "services.runtime.health"]
+        assert test[4] == name
+        assert health_main([*test[4:], "--timeout", "0.1"]) == 1  # nothing runs here
+    assert services["admission"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
+
+
+def test_dockerfile_builds_one_image_for_all_services() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "FROM python:3.11-slim" in text
+    assert "download.pytorch.org/whl/cpu" in text
+    for folder in ("services", "messages", "kernels"):
+        assert f"COPY {folder}" in text

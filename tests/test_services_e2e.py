@@ -1,0 +1,407 @@
+"""End to end over a real nats-server: the four services in-process on the toy checkpoint.
+
+Tokens and exit depths over NATS must equal the in-process engine and the serial oracle;
+streams arrive in order with one terminal event; aborts free all KV; one request can be
+followed through the logs of every service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from messages.api import AbortRequest, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
+from messages.sampling import SamplingParams
+from services.engine.engine import LLMEngine
+from services.launcher import NatsServer, free_port
+from services.oracle import SerialOracle
+from services.runtime import subjects
+from services.runtime.health import check as health_check
+from services.runtime.logging import configure_logging
+from services.scheduler.config import SchedulerConfig
+
+pytest.register_assert_rewrite("tests.conftest_nats")  # its helpers assert too
+
+from tests.conftest_nats import Client, check_stream, services_up  # noqa: E402
+
+# the shared nats-server / checkpoint fixtures (tests/conftest.py belongs to the lead)
+pytest_plugins = ["tests.conftest_nats"]
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+MAX_TOKENS = 6
+CONFIGS = {
+    # atomic prefill, sync scheduling (one batch in flight)
+    "wcpb-off": SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_blocks=512
+    ),
+    # wavefront chunked prefill with async scheduling (two batches in flight)
+    "wcpb-on": SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+        wavefront_chunked_prefill=True,
+        prefill_chunk_size=4,
+        block_size=4,
+        num_blocks=512,
+        async_scheduling=True,
+    ),
+}
+
+
+def _cases() -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(3)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(1, 400) for _ in range(n)]
+
+    greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    return [
+        (prompt(7), SamplingParams(**greedy)),  # fixed depth, min_loops 2
+        (prompt(11), SamplingParams(**greedy, min_loops=1, exit_threshold=0.7)),
+        (prompt(5), SamplingParams(**greedy, min_loops=1, exit_threshold=0.7)),
+        (prompt(9), SamplingParams(**greedy, min_loops=1, exit_threshold=1.0)),
+        (prompt(13), SamplingParams(**greedy, min_loops=1, max_loops=3, exit_threshold=0.7)),
+    ]
+
+
+def _request(rid: str, ids: list[int], p: SamplingParams) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=ids,
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        seed=p.seed,
+        min_loops=p.min_loops,
+        max_loops=p.max_loops,
+        exit_threshold=p.exit_threshold,
+        ignore_eos=p.ignore_eos,
+    )
+
+
+async def _one_client(url: str, req: GenerateRequest) -> list:
+    # one NATS connection per client: they really are concurrent clients
+    async with Client.connect(url) as client:
+        return await client.generate(req)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+async def test_pipeline_matches_engine_and_oracle(
+    name: str,
+    nats_server: NatsServer,
+    toy_checkpoint: Path,
+    oracle: SerialOracle,
+    run_dir: Path,
+) -> None:
+    config = CONFIGS[name]
+    cases = _cases()
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
+    cases.append((cases[0][0], sampled))  # seeded sampling is deterministic too
+    text = "The quick brown fox jumps over the lazy dog."
+
+    async with services_up(nats_server.url, toy_checkpoint, config) as services:
+        requests = [_request(f"{name}-{i}", ids, p) for i, (ids, p) in enumerate(cases)]
+        text_req = GenerateRequest(
+            request_id=f"{name}-text",
+            prompt=text,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            ignore_eos=True,
+        )
+        streams = await asyncio.gather(
+            *(_one_client(nats_server.url, r) for r in [*requests, text_req])
+        )
+        scheduler = services["scheduler"].driver.scheduler  # type: ignore[attr-defined]
+        assert scheduler.kv.num_free_blocks == config.num_blocks
+
+    finished = [check_stream(s) for s in streams]
+    assert all(isinstance(f, FinishedEvent) for f in finished), finished
+    for f, req in zip(finished, [*requests, text_req], strict=True):
+        assert f.request_id == req.request_id
+        assert f.finish_reason == "length"
+
+    # the in-process engine, same config
+    engine = LLMEngine.from_checkpoint(toy_checkpoint, config)
+    tokenizer_ids = services["admission"].core.tokenizer.encode(text).ids  # type: ignore[attr-defined]
+    expected = engine.generate(
+        [ids for ids, _ in cases] + [tokenizer_ids],
+        [p for _, p in cases] + [cases[0][1]],  # the text request's params equal case 0's
+    )
+    for got, want in zip(finished, expected, strict=True):
+        assert got.token_ids == want.token_ids, got.request_id
+        assert got.exit_depths == want.exit_depths, got.request_id
+    assert finished[-1].num_prompt_tokens == len(tokenizer_ids)
+
+    # the serial oracle (greedy requests)
+    for got, (ids, p) in zip(finished, cases, strict=False):
+        if p.temperature != 0.0:
+            continue
+        ref = oracle.generate(
+            ids,
+            max_tokens=p.max_tokens,
+            min_loops=p.min_loops,
+            max_loops=p.max_loops,
+            exit_threshold=p.exit_threshold,
+            ignore_eos=True,
+        )
+        assert (got.token_ids, got.exit_depths) == (ref.token_ids, ref.exit_depths)
+
+    # streamed text pieces add up to the finished text
+    for events in streams:
+        pieces = "".join(e.text for e in events if isinstance(e, TokenEvent))
+        assert pieces == events[-1].text
+
+
+async def test_abort_mid_stream_frees_kv(
+    nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path
+) -> None:
+    config = SchedulerConfig(  # room for a long request: it must still be running at abort
+        wavefront_chunked_prefill=True,
+        prefill_chunk_size=4,
+        block_size=16,
+        num_blocks=512,
+        async_scheduling=True,
+    )
+    long = GenerateRequest(
+        request_id="long-1",
+        prompt_token_ids=list(range(1, 30)),
+        max_tokens=1500,
+        temperature=0.0,
+        ignore_eos=True,
+    )
+    async with (
+        services_up(nats_server.url, toy_checkpoint, config) as services,
+        Client.connect(nats_server.url) as client,
+    ):
+        stream = await client.open(subjects.GENERATE, long)
+        while len(stream.events) < 3:
+            assert isinstance(await stream.next(), TokenEvent)
+        abort = await client.open(subjects.ABORT, AbortRequest(request_id="long-1"))
+        events = await stream.until_terminal()
+        terminal = check_stream(events)
+        assert isinstance(terminal, FinishedEvent)
+        assert terminal.finish_reason == "abort"
+        assert 3 <= len(terminal.token_ids) < 1500
+        await stream.assert_silent()
+        ack = await abort.next()  # the abort requester hears how it ended
+        assert isinstance(ack, FinishedEvent) and ack.finish_reason == "abort"
+
+        driver = services["scheduler"].driver  # type: ignore[attr-defined]
+        for _ in range(200):  # the batch in flight at abort time still comes back
+            if driver.idle:
+                break
+            await asyncio.sleep(0.01)
+        assert driver.idle
+        assert driver.scheduler.kv.num_free_blocks == config.num_blocks
+        driver.scheduler.kv.check_consistency()
+
+        # aborting it again: it is gone
+        again = await client.open(subjects.ABORT, AbortRequest(request_id="long-1"))
+        err = await again.next()
+        assert isinstance(err, ErrorEvent) and err.code == "not_found"
+
+
+async def test_worker_batch_error_becomes_error_events(
+    nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path
+) -> None:
+    config = CONFIGS["wcpb-off"]
+    async with services_up(nats_server.url, toy_checkpoint, config) as services:
+        worker = services["worker"]
+        runner = worker.runner  # type: ignore[attr-defined]
+        real = runner.execute
+
+        def flaky(batch):  # type: ignore[no-untyped-def]
+            if any(r.request_id == "boom" for r in batch.rows):
+                raise RuntimeError("injected fault")
+            return real(batch)
+
+        runner.execute = flaky
+        async with Client.connect(nats_server.url) as client:
+            bad = await client.generate(
+                GenerateRequest(request_id="boom", prompt_token_ids=[5, 6, 7], max_tokens=4)
+            )
+            terminal = check_stream(bad)
+            assert isinstance(terminal, ErrorEvent), bad
+            assert terminal.code == "internal" and "injected fault" in terminal.message
+            # the pipeline keeps serving
+            ok = await client.generate(
+                GenerateRequest(
+                    request_id="fine",
+                    prompt_token_ids=[5, 6, 7],
+                    max_tokens=4,
+                    temperature=0.0,
+                    ignore_eos=True,
+                )
+            )
+            assert isinstance(check_stream(ok), FinishedEvent)
+        assert worker.num_failed >= 1  # type: ignore[attr-defined]
+
+
+async def test_logs_follow_one_request_and_services_are_discoverable(
+    nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path
+) -> None:
+    buf = io.StringIO()
+    configure_logging("info", stream=buf)
+    config = SchedulerConfig(block_size=4, num_blocks=256, enable_prefix_caching=True)
+    try:
+        async with (
+            services_up(nats_server.url, toy_checkpoint, config) as services,
+            Client.connect(nats_server.url) as client,
+        ):
+            events = await client.generate(
+                GenerateRequest(
+                    request_id="traced-1",
+                    prompt_token_ids=list(range(1, 21)),
+                    max_tokens=3,
+                    temperature=0.0,
+                )
+            )
+            assert isinstance(check_stream(events), FinishedEvent)
+
+            # its prompt blocks were published to the prefix cache; the same prompt again
+            # is a hit there (admission's lookup) and in the scheduler's own KV
+            index = services["prefix-cache"].index  # type: ignore[attr-defined]
+            for _ in range(100):
+                if index.snapshot():
+                    break
+                await asyncio.sleep(0.01)
+            again = await client.generate(
+                GenerateRequest(prompt_token_ids=list(range(1, 21)), max_tokens=3)
+            )
+            second = check_stream(again)
+            assert isinstance(second, FinishedEvent) and second.num_cached_tokens > 0
+            assert services["prefix-cache"].num_hits >= 1  # type: ignore[attr-defined]
+
+            # every service answers micro discovery and its own health subject
+            nc = client.nc
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            await nc.publish("$SRV.PING", b"", reply=inbox)
+            names = set()
+            while len(names) < 4:
+                names.add(json.loads((await sub.next_msg(timeout=5)).data)["name"])
+            assert names == {"rlt-admission", "rlt-scheduler", "rlt-worker", "rlt-prefix-cache"}
+            info = json.loads((await nc.request("$SRV.INFO.rlt-scheduler", b"")).data)
+            assert {e["subject"] for e in info["endpoints"]} >= {subjects.SCHED_SUBMIT}
+            for name in ("admission", "scheduler", "worker", "prefix-cache"):
+                health = json.loads((await nc.request(subjects.health(name), b"")).data)
+                assert health["status"] == "ready"
+                assert await health_check(name, nats_server.url, 2.0) is None  # compose check
+            assert services["worker"].health()["batches"] > 0
+    finally:
+        configure_logging()
+
+    lines = [json.loads(line) for line in buf.getvalue().splitlines() if line.startswith("{")]
+    mine = [entry for entry in lines if entry.get("request_id") == "traced-1"]
+    assert {entry["service"] for entry in mine} == {
+        "admission",
+        "scheduler",
+        "worker",
+        "prefix-cache",
+    }
+    traces = {entry["trace_id"] for entry in mine if "trace_id" in entry}
+    assert len(traces) == 1  # one trace id across all services
+    assert all("prompt_token_ids" not in entry and "prompt" not in entry for entry in lines)
+
+
+async def test_client_streams_json_lines(
+    nats_server: NatsServer,
+    toy_checkpoint: Path,
+    run_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``rlt generate --json`` (online): one terminal JSON line per request, in input order."""
+    from services.cli import build_parser
+    from services.launcher import main_generate_online
+
+    config = CONFIGS["wcpb-off"]
+    async with services_up(nats_server.url, toy_checkpoint, config):
+        args = build_parser().parse_args(
+            [
+                "generate",
+                "hello world",
+                "--prompt-ids",
+                "1,2,3",
+                "--prompt-ids",
+                "512",
+                "--max-tokens",
+                "3",
+                "--json",
+                "--nats-url",
+                nats_server.url,
+            ]
+        )
+        # the client runs its own event loop: give it a thread
+        rc = await asyncio.to_thread(main_generate_online, args)
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [e["type"] for e in out] == ["finished", "finished", "error"]
+    assert out[1]["num_prompt_tokens"] == 3 and len(out[1]["token_ids"]) == 3
+    assert out[2]["code"] == "invalid_request"
+    assert rc == 1  # one request errored
+
+
+def test_rlt_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path, toy_checkpoint: Path) -> None:
+    """The real commands: ``rlt up`` (own nats-server + 4 services), ``rlt generate`` against
+    it, then Ctrl-C: everything drains and exits 0, and the nats-server is gone."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "RLT_RUN_DIR": str(tmp_path),
+        "RLT_LOG_LEVEL": "warning",
+        "OMP_NUM_THREADS": "1",
+    }
+    cli = [sys.executable, "-m", "services.cli"]
+    up = subprocess.Popen(
+        [*cli, "up", "--port", str(port), "--checkpoint", str(toy_checkpoint)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in up.stdout], daemon=True).start()
+        banner = ""
+        while "rlt is up" not in banner:
+            banner = lines.get(timeout=60)
+        url = f"nats://127.0.0.1:{port}"
+        gen = subprocess.run(
+            [
+                *cli,
+                "generate",
+                "--nats-url",
+                url,
+                "--prompt-ids",
+                "1,2,3",
+                "--max-tokens",
+                "3",
+                "--ignore-eos",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert gen.returncode == 0, gen.stderr
+        (line,) = gen.stdout.splitlines()
+        event = json.loads(line)
+        assert event["type"] == "finished" and len(event["token_ids"]) == 3
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0, up.stderr.read() if up.stderr else ""
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
