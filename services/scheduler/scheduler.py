@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent
 from messages.batch import Batch, BatchPhase, BatchResult, BatchRow, NewRequest, WorkerSampling
 from messages.errors import ErrorCode, RequestError
-from messages.prefix import PrefixEventBatch, cacheable_prefix_blocks, prompt_block_hashes
+from messages.prefix import (
+    AllBlocksCleared,
+    PrefixEventBatch,
+    cacheable_prefix_blocks,
+    prompt_block_hashes,
+)
 from messages.sampling import SamplingParams
 from services.scheduler.batch import ScheduledBatch, ScheduledTask, TaskKind
 from services.scheduler.config import ModelLimits, SchedulerConfig
@@ -156,6 +161,29 @@ class Scheduler:
             request_id=request_id, code=ErrorCode.INTERNAL.value, message=message
         )
         return events
+
+    def reset_after_worker_loss(self) -> list[str]:
+        """The worker's device state is gone (it died or was replaced). Every running request
+        returns to the waiting queue with its outputs kept; on the next worker it is prefilled
+        again and its known tokens are replayed with their recorded exit depths, so its KV and
+        its further outputs equal an uninterrupted run. Results of batches sent before this
+        call are stale (generation bumped) and are ignored if they still arrive.
+        Returns the ids of the requests that will be recomputed."""
+        affected = [r.request_id for r in self.running]
+        for request in list(self.running):
+            request.inflight_batches = 0
+            self._preempt(request)
+        # the new worker starts empty: nothing to free there, and no cached prefix survives
+        self._pending_finished = []
+        self.kv = KVManager(
+            self.config.num_blocks,
+            self.config.block_size,
+            self.config.num_planes(self.total_depths),
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
+        if self.config.enable_prefix_caching:
+            self.prefix_log.emit([AllBlocksCleared()])
+        return affected
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -541,9 +569,9 @@ class Scheduler:
             events.extend(self._apply_prefill_phase_progress(batch))
         for task, row in zip(batch.tasks, result.rows, strict=True):
             request = task.request
-            request.inflight_batches -= 1
             if self._is_stale(task):
                 continue
+            request.inflight_batches -= 1
             if task.kind == TaskKind.DECODE:
                 self._apply_decode_output(
                     task, row.exited, row.exit_depth, row.remaining, row.token_id, events
@@ -558,9 +586,8 @@ class Scheduler:
         batch.outputs_applied = True
         events: list[StreamEvent] = []
         for task in batch.tasks:
-            task.request.inflight_batches -= 1
-        for task in batch.tasks:
             if not self._is_stale(task):
+                task.request.inflight_batches -= 1
                 events.extend(self.fail_request(task.request.request_id, message))
         return events
 
