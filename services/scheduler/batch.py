@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 from messages.batch import Batch, BatchPhase
@@ -45,8 +45,6 @@ class ScheduledBatch:
     wire: Batch
     progress_applied: bool = False
     outputs_applied: bool = False
-    # events produced when progress was applied (kept so both paths report the same)
-    progress_events: list = field(default_factory=list)
 
     def rows(self) -> list[tuple[str, int, int, int]]:
         return [t.key() for t in self.tasks]

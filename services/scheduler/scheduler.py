@@ -544,14 +544,16 @@ class Scheduler:
     # ------------------------------------------------------------------ progress
     def update_after_submission(self, batch: ScheduledBatch) -> list[StreamEvent]:
         """Called when the batch is handed to the worker. With async scheduling the prefill
-        progress is applied here, so the next batch can be built before this one finishes."""
+        progress is applied here, so the next batch can be built before this one finishes.
+        Returns client-stream events for symmetry with ``update_from_output``; a submission
+        only advances prefill, so today there are none (prefix events: take_prefix_events)."""
         for task in batch.tasks:
             task.request.inflight_batches += 1
             if task.kind == TaskKind.DECODE or task.compute_logits:
                 task.request.awaiting_output = True
-        if not self.config.async_scheduling:
-            return []
-        return self._apply_prefill_phase_progress(batch)
+        if self.config.async_scheduling:
+            self._apply_prefill_phase_progress(batch)
+        return []
 
     def update_from_output(self, batch: ScheduledBatch, result: BatchResult) -> list[StreamEvent]:
         """Applies a worker result: prefill progress (if not applied at submission), exit
@@ -566,7 +568,7 @@ class Scheduler:
         batch.outputs_applied = True
         events: list[StreamEvent] = []
         if not batch.progress_applied:
-            events.extend(self._apply_prefill_phase_progress(batch))
+            self._apply_prefill_phase_progress(batch)
         for task, row in zip(batch.tasks, result.rows, strict=True):
             request = task.request
             if self._is_stale(task):
@@ -594,16 +596,17 @@ class Scheduler:
     def _is_stale(self, task: ScheduledTask) -> bool:
         return task.request.is_finished or task.generation != task.request.generation
 
-    def _apply_prefill_phase_progress(self, batch: ScheduledBatch) -> list[StreamEvent]:
+    def _apply_prefill_phase_progress(self, batch: ScheduledBatch) -> None:
         """The one progress path: groups the batch's prompt rows once per request and phase
-        and advances frontiers through ``_advance_prefill_depth_frontier``."""
+        and advances frontiers through ``_advance_prefill_depth_frontier``. Blocks it
+        completes are published here (drained by ``take_prefix_events``), so submission-time
+        and output-time progress publish identically."""
         batch.progress_applied = True
         groups: dict[tuple[str, TaskKind], list[ScheduledTask]] = {}
         for task in batch.tasks:
             if task.kind == TaskKind.DECODE or self._is_stale(task):
                 continue
             groups.setdefault((task.request.request_id, task.kind), []).append(task)
-        events: list[StreamEvent] = []
         for (_, kind), tasks in groups.items():
             request = tasks[0].request
             if kind == TaskKind.PRELUDE:
@@ -616,8 +619,6 @@ class Scheduler:
                     request, task.depth, task.token_start, task.token_end, task.num_loops
                 ):
                     self._retire_prefill_chunk(request, task.token_start, task.token_end, batch.seq)
-        batch.progress_events = events
-        return events
 
     def _apply_prelude_spans(self, request: Request, tasks: list[ScheduledTask]) -> None:
         """One pass over the spans in token order: they must continue the prelude frontier
