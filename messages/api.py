@@ -7,35 +7,16 @@ import msgspec
 from messages.sampling import SamplingParams
 
 
-class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class GenerateRequest(SamplingParams, kw_only=True, forbid_unknown_fields=True):
+    """A client's request: the prompt (text or token ids) plus flat sampling fields."""
+
     request_id: str | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    min_loops: int = 2
-    max_loops: int | None = None
-    exit_threshold: float = 1.0
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
-    ignore_eos: bool = False
-    priority: int = 0
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            min_loops=self.min_loops,
-            max_loops=self.max_loops,
-            exit_threshold=self.exit_threshold,
-            stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-            priority=self.priority,
+            **{name: getattr(self, name) for name in SamplingParams.__struct_fields__}
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 import msgspec
 
@@ -11,6 +12,7 @@ from messages.api import FinishedEvent, TokenEvent
 from messages.errors import RequestError
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
+from services.scheduler.batch import ScheduledBatch
 
 
 def collect_prompts(args: argparse.Namespace, codec: TextCodec | None) -> list[list[int]]:
@@ -27,17 +29,25 @@ def collect_prompts(args: argparse.Namespace, codec: TextCodec | None) -> list[l
     return prompts
 
 
-def run_offline(args: argparse.Namespace) -> int:
-    from services.cli import (
-        ensure_checkpoint,
-        sampling_params_from_args,
-        scheduler_config_from_args,
-    )
+def build_offline_engine(
+    args: argparse.Namespace, on_batch: Callable[[ScheduledBatch], None] | None = None
+) -> tuple[LLMEngine, TextCodec | None, list[list[int]]]:
+    """Engine, text codec and prompts from the shared CLI flags (toy checkpoint by default)."""
+    from services.cli import ensure_checkpoint, scheduler_config_from_args
 
     checkpoint = ensure_checkpoint(args.checkpoint)
     codec = TextCodec.from_checkpoint(checkpoint)
     prompts = collect_prompts(args, codec)
-    engine = LLMEngine.from_checkpoint(checkpoint, scheduler_config_from_args(args))
+    engine = LLMEngine.from_checkpoint(
+        checkpoint, scheduler_config_from_args(args), on_batch=on_batch
+    )
+    return engine, codec, prompts
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    from services.cli import sampling_params_from_args
+
+    engine, codec, prompts = build_offline_engine(args)
     params = sampling_params_from_args(args)
     ids = [f"offline-{i}" for i in range(len(prompts))]
     errors = 0

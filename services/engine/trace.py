@@ -12,9 +12,7 @@ import json
 import string
 from collections import defaultdict
 
-from services.common.tokenizer import TextCodec
-from services.engine.engine import LLMEngine
-from services.engine.offline import collect_prompts
+from services.engine.offline import build_offline_engine
 from services.scheduler.batch import ScheduledBatch, TaskKind
 
 
@@ -71,18 +69,10 @@ def wavefront_diagram(
 
 
 def run_schedule_trace(args: argparse.Namespace) -> int:
-    from services.cli import (
-        ensure_checkpoint,
-        sampling_params_from_args,
-        scheduler_config_from_args,
-    )
+    from services.cli import sampling_params_from_args
 
-    checkpoint = ensure_checkpoint(args.checkpoint)
-    codec = TextCodec.from_checkpoint(checkpoint)
-    prompts = collect_prompts(args, codec)
     batches: list[ScheduledBatch] = []
-    config = scheduler_config_from_args(args)
-    engine = LLMEngine.from_checkpoint(checkpoint, config, on_batch=batches.append)
+    engine, _, prompts = build_offline_engine(args, on_batch=batches.append)
     names = request_names(len(prompts))
     params = sampling_params_from_args(args)
     for name, prompt in zip(names, prompts, strict=True):
@@ -97,6 +87,6 @@ def run_schedule_trace(args: argparse.Namespace) -> int:
     if args.diagram:
         lens = {name: len(p) for name, p in zip(names, prompts, strict=True)}
         print()
-        print(wavefront_diagram(batches, lens, config.prefill_chunk_size,
+        print(wavefront_diagram(batches, lens, engine.config.prefill_chunk_size,
                                 engine.model.cfg.total_ut_steps))
     return 0
