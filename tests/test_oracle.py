@@ -228,7 +228,9 @@ def test_full_depth_decode_equals_dense_recompute(oracle: SerialOracle) -> None:
     dense = oracle.prompt_logits(PROMPT + res.token_ids[:-1])
     assert dense[len(PROMPT) - 1 :].argmax(-1).tolist() == res.token_ids
     gaps = (dense[len(PROMPT) - 1 :].topk(2).values.diff(dim=-1) * -1).squeeze(-1)
-    assert gaps.tolist() == pytest.approx([s.top2_gap for s in res.steps], abs=1e-4)
+    # float32 rounding differs between one dense matmul and step-by-step decode (and with the
+    # BLAS thread count); logits here are O(10), so gaps agree to ~1e-3, tokens exactly
+    assert gaps.tolist() == pytest.approx([s.top2_gap for s in res.steps], abs=2e-3)
 
 
 # ---- layouts -----------------------------------------------------------------------------------
