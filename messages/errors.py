@@ -11,6 +11,7 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
+    TIMEOUT = "timeout"  # a request outlived its deadline (RLT_MAX_REQUEST_S)
 
 
 class RequestError(ValueError):

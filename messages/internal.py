@@ -50,15 +50,18 @@ class SchedulerLoad(msgspec.Struct, kw_only=True):
 
 
 class WorkerBatch(msgspec.Struct, kw_only=True):
-    """scheduler -> worker. ``epoch`` is new for every scheduler incarnation: the worker
-    resets its mirrored state and sequence on a new epoch. The KV geometry travels along so
-    the worker always matches the scheduler's logical KV."""
+    """scheduler -> worker. ``epoch`` is new for every scheduler incarnation and after every
+    worker loss: the worker resets its mirrored state on a new epoch and runs its batches
+    strictly from ``epoch_start_seq`` on (a lost first batch is waited for, never skipped).
+    The KV geometry travels along so the worker always matches the scheduler's logical KV."""
 
     epoch: str
     batch: Batch
     num_blocks: int = 0
     block_size: int = 0
     kv_layout: str = ""
+    epoch_start_seq: int = -1  # -1: unknown (an old scheduler); the first batch seen starts
+    worker_id: str = ""  # the worker instance it is addressed to ("" = any)
 
 
 class WorkerResult(msgspec.Struct, kw_only=True):
@@ -68,3 +71,28 @@ class WorkerResult(msgspec.Struct, kw_only=True):
     result: BatchResult
     worker_id: str = ""
     execute_s: float = 0.0
+
+
+class WorkerHeartbeat(msgspec.Struct, kw_only=True):
+    """worker -> schedulers, every fraction of a second and on request: "I am alive, and this
+    is how far I got". ``missing_seq`` is the batch the worker is idle waiting for (-1 when it
+    is busy or has nothing to wait for): a scheduler that sent that batch a while ago knows it
+    was lost. ``next_seq`` past a batch whose result never came says the result was lost."""
+
+    worker_id: str
+    epoch: str = ""
+    next_seq: int = 0
+    missing_seq: int = -1
+    busy_s: float = 0.0  # how long the batch now executing has run (0: idle)
+    draining: bool = False
+    time: float = 0.0  # unix seconds
+
+
+class RequestNotice(msgspec.Struct, kw_only=True):
+    """scheduler -> admission, on the per-request tracking subject admission gave the
+    submit: ``accepted`` (this scheduler owns the stream) and ``done`` (its terminal event
+    was published). Lets admission answer ``unavailable`` for requests a lost scheduler held."""
+
+    request_id: str
+    scheduler_id: str
+    state: str  # "accepted" | "done"

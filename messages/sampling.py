@@ -30,17 +30,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def validate(self) -> None:
         """Model-independent range checks; raises RequestError with a clear message."""
-        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("max_tokens", self.max_tokens, lo=1, hi=2**31 - 1)
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, lo=0)
+        _check_int("top_k", self.top_k, lo=0, hi=2**31 - 1)
         if self.seed is not None:
             _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
-        _check_int("min_loops", self.min_loops, lo=1)
+        _check_int("min_loops", self.min_loops, lo=1, hi=2**31 - 1)
         if self.max_loops is not None:
-            _check_int("max_loops", self.max_loops, lo=1)
+            _check_int("max_loops", self.max_loops, lo=1, hi=2**31 - 1)
             if self.min_loops > self.max_loops:
                 raise RequestError(
                     f"min_loops ({self.min_loops}) must not exceed max_loops ({self.max_loops})"
@@ -48,7 +48,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not (0.0 <= self.exit_threshold <= 1.0):
             raise RequestError(f"exit_threshold must be in [0, 1], got {self.exit_threshold}")
         for tok in self.stop_token_ids:
-            _check_int("stop_token_ids entry", tok, lo=0)
+            _check_int("stop_token_ids entry", tok, lo=0, hi=2**31 - 1)
         _check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
 
     def resolve(self, total_ut_steps: int, vocab_size: int) -> SamplingParams:

@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from messages.api import AbortRequest, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.admission.core import AdmissionConfig
 from services.runtime import subjects
-from services.runtime.bus import encode_json, is_no_responders, json_decoder
+from services.runtime.bus import auth_options, encode_json, is_no_responders, json_decoder
 from services.runtime.service import Service, serve
 from services.scheduler.config import SchedulerConfig
 
@@ -62,11 +62,16 @@ class NatsServer:
         *,
         monitor_port: int | None = None,
         store_dir: str | None = None,
+        config_file: str | Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.monitor_port = monitor_port
         self._store_dir = store_dir
+        # e.g. deploy/nats.conf (users, permissions, limits); host/port flags still win
+        self.config_file = config_file
+        self.env = env
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._log: IO[bytes] | None = None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -80,14 +85,21 @@ class NatsServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="rlt-nats-")
         store = self._store_dir or os.path.join(self._tmp.name, "jetstream")
         cmd = [find_nats_server(), "-a", self.host, "-p", str(self.port), "-js", "-sd", store]
+        if self.config_file is not None:
+            cmd += ["-c", str(self.config_file)]
         if self.monitor_port is not None:
             cmd += ["-m", str(self.monitor_port)]
         log_path = os.path.join(self._tmp.name, "nats-server.log")
         self._log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
         # own session: a terminal Ctrl-C reaches us, and we stop NATS after draining
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=self.env,
         )
+        self.log_path = log_path
         deadline = time.monotonic() + timeout
         probe = self.url.removeprefix("nats://").rsplit(":", 1)[0]
         while time.monotonic() < deadline:
@@ -129,11 +141,14 @@ class NatsServer:
 # ---------------------------------------------------------------------- services
 def admission_config_from_env() -> AdmissionConfig:
     base = AdmissionConfig()
+    env = os.environ
+    max_prompt = env.get("RLT_MAX_PROMPT_TOKENS")
     return AdmissionConfig(
-        max_waiting_requests=int(
-            os.environ.get("RLT_MAX_WAITING_REQUESTS", base.max_waiting_requests)
-        ),
-        max_waiting_tokens=int(os.environ.get("RLT_MAX_WAITING_TOKENS", base.max_waiting_tokens)),
+        max_waiting_requests=int(env.get("RLT_MAX_WAITING_REQUESTS", base.max_waiting_requests)),
+        max_waiting_tokens=int(env.get("RLT_MAX_WAITING_TOKENS", base.max_waiting_tokens)),
+        max_prompt_tokens=int(max_prompt) if max_prompt else None,
+        scheduler_lost_s=float(env.get("RLT_SCHEDULER_LOST_S", base.scheduler_lost_s)),
+        max_request_s=float(env.get("RLT_MAX_REQUEST_S", base.max_request_s)),
     )
 
 
@@ -155,12 +170,16 @@ def build_service(
         from services.worker.service import WorkerService
 
         return WorkerService(
-            nats_url, checkpoint, config, device=os.environ.get("RLT_DEVICE", "cpu")
+            nats_url,
+            checkpoint,
+            config,
+            device=os.environ.get("RLT_DEVICE", "cpu"),
+            heartbeat_interval_s=float(os.environ.get("RLT_WORKER_HEARTBEAT_S", "0.5")),
         )
     if name == "scheduler":
-        from services.scheduler.service import SchedulerService
+        from services.scheduler.service import SchedulerOptions, SchedulerService
 
-        return SchedulerService(nats_url, checkpoint, config)
+        return SchedulerService(nats_url, checkpoint, config, options=SchedulerOptions.from_env())
     if name == "admission":
         from services.admission.service import AdmissionService
 
@@ -208,7 +227,15 @@ def main_up(args: argparse.Namespace) -> int:
 
     config = scheduler_config_from_args(args)
     checkpoint = ensure_checkpoint(args.checkpoint)
-    server = NatsServer(getattr(args, "host", "127.0.0.1"), args.port)
+    host = getattr(args, "host", "127.0.0.1")
+    if not _is_loopback(host):
+        # the embedded server has no authentication: say so when it is reachable from outside
+        print(
+            f"rlt up: warning: NATS listens on {host} without authentication; anyone who can "
+            "reach it can submit requests and read streams (use compose with deploy/nats.conf)",
+            file=sys.stderr,
+        )
+    server = NatsServer(host, args.port)
     try:
         server.start()
     except (RuntimeError, FileNotFoundError) as exc:
@@ -229,6 +256,10 @@ def main_up(args: argparse.Namespace) -> int:
         return _run_main("rlt up", run())
     finally:
         server.stop()
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def main_service(args: argparse.Namespace) -> int:
@@ -306,7 +337,7 @@ async def stream_requests(
     ``on_event(index, event)`` sees the events of one request at a time, in input order, as
     they arrive (the other requests' events wait in their queues until their turn), so a
     caller can stream several requests to one terminal without interleaving them."""
-    nc = await nats.connect(nats_url, connect_timeout=5, allow_reconnect=False)
+    nc = await nats.connect(nats_url, connect_timeout=5, allow_reconnect=False, **auth_options())
     try:
         prefix = nc.new_inbox()
         queues: list[asyncio.Queue[Msg]] = [asyncio.Queue() for _ in requests]

@@ -72,3 +72,6 @@ def test_sampling_params_reject_wrong_types() -> None:
         SamplingParams(max_tokens=True).validate()  # type: ignore[arg-type]
     with pytest.raises(RequestError, match="integer"):
         SamplingParams(top_k=1.5).validate()  # type: ignore[arg-type]
+    # found by the fuzzer: integers too large for msgpack must be refused, not crash encoders
+    with pytest.raises(RequestError, match="top_k must be <="):
+        SamplingParams(top_k=2**70).validate()

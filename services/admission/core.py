@@ -18,14 +18,21 @@ from tokenizers import Tokenizer
 
 from messages.api import AbortRequest, ErrorEvent, GenerateRequest
 from messages.errors import ErrorCode, RequestError
-from messages.internal import AdmittedRequest, SchedulerLoad
+from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad
 from messages.sampling import SamplingParams
 from services.scheduler.config import ModelLimits
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]+$")
+# a reply subject: printable tokens without wildcards, separated by single dots
+_SUBJECT_RE = re.compile(r"^[^.\s*>]+(\.[^.\s*>]+)*$")
+# internal subjects a client must never make a service publish to (reply-subject injection)
+_RESERVED_REPLY_PREFIXES = ("rlt.", "$", "_RLT_INBOX")
+# the JSON a finished event spends per generated token, on average (id, depth, text)
+_FINISHED_BYTES_PER_TOKEN = 16
 _GENERATE_DECODER = msgspec.json.Decoder(GenerateRequest)
 _ABORT_DECODER = msgspec.json.Decoder(AbortRequest)
 _ANY_DECODER = msgspec.json.Decoder()
+_MSGPACK = msgspec.msgpack.Encoder()
 
 
 class AdmissionError(Exception):
@@ -56,6 +63,16 @@ class AdmissionConfig:
     num_kv_planes: int = 1
     enable_prefix_caching: bool = False
     prefix_lookup_timeout_s: float = 0.05
+    # prompt cap in tokens (None: the model's max_position_embeddings)
+    max_prompt_tokens: int | None = None
+    # the bus's max_payload (set by the service once connected): internal messages and the
+    # finished event must fit it, so such requests are refused up front with a clear error
+    max_payload: int | None = None
+    # a scheduler that holds open requests and has not been heard from for this long (while
+    # we were connected) is gone: its requests end with "unavailable"
+    scheduler_lost_s: float = 10.0
+    # an open-request entry older than this is forgotten (the scheduler ends it itself)
+    max_request_s: float = 3600.0
 
 
 @dataclass
@@ -66,6 +83,7 @@ class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
     trace_id: str
+    prompt_text: str | None = None  # only for RLT_LOG_CONTENT=1 logging
 
 
 class LoadTracker:
@@ -134,9 +152,22 @@ class AdmissionCore:
             params = request.sampling_params()
             params.resolve(self.limits.total_ut_steps, self.limits.vocab_size)
             self._check_fits(len(prompt), params.max_tokens)
+            _check_encodable(params)
         except RequestError as exc:
             raise AdmissionError(request_id, exc.code, exc.message) from None
-        return Prepared(request_id, prompt, params, trace_id or uuid.uuid4().hex[:16])
+        return Prepared(
+            request_id, prompt, params, trace_id or uuid.uuid4().hex[:16], request.prompt
+        )
+
+    @staticmethod
+    def check_reply_subject(reply: str) -> str | None:
+        """Why ``reply`` cannot receive a stream (None: it can). A client naming an internal
+        subject as its reply would make the services publish there."""
+        if len(reply) > 1024 or not _SUBJECT_RE.match(reply):
+            return "not a valid NATS subject"
+        if reply.startswith(_RESERVED_REPLY_PREFIXES):
+            return "reply subjects under rlt., $ and _RLT_INBOX are reserved"
+        return None
 
     def check_backpressure(self, prepared: Prepared, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -231,17 +262,28 @@ class AdmissionCore:
             ids = self._tokenize(request.prompt or "")
         if not ids:
             raise RequestError("prompt must contain at least one token")
+        cap = self.config.max_prompt_tokens
+        if cap is not None and len(ids) > cap:  # the model's own limit is checked later
+            raise RequestError(
+                f"prompt is too long ({len(ids)} tokens, limit {cap}: RLT_MAX_PROMPT_TOKENS)"
+            )
         vocab = self.limits.vocab_size
         for tok in ids:
             if not 0 <= tok < vocab:
                 raise RequestError(f"prompt token id {tok} is outside the vocabulary [0, {vocab})")
         return ids
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        cap = self.config.max_prompt_tokens
+        limit = self.limits.max_position_embeddings
+        return limit if cap is None else min(cap, limit)
+
     def _tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise RequestError("this checkpoint has no tokenizer.json; send prompt_token_ids")
         # cheap guard before tokenizing: no tokenizer makes fewer than 1 token per 64 chars
-        max_chars = 64 * self.limits.max_position_embeddings
+        max_chars = 64 * self.max_prompt_tokens
         if len(text) > max_chars:
             raise RequestError(f"prompt is too long ({len(text)} characters, limit {max_chars})")
         return list(self.tokenizer.encode(text).ids)
@@ -254,6 +296,19 @@ class AdmissionCore:
                 f"max_position_embeddings ({limit})"
             )
         cfg = self.config
+        if cfg.max_payload is not None:
+            # prompt ids travel as msgpack (<= 5 bytes each) to the scheduler and worker
+            if 5 * num_prompt + 4096 > cfg.max_payload:
+                raise RequestError(
+                    f"prompt of {num_prompt} tokens does not fit the bus's max_payload of "
+                    f"{cfg.max_payload} bytes"
+                )
+            finished_bytes = 1024 + _FINISHED_BYTES_PER_TOKEN * max_tokens
+            if finished_bytes > cfg.max_payload:
+                raise RequestError(
+                    f"max_tokens {max_tokens} would make a finished event (~{finished_bytes} "
+                    f"bytes) over the bus's max_payload of {cfg.max_payload} bytes"
+                )
         if cfg.num_blocks is not None:
             kv_tokens = num_prompt + max_tokens - 1  # the last sampled token needs no slot
             blocks = -(-kv_tokens // cfg.block_size) * cfg.num_kv_planes
@@ -262,6 +317,15 @@ class AdmissionCore:
                     f"request needs {blocks} KV blocks but the cache has only {cfg.num_blocks}; "
                     "shorten the prompt or max_tokens"
                 )
+
+
+def _check_encodable(params: SamplingParams) -> None:
+    """JSON carries integers msgpack cannot (e.g. a top_k of 2**70): refuse them here, not
+    with a failure on the way to the scheduler."""
+    try:
+        _MSGPACK.encode(params)
+    except (OverflowError, msgspec.EncodeError):
+        raise RequestError("a number in the request is out of range (64-bit integers)") from None
 
 
 def _decode_message(exc: msgspec.DecodeError) -> str:
@@ -281,3 +345,69 @@ def _salvage_request_id(data: bytes) -> str:
         if isinstance(rid, str) and len(rid) <= 256:
             return rid
     return ""
+
+
+@dataclass
+class OpenRequest:
+    request_id: str
+    reply: str
+    trace_id: str
+    sent_at: float
+    owner: str | None = None  # the scheduler that accepted it
+
+
+class OpenRequests:
+    """Requests this admission forwarded whose stream has not ended, keyed by admission seq.
+
+    The scheduler streams straight to the client, so a scheduler that dies (or restarts: a
+    new epoch) would leave its clients in silence. Each submit carries a tracking subject;
+    the scheduler answers "accepted" and later "done" on it, and nats-server answers "no
+    responders" when no scheduler listens. An open request whose scheduler has not been heard
+    from for ``scheduler_lost_s`` of connected time (load reports come every 0.25 s) ends with
+    ``unavailable``, sent by admission. Pure: no NATS, no clock.
+    """
+
+    def __init__(self, scheduler_lost_s: float, max_request_s: float = 3600.0) -> None:
+        self.scheduler_lost_s = scheduler_lost_s
+        self.max_request_s = max_request_s
+        self._open: dict[int, OpenRequest] = {}
+        self._heard: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def opened(self, seq: int, request_id: str, reply: str, trace_id: str, now: float) -> None:
+        self._open[seq] = OpenRequest(request_id, reply, trace_id, now)
+
+    def notice(self, seq: int, notice: RequestNotice, now: float) -> None:
+        self.heard_from(notice.scheduler_id, now)
+        entry = self._open.get(seq)
+        if entry is None or entry.request_id != notice.request_id:
+            return
+        if notice.state == "done":
+            del self._open[seq]
+        elif notice.state == "accepted":
+            entry.owner = notice.scheduler_id
+
+    def unanswered(self, seq: int) -> OpenRequest | None:
+        """nats-server says no scheduler received the submit: the request is ours to end."""
+        return self._open.pop(seq, None)
+
+    def heard_from(self, scheduler_id: str, now: float) -> None:
+        self._heard[scheduler_id] = now
+
+    def lost(self, now: float, connected_since: float) -> list[OpenRequest]:
+        """Removes and returns the requests whose scheduler is gone (or that no scheduler
+        accepted in time). Our own time off the bus does not count against anyone."""
+        out: list[OpenRequest] = []
+        for seq, entry in list(self._open.items()):
+            if now - entry.sent_at > self.max_request_s:
+                del self._open[seq]  # the scheduler ends it itself; just forget it
+                continue
+            ref = entry.sent_at if entry.owner is None else self._heard.get(entry.owner, 0.0)
+            if now - max(ref, entry.sent_at, connected_since) > self.scheduler_lost_s:
+                out.append(self._open.pop(seq))
+        stale = now - 10 * self.scheduler_lost_s
+        for sid in [sid for sid, at in self._heard.items() if at < stale]:
+            del self._heard[sid]
+        return out

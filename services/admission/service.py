@@ -3,10 +3,16 @@
 Thin shell around ``AdmissionCore``: each accepted request is forwarded to the scheduler
 with the client's reply subject, so the token stream goes straight from the scheduler to
 the client. Rejections are answered here with one ``error`` event.
+
+Admission also keeps the table of open requests (``OpenRequests``): each submit carries a
+tracking subject ``rlt.v1.adm.<admission>.<seq>`` on which the scheduler says "accepted" and
+"done". When no scheduler receives a submit, or the scheduler holding a request goes silent
+(crash, restart), admission ends the request with ``unavailable``, so no client waits forever.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -19,8 +25,15 @@ from nats.errors import Error as NatsError
 
 from messages.api import ErrorEvent
 from messages.errors import ErrorCode
-from messages.internal import AbortForward, SchedulerLoad
-from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError, Prepared
+from messages.internal import AbortForward, RequestNotice, SchedulerLoad
+from services.admission.core import (
+    AdmissionConfig,
+    AdmissionCore,
+    AdmissionError,
+    OpenRequest,
+    OpenRequests,
+    Prepared,
+)
 from services.runtime import subjects
 from services.runtime.bus import (
     HEADER_REQUEST_ID,
@@ -28,9 +41,10 @@ from services.runtime.bus import (
     decode_msgpack,
     encode_json,
     encode_msgpack,
+    is_no_responders,
 )
 from services.runtime.checkpoint import load_model_limits, load_tokenizer
-from services.runtime.logging import request_fields
+from services.runtime.logging import log_content_enabled, request_fields
 from services.runtime.service import Endpoint, Service
 from services.scheduler.config import SchedulerConfig
 
@@ -52,8 +66,10 @@ class AdmissionService(Service):
         self.config = config or AdmissionConfig()
         self.scheduler_config = scheduler_config
         self.core: AdmissionCore | None = None
+        self.open = OpenRequests(self.config.scheduler_lost_s, self.config.max_request_s)
         self.num_admitted = 0
         self.num_rejected = 0
+        self.num_lost = 0
 
     async def setup(self) -> None:
         limits = load_model_limits(self.checkpoint)
@@ -67,6 +83,8 @@ class AdmissionService(Service):
                 num_kv_planes=sc.num_planes(limits.total_ut_steps),
                 enable_prefix_caching=sc.enable_prefix_caching,
             )
+        # connected by now: requests whose messages could never cross the bus are refused
+        self.config = dataclasses.replace(self.config, max_payload=self.nc.max_payload)
         self.core = AdmissionCore(
             limits, load_tokenizer(self.checkpoint), self.config, admission_id=self.instance_id
         )
@@ -85,10 +103,25 @@ class AdmissionService(Service):
                 self._on_load,
                 queue_group=f"rlt-admission-{self.instance_id}",
             ),
+            # plain: it must receive the "no responders" status of our submits
+            Endpoint(
+                "track",
+                subjects.admission_tracks_of(self.instance_id),
+                self._on_track,
+                micro=False,
+            ),
         )
 
+    async def on_ready(self) -> None:
+        self.spawn(self._watch_open_requests(), "open-requests")
+
     def health_details(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"admitted": self.num_admitted, "rejected": self.num_rejected}
+        out: dict[str, Any] = {
+            "admitted": self.num_admitted,
+            "rejected": self.num_rejected,
+            "open_requests": len(self.open),
+            "lost_to_scheduler_failure": self.num_lost,
+        }
         if self.core is not None:
             n, tokens = self.core.load.waiting(time.monotonic())
             out.update(waiting_requests=n, waiting_tokens=tokens)
@@ -101,32 +134,55 @@ class AdmissionService(Service):
         if not reply:
             self.log.warning("generate request without a reply subject dropped")
             return
+        why = self.core.check_reply_subject(reply)
+        if why is not None:  # answering there could itself be the attack: drop it
+            self.num_rejected += 1
+            self.log.warning("generate request with a bad reply subject dropped", reason=why)
+            return
         trace_id = msg.headers.get(HEADER_TRACE_ID) if msg.headers else None
         try:
-            if self.draining:
-                raise AdmissionError("", ErrorCode.UNAVAILABLE, "admission is shutting down")
-            prepared = self.core.prepare(msg.data, trace_id)
-            if not await self._scheduler_alive():
-                raise AdmissionError(
-                    prepared.request_id, ErrorCode.UNAVAILABLE, "no scheduler is running"
-                )
-            self.core.check_backpressure(prepared)
+            await self._admit(msg.data, reply, trace_id)
         except AdmissionError as exc:
             await self._reject(reply, exc)
-            return
+        except Exception as exc:  # a bug here must still answer the client, exactly once
+            self.log.exception("generate failed")
+            await self._reject(
+                reply, AdmissionError("", ErrorCode.INTERNAL, f"admission error: {exc!r}")
+            )
+
+    async def _admit(self, data: bytes, reply: str, trace_id: str | None) -> None:
+        assert self.core is not None
+        if self.draining:
+            raise AdmissionError("", ErrorCode.UNAVAILABLE, "admission is shutting down")
+        prepared = self.core.prepare(data, trace_id)
+        if not await self._scheduler_alive():
+            raise AdmissionError(
+                prepared.request_id, ErrorCode.UNAVAILABLE, "no scheduler is running"
+            )
+        self.core.check_backpressure(prepared)
         cached, producer = 0, None
         if self.config.enable_prefix_caching:
             cached, producer = await self._lookup_prefix(prepared)
         admitted = self.core.admit(
             prepared, reply, num_cached_tokens=cached, prefix_producer_id=producer
         )
-        await self.nc.publish(subjects.SCHED_SUBMIT, encode_msgpack(admitted))
+        body = encode_msgpack(admitted)
+        seq = admitted.admission_seq
+        self.open.opened(seq, prepared.request_id, reply, prepared.trace_id, time.monotonic())
+        # the tracking subject as reply: "accepted"/"done" notices, or "no responders"
+        await self.nc.publish(
+            subjects.SCHED_SUBMIT, body, reply=subjects.admission_track(self.instance_id, seq)
+        )
         self.num_admitted += 1
+        extra: dict[str, Any] = {}
+        if log_content_enabled():  # user data: only when the operator asks for it
+            extra.update(prompt=prepared.prompt_text, prompt_token_ids=prepared.prompt_token_ids)
         self.log.info(
             "request admitted",
             num_prompt_tokens=len(prepared.prompt_token_ids),
             max_tokens=prepared.params.max_tokens,
             num_cached_tokens_hint=cached,
+            **extra,
             **request_fields(prepared.request_id, prepared.trace_id),
         )
 
@@ -139,9 +195,10 @@ class AdmissionService(Service):
                 await self._reject(msg.reply, exc)
             return
         trace_id = (msg.headers or {}).get(HEADER_TRACE_ID, "")
-        forward = AbortForward(
-            request_id=abort.request_id, reply_subject=msg.reply or "", trace_id=trace_id
-        )
+        reply = msg.reply or ""
+        if reply and self.core.check_reply_subject(reply) is not None:
+            reply = ""  # never answer into the system's own subjects
+        forward = AbortForward(request_id=abort.request_id, reply_subject=reply, trace_id=trace_id)
         await self.nc.publish(subjects.SCHED_ABORT, encode_msgpack(forward))
         self.log.info("abort forwarded", **request_fields(abort.request_id, trace_id))
 
@@ -161,9 +218,54 @@ class AdmissionService(Service):
     async def _on_load(self, msg: Msg) -> None:
         assert self.core is not None
         try:
-            self.core.load.apply(decode_msgpack(msg.data, SchedulerLoad))
+            report = decode_msgpack(msg.data, SchedulerLoad)
         except msgspec.DecodeError as exc:
-            self.log.warning("bad load report", error=str(exc))
+            self.log.warning("bad load report", error=str(exc)[:200])
+            return
+        self.core.load.apply(report)
+        self.open.heard_from(report.scheduler_id, time.monotonic())
+
+    async def _on_track(self, msg: Msg) -> None:
+        try:
+            seq = int(msg.subject.rsplit(".", 1)[1])
+        except ValueError:
+            return
+        if is_no_responders(msg):
+            entry = self.open.unanswered(seq)
+            if entry is not None:
+                await self._end_open(entry, "no scheduler is running")
+            return
+        try:
+            notice = decode_msgpack(msg.data, RequestNotice)
+        except msgspec.DecodeError as exc:
+            self.log.warning("bad request notice", error=str(exc)[:200])
+            return
+        self.open.notice(seq, notice, time.monotonic())
+
+    async def _watch_open_requests(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            if not self.bus_connected:
+                continue  # silence while we are cut off says nothing about the scheduler
+            lost = self.open.lost(time.monotonic(), self.bus_connected_since)
+            for entry in lost:
+                await self._end_open(
+                    entry,
+                    "the scheduler holding this request stopped (crash or restart); retry it",
+                )
+
+    async def _end_open(self, entry: OpenRequest, message: str) -> None:
+        self.num_lost += 1
+        self.log.warning(
+            "open request lost", reason=message, **request_fields(entry.request_id, entry.trace_id)
+        )
+        event = ErrorEvent(
+            request_id=entry.request_id, code=str(ErrorCode.UNAVAILABLE), message=message
+        )
+        try:
+            await self.nc.publish(entry.reply, encode_json(event))
+        except Exception as exc:
+            self.log.warning("could not tell the client", error=repr(exc)[:200])
 
     async def _reject(self, reply: str, exc: AdmissionError) -> None:
         self.num_rejected += 1

@@ -54,7 +54,15 @@ class PrefixCacheService(Service):
             self.spawn(self._reask_replays(), "replays")
 
     def health_details(self) -> dict[str, Any]:
-        return {"index": self.index is not None, "lookups": self.num_lookups, "hits": self.num_hits}
+        out: dict[str, Any] = {
+            "index": self.index is not None,
+            "lookups": self.num_lookups,
+            "hits": self.num_hits,
+        }
+        if self.index is not None:
+            # {producer: cached blocks}: shows a restarted scheduler's old blocks are gone
+            out["cached_blocks"] = {pid: len(b) for pid, b in self.index.snapshot().items()}
+        return out
 
     async def _on_events(self, msg: Msg) -> None:
         if self.index is None:

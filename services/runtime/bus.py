@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
+import os
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -17,11 +22,17 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from services.runtime import subjects
+
 T = TypeVar("T")
 
 # headers that carry request identity on internal messages whose body does not
 HEADER_REQUEST_ID = "Rlt-Request-Id"
 HEADER_TRACE_ID = "Rlt-Trace-Id"
+# "<message id> <index> <count>" on each part of a message split to fit nc.max_payload
+HEADER_CHUNK = "Rlt-Chunk"
+# room left for headers and the protocol line when sizing a message against max_payload
+PAYLOAD_HEADROOM = 1024
 # the status header nats-server sets on a "no responders" reply
 _STATUS_HEADER = "Status"
 _NO_RESPONDERS = "503"
@@ -61,6 +72,42 @@ def is_no_responders(msg: Msg) -> bool:
     return not msg.data and bool(msg.headers) and msg.headers.get(_STATUS_HEADER) == _NO_RESPONDERS
 
 
+def auth_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """nats-py credentials from the environment, for services and clients alike:
+
+    - ``RLT_NATS_USER`` + ``RLT_NATS_PASSWORD`` (or ``RLT_NATS_PASSWORD_FILE``, e.g. a
+      Docker secret), or credentials in the URL (``nats://user:pass@host:4222``);
+    - ``RLT_NATS_TOKEN`` (or ``RLT_NATS_TOKEN_FILE``);
+    - ``RLT_NATS_CREDS``: a ``.creds`` file (JWT + nkey seed), or ``RLT_NATS_NKEY_SEED``: an
+      nkey seed file. Both need the ``nkeys`` package.
+    """
+    env = os.environ if env is None else env
+    out: dict[str, Any] = {}
+
+    def secret(name: str) -> str | None:
+        if env.get(name):
+            return env[name]
+        path = env.get(f"{name}_FILE")
+        return Path(path).read_text().strip() if path else None
+
+    user = env.get("RLT_NATS_USER")
+    token = secret("RLT_NATS_TOKEN")
+    if user:
+        out.update(user=user, password=secret("RLT_NATS_PASSWORD") or "")
+    elif token:
+        out["token"] = token
+    creds, seed = env.get("RLT_NATS_CREDS"), env.get("RLT_NATS_NKEY_SEED")
+    if (creds or seed) and importlib.util.find_spec("nkeys") is None:
+        raise ConnectionError(
+            "RLT_NATS_CREDS / RLT_NATS_NKEY_SEED need the nkeys package: pip install nkeys"
+        )
+    if creds:
+        out["user_credentials"] = creds
+    elif seed:
+        out["nkeys_seed"] = seed
+    return out
+
+
 async def connect(
     url: str,
     name: str,
@@ -68,17 +115,25 @@ async def connect(
     connect_timeout_s: float = 60.0,
     log: Any = None,
     closing: Callable[[], bool] = lambda: False,
+    on_disconnected: Callable[[], Awaitable[None]] | None = None,
+    on_reconnected: Callable[[], Awaitable[None]] | None = None,
 ) -> NATS:
     """Connects within ``connect_timeout_s`` (a service may start before NATS is up), then
-    reconnects forever with a short wait, so a NATS restart is survivable.
+    reconnects forever with a short wait, so a NATS restart is survivable. Credentials come
+    from the environment (``auth_options``).
 
     nats-py retries the first connection itself (``max_reconnect_attempts=-1``); the
-    timeout bounds that, and the failures are logged at most every few seconds."""
+    timeout bounds that, and the failures are logged at most every few seconds. An
+    authorization failure is not retried: it will not fix itself."""
     connected = False
+    auth = auth_options()
+    auth_failed: list[Exception] = []
     last_waiting_log = float("-inf")
 
     async def on_error(exc: Exception) -> None:
         nonlocal last_waiting_log
+        if "authorization" in str(exc).lower() and not connected:
+            auth_failed.append(exc)
         if log is None:
             return
         if connected:
@@ -87,17 +142,22 @@ async def connect(
             last_waiting_log = time.monotonic()
             log.info("waiting for nats", url=url, error=repr(exc))
 
-    async def on_disconnected() -> None:
-        if log is not None and not closing():  # quiet on our own drain/close
+    async def disconnected_cb() -> None:
+        if closing():  # quiet on our own drain/close
+            return
+        if log is not None:
             log.warning("nats disconnected")
+        if on_disconnected is not None:
+            await on_disconnected()
 
-    async def on_reconnected() -> None:
+    async def reconnected_cb() -> None:
         if log is not None:
             log.info("nats reconnected")
+        if on_reconnected is not None:
+            await on_reconnected()
 
-    try:
-        nc = await asyncio.wait_for(
-            nats.connect(
+    connecting = asyncio.ensure_future(
+        nats.connect(
                 url,
                 name=name,
                 allow_reconnect=True,
@@ -107,16 +167,105 @@ async def connect(
                 ping_interval=20,
                 # the stream replies are many small messages: a bigger buffer, fewer flushes
                 pending_size=8 * 1024 * 1024,
+                inbox_prefix=subjects.service_inbox(name),
                 error_cb=on_error,
-                disconnected_cb=on_disconnected,
-                reconnected_cb=on_reconnected,
-            ),
-            timeout=connect_timeout_s,
-        )
+                disconnected_cb=disconnected_cb,
+                reconnected_cb=reconnected_cb,
+                **auth,
+            )
+    )
+    deadline = time.monotonic() + connect_timeout_s
+    try:
+        while not connecting.done():
+            if auth_failed:
+                raise ConnectionError(
+                    f"NATS at {url} refused our credentials: {auth_failed[0]!r} "
+                    "(check RLT_NATS_USER / RLT_NATS_PASSWORD / RLT_NATS_CREDS)"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no connection within {connect_timeout_s}s")
+            await asyncio.wait({connecting}, timeout=0.1)
+        nc = connecting.result()
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise ConnectionError(f"could not connect to NATS at {url}: {exc!r}") from exc
+    finally:
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
     connected = True
     return nc
+
+
+# ---------------------------------------------------------------------- large messages
+def fits(nc: NATS, size: int) -> bool:
+    """Whether a message body of ``size`` bytes fits the server's max_payload."""
+    return size + PAYLOAD_HEADROOM <= nc.max_payload
+
+
+async def publish_chunked(
+    nc: NATS, subject: str, payload: bytes, reply: str = "", chunk_size: int | None = None
+) -> int:
+    """Publishes ``payload``, split into parts with an ``Rlt-Chunk`` header when it would
+    not fit ``nc.max_payload`` (a batch full of new prompts can be several MB). The receiver
+    joins them with a ``Reassembler``. Returns the number of messages sent."""
+    size = chunk_size or (nc.max_payload - PAYLOAD_HEADROOM)
+    if len(payload) <= size:
+        await nc.publish(subject, payload, reply=reply)
+        return 1
+    mid = uuid.uuid4().hex[:16]
+    count = -(-len(payload) // size)
+    for i in range(count):
+        await nc.publish(
+            subject,
+            payload[i * size : (i + 1) * size],
+            reply=reply,
+            headers={HEADER_CHUNK: f"{mid} {i} {count}"},
+        )
+    return count
+
+
+class Reassembler:
+    """Joins messages split by ``publish_chunked``; whole messages pass straight through.
+
+    Bounded: at most ``max_partial`` messages are assembled at once (the oldest incomplete
+    one is dropped: its sender times out or re-sends) and a message may have at most
+    ``max_parts`` parts. A malformed chunk header drops that part, never raises."""
+
+    def __init__(self, max_partial: int = 8, max_parts: int = 4096) -> None:
+        self.max_partial = max_partial
+        self.max_parts = max_parts
+        self._partial: OrderedDict[str, list[bytes | None]] = OrderedDict()
+        self.dropped = 0
+        self.joined = 0  # messages put back together from parts
+
+    def feed(self, msg: Msg) -> bytes | None:
+        header = msg.headers.get(HEADER_CHUNK) if msg.headers else None
+        if header is None:
+            return msg.data
+        try:
+            mid, index_s, count_s = header.split(" ")
+            index, count = int(index_s), int(count_s)
+        except ValueError:
+            self.dropped += 1
+            return None
+        if not (0 <= index < count <= self.max_parts) or not mid:
+            self.dropped += 1
+            return None
+        parts = self._partial.get(mid)
+        if parts is None:
+            parts = self._partial[mid] = [None] * count
+            while len(self._partial) > self.max_partial:
+                self._partial.popitem(last=False)
+                self.dropped += 1
+        elif len(parts) != count:
+            self.dropped += 1
+            return None
+        parts[index] = msg.data
+        if any(p is None for p in parts):
+            return None
+        del self._partial[mid]
+        self.joined += 1
+        return b"".join(p for p in parts if p is not None)
 
 
 Handler = Callable[[Any], Awaitable[None]]

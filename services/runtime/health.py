@@ -16,6 +16,8 @@ import sys
 
 import nats
 
+from services.runtime import subjects
+from services.runtime.bus import auth_options
 from services.runtime.service import health_file
 
 
@@ -31,7 +33,14 @@ async def check(name: str, nats_url: str, timeout: float) -> str | None:
     except (OSError, KeyError, ValueError):
         return f"process {ident.get('pid')} is not running"
     try:
-        nc = await nats.connect(nats_url, connect_timeout=timeout, allow_reconnect=False)
+        # the service's own credentials and inbox prefix (what its NATS user may subscribe)
+        nc = await nats.connect(
+            nats_url,
+            connect_timeout=timeout,
+            allow_reconnect=False,
+            inbox_prefix=subjects.service_inbox(subjects.micro_name(name)),
+            **auth_options(),
+        )
     except Exception as exc:
         return f"cannot reach NATS at {nats_url}: {exc!r}"
     try:

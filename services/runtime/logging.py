@@ -3,7 +3,8 @@
 One JSON object per line, so the logs of all services can be merged and filtered by
 ``request_id`` / ``trace_id``. Field names are fixed here so every service uses the same
 keys: ``service``, ``request_id``, ``trace_id``, ``batch_seq``, ``event_seq``.
-Never log a whole prompt: log ``num_prompt_tokens`` instead.
+Never log a whole prompt: log ``num_prompt_tokens`` instead. Prompts and outputs are
+logged only when an operator asks for it with ``RLT_LOG_CONTENT=1`` (``log_content_enabled``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def configure_logging(level: str | None = None, stream: TextIO | None = None) ->
         # not cached, so a later configure_logging (tests) reaches loggers bound earlier
         cache_logger_on_first_use=False,
     )
+
+
+def log_content_enabled() -> bool:
+    """Whether prompts and outputs may be logged (``RLT_LOG_CONTENT=1``; off by default:
+    they are user data)."""
+    return os.environ.get("RLT_LOG_CONTENT", "").strip().lower() in ("1", "true", "yes")
 
 
 def get_logger(service: str, **fields: Any) -> Any:

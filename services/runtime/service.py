@@ -84,6 +84,9 @@ class Service:
         self._handlers: list[BoundedHandler] = []
         self._plain_subs: list[Subscription] = []
         self._tasks: list[asyncio.Task[None]] = []
+        # bus state: liveness judgements (heartbeats, reports) only count time connected
+        self.bus_connected = False
+        self.bus_connected_since = 0.0
 
     @property
     def nc(self) -> NATS:
@@ -109,6 +112,12 @@ class Service:
 
     def health_details(self) -> dict[str, Any]:
         return {}
+
+    async def on_bus_lost(self) -> None:
+        """The NATS connection dropped (nats-py reconnects by itself)."""
+
+    async def on_bus_back(self) -> None:
+        """The NATS connection is back (subscriptions restored)."""
 
     # ------------------------------------------------------------------ lifecycle
     def health(self) -> dict[str, Any]:
@@ -153,7 +162,11 @@ class Service:
             connect_timeout_s=self.connect_timeout_s,
             log=self.log,
             closing=lambda: self.state in ("stopping", "stopped"),
+            on_disconnected=self._bus_lost,
+            on_reconnected=self._bus_back,
         )
+        self.bus_connected = True
+        self.bus_connected_since = time.monotonic()
         await self.setup()
         self._micro = await add_service(
             self.nc,
@@ -217,6 +230,15 @@ class Service:
         health_file(self.name).unlink(missing_ok=True)
         self.state = "stopped"
         self.log.info("service stopped")
+
+    async def _bus_lost(self) -> None:
+        self.bus_connected = False
+        await self.on_bus_lost()
+
+    async def _bus_back(self) -> None:
+        self.bus_connected = True
+        self.bus_connected_since = time.monotonic()
+        await self.on_bus_back()
 
     async def _on_health(self, msg: Msg) -> None:
         if msg.reply:

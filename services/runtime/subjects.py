@@ -23,6 +23,16 @@ SCHED_LOAD_GET = f"{VERSION_PREFIX}.sched.load.get"
 # scheduler <-> worker (msgpack)
 WORKER_BATCH = f"{VERSION_PREFIX}.worker.batch"
 WORKER_RESULT = f"{VERSION_PREFIX}.worker.result"
+# worker -> schedulers: liveness and progress (WorkerHeartbeat); schedulers -> workers: "say
+# hello now" (a fresh scheduler need not wait a heartbeat interval for its first worker)
+WORKER_HEARTBEAT = f"{VERSION_PREFIX}.worker.heartbeat"
+WORKER_DISCOVER = f"{VERSION_PREFIX}.worker.discover"
+
+
+def worker_batch(worker_id: str) -> str:
+    """Batches go to ONE worker instance: its device KV mirrors one scheduler's block tables,
+    so a queue group spreading batches over replicas would corrupt it. Other workers stand by."""
+    return f"{WORKER_BATCH}.{worker_id}"
 
 
 def worker_result(epoch: str) -> str:
@@ -37,6 +47,31 @@ def worker_results_of(instance: str) -> str:
     return f"{WORKER_RESULT}.{instance}.*"
 
 
+# scheduler -> scheduler itself: reply subject of stream events. nats-server answers a
+# publish whose destination has no subscriber (a client that went away) with a "no responders"
+# status on the reply subject, naming the stream; the scheduler then aborts it and frees its KV
+def stream_gone(scheduler_id: str, stream_no: int) -> str:
+    return f"{VERSION_PREFIX}.sched.gone.{scheduler_id}.{stream_no}"
+
+
+def streams_gone_of(scheduler_id: str) -> str:
+    return f"{VERSION_PREFIX}.sched.gone.{scheduler_id}.*"
+
+
+# admission <- scheduler: per-request tracking subject (the submit's reply subject) that
+# receives RequestNotice ("accepted" / "done") and, when no scheduler listens, the "no
+# responders" status for the submit itself
+ADMISSION_TRACK_PREFIX = f"{VERSION_PREFIX}.adm"
+
+
+def admission_track(admission_id: str, seq: int) -> str:
+    return f"{ADMISSION_TRACK_PREFIX}.{admission_id}.{seq}"
+
+
+def admission_tracks_of(admission_id: str) -> str:
+    return f"{ADMISSION_TRACK_PREFIX}.{admission_id}.*"
+
+
 # prefix cache (msgpack)
 PREFIX_EVENTS = f"{VERSION_PREFIX}.prefix.events"
 PREFIX_LOOKUP = f"{VERSION_PREFIX}.prefix.lookup"
@@ -46,6 +81,16 @@ PREFIX_REPLAY_PREFIX = f"{VERSION_PREFIX}.prefix.replay"
 def prefix_replay(producer_id: str) -> str:
     """Where the prefix cache asks one producer (a scheduler) to resend events."""
     return f"{PREFIX_REPLAY_PREFIX}.{producer_id}"
+
+
+# services' own request inboxes live outside _INBOX, which clients may subscribe to: a client
+# cannot read a service's replies, and the NATS config can scope each service to its own
+SERVICE_INBOX_PREFIX = "_RLT_INBOX"
+
+
+def service_inbox(connection_name: str) -> str:
+    """Inbox prefix of one service's connection (``_RLT_INBOX.rlt-admission``)."""
+    return f"{SERVICE_INBOX_PREFIX}.{connection_name}"
 
 
 def health(service: str) -> str:

@@ -10,15 +10,23 @@ The loop is the in-process engine's ``step`` spread over the bus: schedule and s
 the in-flight limit (1, or ``max_inflight_batches`` with async scheduling), applying
 ``update_after_submission`` as each batch is published; apply results strictly in seq order
 with ``update_from_output``.
+
+Reliability (see docs/services.md, "Failures"): batches go to one worker at a time, chosen
+from heartbeats (``liveness.py``); a lost worker, batch or result starts a new epoch through
+``worker_lost`` -> ``Scheduler.reset_after_worker_loss`` (running requests are recomputed on
+the next worker, clients only see a delay); while no worker is up requests wait up to
+``worker_wait_s``; stream events carry a reply subject so a vanished client is noticed and
+its request aborted; deliveries are held while the bus is down and sent after a grace period.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,22 +40,34 @@ from messages.errors import ErrorCode, RequestError
 from messages.internal import (
     AbortForward,
     AdmittedRequest,
+    RequestNotice,
     SchedulerLoad,
     WorkerBatch,
+    WorkerHeartbeat,
     WorkerResult,
 )
 from messages.prefix import PrefixEventBatch, ReplayRequest
 from services.runtime import subjects
-from services.runtime.bus import decode_msgpack, encode_json, encode_msgpack, is_no_responders
+from services.runtime.bus import (
+    Reassembler,
+    decode_msgpack,
+    encode_json,
+    encode_msgpack,
+    fits,
+    is_no_responders,
+    publish_chunked,
+)
 from services.runtime.checkpoint import load_model_limits, load_tokenizer
-from services.runtime.logging import BATCH_SEQ, get_logger, request_fields
+from services.runtime.logging import BATCH_SEQ, get_logger, log_content_enabled, request_fields
 from services.runtime.service import Endpoint, Service
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.config import ModelLimits, SchedulerConfig
+from services.scheduler.liveness import LossDetector, WorkerTracker
 from services.scheduler.request import RequestPhase
 from services.scheduler.scheduler import Scheduler
 
 Delivery = tuple[str, StreamEvent]  # (client reply subject, event)
+Notice = tuple[str, RequestNotice]  # (admission tracking subject, notice)
 
 
 class IncrementalDetokenizer:
@@ -82,6 +102,8 @@ class _Stream:
     trace_id: str
     detok: IncrementalDetokenizer | None
     started: float
+    track: str = ""  # admission's tracking subject ("" = nobody tracks it)
+    no: int = 0  # names the stream in its "gone" reply subject
 
 
 class SchedulerDriver:
@@ -94,28 +116,44 @@ class SchedulerDriver:
         tokenizer: Tokenizer | None = None,
         *,
         instance: str = "local",
+        producer_id: str | None = None,
         log: Any = None,
     ) -> None:
         self.config = config
         self.limits = limits
         self.tokenizer = tokenizer
         self.instance = instance
+        # the prefix-event producer name outlives this process (RLT_SCHEDULER_NAME): a
+        # restarted scheduler announces a newer epoch under the same name, and the prefix
+        # cache drops everything the old one published
+        self.producer_id = producer_id or instance
         self.log = log or get_logger("scheduler")
         self.max_inflight = config.max_inflight_batches if config.async_scheduling else 1
         self.generation = 0
         self.draining = False
         self.last_admission_seq: dict[str, int] = {}
+        self.notices: list[Notice] = []
+        self.num_worker_losses = 0
+        self._stream_nos = 0
         self._new_epoch()
 
     def _new_epoch(self) -> None:
-        # the scheduler instance is the prefix-event producer; every new Scheduler starts a
-        # new prefix-log epoch, so the prefix cache drops what the previous one published
-        self.scheduler = Scheduler(self.config, self.limits, producer_id=self.instance)
+        # every new Scheduler starts a new prefix-log epoch, so the prefix cache drops what
+        # the previous one published
+        self.scheduler = Scheduler(self.config, self.limits, producer_id=self.producer_id)
         self._prefix_out: list[PrefixEventBatch] = []
         if self.config.enable_prefix_caching:
             self._prefix_out.append(self.scheduler.prefix_log.announce())
-        self.epoch = f"{self.instance}.{self.generation}"
         self.streams: dict[str, _Stream] = {}
+        self.by_no: dict[int, str] = {}
+        self._new_worker_epoch()
+
+    def _new_worker_epoch(self) -> None:
+        """A fresh epoch towards the worker: batch results and statuses of older epochs are
+        ignored, and the worker resets its device state when it sees the new epoch."""
+        self.epoch = f"{self.instance}.{self.generation}"
+        self.worker_id: str | None = None  # the worker this epoch's batches go to
+        self.epoch_start_seq: int | None = None  # seq of this epoch's first batch
         self.inflight: deque[ScheduledBatch] = deque()
         self.sent_at: dict[int, float] = {}
         self._results: dict[int, BatchResult] = {}
@@ -125,13 +163,48 @@ class SchedulerDriver:
     def idle(self) -> bool:
         return not self.streams and not self.inflight
 
+    # ------------------------------------------------------------------ workers
+    def bind(self, worker_id: str) -> None:
+        """Sends this epoch's batches to ``worker_id``. Switching after batches went to
+        another worker means that worker's device state is out of reach: recompute."""
+        if self.worker_id == worker_id:
+            return
+        if self.epoch_start_seq is not None:
+            self.worker_lost(f"switching to worker {worker_id}")
+        self.worker_id = worker_id
+        self.log.info("worker bound", worker=worker_id, epoch=self.epoch)
+
+    def worker_lost(self, reason: str) -> list[str]:
+        """The bound worker's device state is gone or unreachable (dead, hung, draining, a
+        batch or result lost). New epoch; every running request returns to the queue with its
+        outputs kept and is recomputed on the next worker, so clients see a delay, not an
+        error, and the outputs equal an uninterrupted run. Results still arriving from the
+        old epoch are ignored, so nothing is applied twice. Returns the recomputed ids."""
+        lost_worker, lost_batches = self.worker_id, [b.seq for b in self.inflight]
+        self.generation += 1
+        self._new_worker_epoch()
+        affected = self.scheduler.reset_after_worker_loss()
+        self.num_worker_losses += 1
+        self.log.warning(
+            "worker lost; requests will be recomputed",
+            reason=reason,
+            worker=lost_worker,
+            inflight_batches=lost_batches,
+            recomputed=len(affected),
+            epoch=self.epoch,
+        )
+        return affected
+
     # ------------------------------------------------------------------ requests
-    def add(self, req: AdmittedRequest) -> list[Delivery]:
+    def add(self, req: AdmittedRequest, track: str = "") -> list[Delivery]:
+        """Queues an admitted request. ``track`` is admission's tracking subject: it hears
+        "accepted" now and "done" when the stream's terminal event is published."""
         if req.admission_id:
             seen = self.last_admission_seq.get(req.admission_id, 0)
             self.last_admission_seq[req.admission_id] = max(seen, req.admission_seq)
         fields = request_fields(req.request_id, req.trace_id)
         if self.draining:
+            self._notice(track, req.request_id, "done")
             return [
                 (
                     req.reply_subject,
@@ -146,9 +219,11 @@ class SchedulerDriver:
             )
         except RequestError as exc:
             self.log.info("request refused", code=str(exc.code), reason=exc.message[:200], **fields)
+            self._notice(track, req.request_id, "done")
             return [(req.reply_subject, _error(req.request_id, exc.code, exc.message))]
         except Exception as exc:  # a scheduler bug must not take the service down
             self.log.exception("add_request failed", **fields)
+            self._notice(track, req.request_id, "done")
             return [
                 (
                     req.reply_subject,
@@ -156,16 +231,91 @@ class SchedulerDriver:
                 )
             ]
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+        self._stream_nos += 1
         self.streams[req.request_id] = _Stream(
-            req.reply_subject, req.trace_id, detok, time.monotonic()
+            req.reply_subject, req.trace_id, detok, time.monotonic(), track, self._stream_nos
         )
+        self.by_no[self._stream_nos] = req.request_id
+        self._notice(track, req.request_id, "accepted")
+        extra: dict[str, Any] = {}
+        if log_content_enabled():
+            extra["prompt_token_ids"] = req.prompt_token_ids
         self.log.info(
             "request added",
             num_prompt_tokens=len(req.prompt_token_ids),
             max_tokens=req.params.max_tokens,
+            **extra,
             **fields,
         )
         return []
+
+    def fail_request(self, request_id: str, code: ErrorCode, message: str) -> list[Delivery]:
+        """Ends one live request with an error event, freeing its KV."""
+        return self._fail([request_id], code, message)
+
+    def client_gone(self, stream_no: int) -> bool:
+        """nats-server reported nobody listens on the stream's reply subject any more (the
+        client closed its connection or unsubscribed): abort it and free its KV. Nothing is
+        sent to the client; admission hears "done". False if the stream already ended."""
+        rid = self.by_no.get(stream_no)
+        stream = self.streams.get(rid) if rid is not None else None
+        if rid is None or stream is None or stream.no != stream_no:
+            return False
+        self.log.warning("client gone; request aborted", **request_fields(rid, stream.trace_id))
+        self._fail([rid], ErrorCode.UNAVAILABLE, "client went away")
+        return True
+
+    def expire(
+        self,
+        now: float,
+        *,
+        max_request_s: float,
+        no_worker_since: float | None,
+        worker_wait_s: float,
+    ) -> list[Delivery]:
+        """Deadlines: a request older than ``max_request_s`` ends with ``timeout``; while no
+        worker is up, one that waited ``worker_wait_s`` for it ends with ``unavailable``."""
+        out: list[Delivery] = []
+        too_old = [rid for rid, s in self.streams.items() if now - s.started > max_request_s]
+        if too_old:
+            out += self._fail(
+                too_old, ErrorCode.TIMEOUT, f"request exceeded its {max_request_s:.0f}s lifetime"
+            )
+        if no_worker_since is not None:
+            starved = [
+                rid
+                for rid, s in self.streams.items()
+                if now - max(s.started, no_worker_since) > worker_wait_s
+            ]
+            if starved:
+                out += self._fail(
+                    starved,
+                    ErrorCode.UNAVAILABLE,
+                    f"no worker has been available for {worker_wait_s:.0f}s",
+                )
+        return out
+
+    def take_notices(self) -> list[Notice]:
+        out, self.notices = self.notices, []
+        return out
+
+    def gone_subject(self, request_id: str) -> str:
+        """Reply subject for this stream's events ("" if the stream is not live)."""
+        stream = self.streams.get(request_id)
+        return subjects.stream_gone(self.instance, stream.no) if stream else ""
+
+    def _notice(self, track: str, request_id: str, state: str) -> None:
+        if track:
+            notice = RequestNotice(request_id=request_id, scheduler_id=self.instance, state=state)
+            self.notices.append((track, notice))
+
+    def _ended(self, request_id: str) -> _Stream | None:
+        """Drops a stream whose terminal event is being delivered; admission hears "done"."""
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            self.by_no.pop(stream.no, None)
+            self._notice(stream.track, request_id, "done")
+        return stream
 
     def abort(self, request_id: str, requester_reply: str = "") -> list[Delivery]:
         try:
@@ -197,6 +347,8 @@ class SchedulerDriver:
                 break
             if batch is None:
                 break
+            if self.epoch_start_seq is None:
+                self.epoch_start_seq = batch.seq
             # once built, a batch must reach the worker: it carries the KV/request deltas
             batches.append(batch)
             self.inflight.append(batch)
@@ -254,9 +406,11 @@ class SchedulerDriver:
         return applied, out
 
     def reset(self, code: ErrorCode, message: str) -> list[Delivery]:
-        """Worker gone or a batch lost: fail everything and start a new epoch, so a worker
-        (re)joining starts from a clean state and batch seq 0."""
+        """Gives up on everything (shutdown after the drain timeout): every stream ends with
+        an error and a fresh scheduler starts a new epoch."""
         out = [(s.reply, _error(rid, code, message)) for rid, s in self.streams.items()]
+        for rid in list(self.streams):
+            self._ended(rid)
         self.log.error("scheduler reset", reason=message, failed=len(out), epoch=self.epoch)
         self.generation += 1
         self._new_epoch()
@@ -301,16 +455,22 @@ class SchedulerDriver:
                 if stream.detok is not None:
                     event.text = stream.detok.push(event.token_id)
             elif isinstance(event, FinishedEvent):
-                del self.streams[event.request_id]
+                self._ended(event.request_id)
                 if self.tokenizer is not None:
                     event.text = self.tokenizer.decode(event.token_ids, skip_special_tokens=True)
+                extra: dict[str, Any] = {}
+                if log_content_enabled():
+                    extra.update(token_ids=event.token_ids, text=event.text)
                 self.log.info(
                     "request finished",
                     finish_reason=event.finish_reason,
                     num_tokens=len(event.token_ids),
                     latency_s=round(time.monotonic() - stream.started, 4),
+                    **extra,
                     **request_fields(event.request_id, stream.trace_id),
                 )
+            elif isinstance(event, ErrorEvent):
+                self._ended(event.request_id)
             out.append((stream.reply, event))
         return out
 
@@ -323,7 +483,7 @@ class SchedulerDriver:
                     self.scheduler.abort_request(rid)  # its "abort" event is replaced below
                 except Exception:
                     self.log.exception("abort after failure failed", request_id=rid)
-            stream = self.streams.pop(rid, None)
+            stream = self._ended(rid)
             if stream is not None:
                 self.log.warning(
                     "request failed",
@@ -343,6 +503,56 @@ def _request_ids(batch: ScheduledBatch) -> list[str]:
     return list(dict.fromkeys(t.request.request_id for t in batch.tasks))
 
 
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """Timeouts of the scheduler service (env names in ``from_env``; docs/services.md)."""
+
+    # a batch not answered in this long: the worker is hung (declared lost, then suspect)
+    batch_timeout_s: float = 300.0
+    # no heartbeat for this long (while we were connected): the worker is dead
+    heartbeat_timeout_s: float = 3.0
+    # how long requests wait while no worker is up before they end with "unavailable"
+    worker_wait_s: float = 60.0
+    # a request older than this ends with "timeout" (abandoned or runaway streams)
+    max_request_s: float = 3600.0
+    # after a NATS reconnect, client events are held this long so clients can resubscribe
+    reconnect_grace_s: float = 2.0
+    # a batch/result a heartbeat says is missing must be this overdue before it counts lost
+    loss_grace_s: float = 2.0
+    load_interval_s: float = 0.25
+    # prefix-event producer name, stable across restarts (one per scheduler replica)
+    producer_name: str = "scheduler"
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> SchedulerOptions:
+        base = cls(**overrides)
+        return cls(
+            batch_timeout_s=_env_float("RLT_BATCH_TIMEOUT_S", base.batch_timeout_s),
+            heartbeat_timeout_s=_env_float(
+                "RLT_WORKER_HEARTBEAT_TIMEOUT_S", base.heartbeat_timeout_s
+            ),
+            worker_wait_s=_env_float("RLT_WORKER_WAIT_S", base.worker_wait_s),
+            max_request_s=_env_float("RLT_MAX_REQUEST_S", base.max_request_s),
+            reconnect_grace_s=_env_float("RLT_RECONNECT_GRACE_S", base.reconnect_grace_s),
+            loss_grace_s=base.loss_grace_s,
+            load_interval_s=base.load_interval_s,
+            producer_name=os.environ.get("RLT_SCHEDULER_NAME") or base.producer_name,
+        )
+
+
+@dataclass
+class _Held:
+    """Client events and notices held while the bus is down (sent in order afterwards)."""
+
+    messages: list[tuple[str, bytes, str]] = field(default_factory=list)
+    active: bool = False
+
+
 class SchedulerService(Service):
     name = "scheduler"
     description = "request state, batch selection, progress and logical KV"
@@ -353,16 +563,27 @@ class SchedulerService(Service):
         checkpoint: str | Path,
         config: SchedulerConfig,
         *,
-        batch_timeout_s: float = 300.0,
-        load_interval_s: float = 0.25,
+        batch_timeout_s: float | None = None,
+        load_interval_s: float | None = None,
+        options: SchedulerOptions | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(nats_url, **kwargs)
         self.checkpoint = Path(checkpoint)
         self.config = config
-        self.batch_timeout_s = batch_timeout_s
-        self.load_interval_s = load_interval_s
+        opts = options or SchedulerOptions()
+        if batch_timeout_s is not None:  # the older keyword arguments still work
+            opts = replace(opts, batch_timeout_s=batch_timeout_s)
+        if load_interval_s is not None:
+            opts = replace(opts, load_interval_s=load_interval_s)
+        self.options = opts
         self.driver: SchedulerDriver | None = None
+        self.workers = WorkerTracker(opts.heartbeat_timeout_s)
+        self.loss = LossDetector(opts.loss_grace_s)
+        self.no_worker_since: float | None = None
+        self.num_clients_gone = 0
+        self._held = _Held()
+        self._results_in = Reassembler()
         self._wake = asyncio.Event()
         self._last_load = 0.0
 
@@ -372,6 +593,7 @@ class SchedulerService(Service):
             load_model_limits(self.checkpoint),
             load_tokenizer(self.checkpoint),
             instance=self.instance_id,
+            producer_id=self.options.producer_name,
             log=self.log,
         )
 
@@ -381,24 +603,37 @@ class SchedulerService(Service):
         return self.driver.scheduler
 
     def endpoints(self) -> Sequence[Endpoint]:
+        assert self.driver is not None
         return (
             Endpoint("submit", subjects.SCHED_SUBMIT, self._on_submit),
             Endpoint("abort", subjects.SCHED_ABORT, self._on_abort),
             Endpoint("load", subjects.SCHED_LOAD_GET, self._on_load_get),
-            Endpoint("replay", subjects.prefix_replay(self.instance_id), self._on_replay),
-            # plain subscription: it must receive the "no responders" status of our batch
-            # publishes (no worker running), which nats-server never gives a queue subscriber
+            Endpoint("replay", subjects.prefix_replay(self.driver.producer_id), self._on_replay),
+            # every scheduler needs every heartbeat: a queue group of its own
+            Endpoint(
+                "heartbeat",
+                subjects.WORKER_HEARTBEAT,
+                self._on_heartbeat,
+                queue_group=f"rlt-scheduler-{self.instance_id}",
+            ),
+            # plain subscriptions: they must receive nats-server's "no responders" status for
+            # our own publishes (batches with no worker behind them, events for a vanished
+            # client), which nats-server never gives a queue subscriber
             Endpoint(
                 "results",
                 subjects.worker_results_of(self.instance_id),
                 self._on_result,
                 micro=False,
             ),
+            Endpoint(
+                "gone", subjects.streams_gone_of(self.instance_id), self._on_gone, micro=False
+            ),
         )
 
     async def on_ready(self) -> None:
         self.spawn(self._loop(), "loop")
         self.spawn(self._housekeeping(), "housekeeping")
+        await self.nc.publish(subjects.WORKER_DISCOVER, b"")  # workers: say hello now
 
     async def drain(self, timeout: float) -> None:
         assert self.driver is not None
@@ -412,18 +647,40 @@ class SchedulerService(Service):
                     ErrorCode.UNAVAILABLE, "scheduler shut down before the request finished"
                 )
             )
+        self._held.active = False  # shutting down: send what is held, best effort
+        await self._flush_notices()
+        await self._release_held()
+
+    async def on_bus_lost(self) -> None:
+        # hold client events: published now they would reach nobody (the clients are
+        # reconnecting too) and be silently dropped
+        self._held.active = True
+
+    async def on_bus_back(self) -> None:
+        self.spawn(self._release_after_grace(), "release-held")
+        # the pause says nothing about the workers: judge them from fresh heartbeats
+        await self.nc.publish(subjects.WORKER_DISCOVER, b"")
+        self._wake.set()
 
     def health_details(self) -> dict[str, Any]:
         if self.driver is None:
             return {}
-        s = self.driver.scheduler
+        d = self.driver
+        s = d.scheduler
         return {
-            "epoch": self.driver.epoch,
+            "epoch": d.epoch,
+            "worker": d.worker_id,
+            "workers_known": len(self.workers.workers),
+            "worker_losses": d.num_worker_losses,
+            "clients_gone": self.num_clients_gone,
             "live_requests": len(s.requests),
+            "streams": len(d.streams),
             "running": len(s.running),
-            "inflight_batches": len(self.driver.inflight),
+            "inflight_batches": len(d.inflight),
             "batches": s.stats.num_batches,
             "free_kv_blocks": s.kv.num_free_blocks,
+            "num_kv_blocks": s.kv.num_blocks,
+            "held_messages": len(self._held.messages),
         }
 
     # ------------------------------------------------------------------ handlers
@@ -432,9 +689,12 @@ class SchedulerService(Service):
         try:
             req = decode_msgpack(msg.data, AdmittedRequest)
         except msgspec.DecodeError as exc:  # version skew with admission: nowhere to answer
-            self.log.error("undecodable submit", error=str(exc))
+            self.log.error("undecodable submit", error=str(exc)[:200])
             return
-        await self._deliver(self.driver.add(req))
+        # only admission's tracking subjects get notices (never an arbitrary reply subject)
+        track = msg.reply if (msg.reply or "").startswith(subjects.ADMISSION_TRACK_PREFIX) else ""
+        await self._deliver(self.driver.add(req, track=track))
+        await self._flush_notices()
         self._wake.set()
 
     async def _on_abort(self, msg: Msg) -> None:
@@ -442,31 +702,48 @@ class SchedulerService(Service):
         try:
             abort = decode_msgpack(msg.data, AbortForward)
         except msgspec.DecodeError as exc:
-            self.log.error("undecodable abort", error=str(exc))
+            self.log.error("undecodable abort", error=str(exc)[:200])
             return
         self.log.info("abort received", **request_fields(abort.request_id, abort.trace_id))
         await self._deliver(self.driver.abort(abort.request_id, abort.reply_subject))
+        await self._flush_notices()
         self._wake.set()
 
     async def _on_replay(self, msg: Msg) -> None:
         assert self.driver is not None
         try:
             request = decode_msgpack(msg.data, ReplayRequest)
-        except msgspec.DecodeError as exc:
-            self.log.error("undecodable replay request", error=str(exc))
+            batches = self.driver.answer_replay(request)
+        except Exception as exc:  # undecodable or nonsensical: the requester re-asks
+            self.log.error("bad replay request", error=repr(exc)[:200])
             return
-        batches = self.driver.answer_replay(request)
         self.log.info("prefix replay", from_seq=request.from_seq, envelopes=len(batches))
         await self._publish_prefix(batches)
 
     async def _publish_prefix(self, batches: list[PrefixEventBatch]) -> None:
         for batch in batches:
-            await self.nc.publish(subjects.PREFIX_EVENTS, encode_msgpack(batch))
+            await publish_chunked(self.nc, subjects.PREFIX_EVENTS, encode_msgpack(batch))
 
     async def _on_load_get(self, msg: Msg) -> None:
         assert self.driver is not None
         if msg.reply:
             await self.nc.publish(msg.reply, encode_msgpack(self.driver.load()))
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        assert self.driver is not None
+        try:
+            hb = decode_msgpack(msg.data, WorkerHeartbeat)
+        except msgspec.DecodeError as exc:
+            self.log.error("undecodable heartbeat", error=str(exc)[:200])
+            return
+        now = time.monotonic()
+        self.workers.heartbeat(hb, now)
+        d = self.driver
+        if hb.worker_id == d.worker_id:
+            reason = self.loss.check(hb, d.epoch, [b.seq for b in d.inflight], d.sent_at, now)
+            if reason is not None:
+                d.worker_lost(reason)
+        self._wake.set()
 
     async def _on_result(self, msg: Msg) -> None:
         assert self.driver is not None
@@ -474,65 +751,181 @@ class SchedulerService(Service):
         if epoch != self.driver.epoch:
             return  # a result or status from before a reset
         if is_no_responders(msg):
-            await self._deliver(
-                self.driver.reset(
-                    ErrorCode.UNAVAILABLE, f"no worker is serving {subjects.WORKER_BATCH}"
-                )
-            )
+            # nobody subscribes to the bound worker's batch subject: its process is gone
+            if self.driver.worker_id is not None:
+                self.workers.forget(self.driver.worker_id)
+            self.driver.worker_lost(f"no worker is serving {subjects.WORKER_BATCH}")
             self._wake.set()
             return
+        data = self._results_in.feed(msg)
+        if data is None:
+            return  # a part of a bigger result
         try:
-            wr = decode_msgpack(msg.data, WorkerResult)
+            wr = decode_msgpack(data, WorkerResult)
         except msgspec.DecodeError as exc:
-            self.log.error("undecodable worker result", error=str(exc))
+            self.log.error("undecodable worker result", error=str(exc)[:200])
             return
-        if wr.epoch == self.driver.epoch and self.driver.on_result(wr.result):
+        d = self.driver
+        # seq + epoch + worker instance: a result is applied once, from the bound worker
+        if wr.epoch == d.epoch and wr.worker_id in ("", d.worker_id) and d.on_result(wr.result):
+            self._wake.set()
+
+    async def _on_gone(self, msg: Msg) -> None:
+        assert self.driver is not None
+        if not is_no_responders(msg):
+            return
+        try:
+            stream_no = int(msg.subject.rsplit(".", 1)[1])
+        except ValueError:
+            return
+        if self.driver.client_gone(stream_no):
+            self.num_clients_gone += 1
+            await self._flush_notices()
             self._wake.set()
 
     # ------------------------------------------------------------------ loop
     async def _loop(self) -> None:
-        driver = self.driver
-        assert driver is not None
         while True:
             self._wake.clear()
-            applied, out = driver.apply_results()
-            batches, more = driver.schedule()
-            # batches first: the worker is the critical path, clients can wait a moment
-            for batch in batches:
-                await self._publish_batch(batch)
-            await self._deliver(out)
-            await self._deliver(more)
-            await self._publish_prefix(driver.take_prefix_events())
-            if applied or batches:
-                await self._maybe_publish_load()
+            try:
+                progressed = await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad step end the loop (and the service)
+                self.log.exception("scheduler step failed")
+                await asyncio.sleep(0.05)
                 continue
-            await self._wake.wait()
+            if not progressed:
+                await self._wake.wait()
+
+    async def _step(self) -> bool:
+        driver = self.driver
+        assert driver is not None
+        applied, out = driver.apply_results()
+        batches: list[ScheduledBatch] = []
+        more: list[Delivery] = []
+        if self.bus_connected and self._bind_worker():
+            batches, more = driver.schedule()
+        # batches first: the worker is the critical path, clients can wait a moment
+        for batch in batches:
+            await self._publish_batch(batch)
+        await self._deliver(out)
+        await self._deliver(more)
+        await self._flush_notices()
+        await self._publish_prefix(driver.take_prefix_events())
+        if applied or batches:
+            await self._maybe_publish_load()
+            return True
+        return False
+
+    def _bind_worker(self) -> bool:
+        """Judges the bound worker and binds one if needed; False when none is usable."""
+        d = self.driver
+        assert d is not None
+        now = time.monotonic()
+        since = self.bus_connected_since
+        bound = d.worker_id
+        if bound is not None:
+            info = self.workers.workers.get(bound)
+            if self.workers.is_dead(bound, now, since):
+                self.workers.forget(bound)
+                timeout = self.workers.heartbeat_timeout_s
+                d.worker_lost(f"worker {bound} sent no heartbeat for {timeout}s")
+            elif info is not None and info.heartbeat.draining:
+                if d.inflight:
+                    return False  # let it finish what it has, then move on
+                d.worker_lost(f"worker {bound} is draining")
+        chosen = self.workers.choose(d.worker_id, now, since)
+        if chosen is None:
+            if self.no_worker_since is None:
+                self.no_worker_since = now
+                self.log.warning("no worker available; requests wait", streams=len(d.streams))
+            return False
+        self.no_worker_since = None
+        d.bind(chosen)
+        return True
 
     async def _publish_batch(self, batch: ScheduledBatch) -> None:
-        assert self.driver is not None
+        d = self.driver
+        assert d is not None and d.worker_id is not None
         cfg = self.config
         wb = WorkerBatch(
-            epoch=self.driver.epoch,
+            epoch=d.epoch,
             batch=batch.wire,
             num_blocks=cfg.num_blocks,
             block_size=cfg.block_size,
             kv_layout=str(cfg.kv_layout),
+            epoch_start_seq=d.epoch_start_seq if d.epoch_start_seq is not None else batch.seq,
+            worker_id=d.worker_id,
         )
         self.log.debug(
             "batch sent", phase=str(batch.phase), rows=len(batch.tasks), **{BATCH_SEQ: batch.seq}
         )
-        await self.nc.publish(
-            subjects.WORKER_BATCH,
-            encode_msgpack(wb),
-            reply=subjects.worker_result(self.driver.epoch),
-        )
+        try:
+            # a batch bigger than max_payload (many new prompts) travels in parts
+            await publish_chunked(
+                self.nc,
+                subjects.worker_batch(d.worker_id),
+                encode_msgpack(wb),
+                reply=subjects.worker_result(d.epoch),
+            )
+        except Exception as exc:  # e.g. the bus dropped and the outbound buffer is full
+            if wb.epoch == d.epoch:
+                d.worker_lost(f"batch {batch.seq} could not be sent: {exc!r}")
 
     async def _deliver(self, deliveries: list[Delivery]) -> None:
+        assert self.driver is not None
         for subject, event in deliveries:
-            try:
-                await self.nc.publish(subject, encode_json(event))
-            except Exception as exc:  # e.g. a client that vanished with a bad inbox
-                self.log.warning("delivery failed", error=repr(exc), request_id=event.request_id)
+            data = encode_json(event)
+            if not fits(self.nc, len(data)):
+                data = self._too_large(subject, event, len(data))
+            # token events carry a reply subject: nats-server answers it with "no responders"
+            # when the client is gone, and the request is aborted (see _on_gone)
+            reply = ""
+            if isinstance(event, TokenEvent):
+                reply = self.driver.gone_subject(event.request_id)
+            await self._send(subject, data, reply)
+
+    def _too_large(self, subject: str, event: StreamEvent, size: int) -> bytes:
+        """An event over NATS max_payload (a very long finished event): the client gets a
+        clear error instead, and a live request is ended."""
+        assert self.driver is not None
+        message = (
+            f"the {type(event).__name__} of {size} bytes exceeds the NATS max_payload of "
+            f"{self.nc.max_payload} bytes; lower max_tokens or raise max_payload"
+        )
+        self.log.error("event too large", size=size, request_id=event.request_id)
+        self.driver.fail_request(event.request_id, ErrorCode.INTERNAL, message)
+        return encode_json(_error(event.request_id, ErrorCode.INTERNAL, message))
+
+    async def _flush_notices(self) -> None:
+        assert self.driver is not None
+        for subject, notice in self.driver.take_notices():
+            await self._send(subject, encode_msgpack(notice))
+
+    async def _send(self, subject: str, data: bytes, reply: str = "") -> None:
+        if self._held.active:
+            self._held.messages.append((subject, data, reply))
+            return
+        try:
+            await self.nc.publish(subject, data, reply=reply)
+        except Exception as exc:  # e.g. a bad client reply subject: only that stream suffers
+            self.log.warning("delivery failed", error=repr(exc)[:200], subject=subject[:100])
+
+    async def _release_after_grace(self) -> None:
+        await asyncio.sleep(self.options.reconnect_grace_s)
+        # only once the connection held for the whole grace period
+        stable = time.monotonic() - self.bus_connected_since >= self.options.reconnect_grace_s
+        if self.bus_connected and stable:
+            self._held.active = False
+            await self._release_held()
+
+    async def _release_held(self) -> None:
+        held, self._held.messages = self._held.messages, []
+        if held:
+            self.log.info("sending messages held during the outage", count=len(held))
+        for subject, data, reply in held:
+            await self._send(subject, data, reply)
 
     async def _maybe_publish_load(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -543,24 +936,44 @@ class SchedulerService(Service):
         await self.nc.publish(subjects.SCHED_LOAD, encode_msgpack(self.driver.load()))
 
     async def _housekeeping(self) -> None:
-        """Periodic load reports, and the watchdog for batches that never come back."""
+        """Periodic load reports; the worker watchdogs; request deadlines."""
         assert self.driver is not None
         last_repub = time.monotonic()
         while True:
-            await asyncio.sleep(self.load_interval_s)
-            await self._maybe_publish_load(force=True)
-            if self.config.enable_prefix_caching and time.monotonic() - last_repub > 1.0:
-                last_repub = time.monotonic()
-                # re-publishing the newest envelope lets a consumer that missed the tail
-                # notice the gap (it drops it as a duplicate otherwise)
-                latest = self.driver.scheduler.prefix_log.latest()
-                await self._publish_prefix([latest] if latest is not None else [])
-            age = self.driver.oldest_inflight_age(time.monotonic())
-            if age > self.batch_timeout_s:
-                seq = self.driver.inflight[0].seq
-                await self._deliver(
-                    self.driver.reset(
-                        ErrorCode.UNAVAILABLE, f"worker did not answer batch {seq} in {age:.0f}s"
-                    )
-                )
-                self._wake.set()
+            await asyncio.sleep(self.options.load_interval_s)
+            try:
+                last_repub = await self._housekeep(last_repub)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.log.exception("housekeeping failed")
+
+    async def _housekeep(self, last_repub: float) -> float:
+        d = self.driver
+        assert d is not None
+        if not self.bus_connected:
+            return last_repub  # nothing can be judged (or sent) while we are cut off
+        await self._maybe_publish_load(force=True)
+        now = time.monotonic()
+        if self.config.enable_prefix_caching and now - last_repub > 1.0:
+            last_repub = now
+            # re-publishing the newest envelope lets a consumer that missed the tail
+            # notice the gap (it drops it as a duplicate otherwise)
+            latest = d.scheduler.prefix_log.latest()
+            await self._publish_prefix([latest] if latest is not None else [])
+        age = d.oldest_inflight_age(now)
+        if age > self.options.batch_timeout_s and d.worker_id is not None:
+            self.workers.mark_suspect(d.worker_id)
+            d.worker_lost(f"worker did not answer batch {d.inflight[0].seq} in {age:.0f}s")
+        if d.worker_id is None or d.inflight:
+            self._bind_worker()  # notices a dead worker even when nothing else happens
+        expired = d.expire(
+            now,
+            max_request_s=self.options.max_request_s,
+            no_worker_since=self.no_worker_since,
+            worker_wait_s=self.options.worker_wait_s,
+        )
+        await self._deliver(expired)
+        await self._flush_notices()
+        self._wake.set()
+        return last_repub

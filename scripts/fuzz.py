@@ -1,0 +1,542 @@
+"""Fuzzing rlt: random and mutated messages against every decoder and every subject.
+
+Two parts, both driven by a seeded mutator over valid messages (structural mutations of the
+decoded message, byte-level mutations of the encoded one, and plain random bytes):
+
+- ``fuzz_decoders``: in-process, every internal decoder and the pure core behind it
+  (admission's request parser, the scheduler driver, the prefix index, the worker-liveness
+  judge, the chunk reassembler, admission's open-request table). Only the documented
+  failures may come out: ``msgspec.DecodeError`` from a decoder, ``AdmissionError`` from
+  admission; anything else is a bug.
+- ``run_live``: the four services as real processes on a real nats-server. Mutated messages
+  go to the public subjects (each generate with a reply inbox) and to the internal ones;
+  afterwards every generate must have been answered with exactly one terminal event, every
+  process is alive with no crash logged, KV is reclaimed, and valid requests still work.
+
+    python scripts/fuzz.py --cases 12000            # >= 10k cases (decoders + live)
+    tests/test_fuzz.py runs a bounded number in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from messages.api import AbortRequest, FinishedEvent, GenerateRequest  # noqa: E402
+from messages.batch import (  # noqa: E402
+    Batch,
+    BatchPhase,
+    BatchResult,
+    BatchRow,
+    BlockDelta,
+    NewRequest,
+    RowResult,
+    WorkerSampling,
+)
+from messages.internal import (  # noqa: E402
+    AbortForward,
+    AdmittedRequest,
+    RequestNotice,
+    SchedulerLoad,
+    WorkerBatch,
+    WorkerHeartbeat,
+    WorkerResult,
+)
+from messages.prefix import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    PrefixEventBatch,
+    PrefixLookup,
+    ReplayRequest,
+)
+from messages.sampling import SamplingParams  # noqa: E402
+from services.runtime import subjects  # noqa: E402
+
+INTERESTING: list[Any] = [
+    None, True, False, 0, 1, -1, 2, 3, 4097, 2**31, -(2**31), 2**63 - 1, 2**64, -(2**63),
+    0.5, -0.0, 1e300, float("inf"), "", "x", "a" * 300, "rlt.v1.worker.batch", "_INBOX.x",
+    "\u0000", "\ud7ff", [], [1, 2, 3], [-1], {}, {"a": 1},
+]  # fmt: skip
+
+
+class Mutator:
+    """Seeded mutations of a valid message (``obj`` decoded, ``data`` encoded)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def mutate(self, obj: Any, encode: Callable[[Any], bytes]) -> bytes:
+        r = self.rng.random()
+        if r < 0.45:
+            try:
+                return encode(self.structural(obj))
+            except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+                return encode(obj)
+        if r < 0.9:
+            return self.bytewise(encode(obj))
+        return self.rng.randbytes(self.rng.randrange(0, 64))
+
+    def structural(self, obj: Any, depth: int = 0) -> Any:
+        rng = self.rng
+        if isinstance(obj, dict) and obj and depth < 6:
+            out = dict(obj)
+            key = rng.choice(list(out))
+            op = rng.random()
+            if op < 0.15:
+                del out[key]
+            elif op < 0.25:
+                out[rng.choice(["extra", "", key + "_"])] = rng.choice(INTERESTING)
+            elif op < 0.6:
+                out[key] = rng.choice(INTERESTING)
+            else:
+                out[key] = self.structural(out[key], depth + 1)
+            return out
+        if isinstance(obj, list) and obj and depth < 6:
+            out_list = list(obj)
+            i = rng.randrange(len(out_list))
+            op = rng.random()
+            if op < 0.2:
+                del out_list[i]
+            elif op < 0.35:
+                out_list.insert(i, rng.choice(out_list))
+            elif op < 0.6:
+                out_list[i] = rng.choice(INTERESTING)
+            else:
+                out_list[i] = self.structural(out_list[i], depth + 1)
+            return out_list
+        if isinstance(obj, bool):
+            return not obj
+        if isinstance(obj, int):
+            return rng.choice([obj + 1, obj - 1, -obj, obj * 1000, rng.choice(INTERESTING)])
+        if isinstance(obj, float):
+            return rng.choice([obj * 2, -obj, float("nan"), rng.choice(INTERESTING)])
+        if isinstance(obj, str):
+            return rng.choice([obj[:-1], obj + "x", obj * 2, rng.choice(INTERESTING)])
+        return rng.choice(INTERESTING)
+
+    def bytewise(self, data: bytes) -> bytes:
+        rng = self.rng
+        buf = bytearray(data)
+        for _ in range(rng.randrange(1, 4)):
+            op = rng.random()
+            if not buf or op < 0.15:
+                buf.extend(rng.randbytes(rng.randrange(1, 8)))
+            elif op < 0.4:
+                i = rng.randrange(len(buf))
+                buf[i] ^= 1 << rng.randrange(8)
+            elif op < 0.55:
+                i = rng.randrange(len(buf))
+                buf[i] = rng.randrange(256)
+            elif op < 0.7:
+                del buf[rng.randrange(len(buf)) :]
+            elif op < 0.85:
+                i = rng.randrange(len(buf))
+                del buf[i : i + rng.randrange(1, 6)]
+            else:
+                i, j = sorted(rng.randrange(len(buf) + 1) for _ in range(2))
+                buf[i:i] = buf[i:j]
+        return bytes(buf)
+
+
+def _mp(obj: Any) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+def _js(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+def _plain(struct: msgspec.Struct) -> Any:
+    return msgspec.to_builtins(struct)
+
+
+def valid_messages(ids: dict[str, str]) -> list[tuple[str, Any, Callable[[Any], bytes]]]:
+    """(subject, valid message as plain data, encoder) for every subject the system reads.
+    ``ids``: worker, scheduler, scheduler_epoch, admission (instance ids of the live run)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, min_loops=1, exit_threshold=0.7)
+    batch = Batch(
+        seq=3,
+        phase=BatchPhase.RECURRENT,
+        rows=[BatchRow(request_id="r1", token_start=0, token_count=3, depth=0, embed=True)],
+        new_requests=[
+            NewRequest(
+                request_id="r1",
+                prompt_token_ids=[1, 2, 3],
+                sampling=WorkerSampling(
+                    temperature=0.0,
+                    top_p=1.0,
+                    top_k=0,
+                    seed=1,
+                    min_loops=1,
+                    max_loops=4,
+                    exit_threshold=1.0,
+                ),
+            )
+        ],
+        block_deltas=[BlockDelta(request_id="r1", plane_blocks=[[0], [1], [2], [3]])],
+    )
+    prefix = PrefixEventBatch(
+        producer_id="scheduler",
+        epoch="0" * 32,
+        event_seq=2,
+        events=[
+            BlockStored(block_hashes=[1, 2]),
+            BlockRemoved(block_hashes=[2]),
+            AllBlocksCleared(),
+        ],
+    )
+    text_request = GenerateRequest(prompt="hello there", **_params_dict(params))
+    return [
+        (subjects.GENERATE, _plain(text_request), _js),
+        (
+            subjects.GENERATE,
+            _plain(GenerateRequest(prompt_token_ids=[5, 6, 7], **_params_dict(params))),
+            _js,
+        ),
+        (subjects.ABORT, _plain(AbortRequest(request_id="fuzz-x")), _js),
+        (
+            subjects.SCHED_SUBMIT,
+            _plain(
+                AdmittedRequest(
+                    request_id="fz-sub",
+                    prompt_token_ids=[1, 2, 3],
+                    params=params,
+                    reply_subject="_INBOX.fuzz-sink",
+                    admission_id="fuzz",
+                    admission_seq=1,
+                )
+            ),
+            _mp,
+        ),
+        (subjects.SCHED_ABORT, _plain(AbortForward(request_id="fz-none")), _mp),
+        (
+            subjects.SCHED_LOAD,
+            _plain(SchedulerLoad(scheduler_id="fz", num_waiting=1, last_admission_seq={"a": 1})),
+            _mp,
+        ),
+        (subjects.SCHED_LOAD_GET, b"", lambda _o: b""),
+        (
+            subjects.WORKER_HEARTBEAT,
+            _plain(WorkerHeartbeat(worker_id="fz-worker", epoch="e.0", next_seq=3)),
+            _mp,
+        ),
+        (
+            subjects.worker_batch(ids["worker"]),
+            _plain(
+                WorkerBatch(
+                    epoch="fz.0",
+                    batch=batch,
+                    num_blocks=64,
+                    block_size=4,
+                    kv_layout="last_exited",
+                    epoch_start_seq=3,
+                    worker_id=ids["worker"],
+                )
+            ),
+            _mp,
+        ),
+        (
+            subjects.worker_result(ids["scheduler_epoch"]),
+            _plain(
+                WorkerResult(
+                    epoch=ids["scheduler_epoch"],
+                    result=BatchResult(seq=10**6, rows=[RowResult(row_index=0, token_id=3)]),
+                    worker_id="fz",
+                )
+            ),
+            _mp,
+        ),
+        (subjects.PREFIX_EVENTS, _plain(prefix), _mp),
+        (subjects.PREFIX_LOOKUP, _plain(PrefixLookup(block_hashes=[1, 2, 3])), _mp),
+        (
+            subjects.prefix_replay("scheduler"),
+            _plain(ReplayRequest(producer_id="scheduler", epoch="0" * 32, from_seq=1)),
+            _mp,
+        ),
+        (
+            subjects.admission_track(ids["admission"], 1),
+            _plain(RequestNotice(request_id="x", scheduler_id="fz", state="done")),
+            _mp,
+        ),
+        (subjects.stream_gone(ids["scheduler"], 1), b"", lambda _o: b""),
+        (subjects.WORKER_DISCOVER, b"", lambda _o: b""),
+    ]
+
+
+def _params_dict(p: SamplingParams) -> dict[str, Any]:
+    return {name: getattr(p, name) for name in SamplingParams.__struct_fields__}
+
+
+# ---------------------------------------------------------------------- in-process decoders
+@dataclass
+class DecoderReport:
+    cases: int = 0
+    decoded: int = 0  # mutated messages that still decoded (and went through the core)
+    per_target: dict[str, int] = field(default_factory=dict)
+
+
+class _Msg:
+    """Enough of a nats Msg for the Reassembler."""
+
+    def __init__(self, data: bytes, headers: dict[str, str] | None) -> None:
+        self.data = data
+        self.headers = headers
+
+
+def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
+    """Mutated messages into every internal decoder and the pure core behind it."""
+    from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError, OpenRequests
+    from services.prefix_cache.core import PrefixIndex
+    from services.runtime.bus import HEADER_CHUNK, Reassembler
+    from services.runtime.checkpoint import load_model_limits, load_tokenizer
+    from services.scheduler.config import SchedulerConfig
+    from services.scheduler.liveness import LossDetector, WorkerTracker
+    from services.scheduler.service import SchedulerDriver
+
+    limits, tokenizer = load_model_limits(checkpoint), load_tokenizer(checkpoint)
+    admission = AdmissionCore(limits, tokenizer, AdmissionConfig(max_payload=1 << 20))
+    config = SchedulerConfig(block_size=4, num_blocks=256, enable_prefix_caching=True)
+    driver = SchedulerDriver(config, limits, tokenizer, log=_Quiet())
+    index = PrefixIndex()
+    tracker, loss = WorkerTracker(), LossDetector()
+    reassembler = Reassembler()
+    table = OpenRequests(scheduler_lost_s=1.0)
+    mut = Mutator(seed)
+    ids = {"worker": "w", "scheduler": "s", "scheduler_epoch": "s.0", "admission": "a"}
+    targets = valid_messages(ids)
+    decoders: dict[str, Callable[[bytes], Any]] = {
+        subjects.GENERATE: admission.prepare,
+        subjects.ABORT: admission.parse_abort,
+    }
+
+    def run_core(subject: str, data: bytes) -> bool:
+        if subject in decoders:
+            try:
+                decoders[subject](data)
+            except AdmissionError:
+                return False
+            return True
+        track = subjects.admission_track("a", 1)
+        for prefix, typ, core in (
+            (subjects.SCHED_SUBMIT, AdmittedRequest, lambda m: driver.add(m, track=track)),
+            (subjects.SCHED_ABORT, AbortForward, lambda m: driver.abort(m.request_id)),
+            (subjects.SCHED_LOAD, SchedulerLoad, admission.load.apply),
+            (subjects.WORKER_HEARTBEAT, WorkerHeartbeat, _heartbeat(tracker, loss, driver)),
+            (subjects.WORKER_BATCH, WorkerBatch, _worker_batch_checks),
+            (subjects.WORKER_RESULT, WorkerResult, lambda m: driver.on_result(m.result)),
+            (subjects.PREFIX_EVENTS, PrefixEventBatch, index.apply),
+            (subjects.PREFIX_LOOKUP, PrefixLookup, lambda m: index.lookup(m.block_hashes)),
+            (subjects.PREFIX_REPLAY_PREFIX, ReplayRequest, driver.answer_replay),
+            (subjects.ADMISSION_TRACK_PREFIX, RequestNotice, lambda m: table.notice(1, m, 0.0)),
+        ):  # fmt: skip
+            if subject.startswith(prefix):
+                try:
+                    message = msgspec.msgpack.decode(data, type=typ)
+                except msgspec.DecodeError:
+                    return False
+                core(message)
+                return True
+        return False
+
+    report = DecoderReport()
+    for _ in range(cases):
+        subject, obj, encode = mut.rng.choice(targets)
+        data = mut.mutate(obj, encode)
+        report.cases += 1
+        report.per_target[subject] = report.per_target.get(subject, 0) + 1
+        try:
+            report.decoded += run_core(subject, data)
+            # the same bytes as one part of a split message, with a mutated chunk header
+            header = mut.bytewise(f"{mut.rng.randrange(3)} {mut.rng.randrange(3)} 2".encode())
+            reassembler.feed(
+                _Msg(data, {HEADER_CHUNK: header.decode("utf-8", "replace")})  # type: ignore[arg-type]
+            )
+        except Exception as exc:
+            raise AssertionError(
+                f"{type(exc).__name__} from {subject} with {data[:200]!r}: {exc}"
+            ) from exc
+        # keep the driver moving so requests added by fuzzed submits also leave again
+        if mut.rng.random() < 0.05:
+            driver.schedule()
+    return report
+
+
+class _Quiet:
+    """A logger that drops everything (the fuzzer makes the driver log a lot)."""
+
+    def __getattr__(self, _name: str) -> Callable[..., None]:
+        return lambda *_a, **_k: None
+
+
+def _heartbeat(tracker: Any, loss: Any, driver: Any) -> Callable[[WorkerHeartbeat], None]:
+    def apply(hb: WorkerHeartbeat) -> None:
+        tracker.heartbeat(hb, time.monotonic())
+        tracker.choose(None, time.monotonic(), 0.0)
+        loss.check(hb, driver.epoch, [b.seq for b in driver.inflight], driver.sent_at, 1e9)
+
+    return apply
+
+
+def _worker_batch_checks(wb: WorkerBatch) -> None:
+    from services.worker.service import _is_older_epoch
+
+    _is_older_epoch(wb.epoch, "x.1")
+
+
+# ---------------------------------------------------------------------- live
+@dataclass
+class LiveReport:
+    cases: int = 0
+    generate_with_reply: int = 0
+    answered_once: int = 0
+    unanswered: int = 0
+    duplicates: int = 0
+    per_subject: dict[str, int] = field(default_factory=dict)
+    crashes: list[str] = field(default_factory=list)
+    kv_reclaimed: bool = False
+    valid_after_ok: bool = False
+
+    def ok(self) -> bool:
+        return (
+            self.unanswered == 0
+            and self.duplicates == 0
+            and not self.crashes
+            and self.kv_reclaimed
+            and self.valid_after_ok
+        )
+
+
+async def run_live(url: str, procs: Any, cases: int, seed: int = 0, rate: int = 400) -> LiveReport:
+    """``cases`` mutated messages at ~``rate``/s over every subject (generate with a reply)."""
+    from tests.service_procs import StreamCollector, client, health, wait_for
+
+    report = LiveReport()
+    mut = Mutator(seed)
+    async with client(url) as nc:
+        sched = await health(nc, "scheduler")
+        ids = {
+            "worker": (await health(nc, "worker"))["worker_id"],
+            "scheduler": sched["instance"],
+            "scheduler_epoch": sched["epoch"],
+            "admission": (await health(nc, "admission"))["instance"],
+        }
+        targets = valid_messages(ids)
+        col = await StreamCollector(nc).start()
+        generate_ids: list[int] = []
+        t0 = time.monotonic()
+        public = [t for t in targets if t[0] == subjects.GENERATE]
+        for n in range(cases):
+            # the public entry point gets a third of the traffic, the rest is spread
+            subject, obj, encode = mut.rng.choice(public if mut.rng.random() < 0.33 else targets)
+            data = mut.mutate(obj, encode)
+            if len(data) > nc.max_payload:
+                data = data[: nc.max_payload]
+            report.cases += 1
+            report.per_subject[subject] = report.per_subject.get(subject, 0) + 1
+            if subject == subjects.GENERATE:
+                generate_ids.append(n)
+                await col.send(n, data)
+            else:
+                await nc.publish(subject, data, reply=mut.rng.choice(["", "_INBOX.fuzz-sink"]))
+            # pace it: a flood is a different test (backpressure); here every message counts
+            ahead = (n + 1) / rate - (time.monotonic() - t0)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+        report.generate_with_reply = len(generate_ids)
+        with contextlib.suppress(TimeoutError):
+            await col.wait_done(generate_ids, 90)
+        await asyncio.sleep(0.5)
+        for i in generate_ids:
+            n_terminal = len(col.terminals(i))
+            report.answered_once += n_terminal == 1
+            report.unanswered += n_terminal == 0
+            report.duplicates += max(n_terminal - 1, 0)
+
+        # the system still works: a few valid requests, and then everything is reclaimed
+        after = await StreamCollector(nc).start()
+        for i in range(4):
+            await after.send(
+                i, {"prompt_token_ids": [1 + i, 2, 3], "max_tokens": 5, "ignore_eos": True}
+            )
+        try:
+            await after.wait_done(range(4), 60)  # type: ignore[arg-type]
+            report.valid_after_ok = all(
+                isinstance(after.terminals(i)[0], FinishedEvent) for i in range(4)
+            )
+        except TimeoutError:
+            report.valid_after_ok = False
+
+        async def reclaimed() -> bool:
+            h = await health(nc, "scheduler")
+            return h["live_requests"] == 0 and h["free_kv_blocks"] == h["num_kv_blocks"]
+
+        try:
+            await wait_for(reclaimed, 30, "KV reclaimed")
+            report.kv_reclaimed = True
+        except TimeoutError:
+            report.kv_reclaimed = False
+    for key, proc in procs.procs.items():
+        if not proc.alive():
+            report.crashes.append(f"{key} exited with {proc.popen.returncode}")
+        for line in procs.logs(proc).splitlines():
+            if any(w in line for w in ("handler failed", "task crashed", "step failed")):
+                report.crashes.append(f"{key}: {line[:300]}")
+    return report
+
+
+async def _main(args: argparse.Namespace) -> int:
+    from services.launcher import NatsServer, free_port
+    from services.worker.model.toy import write_toy_checkpoint
+    from tests.service_procs import ServiceProcs
+
+    with tempfile.TemporaryDirectory(prefix="rlt-fuzz-") as tmp:
+        work = Path(tmp)
+        ckpt = write_toy_checkpoint(work / "ckpt", seed=0, size="toy")
+        t0 = time.monotonic()
+        dec = fuzz_decoders(ckpt, args.cases // 2, args.seed)
+        took = time.monotonic() - t0
+        print(f"decoders: {dec.cases} cases ({dec.decoded} decoded) in {took:.1f}s")
+        with NatsServer(port=free_port()) as server:
+            procs = ServiceProcs(
+                server.url,
+                ckpt,
+                work,
+                ["--enable-prefix-caching", "--block-size", "4"],
+                {"RLT_MAX_REQUEST_S": "30"},
+            )
+            try:
+                await procs.start_all()
+                live = await run_live(server.url, procs, args.cases - args.cases // 2, args.seed)
+            finally:
+                procs.stop_all()
+    print(json.dumps({"decoders": dec.__dict__, "live": live.__dict__}, indent=2, default=str))
+    print(f"total cases: {dec.cases + live.cases}")
+    return 0 if live.ok() else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cases", type=int, default=12000, help="half decoders, half live")
+    p.add_argument("--seed", type=int, default=0)
+    return asyncio.run(_main(p.parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

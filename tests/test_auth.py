@@ -1,0 +1,244 @@
+"""Security against a real nats-server started with the SHIPPED deploy/nats.conf:
+
+- unauthenticated connections and wrong passwords are refused (services fail fast with a
+  clear message instead of retrying forever);
+- every user is held to its subject allow-lists (a client cannot touch internal subjects, a
+  service cannot publish outside its own);
+- the four services, each as its own NATS user (RLT_NATS_USER / RLT_NATS_PASSWORD), serve a
+  client without a single permissions violation, and their health checks work with their
+  own credentials;
+- prompts and outputs never reach the logs unless RLT_LOG_CONTENT=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from messages.api import FinishedEvent
+from services.launcher import NatsServer, free_port
+from services.runtime import bus
+from services.runtime.health import check as health_check
+
+pytest.register_assert_rewrite("tests.conftest_nats")
+
+from tests.conftest_nats import check_stream  # noqa: E402
+from tests.service_procs import StreamCollector, service_procs, wait_for  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+USERS = ("admission", "scheduler", "worker", "prefix-cache", "client", "operator")
+
+
+def _password_var(user: str) -> str:
+    return f"RLT_NATS_{user.upper().replace('-', '_')}_PASSWORD"
+
+
+PASSWORDS = {user: f"test-{user}-secret" for user in USERS}
+
+
+@pytest.fixture(scope="module")
+def secure_server() -> Iterator[NatsServer]:
+    env = {**os.environ, **{_password_var(u): p for u, p in PASSWORDS.items()}}
+    conf = ROOT / "deploy" / "nats.conf"
+    with NatsServer(port=free_port(), config_file=conf, env=env) as server:
+        yield server
+
+
+async def _connect(url: str, user: str, errors: list[str] | None = None) -> nats.NATS:
+    async def on_error(exc: Exception) -> None:
+        if errors is not None:
+            errors.append(str(exc))
+
+    return await nats.connect(
+        url,
+        user=user,
+        password=PASSWORDS[user],
+        error_cb=on_error,
+        allow_reconnect=False,
+        inbox_prefix=f"_RLT_INBOX.rlt-{user}" if user not in ("client", "operator") else "_INBOX",
+    )
+
+
+async def test_unauthenticated_and_wrong_credentials_are_refused(
+    secure_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for kwargs in ({}, {"user": "client", "password": "wrong"}, {"user": "nobody"}):
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(secure_server.url, allow_reconnect=False, **kwargs)
+    # a service with bad credentials stops at once with a clear message (no retry loop)
+    monkeypatch.setenv("RLT_NATS_USER", "scheduler")
+    monkeypatch.setenv("RLT_NATS_PASSWORD", "wrong")
+    with pytest.raises(ConnectionError, match="refused our credentials"):
+        await asyncio.wait_for(bus.connect(secure_server.url, "rlt-scheduler"), 10)
+
+
+# (user, subject) pairs that must be refused; each user's allowed subject proves it connected
+DENIED_PUBLISH = {
+    "client": ["rlt.v1.sched.submit", "rlt.v1.worker.batch.x", "rlt.v1.prefix.events",
+               "rlt.v1.adm.a.1", "_RLT_INBOX.rlt-admission.x"],
+    "admission": ["rlt.v1.worker.batch.x", "rlt.v1.prefix.events", "rlt.v1.worker.result.x"],
+    "scheduler": ["rlt.v1.generate", "rlt.v1.sched.submit", "rlt.v1.worker.result.x"],
+    "worker": ["rlt.v1.sched.submit", "rlt.v1.worker.batch.x", "rlt.v1.generate"],
+    "prefix-cache": ["rlt.v1.worker.batch.x", "rlt.v1.sched.submit", "rlt.v1.generate"],
+}  # fmt: skip
+ALLOWED_PUBLISH = {
+    "client": "rlt.v1.generate",
+    "admission": "rlt.v1.sched.submit",
+    "scheduler": "rlt.v1.worker.batch.x",
+    "worker": "rlt.v1.worker.result.x",
+    "prefix-cache": "rlt.v1.prefix.replay.x",
+}
+DENIED_SUBSCRIBE = {
+    "client": ["rlt.v1.generate", "rlt.v1.worker.>", "rlt.v1.sched.>", ">", "_RLT_INBOX.>"],
+    "worker": ["rlt.v1.sched.submit", "rlt.v1.generate", "_INBOX.>"],
+    "prefix-cache": ["rlt.v1.worker.batch.x", "_INBOX.>"],
+}
+
+
+async def test_each_user_is_held_to_its_subject_allow_lists(secure_server: NatsServer) -> None:
+    url = secure_server.url
+    operator = await _connect(url, "operator")
+    spy = await operator.subscribe(">")
+    await operator.flush()
+    try:
+        for user, denied in DENIED_PUBLISH.items():
+            errors: list[str] = []
+            nc = await _connect(url, user, errors)
+            for subject in denied:
+                await nc.publish(subject, b"forbidden")
+            await nc.publish(ALLOWED_PUBLISH[user], b"allowed")
+            for subject in DENIED_SUBSCRIBE.get(user, []):
+                await nc.subscribe(subject)
+            await nc.flush()
+            await wait_for(
+                lambda errors=errors, user=user: (
+                    len(errors) >= len(DENIED_PUBLISH[user]) + len(DENIED_SUBSCRIBE.get(user, []))
+                ),
+                5,
+                f"{user}'s violations",
+            )
+            for subject in denied:
+                # (nats-py lower-cases the server's error text)
+                assert any(f'publish to "{subject.lower()}"' in e for e in errors), (user, subject)
+            for subject in DENIED_SUBSCRIBE.get(user, []):
+                wanted = f'subscription to "{subject.lower()}"'
+                assert any(wanted in e for e in errors), (user, subject)
+            await nc.close()
+        # the operator saw every allowed message and none of the forbidden ones
+        seen: list[tuple[str, bytes]] = []
+        while True:
+            try:
+                msg = await spy.next_msg(timeout=0.3)
+            except nats.errors.TimeoutError:
+                break
+            seen.append((msg.subject, msg.data))
+        assert all(data != b"forbidden" for _, data in seen), seen
+        assert {s for s, d in seen if d == b"allowed"} == set(ALLOWED_PUBLISH.values())
+    finally:
+        await operator.close()
+
+
+async def test_services_as_separate_users_serve_clients_without_violations(
+    secure_server: NatsServer,
+    toy_checkpoint: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = secure_server.url
+    prompt = "The harbour lights were reflected in the calm water"
+    with service_procs(url, toy_checkpoint, tmp_path, ["--enable-prefix-caching"]) as procs:
+        started = []
+        for name in ("worker", "prefix-cache", "scheduler", "admission"):
+            env = {"RLT_NATS_USER": name, "RLT_NATS_PASSWORD": PASSWORDS[name]}
+            started.append(procs.start(name, env=env))
+        for proc in started:
+            await procs.wait_ready(proc)
+        client = await _connect(url, "client")
+        try:
+            col = await StreamCollector(client).start()
+            bodies = [
+                {"prompt": prompt, "max_tokens": 6, "ignore_eos": True},
+                {"prompt": prompt, "max_tokens": 6, "ignore_eos": True},  # a prefix hit
+                {"prompt_token_ids": [11, 12, 13, 14], "max_tokens": 4},
+            ]
+            for i, body in enumerate(bodies):
+                await col.send(i, body)
+                await col.wait_done([i], 30)
+            finished = [check_stream(col.events[i]) for i in range(len(bodies))]
+            assert all(isinstance(f, FinishedEvent) for f in finished), finished
+            assert finished[1].num_cached_tokens > 0  # type: ignore[union-attr]
+        finally:
+            await client.close()
+        # the container health check, with each service's own credentials
+        monkeypatch.setenv("RLT_RUN_DIR", str(tmp_path))  # the services' identity files
+        for name in ("worker", "prefix-cache", "scheduler", "admission"):
+            monkeypatch.setenv("RLT_NATS_USER", name)
+            monkeypatch.setenv("RLT_NATS_PASSWORD", PASSWORDS[name])
+            assert await health_check(name, url, 5.0) is None, name
+        logs = {key: procs.logs(key) for key in procs.procs}
+        for key, text in logs.items():
+            assert "violation" not in text.lower(), (key, text[-2000:])
+
+        # ---- content logging: off by default, on with RLT_LOG_CONTENT=1
+        outputs = [json.dumps(f.token_ids) for f in finished]  # type: ignore[union-attr]
+        texts = [f.text for f in finished if len(f.text) >= 6]  # type: ignore[union-attr]
+        everything = "\n".join(logs.values())
+        assert prompt not in everything and "harbour" not in everything
+        assert "[11, 12, 13, 14]" not in everything and "[11,12,13,14]" not in everything
+        for out in outputs:
+            assert out not in everything and out.replace(" ", "") not in everything
+        for text in texts:
+            assert json.dumps(text)[1:-1] not in everything, text
+
+        for name in ("scheduler", "admission"):
+            procs.kill(name)
+            env = {
+                "RLT_NATS_USER": name,
+                "RLT_NATS_PASSWORD": PASSWORDS[name],
+                "RLT_LOG_CONTENT": "1",
+            }
+            await procs.wait_ready(procs.start(name, env=env, key=f"{name}-content"))
+        client = await _connect(url, "client")
+        try:
+            col = await StreamCollector(client).start()
+            await col.send(0, {"prompt": prompt, "max_tokens": 6, "ignore_eos": True})
+            await col.wait_done([0], 30)
+            (done,) = col.terminals(0)
+            assert isinstance(done, FinishedEvent)
+        finally:
+            await client.close()
+        admission_log = procs.logs("admission-content")
+        scheduler_log = procs.logs("scheduler-content")
+        assert prompt in admission_log
+        assert json.dumps(done.token_ids).replace(" ", "") in scheduler_log.replace(" ", "")
+
+
+def test_rlt_up_binds_loopback_and_compose_ships_the_config(tmp_path: Path) -> None:
+    import yaml
+
+    from services.cli import build_parser
+
+    assert build_parser().parse_args(["up"]).host == "127.0.0.1"
+    with NatsServer(port=free_port()) as server:  # what `rlt up` starts by default
+        assert server.proc is not None
+        cmd = server.proc.args
+        assert cmd[cmd.index("-a") + 1] == "127.0.0.1"  # type: ignore[union-attr]
+        log = Path(server.log_path).read_text()
+        assert f"Listening for client connections on 127.0.0.1:{server.port}" in log
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    nats_svc = compose["services"]["nats"]
+    assert "/etc/nats/nats.conf" in nats_svc["command"]
+    assert any(str(v).startswith("./deploy/nats.conf:") for v in nats_svc["volumes"])
+    assert all(str(p).startswith("127.0.0.1:") for p in nats_svc["ports"])
+    for user in USERS:
+        assert _password_var(user) in nats_svc["environment"], user
+    for name in ("admission", "scheduler", "worker", "prefix-cache"):
+        env = compose["services"][name]["environment"]
+        assert env["RLT_NATS_USER"] == name
+        assert _password_var(name) in env["RLT_NATS_PASSWORD"]

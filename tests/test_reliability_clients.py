@@ -1,0 +1,208 @@
+"""Clients that misbehave, and the limits of the bus (services in-process, real nats-server).
+
+- a client that vanishes mid-stream (closes its connection, or unsubscribes): nats-server
+  answers the next stream event's reply subject with "no responders", the scheduler aborts
+  the request and its KV is freed;
+- a client that stops reading its socket slows nobody else;
+- a request that outlives RLT_MAX_REQUEST_S ends with ``timeout``;
+- limits: max prompt length, NATS max_payload (requests refused up front with a clear error,
+  batches over max_payload split in parts, a client message over it refused by NATS itself),
+  reply subjects that point into the system are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import socket
+import time
+from pathlib import Path
+
+import nats
+import pytest
+
+from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
+from services.admission.core import AdmissionConfig
+from services.engine.engine import LLMEngine
+from services.launcher import NatsServer, free_port
+from services.runtime import subjects
+from services.scheduler.config import SchedulerConfig
+
+pytest.register_assert_rewrite("tests.conftest_nats")
+
+from tests.conftest_nats import Client, check_stream, services_up  # noqa: E402
+from tests.service_procs import StreamCollector, wait_for  # noqa: E402
+
+pytest_plugins = ["tests.conftest_nats"]
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+CONFIG = SchedulerConfig(max_num_seqs=8, block_size=16, num_blocks=512)
+
+
+def _reclaimed(services) -> bool:  # type: ignore[no-untyped-def]
+    s = services["scheduler"].driver.scheduler
+    return not s.requests and s.kv.num_free_blocks == CONFIG.num_blocks
+
+
+def _long(rid: str, max_tokens: int = 1500) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid, prompt_token_ids=[3, 4, 5, 6], max_tokens=max_tokens, ignore_eos=True
+    )
+
+
+async def test_vanished_client_is_noticed_and_its_request_aborted(
+    nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path
+) -> None:
+    async with services_up(nats_server.url, toy_checkpoint, CONFIG) as services:
+        sched = services["scheduler"]
+        # 1. the client's process dies: its connection closes with the subscription
+        nc = await nats.connect(nats_server.url)
+        stream = await Client(nc).open(subjects.GENERATE, _long("gone-1"))
+        while len(stream.events) < 3:
+            assert isinstance(await stream.next(), TokenEvent)
+        await nc.close()
+        await wait_for(lambda: _reclaimed(services), 10, "the abandoned request aborted")
+        assert sched.health()["clients_gone"] == 1
+
+        # 2. the client stays connected but drops the stream (unsubscribes)
+        async with Client.connect(nats_server.url) as client:
+            stream = await client.open(subjects.GENERATE, _long("gone-2"))
+            await stream.next()
+            await stream.sub.unsubscribe()
+            await wait_for(lambda: _reclaimed(services), 10, "the dropped stream aborted")
+            assert sched.health()["clients_gone"] == 2
+            # others are unaffected
+            ok = await client.generate(_long("stays", max_tokens=5))
+            assert isinstance(check_stream(ok), FinishedEvent)
+        sched.driver.scheduler.kv.check_consistency()
+
+
+async def test_stalled_client_does_not_slow_others(
+    nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path
+) -> None:
+    async with services_up(nats_server.url, toy_checkpoint, CONFIG) as services:
+
+        async def others() -> float:
+            async with Client.connect(nats_server.url) as client:
+                t0 = time.monotonic()
+                streams = await asyncio.gather(
+                    *(client.generate(_long(f"o-{time.monotonic()}-{i}", 40)) for i in range(4))
+                )
+                for events in streams:
+                    assert isinstance(check_stream(events), FinishedEvent)
+                return time.monotonic() - t0
+
+        baseline = await others()
+        # a raw client that subscribes, asks for a long stream and never reads its socket
+        host, port = nats_server.url.removeprefix("nats://").rsplit(":", 1)
+        stalled = socket.create_connection((host, int(port)))
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = json.dumps(
+            {
+                "request_id": "stalled",
+                "prompt_token_ids": [1, 2],
+                "max_tokens": 600,
+                "ignore_eos": True,
+            }
+        ).encode()
+        stalled.sendall(
+            b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"no_responders":true}\r\n'
+            b"SUB _INBOX.stalled 1\r\n"
+            + f"PUB {subjects.GENERATE} _INBOX.stalled {len(body)}\r\n".encode()
+            + body
+            + b"\r\n"
+        )
+        try:
+            await wait_for(lambda: "stalled" in services["scheduler"].driver.streams, 10, "stall")
+            with_stall = await others()
+            # the stalled stream itself still ends and frees its KV (nats-server buffers or
+            # drops what the client does not read; the scheduler never waits for it)
+            await wait_for(lambda: _reclaimed(services), 60, "the stalled request ended")
+        finally:
+            stalled.close()
+        print(f"\nothers: {baseline:.2f}s alone, {with_stall:.2f}s beside a stalled client")
+        assert with_stall < 3 * baseline + 1.0
+
+
+async def test_request_lifetime_deadline(
+    nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path
+) -> None:
+    async with (
+        services_up(nats_server.url, toy_checkpoint, CONFIG) as services,
+        Client.connect(nats_server.url) as client,
+    ):
+        sched = services["scheduler"]
+        sched.options = dataclasses.replace(sched.options, max_request_s=0.5)
+        events = await client.generate(_long("forever", 2000 - 4), timeout=20)
+        terminal = check_stream(events)
+        assert isinstance(terminal, ErrorEvent) and terminal.code == "timeout", terminal
+        await wait_for(lambda: _reclaimed(services), 10, "KV freed")
+
+
+async def test_limits_prompt_length_max_payload_and_reply_subjects(
+    toy_checkpoint: Path, run_dir: Path, tmp_path: Path
+) -> None:
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 8192\n")  # tiny, so the limits are reachable on the toy
+    admission = AdmissionConfig(max_prompt_tokens=1000)
+    with NatsServer(port=free_port(), config_file=conf) as server:
+        async with (
+            services_up(server.url, toy_checkpoint, CONFIG, admission) as services,
+            Client.connect(server.url) as client,
+        ):
+            assert client.nc.max_payload == 8192
+
+            async def error_of(payload: dict) -> ErrorEvent:  # type: ignore[type-arg]
+                (event,) = await client.generate(payload, timeout=10)
+                assert isinstance(event, ErrorEvent), event
+                return event
+
+            # prompt cap (RLT_MAX_PROMPT_TOKENS)
+            err = await error_of({"prompt_token_ids": [1] * 1001})
+            assert err.code == "invalid_request" and "RLT_MAX_PROMPT_TOKENS" in err.message
+            # a prompt whose internal messages would not fit the bus: refused up front
+            err = await error_of({"prompt_token_ids": [1] * 900, "max_tokens": 4})
+            assert err.code == "invalid_request" and "max_payload" in err.message
+            # a finished event that could not fit: refused up front, never a timeout
+            err = await error_of({"prompt_token_ids": [1, 2], "max_tokens": 600})
+            assert err.code == "invalid_request" and "max_payload" in err.message
+            # a client message over max_payload is refused by NATS itself, at the client
+            with pytest.raises(nats.errors.MaxPayloadError):
+                await client.nc.publish(subjects.GENERATE, b"x" * 9000, reply="_INBOX.big")
+
+            # batches over max_payload travel in parts: 4 new 700-token prompts at once
+            prompts = [[(7 * i + j) % 500 + 1 for j in range(700)] for i in range(4)]
+            col = await StreamCollector(client.nc).start()
+            for i, ids in enumerate(prompts):
+                await col.send(
+                    i,
+                    {
+                        "prompt_token_ids": ids,
+                        "max_tokens": 4,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                    },
+                )
+            await col.wait_done(range(4), 60)  # type: ignore[arg-type]
+            expected = LLMEngine.from_checkpoint(toy_checkpoint, CONFIG).generate(
+                prompts,
+                GenerateRequest(max_tokens=4, temperature=0.0, ignore_eos=True).sampling_params(),
+            )
+            for i, want in enumerate(expected):
+                got = check_stream(col.events[i])
+                assert isinstance(got, FinishedEvent), got
+                assert got.token_ids == want.token_ids
+            assert services["worker"]._batches_in.joined >= 1  # type: ignore[attr-defined]
+
+            # a reply subject pointing into the system is never published to
+            spy = await client.nc.subscribe("rlt.v1.worker.>")
+            await client.nc.publish(
+                subjects.GENERATE, b'{"prompt":"hi"}', reply="rlt.v1.worker.batch.x"
+            )
+            await client.nc.flush()
+            with pytest.raises(nats.errors.TimeoutError):
+                while True:  # heartbeats are fine; anything on the batch subject is not
+                    msg = await spy.next_msg(timeout=0.5)
+                    assert not msg.subject.startswith("rlt.v1.worker.batch.x"), msg
+            assert _reclaimed(services)
