@@ -35,9 +35,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--checkpoint", default=None, help="an Ouro-format checkpoint directory")
     p.add_argument("--device", default="cpu", help="torch device for the model (cpu, cuda)")
-    p.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32"
-    )
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument(
         "--repeats", type=_positive, default=3, help="repeats per arm, interleaved A B A B"
     )
@@ -62,5 +60,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="open-loop arrivals/s for the WCPB comparison (default: 60%% of measured capacity)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument(
+        "--threads",
+        type=_positive,
+        default=None,
+        help="torch CPU threads (default 1 on cpu: a busy core stalls every multi-threaded op)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib PNGs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -1,0 +1,116 @@
+"""Drivers that play a workload against an engine and record what each request saw.
+
+Two backends behind one interface (``run(workload, config) -> RunRecord``):
+``InProcessBackend`` steps ``LLMEngine`` directly; ``PipelineBackend`` (``pipeline.py``)
+sends the same requests over a real nats-server to the four services. Both time tokens on
+the client's side of their interface and count passes at the model runner.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Protocol
+
+from messages.api import ErrorEvent, FinishedEvent, TokenEvent
+from messages.sampling import SamplingParams
+from services.bench.metrics import RequestRecord, RunRecord
+from services.bench.probe import RunnerProbe
+from services.bench.workloads import LoopMode, RequestSpec, Workload
+from services.engine.engine import LLMEngine
+from services.scheduler.config import SchedulerConfig
+from services.worker.model.ouro import OuroModel
+
+
+class BenchError(RuntimeError):
+    """A run that cannot be measured honestly (an error event, a stall)."""
+
+
+class Backend(Protocol):
+    name: str
+
+    def run(self, workload: Workload, config: SchedulerConfig) -> RunRecord: ...
+
+    def close(self) -> None: ...
+
+
+def sampling_params(spec: RequestSpec, workload: Workload) -> SamplingParams:
+    # greedy and ignore_eos: every arm produces exactly the same number of tokens
+    return SamplingParams(
+        max_tokens=spec.max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        min_loops=workload.exit.min_loops,
+        exit_threshold=workload.exit.exit_threshold,
+    )
+
+
+class InProcessBackend:
+    """``LLMEngine`` in this process; the model is loaded once and shared by every run."""
+
+    name = "in-process"
+
+    def __init__(self, model: OuroModel) -> None:
+        self.model = model
+
+    def close(self) -> None:
+        pass
+
+    def run(self, workload: Workload, config: SchedulerConfig) -> RunRecord:
+        engine = LLMEngine(self.model, config)
+        specs = workload.requests
+        ids = [f"bench-{i}" for i in range(len(specs))]
+        index = {rid: i for i, rid in enumerate(ids)}
+        records: list[RequestRecord | None] = [None] * len(specs)
+        unsent = deque(range(len(specs)))
+        finished = 0
+
+        def send(i: int, due: float) -> None:
+            spec = specs[i]
+            engine.add_request(ids[i], list(spec.prompt_token_ids), sampling_params(spec, workload))
+            records[i] = RequestRecord(arrival=due, num_prompt_tokens=spec.num_prompt_tokens)
+
+        with RunnerProbe(engine.runner) as probe:
+            start = time.perf_counter()
+            if workload.mode == LoopMode.CLOSED:
+                for _ in range(min(workload.concurrency, len(unsent))):
+                    send(unsent.popleft(), start)
+            while finished < len(specs):
+                if workload.mode == LoopMode.OPEN:
+                    now = time.perf_counter()
+                    while unsent and start + specs[unsent[0]].arrival_s <= now:
+                        i = unsent.popleft()
+                        send(i, start + specs[i].arrival_s)  # TTFT counts from when it was due
+                if not engine.has_unfinished_requests():
+                    if workload.mode == LoopMode.OPEN and unsent:
+                        due = start + specs[unsent[0]].arrival_s
+                        time.sleep(max(0.0, due - time.perf_counter()))
+                        continue
+                    raise BenchError("the engine went idle with requests outstanding")
+                events = engine.step()
+                t = time.perf_counter()
+                for event in events:
+                    rec = records[index[event.request_id]]
+                    assert rec is not None
+                    if isinstance(event, TokenEvent):
+                        rec.token_times.append(t)
+                    elif isinstance(event, FinishedEvent):
+                        finish_record(rec, event, t)
+                        finished += 1
+                        if workload.mode == LoopMode.CLOSED and unsent:
+                            send(unsent.popleft(), t)
+                    elif isinstance(event, ErrorEvent):
+                        raise BenchError(f"{event.request_id}: [{event.code}] {event.message}")
+            end = time.perf_counter()
+        return RunRecord(start, end, [r for r in records if r is not None], probe.counters)
+
+
+def finish_record(rec: RequestRecord, event: FinishedEvent, t: float) -> None:
+    if len(event.token_ids) != len(rec.token_times):
+        raise BenchError(
+            f"{event.request_id}: {len(rec.token_times)} token events for "
+            f"{len(event.token_ids)} tokens"
+        )
+    rec.finish_time = t
+    rec.num_cached_tokens = event.num_cached_tokens
+    rec.exit_depths = list(event.exit_depths)

@@ -1,0 +1,372 @@
+"""The four comparisons: which workloads, which arms (engine configurations), which ratios.
+
+An arm is a backend plus ``SchedulerConfig`` overrides on the comparison's base config, so
+arms differ in exactly the settings under test. A ratio is ``metric(numerator arm) /
+metric(denominator arm)`` on the same workload and the same repeat (or a difference, for
+overheads), so every ratio comes from two runs that ran next to each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from services.bench import workloads as wl
+from services.bench.workloads import Scale, TokenRange, Workload
+from services.scheduler.config import ModelLimits, SchedulerConfig
+
+
+class BackendKind(StrEnum):
+    IN_PROCESS = "in-process"
+    PIPELINE = "pipeline"
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    label: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    backend: BackendKind = BackendKind.IN_PROCESS
+
+
+@dataclass(frozen=True)
+class Target:
+    """Bounds the median of a ratio must fall in; either bound may be open."""
+
+    text: str
+    low: float | None = None
+    high: float | None = None
+
+    def reached(self, value: float | None) -> bool | None:
+        if value is None:
+            return None
+        return (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
+
+
+@dataclass(frozen=True)
+class RatioSpec:
+    workload: str
+    metric: str
+    numerator: str
+    denominator: str
+    label: str
+    difference: bool = False  # numerator - denominator instead of a ratio
+    target: Target | None = None
+
+
+@dataclass
+class Comparison:
+    name: str
+    title: str
+    question: str
+    base: SchedulerConfig
+    workloads: list[Workload]
+    arms: list[Arm]
+    ratios: list[RatioSpec]
+    plot_metrics: list[str]
+    skip: frozenset[tuple[str, str]] = frozenset()  # (workload, arm) pairs not run
+    # Offered loads as fractions of the lowest closed-loop capacity among the arms: each
+    # workload is measured closed-loop per arm, then replaced by one open-loop (Poisson)
+    # copy per load. Empty: the workloads run as given.
+    loads: tuple[float, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+    def config(self, arm: Arm) -> SchedulerConfig:
+        return dataclasses.replace(self.base, **arm.overrides)
+
+    def open_at_loads(self, capacities: dict[str, float]) -> None:
+        """Replaces each workload by its open-loop copies (one per load) and each ratio on
+        it by one ratio per copy; ``capacities`` maps workload name -> requests/s."""
+        workloads: list[Workload] = []
+        ratios = [r for r in self.ratios if r.workload not in capacities]
+        for w in self.workloads:
+            if w.name not in capacities:
+                workloads.append(w)
+                continue
+            for load in self.loads:
+                name = f"{w.name}_load{round(load * 100)}"
+                copy = w.with_rate(load * capacities[w.name], name=name)
+                workloads.append(copy)
+                ratios += [
+                    dataclasses.replace(r, workload=copy.name)
+                    for r in self.ratios
+                    if r.workload == w.name
+                ]
+        self.workloads, self.ratios = workloads, ratios
+
+    def cases(self) -> list[tuple[Workload, Arm]]:
+        return [
+            (w, a) for w in self.workloads for a in self.arms if (w.name, a.name) not in self.skip
+        ]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    scale: Scale
+    concurrency: int
+    seed: int
+    limits: ModelLimits
+    quick: bool = False
+    rate: float | None = None
+    block_size: int = 16
+
+    @property
+    def vocab(self) -> TokenRange:
+        # ids 1.. below the vocab (0 is EOS in the toy checkpoints; EOS ids are skipped anyway)
+        return TokenRange(1, self.limits.vocab_size, self.limits.eos_token_ids)
+
+
+# ---------------------------------------------------------------------- configs
+def base_config(s: BenchSettings, workloads: list[Workload], **overrides: Any) -> SchedulerConfig:
+    """Seats for every client, and KV for all of them at their longest, so no arm preempts."""
+    seats = s.concurrency
+    per_request = math.ceil(max(w.max_request_tokens for w in workloads) / s.block_size)
+    planes = s.limits.total_ut_steps
+    num_blocks = max(256, seats * per_request * planes + 64)
+    return SchedulerConfig(
+        max_num_seqs=seats, block_size=s.block_size, num_blocks=num_blocks, **overrides
+    )
+
+
+# ---------------------------------------------------------------------- comparisons
+# WCPB's offered loads (fractions of capacity): a light one and a busy one
+WCPB_LOADS = (0.35, 0.6)
+
+
+def depth_batching(s: BenchSettings) -> Comparison:
+    early = wl.chat_closed(s.scale, s.vocab, s.concurrency, wl.EARLY_EXIT, s.seed)
+    forced = wl.chat_closed(s.scale, s.vocab, s.concurrency, wl.FORCED_DEPTH, s.seed)
+    target = Target(
+        f"refill >= 25% fewer core passes per output token than cohort (ratio <= 0.75) "
+        f"at concurrency 32, engine defaults (atomic prefill); run at {s.concurrency}",
+        high=0.75,
+    )
+    pairs = [  # (workload, numerator, denominator, target)
+        (early, "refill", "cohort", target),
+        (early, "refill", "serial", None),
+        (early, "refill_wcpb", "cohort_wcpb", None),
+        (forced, "refill", "cohort", None),
+    ]
+    ratios: list[RatioSpec] = []
+    for w, num, den, tgt in pairs:
+        ratios += [
+            RatioSpec(
+                w.name,
+                "core_passes_per_output_token",
+                num,
+                den,
+                f"core passes/token, {num} / {den}",
+                target=tgt,
+            ),
+            RatioSpec(
+                w.name,
+                "decode_passes_per_decode_token",
+                num,
+                den,
+                f"decode passes/decode token, {num} / {den}",
+            ),
+            RatioSpec(w.name, "output_tokens_per_s", num, den, f"tokens/s, {num} / {den}"),
+        ]
+    wcpb_on = {"wavefront_chunked_prefill": True}
+    return Comparison(
+        name="depth_batching",
+        title="Continuous depth batching vs cohort batching vs one request at a time",
+        question=(
+            "Do rows at different depths sharing one core pass (refill) save passes and time "
+            "over holding new tokens until a whole cohort exits (refill=False), and over "
+            "serving one request at a time (max_num_seqs=1)? The forced-depth workload is the "
+            "control: with every token at full depth, refill and cohort should match."
+        ),
+        base=base_config(s, [early, forced]),
+        workloads=[early, forced],
+        arms=[
+            Arm("refill", "continuous depth batching (refill)", {"refill": True}),
+            Arm("cohort", "cohort batching (refill=False)", {"refill": False}),
+            Arm("serial", "one at a time (max_num_seqs=1)", {"max_num_seqs": 1}),
+            Arm("refill_wcpb", "refill, prefill as WCPB rows", {"refill": True, **wcpb_on}),
+            Arm("cohort_wcpb", "cohort, prefill as WCPB rows", {"refill": False, **wcpb_on}),
+        ],
+        ratios=ratios,
+        plot_metrics=[
+            "core_passes_per_output_token",
+            "decode_passes_per_decode_token",
+            "output_tokens_per_s",
+            "core_rows_per_pass",
+        ],
+        # serial at fixed depth is 4 passes/token by construction; the WCPB pair is a
+        # side measurement on the early-exit workload only
+        skip=frozenset(
+            {(forced.name, "serial"), (forced.name, "refill_wcpb"), (forced.name, "cohort_wcpb")}
+        ),
+        notes=[
+            "The target is judged on the engine defaults (atomic prefill): a newcomer's prompt "
+            "runs in PREFILL batches whose passes carry no decode rows, and both arms pay "
+            "them, which dilutes the per-token ratio. 'decode passes/decode token' counts "
+            "only the passes that carry decode rows; the *_wcpb arms run prefill as rows "
+            "inside decode passes instead (a side measurement, not the target's setting).",
+        ],
+    )
+
+
+def wcpb(s: BenchSettings) -> Comparison:
+    workload = wl.mixed(s.scale, s.vocab, s.concurrency, s.seed)
+    chunk, budget = (16, 32) if s.quick else (64, 128)
+    p99 = Target("WCPB p99 ITL <= 0.7x atomic prefill's", high=0.7)
+    equal = Target("at equal throughput: tokens/s ratio within 0.95..1.05", low=0.95, high=1.05)
+    ratios = [
+        RatioSpec("mixed", "itl_ms_p99", "wcpb", "atomic", "ITL p99, WCPB / atomic", target=p99),
+        RatioSpec("mixed", "itl_ms_p50", "wcpb", "atomic", "ITL p50, WCPB / atomic"),
+        RatioSpec("mixed", "ttft_ms_p50", "wcpb", "atomic", "TTFT p50, WCPB / atomic"),
+        RatioSpec("mixed", "ttft_ms_p99", "wcpb", "atomic", "TTFT p99, WCPB / atomic"),
+        RatioSpec(
+            "mixed",
+            "output_tokens_per_s",
+            "wcpb",
+            "atomic",
+            "tokens/s, WCPB / atomic",
+            target=equal,
+        ),
+    ]
+    if s.rate is not None:
+        workload = workload.with_rate(s.rate)
+    return Comparison(
+        name="wcpb",
+        title="Wavefront chunked prefill (WCPB) vs atomic chunked prefill",
+        question=(
+            "Under long prompts arriving among decoding requests, does running prefill as "
+            "single-depth chunks inside decode passes (WCPB) keep inter-token latency down "
+            "compared with atomic chunks that run every depth while decode waits?"
+        ),
+        base=base_config(s, [workload], prefill_chunk_size=chunk, max_num_batched_tokens=budget),
+        workloads=[workload],
+        arms=[
+            Arm("atomic", f"atomic chunked prefill (chunk {chunk}, budget {budget})"),
+            Arm("wcpb", "WCPB (same chunk and budget)", {"wavefront_chunked_prefill": True}),
+        ],
+        ratios=ratios,
+        plot_metrics=["itl_ms_p50", "itl_ms_p99", "ttft_ms_p50", "output_tokens_per_s"],
+        loads=() if s.rate is not None else WCPB_LOADS,
+        notes=[
+            "Open loop (Poisson arrivals): both arms see the same offered load, so equal "
+            "throughput holds while neither saturates. Unless --rate is given, it runs at "
+            + " and ".join(f"{x:.0%}" for x in WCPB_LOADS)
+            + " of the lower of the arms' closed-loop capacities, measured just before the "
+            "runs; the targets are judged at each load.",
+        ],
+    )
+
+
+def pipeline(s: BenchSettings) -> Comparison:
+    # two requests per client (not the scale's default): four arms, and a lower share of
+    # steady state weighs on both backends alike
+    workload = wl.chat_closed(
+        s.scale, s.vocab, s.concurrency, wl.EARLY_EXIT, s.seed, requests_per_client=2
+    )
+    target = Target("pipeline >= 0.75x in-process throughput", low=0.75)
+    ratios: list[RatioSpec] = []
+    for suffix, tgt in (("", target), ("_async", None)):
+        n, d = f"pipeline{suffix}", f"in_process{suffix}"
+        mode = "async" if suffix else "sync"
+        ratios += [
+            RatioSpec(
+                workload.name,
+                "output_tokens_per_s",
+                n,
+                d,
+                f"tokens/s, pipeline / in-process ({mode})",
+                target=tgt,
+            ),
+            RatioSpec(
+                workload.name, "ttft_ms_p50", n, d, f"TTFT p50, pipeline / in-process ({mode})"
+            ),
+            RatioSpec(
+                workload.name,
+                "host_us_per_batch",
+                n,
+                d,
+                f"bus overhead per step, µs (pipeline - in-process, {mode})",
+                difference=True,
+            ),
+        ]
+    return Comparison(
+        name="pipeline",
+        title="NATS pipeline vs in-process engine",
+        question=(
+            "What does spreading the step loop over NATS (admission, scheduler, worker, "
+            "prefix-cache services on a real nats-server) cost against the in-process engine, "
+            "on the same workload and model?"
+        ),
+        base=base_config(s, [workload]),
+        workloads=[workload],
+        arms=[
+            Arm("in_process", "in-process engine (sync)"),
+            Arm("pipeline", "NATS pipeline (sync)", backend=BackendKind.PIPELINE),
+            Arm("in_process_async", "in-process engine (async)", {"async_scheduling": True}),
+            Arm(
+                "pipeline_async",
+                "NATS pipeline (async)",
+                {"async_scheduling": True},
+                BackendKind.PIPELINE,
+            ),
+        ],
+        ratios=ratios,
+        plot_metrics=["output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "host_us_per_batch"],
+        notes=[
+            "Services run in this process (as `rlt up` does) against a real nats-server; "
+            "the client timestamps events as they arrive. Bus overhead per step = (wall time "
+            "not spent in ModelRunner.execute) / batches, pipeline minus in-process.",
+        ],
+    )
+
+
+def prefix_cache(s: BenchSettings) -> Comparison:
+    clients = max(1, s.concurrency // 8)
+    workload = wl.shared_prefix(s.scale, s.vocab, clients, s.seed)
+    ratios = [
+        RatioSpec("shared_prefix", "ttft_ms_p50", "on", "off", "TTFT p50, on / off"),
+        RatioSpec("shared_prefix", "ttft_ms_mean", "on", "off", "TTFT mean, on / off"),
+        RatioSpec("shared_prefix", "output_tokens_per_s", "on", "off", "tokens/s, on / off"),
+        RatioSpec(
+            "shared_prefix",
+            "core_passes_per_output_token",
+            "on",
+            "off",
+            "core passes/token, on / off",
+        ),
+    ]
+    return Comparison(
+        name="prefix_cache",
+        title="Prefix caching on vs off",
+        question=(
+            "On requests that share long system prompts, how much of the prompt does the "
+            "prefix cache serve, and what does that do to time to first token?"
+        ),
+        base=base_config(s, [workload]),
+        workloads=[workload],
+        arms=[
+            Arm("off", "prefix caching off"),
+            Arm("on", "prefix caching on", {"enable_prefix_caching": True}),
+        ],
+        ratios=ratios,
+        plot_metrics=["prefix_hit_rate", "ttft_ms_p50", "ttft_ms_p99", "output_tokens_per_s"],
+        notes=[
+            f"Closed loop with {clients} clients (concurrency / 8): a block is only reusable "
+            "once its prompt finished prefill, so a burst of simultaneous first requests "
+            "cannot hit.",
+        ],
+    )
+
+
+BUILDERS = {
+    "depth_batching": depth_batching,
+    "wcpb": wcpb,
+    "pipeline": pipeline,
+    "prefix_cache": prefix_cache,
+}
+
+
+def build_comparisons(names: list[str], settings: BenchSettings) -> list[Comparison]:
+    return [BUILDERS[n](settings) for n in names]

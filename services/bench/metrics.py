@@ -1,0 +1,130 @@
+"""What one run measured, and the metrics derived from it.
+
+A backend fills a ``RunRecord`` (per-request timestamps + engine counters); ``run_metrics``
+turns it into one flat dict of numbers (``None`` where a backend cannot measure something),
+which is what the JSON report stores per run and what every ratio is computed from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+Metrics = dict[str, float | int | None]
+
+
+@dataclass
+class RequestRecord:
+    arrival: float  # perf_counter: when the request was due (open loop) or sent (closed loop)
+    num_prompt_tokens: int
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+    exit_depths: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EngineCounters:
+    """Counted at the model runner (in-process engine or the pipeline's worker)."""
+
+    batches: int = 0
+    decode_batches: int = 0  # batches with decode rows: each is one pass that carries them
+    execute_s: float = 0.0  # time inside ModelRunner.execute
+    core_passes: int = 0  # OuroModel.core_loop calls
+    core_rows: int = 0  # hidden-state rows over all core passes (a decode row is one)
+    runner_core_passes: int | None = None  # the runner's own counter, as a cross-check
+
+
+@dataclass
+class RunRecord:
+    start: float
+    end: float
+    requests: list[RequestRecord]
+    counters: EngineCounters | None = None
+    extra: Metrics = field(default_factory=dict)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default method); None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def run_metrics(run: RunRecord) -> Metrics:
+    reqs = run.requests
+    wall = run.end - run.start
+    out_tokens = sum(len(r.token_times) for r in reqs)
+    prompt_tokens = sum(r.num_prompt_tokens for r in reqs)
+    ttft = [r.token_times[0] - r.arrival for r in reqs if r.token_times]
+    itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+    latency = [r.finish_time - r.arrival for r in reqs if r.finish_time is not None]
+    depths = [d for r in reqs for d in r.exit_depths]
+    m: Metrics = {
+        "wall_s": wall,
+        "num_requests": len(reqs),
+        "output_tokens": out_tokens,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens_per_s": _div(out_tokens, wall),
+        "requests_per_s": _div(len(reqs), wall),
+        "ttft_ms_mean": _ms(_mean(ttft)),
+        "itl_ms_mean": _ms(_mean(itl)),
+        "latency_ms_p50": _ms(percentile(latency, 50)),
+        "mean_exit_depth": _mean(depths),
+        "prefix_hit_rate": _div(sum(r.num_cached_tokens for r in reqs), prompt_tokens),
+    }
+    for q in (50, 90, 99):
+        m[f"ttft_ms_p{q}"] = _ms(percentile(ttft, q))
+        m[f"itl_ms_p{q}"] = _ms(percentile(itl, q))
+    m.update(_counter_metrics(run.counters, wall, out_tokens, len(reqs)))
+    m.update(run.extra)
+    return m
+
+
+def _counter_metrics(
+    c: EngineCounters | None, wall: float, out_tokens: int, num_requests: int
+) -> Metrics:
+    names = (
+        "batches",
+        "core_passes",
+        "core_rows_per_pass",
+        "core_passes_per_output_token",
+        "decode_passes_per_decode_token",
+        "execute_s",
+        "host_us_per_batch",
+        "runner_core_passes",
+    )
+    if c is None:
+        return dict.fromkeys(names)
+    # every request's first token comes from prefill; the rest each need decode passes
+    decode_tokens = out_tokens - num_requests
+    return {
+        "batches": c.batches,
+        "core_passes": c.core_passes,
+        "core_rows_per_pass": _div(c.core_rows, c.core_passes),
+        "core_passes_per_output_token": _div(c.core_passes, out_tokens),
+        "decode_passes_per_decode_token": _div(c.decode_batches, decode_tokens),
+        "execute_s": c.execute_s,
+        # wall time not spent executing batches, per batch: scheduling, I/O, bus, idling
+        "host_us_per_batch": _div((wall - c.execute_s) * 1e6, c.batches),
+        "runner_core_passes": c.runner_core_passes,
+    }

@@ -1,0 +1,299 @@
+"""Writes a results document as ``results.json``, ``report.md`` and one PNG per comparison.
+
+matplotlib is optional (a dev extra) and imported only here, with the Agg backend, so a
+machine without a display or without matplotlib still gets the JSON and markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+METRIC_LABELS = {
+    "output_tokens_per_s": "output tok/s",
+    "requests_per_s": "req/s",
+    "ttft_ms_p50": "TTFT p50 ms",
+    "ttft_ms_p90": "TTFT p90 ms",
+    "ttft_ms_p99": "TTFT p99 ms",
+    "ttft_ms_mean": "TTFT mean ms",
+    "itl_ms_p50": "ITL p50 ms",
+    "itl_ms_p90": "ITL p90 ms",
+    "itl_ms_p99": "ITL p99 ms",
+    "mean_exit_depth": "mean exit depth",
+    "core_rows_per_pass": "core rows/pass",
+    "core_passes_per_output_token": "core passes/token",
+    "decode_passes_per_decode_token": "decode passes/decode token",
+    "prefix_hit_rate": "prefix hit rate",
+    "host_us_per_batch": "host µs/batch",
+    "wall_s": "wall s",
+}
+TABLE_METRICS = (
+    "output_tokens_per_s",
+    "requests_per_s",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "itl_ms_p50",
+    "itl_ms_p90",
+    "itl_ms_p99",
+    "mean_exit_depth",
+    "core_rows_per_pass",
+    "core_passes_per_output_token",
+    "decode_passes_per_decode_token",
+    "prefix_hit_rate",
+    "host_us_per_batch",
+)
+
+
+def fmt(x: Any) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if x == 0:
+            return "0"
+        if abs(x) >= 100:
+            return f"{x:.0f}"
+        return f"{x:.3g}"
+    return str(x)
+
+
+def _spread(s: dict[str, Any]) -> str:
+    if s["median"] is None:
+        return "n/a"
+    if s["min"] == s["max"]:
+        return fmt(s["median"])
+    return f"{fmt(s['median'])} [{fmt(s['min'])}–{fmt(s['max'])}]"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def _reached(value: bool | None) -> str:
+    return {True: "**yes**", False: "**no**", None: "n/a"}[value]
+
+
+def targets_markdown(results: dict[str, Any]) -> str:
+    rows = [
+        [
+            f"{t['comparison']} ({t['workload']})",
+            t["target"]["text"],
+            f"{fmt(t['median'])} [{fmt(t['min'])}–{fmt(t['max'])}]",
+            _reached(t["reached"]),
+        ]
+        for t in results["targets"]
+    ]
+    rows += [
+        [c["name"], "(every target of this comparison)", f"failed: {c['error']}", "n/a"]
+        for c in results["comparisons"]
+        if c.get("error")
+    ]
+    header = ["comparison (workload)", "target", "measured ratio: median [min–max]", "reached"]
+    return "\n".join(_table(header, rows))
+
+
+def _workload_rows(workloads: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for w in workloads:
+        load = f"x{w['concurrency']} clients" if w["mode"] == "closed" else f"{fmt(w['rate'])}/s"
+        p, o = w["prompt_tokens"], w["output_tokens"]
+        rows.append(
+            [
+                w["name"],
+                w["description"],
+                f"{w['mode']} ({load})",
+                str(w["num_requests"]),
+                f"{p['min']}–{p['max']} (Σ {p['total']})",
+                f"{o['min']}–{o['max']} (Σ {o['total']})",
+            ]
+        )
+    return rows
+
+
+def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> list[str]:
+    lines = [f"## {c['title']}", "", c["question"], ""]
+    if c.get("error"):
+        return [*lines, f"**Failed**: `{c['error']}`", ""]
+    lines += [f"- {n}" for n in c["notes"]]
+    for name, cal in c["calibration"].items():
+        caps = ", ".join(f"{arm} {fmt(v)}" for arm, v in cal["closed_loop_requests_per_s"].items())
+        loads = ", ".join(
+            f"`{x['workload']}` {fmt(x['rate'])} req/s ({x['utilization']:.0%})"
+            for x in cal.get("loads", [])
+        )
+        lines.append(f"- `{name}` closed-loop capacity, req/s: {caps}; open-loop runs: {loads}")
+    lines.append("")
+    lines += _table(
+        ["workload", "what", "arrivals", "requests", "prompt tokens", "output tokens"],
+        _workload_rows(c["workloads"]),
+    )
+    lines.append("")
+    lines += _table(
+        ["arm", "what", "backend", "settings under test (over the shared ones)"],
+        [
+            [
+                a["name"],
+                a["label"],
+                a["backend"],
+                ", ".join(f"{k}={v}" for k, v in a["overrides"].items()) or "—",
+            ]
+            for a in c["arms"]
+        ],
+    )
+    base = c["base_config"]
+    shared = (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "prefill_chunk_size",
+        "block_size",
+        "num_blocks",
+        "kv_layout",
+        "async_scheduling",
+    )
+    lines += [
+        "",
+        "Shared settings (before the arms' overrides): "
+        + ", ".join(f"{k}={base[k]}" for k in shared)
+        + ".",
+        "",
+        f"Per arm: median [min–max] over {repeats} repeat(s).",
+        "",
+    ]
+    metrics = [
+        m
+        for m in TABLE_METRICS
+        if any(row["stats"][m]["median"] is not None for row in c["summary"])
+    ]
+    lines += _table(
+        ["workload", "arm", *(METRIC_LABELS[m] for m in metrics)],
+        [
+            [row["workload"], row["arm"], *(_spread(row["stats"][m]) for m in metrics)]
+            for row in c["summary"]
+        ],
+    )
+    lines += ["", "Ratios (each repeat's pair of runs ran back to back):", ""]
+    lines += _table(
+        ["ratio", "workload", "per repeat", "min", "median", "max", "target", "reached"],
+        [
+            [
+                r["label"],
+                r["workload"],
+                ", ".join(fmt(v) for v in r["per_repeat"]),
+                fmt(r["min"]),
+                fmt(r["median"]),
+                fmt(r["max"]),
+                r["target"]["text"] if r["target"] else "",
+                _reached(r["reached"]) if r["target"] else "",
+            ]
+            for r in c["ratios"]
+        ],
+    )
+    if plot:
+        lines += ["", f"![{c['name']}]({plot})"]
+    lines.append("")
+    return lines
+
+
+def report_markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
+    m, machine, s = results["model"], results["machine"], results["settings"]
+    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
+    lines = [
+        "# rlt bench report",
+        "",
+        f"- Date: {results['date']}",
+        f"- Command: `{results['command']}`",
+        f"- Machine: {machine['platform']}, {machine['cpu_count']} CPUs "
+        f"({machine['torch_threads']} torch threads), torch {machine['torch']}, "
+        f"device {machine['device']}{gpu}, git {machine.get('git_commit') or 'n/a'}",
+        f"- Model: {m['size'] or m['checkpoint']} — hidden {m['hidden_size']}, "
+        f"{m['num_hidden_layers']} layers, {m['num_attention_heads']} heads "
+        f"({m['num_key_value_heads']} KV), vocab {m['vocab_size']}, "
+        f"{m['total_ut_steps']} loops, {m['dtype']}",
+        f"- Repeats: {s['repeats']} ({s['interleaving']}); seed {s['seed']}; "
+        f"elapsed {results['elapsed_s']:.0f} s",
+        "- Greedy decoding with ignore_eos, so every arm generates exactly the same tokens.",
+        "",
+        "## Targets",
+        "",
+        targets_markdown(results),
+        "",
+    ]
+    for c in results["comparisons"]:
+        lines += comparison_markdown(c, s["repeats"], plots.get(c["name"]))
+    return "\n".join(lines)
+
+
+def plot_comparison(c: dict[str, Any], path: Path) -> bool:
+    """Grouped bars (median, min–max whiskers) per workload and arm; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    metrics = c["plot_metrics"]
+    workloads = [w["name"] for w in c["workloads"]]
+    arms = [a["name"] for a in c["arms"]]
+    stats = {(r["workload"], r["arm"]): r["stats"] for r in c["summary"]}
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6), squeeze=False)
+    colors = {arm: f"C{j}" for j, arm in enumerate(arms)}
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        heights: list[float] = []
+        for i, w in enumerate(workloads):
+            # bars only for the arms that ran this workload, centred on its tick
+            present = [
+                (arm, st[metric])
+                for arm in arms
+                if (st := stats.get((w, arm))) and st[metric]["median"] is not None
+            ]
+            width = 0.8 / max(1, len(present))
+            for j, (arm, v) in enumerate(present):
+                x = i + (j - (len(present) - 1) / 2) * width
+                err = [[v["median"] - v["min"]], [v["max"] - v["median"]]]
+                ax.bar(x, v["median"], width, yerr=err, capsize=3, color=colors[arm], label=arm)
+                heights.append(v["median"])
+        positive = [h for h in heights if h > 0]
+        if positive and max(positive) / min(positive) > 20:
+            ax.set_yscale("log")  # e.g. one request at a time next to batched arms
+        ax.set_xticks(range(len(workloads)), workloads)
+        ax.set_title(METRIC_LABELS.get(metric, metric), fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    axes[0][0].legend(unique.values(), unique.keys(), fontsize=8)
+    fig.suptitle(c["title"], fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(results: dict[str, Any], out_dir: Path, plots: bool = True) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    plot_names: dict[str, str] = {}
+    if plots:
+        for c in results["comparisons"]:
+            if c.get("error"):
+                continue
+            path = out_dir / f"{c['name']}.png"
+            if plot_comparison(c, path):
+                plot_names[c["name"]] = path.name
+                written.append(path)
+            else:
+                print("rlt bench: matplotlib not installed; no plots", file=sys.stderr)
+                break
+    json_path = out_dir / "results.json"
+    json_path.write_text(json.dumps(results, indent=1) + "\n")
+    md_path = out_dir / "report.md"
+    md_path.write_text(report_markdown(results, plot_names))
+    return [json_path, md_path, *written]

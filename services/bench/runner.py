@@ -1,0 +1,350 @@
+"""``rlt bench``: runs the selected comparisons, arms interleaved repeat by repeat, and
+writes the report (JSON, markdown, PNGs).
+
+Order of runs within a comparison: for each repeat, every (workload, arm) once, in the same
+order (A B A B ...), so slow drift of a noisy machine lands on every arm alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import gc
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.bench.analysis import arm_summary, ratio_result
+from services.bench.backends import Backend, InProcessBackend
+from services.bench.comparisons import (
+    Arm,
+    BackendKind,
+    BenchSettings,
+    Comparison,
+    build_comparisons,
+)
+from services.bench.metrics import run_metrics
+from services.bench.progress import Progress
+from services.bench.workloads import FULL, QUICK, LoopMode, RequestSpec, Workload
+from services.engine.engine import model_limits
+from services.scheduler.config import SchedulerConfig
+from services.worker.model.ouro import OuroModel
+
+SCHEMA = "rlt-bench/1"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUMMARY_METRICS = (
+    "output_tokens_per_s",
+    "requests_per_s",
+    "ttft_ms_p50",
+    "ttft_ms_p90",
+    "ttft_ms_p99",
+    "itl_ms_p50",
+    "itl_ms_p90",
+    "itl_ms_p99",
+    "mean_exit_depth",
+    "core_rows_per_pass",
+    "core_passes_per_output_token",
+    "decode_passes_per_decode_token",
+    "prefix_hit_rate",
+    "host_us_per_batch",
+    "wall_s",
+)
+
+
+class Bench:
+    """Owns the backends (the model is loaded once; nats-server starts on first use)."""
+
+    def __init__(self, checkpoint: Path, device: str, dtype: torch.dtype) -> None:
+        self.checkpoint = checkpoint
+        self.device = device
+        self.dtype = dtype
+        self.model = OuroModel.from_checkpoint(checkpoint, dtype=dtype, device=device)
+        self._backends: dict[BackendKind, Backend] = {
+            BackendKind.IN_PROCESS: InProcessBackend(self.model)
+        }
+
+    def backend(self, kind: BackendKind) -> Backend:
+        if kind not in self._backends:
+            from services.bench.pipeline import PipelineBackend  # nats only when needed
+
+            self._backends[kind] = PipelineBackend(
+                self.checkpoint, device=self.device, dtype=self.dtype
+            )
+        return self._backends[kind]
+
+    def run(self, workload: Workload, config: SchedulerConfig, arm: Arm) -> dict[str, Any]:
+        gc.collect()
+        record = self.backend(arm.backend).run(workload, config)
+        return run_metrics(record)
+
+    def close(self) -> None:
+        for backend in self._backends.values():
+            backend.close()
+
+
+def resolve_checkpoint(args: argparse.Namespace) -> Path:
+    if args.checkpoint:
+        path = Path(args.checkpoint)
+        if not (path / "config.json").exists():
+            raise SystemExit(f"rlt bench: no config.json in checkpoint dir {path}")
+        return path
+    from services.cli import ensure_checkpoint
+
+    return ensure_checkpoint(None, size=args.size)
+
+
+def _warmup_workload(workload: Workload) -> Workload:
+    reqs = [RequestSpec(r.prompt_token_ids, min(r.max_tokens, 2)) for r in workload.requests[:2]]
+    return Workload("warmup", "warm-up", LoopMode.CLOSED, reqs, workload.exit, concurrency=2)
+
+
+def _calibrate(bench: Bench, comparison: Comparison, progress: Progress) -> dict[str, Any]:
+    """Measures each workload's closed-loop capacity per arm, then opens the workloads at
+    the comparison's loads (fractions of the lowest capacity: loads every arm can carry)."""
+    out: dict[str, Any] = {}
+    lowest: dict[str, float] = {}
+    for workload in comparison.workloads:
+        capacity: dict[str, float] = {}
+        for arm in comparison.arms:
+            progress.describe(f"{comparison.name}: calibrating {workload.name}:{arm.name}")
+            metrics = bench.run(workload, comparison.config(arm), arm)
+            capacity[arm.name] = float(metrics["requests_per_s"] or 0.0)
+            progress.advance()
+        lowest[workload.name] = min(capacity.values())
+        out[workload.name] = {"closed_loop_requests_per_s": capacity}
+    comparison.open_at_loads(lowest)
+    for w in comparison.workloads:
+        base = w.name.rsplit("_load", 1)[0]
+        if base in out and w.rate is not None:
+            out[base].setdefault("loads", []).append(
+                {"workload": w.name, "utilization": w.rate / lowest[base], "rate": w.rate}
+            )
+    return out
+
+
+def run_comparison(
+    bench: Bench, comparison: Comparison, repeats: int, progress: Progress
+) -> dict[str, Any]:
+    calibration = _calibrate(bench, comparison, progress) if comparison.loads else {}
+    workloads = {w.name: w for w in comparison.workloads}
+    warmed: set[BackendKind] = set()
+    runs: list[dict[str, Any]] = []
+    for repeat in range(repeats):
+        for workload, arm in comparison.cases():
+            workload = workloads[workload.name]
+            config = comparison.config(arm)
+            if arm.backend not in warmed:  # first use pays one-off costs outside the timing
+                bench.run(_warmup_workload(workload), config, arm)
+                warmed.add(arm.backend)
+            progress.describe(
+                f"{comparison.name} r{repeat + 1}/{repeats} {workload.name}:{arm.name}"
+            )
+            metrics = bench.run(workload, config, arm)
+            runs.append(
+                {"workload": workload.name, "arm": arm.name, "repeat": repeat, "metrics": metrics}
+            )
+            progress.advance()
+    return {
+        "name": comparison.name,
+        "title": comparison.title,
+        "question": comparison.question,
+        "notes": comparison.notes,
+        "workloads": [w.summary() for w in comparison.workloads],
+        "calibration": calibration,
+        "base_config": _config_dict(comparison.base),
+        "arms": [
+            {
+                "name": a.name,
+                "label": a.label,
+                "backend": str(a.backend),
+                "overrides": {k: _plain(v) for k, v in a.overrides.items()},
+                "config": _config_dict(comparison.config(a)),
+            }
+            for a in comparison.arms
+        ],
+        "skipped": sorted([list(p) for p in comparison.skip]),
+        "plot_metrics": comparison.plot_metrics,
+        "runs": runs,
+        "ratios": [ratio_result(spec, runs, repeats) for spec in comparison.ratios],
+        "summary": arm_summary(comparison, runs, SUMMARY_METRICS),
+    }
+
+
+def failed_comparison(comparison: Comparison, exc: Exception) -> dict[str, Any]:
+    return {
+        "name": comparison.name,
+        "title": comparison.title,
+        "question": comparison.question,
+        "error": f"{type(exc).__name__}: {exc}",
+        "runs": [],
+        "ratios": [],
+    }
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, int | float | bool) else str(value)
+
+
+def _config_dict(config: SchedulerConfig) -> dict[str, Any]:
+    return {k: _plain(v) for k, v in dataclasses.asdict(config).items()}
+
+
+def command_line(args: argparse.Namespace) -> str:
+    parts = ["rlt", "bench"]
+    if args.quick:
+        parts.append("--quick")
+    if args.checkpoint:
+        parts += ["--checkpoint", str(args.checkpoint)]
+    else:
+        parts += ["--size", args.size]
+    if args.device != "cpu":
+        parts += ["--device", args.device]
+    if args.dtype != "float32":
+        parts += ["--dtype", args.dtype]
+    parts += ["--repeats", str(args.repeats), "--concurrency", str(args.concurrency)]
+    parts += ["--seed", str(args.seed)]
+    if args.rate is not None:
+        parts += ["--rate", f"{args.rate:g}"]
+    if args.threads is not None:
+        parts += ["--threads", str(args.threads)]
+    if sorted(args.only) != sorted(_all_names()):
+        parts += ["--only", ",".join(args.only)]
+    parts += ["--out", str(args.out)]
+    return " ".join(parts)
+
+
+def _all_names() -> tuple[str, ...]:
+    from services.bench.args import COMPARISON_NAMES
+
+    return COMPARISON_NAMES
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    try:
+        info["git_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                check=False,
+            ).stdout.strip()
+            or None
+        )
+    except OSError:
+        info["git_commit"] = None
+    return info
+
+
+def model_info(model: OuroModel, checkpoint: Path, size: str | None) -> dict[str, Any]:
+    cfg = model.cfg
+    return {
+        "checkpoint": str(checkpoint),
+        "size": size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "vocab_size": cfg.vocab_size,
+        "total_ut_steps": cfg.total_ut_steps,
+        "dtype": str(model.dtype).removeprefix("torch."),
+    }
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs everything and returns the results document (also what the JSON holds)."""
+    threads = args.threads or (1 if args.device == "cpu" else None)
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        # with more threads than free cores, each op's barrier waits out another process's
+        # time slice; on a shared machine one thread per process is far steadier
+        torch.set_num_threads(threads)
+    try:
+        return _run_bench(args)
+    finally:
+        torch.set_num_threads(saved_threads)  # callers (tests) keep their own setting
+
+
+def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.perf_counter()
+    checkpoint = resolve_checkpoint(args)
+    bench = Bench(checkpoint, args.device, DTYPES[args.dtype])
+    settings = BenchSettings(
+        scale=QUICK if args.quick else FULL,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        limits=model_limits(bench.model),
+        quick=args.quick,
+        rate=args.rate,
+    )
+    comparisons = build_comparisons(list(args.only), settings)
+    total = sum(
+        len(c.cases()) * args.repeats * max(1, len(c.loads))
+        + (len(c.workloads) * len(c.arms) if c.loads else 0)
+        for c in comparisons
+    )
+    progress = Progress(total, enabled=not args.no_progress)
+    results: list[dict[str, Any]] = []
+    try:
+        for c in comparisons:
+            try:
+                results.append(run_comparison(bench, c, args.repeats, progress))
+            except Exception as exc:  # one broken comparison must not discard the others
+                results.append(failed_comparison(c, exc))
+    finally:
+        progress.close()
+        bench.close()
+    targets = [{"comparison": c["name"], **r} for c in results for r in c["ratios"] if r["target"]]
+    return {
+        "schema": SCHEMA,
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command_line(args),
+        "settings": {
+            "quick": args.quick,
+            "repeats": args.repeats,
+            "concurrency": args.concurrency,
+            "seed": args.seed,
+            "rate": args.rate,
+            "interleaving": "each repeat runs every (workload, arm) once, in a fixed order "
+            "(A B A B ...)",
+        },
+        "machine": machine_info(args.device),
+        "model": model_info(bench.model, checkpoint, None if args.checkpoint else args.size),
+        "elapsed_s": time.perf_counter() - started,
+        "comparisons": results,
+        "targets": targets,
+    }
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    from services.runtime.logging import configure_logging
+
+    # the services log every request at info; a benchmark wants its progress bar
+    configure_logging(os.environ.get("RLT_LOG_LEVEL", "warning"))
+    from services.bench.report import targets_markdown, write_report
+
+    results = run_bench(args)
+    paths = write_report(results, Path(args.out), plots=not args.no_plots)
+    print(targets_markdown(results))
+    print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    failed = [c for c in results["comparisons"] if c.get("error")]
+    for c in failed:
+        print(f"rlt bench: {c['name']} failed: {c['error']}", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,267 @@
+"""Seeded benchmark workloads: who arrives when, with which prompt, for how many tokens.
+
+A workload is plain data, identical for every arm of a comparison, so the arms differ only in
+the engine configuration. Every random draw comes from a ``random.Random`` seeded with the
+bench seed and the workload name (string seeds hash the same in every process).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class LoopMode(StrEnum):
+    CLOSED = "closed"  # a fixed number of clients, each sends its next request when one ends
+    OPEN = "open"  # Poisson arrivals at a fixed rate, whatever the engine's progress
+
+
+@dataclass(frozen=True)
+class ExitPolicy:
+    exit_threshold: float
+    min_loops: int = 1
+
+    @property
+    def label(self) -> str:
+        if self.exit_threshold >= 1.0:
+            return "forced depth"
+        return f"early exit {self.exit_threshold:g}/min {self.min_loops}"
+
+
+EARLY_EXIT = ExitPolicy(exit_threshold=0.7, min_loops=1)  # toy gates spread exit depths
+FORCED_DEPTH = ExitPolicy(exit_threshold=1.0, min_loops=1)  # control: every token full depth
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_s: float = 0.0  # open loop only: offset from the start of the run
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    mode: LoopMode
+    requests: list[RequestSpec]
+    exit: ExitPolicy
+    concurrency: int = 1  # closed loop
+    rate: float | None = None  # open loop, requests/s
+    seed: int = 0
+    params: dict[str, object] = field(default_factory=dict)  # what it was built from
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def max_request_tokens(self) -> int:
+        return max(r.num_prompt_tokens + r.max_tokens for r in self.requests)
+
+    def with_rate(self, rate: float, name: str | None = None) -> Workload:
+        """The same requests, arriving as a Poisson process at ``rate`` requests/s (the same
+        arrival pattern, time-scaled, for every rate of one workload)."""
+        if rate <= 0 or not math.isfinite(rate):
+            raise ValueError(f"arrival rate must be a positive number, got {rate}")
+        times = poisson_arrivals(len(self.requests), rate, _rng(self.seed, self.name, "arrivals"))
+        reqs = [
+            RequestSpec(r.prompt_token_ids, r.max_tokens, t)
+            for r, t in zip(self.requests, times, strict=True)
+        ]
+        return Workload(
+            name=name or self.name,
+            description=self.description,
+            mode=LoopMode.OPEN,
+            requests=reqs,
+            exit=self.exit,
+            concurrency=self.concurrency,
+            rate=rate,
+            seed=self.seed,
+            params=self.params,
+        )
+
+    def summary(self) -> dict[str, object]:
+        prompts = [r.num_prompt_tokens for r in self.requests]
+        outputs = [r.max_tokens for r in self.requests]
+        return {
+            "name": self.name,
+            "description": self.description,
+            "mode": str(self.mode),
+            "num_requests": self.num_requests,
+            "concurrency": self.concurrency if self.mode == LoopMode.CLOSED else None,
+            "rate": self.rate,
+            "seed": self.seed,
+            "exit_threshold": self.exit.exit_threshold,
+            "min_loops": self.exit.min_loops,
+            "prompt_tokens": {"min": min(prompts), "max": max(prompts), "total": sum(prompts)},
+            "output_tokens": {"min": min(outputs), "max": max(outputs), "total": sum(outputs)},
+            **self.params,
+        }
+
+
+@dataclass(frozen=True)
+class LengthMix:
+    """Prompt and output lengths, each uniform in an inclusive range."""
+
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+
+    def draw(self, rng: random.Random, vocab: TokenRange) -> RequestSpec:
+        n = rng.randint(*self.prompt)
+        return RequestSpec(vocab.tokens(rng, n), rng.randint(*self.output))
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    """Token ids prompts are drawn from: [low, high), never an EOS id."""
+
+    low: int
+    high: int
+    eos_token_ids: tuple[int, ...] = ()
+
+    def tokens(self, rng: random.Random, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            t = rng.randrange(self.low, self.high)
+            if t not in self.eos_token_ids:
+                out.append(t)
+        return out
+
+
+def _rng(seed: int, *parts: str) -> random.Random:
+    return random.Random(":".join([str(seed), *parts]))
+
+
+def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
+    """Arrival offsets of a Poisson process: exponential gaps with mean 1/rate; first at 0."""
+    times, t = [], 0.0
+    for i in range(n):
+        if i:
+            t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+# ---------------------------------------------------------------------- scales
+@dataclass(frozen=True)
+class Scale:
+    """Sizes of every workload: full (the committed report) or quick (tests, smoke runs)."""
+
+    chat: LengthMix
+    rag: LengthMix
+    # closed loop: requests = this x concurrency; the more per client, the less the final
+    # drain (clients running out of work) weighs against the steady state
+    chat_requests_per_client: int
+    mixed_requests: int
+    mixed_rag_fraction: float
+    prefix_groups: int
+    prefix_tokens: int
+    prefix_suffix: tuple[int, int]
+    prefix_output: tuple[int, int]
+    prefix_requests: int
+
+
+FULL = Scale(
+    chat=LengthMix(prompt=(16, 48), output=(24, 48)),
+    rag=LengthMix(prompt=(256, 512), output=(8, 16)),
+    chat_requests_per_client=3,
+    mixed_requests=24,
+    mixed_rag_fraction=0.25,
+    prefix_groups=4,
+    prefix_tokens=256,
+    prefix_suffix=(16, 48),
+    prefix_output=(16, 32),
+    prefix_requests=32,
+)
+
+QUICK = Scale(
+    chat=LengthMix(prompt=(6, 12), output=(3, 6)),
+    rag=LengthMix(prompt=(40, 64), output=(2, 4)),
+    chat_requests_per_client=2,
+    mixed_requests=8,
+    mixed_rag_fraction=0.25,
+    prefix_groups=2,
+    prefix_tokens=32,
+    prefix_suffix=(4, 8),
+    prefix_output=(2, 4),
+    prefix_requests=8,
+)
+
+
+# ---------------------------------------------------------------------- builders
+def chat_closed(
+    scale: Scale,
+    vocab: TokenRange,
+    concurrency: int,
+    exit: ExitPolicy,
+    seed: int,
+    requests_per_client: int | None = None,
+) -> Workload:
+    """Short chat turns from ``concurrency`` closed-loop clients."""
+    name = "chat_" + ("forced" if exit.exit_threshold >= 1.0 else "early")
+    rng = _rng(seed, "chat")  # same prompts for the early-exit and forced-depth variants
+    n = (requests_per_client or scale.chat_requests_per_client) * concurrency
+    return Workload(
+        name=name,
+        description=f"short chat, closed loop x{concurrency}, {exit.label}",
+        mode=LoopMode.CLOSED,
+        requests=[scale.chat.draw(rng, vocab) for _ in range(n)],
+        exit=exit,
+        concurrency=concurrency,
+        seed=seed,
+        params={"prompt_range": scale.chat.prompt, "output_range": scale.chat.output},
+    )
+
+
+def mixed(scale: Scale, vocab: TokenRange, concurrency: int, seed: int) -> Workload:
+    """Short chat with long RAG-like prompts mixed in (closed loop until given a rate)."""
+    rng = _rng(seed, "mixed")
+    n_rag = max(1, round(scale.mixed_requests * scale.mixed_rag_fraction))
+    reqs = [scale.rag.draw(rng, vocab) for _ in range(n_rag)]
+    reqs += [scale.chat.draw(rng, vocab) for _ in range(scale.mixed_requests - n_rag)]
+    rng.shuffle(reqs)
+    return Workload(
+        name="mixed",
+        description=f"chat + {n_rag} long RAG-like prompts, {EARLY_EXIT.label}",
+        mode=LoopMode.CLOSED,
+        requests=reqs,
+        exit=EARLY_EXIT,
+        concurrency=concurrency,
+        seed=seed,
+        params={
+            "rag_requests": n_rag,
+            "rag_prompt_range": scale.rag.prompt,
+            "chat_prompt_range": scale.chat.prompt,
+        },
+    )
+
+
+def shared_prefix(scale: Scale, vocab: TokenRange, concurrency: int, seed: int) -> Workload:
+    """Requests that share one of a few long system prompts, each with its own question."""
+    rng = _rng(seed, "shared_prefix")
+    prefixes = [vocab.tokens(rng, scale.prefix_tokens) for _ in range(scale.prefix_groups)]
+    reqs = []
+    for _ in range(scale.prefix_requests):
+        prefix = rng.choice(prefixes)
+        suffix = vocab.tokens(rng, rng.randint(*scale.prefix_suffix))
+        reqs.append(RequestSpec(prefix + suffix, rng.randint(*scale.prefix_output)))
+    return Workload(
+        name="shared_prefix",
+        description=(
+            f"{scale.prefix_groups} shared {scale.prefix_tokens}-token prefixes, "
+            f"closed loop x{concurrency}, {EARLY_EXIT.label}"
+        ),
+        mode=LoopMode.CLOSED,
+        requests=reqs,
+        exit=EARLY_EXIT,
+        concurrency=concurrency,
+        seed=seed,
+        params={"prefix_groups": scale.prefix_groups, "prefix_tokens": scale.prefix_tokens},
+    )

@@ -1,0 +1,244 @@
+"""``rlt bench`` on the toy checkpoint with --quick: the result schema, ratios that are
+recomputable from the per-run numbers, and the building blocks (percentiles, workloads,
+metrics, the runner probe)."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import torch
+
+from services.bench.metrics import RequestRecord, RunRecord, percentile, run_metrics
+from services.bench.probe import RunnerProbe
+from services.bench.workloads import (
+    EARLY_EXIT,
+    QUICK,
+    TokenRange,
+    chat_closed,
+    poisson_arrivals,
+    shared_prefix,
+)
+from services.cli import build_parser, main
+from services.engine.engine import LLMEngine
+from services.scheduler.config import SchedulerConfig
+
+RUN_KEYS = {
+    "output_tokens_per_s",
+    "requests_per_s",
+    "ttft_ms_p50",
+    "ttft_ms_p90",
+    "ttft_ms_p99",
+    "itl_ms_p50",
+    "itl_ms_p90",
+    "itl_ms_p99",
+    "mean_exit_depth",
+    "core_passes",
+    "core_rows_per_pass",
+    "core_passes_per_output_token",
+    "decode_passes_per_decode_token",
+    "prefix_hit_rate",
+    "host_us_per_batch",
+}
+
+
+@pytest.fixture
+def keep_global_state() -> Iterator[None]:
+    """main_bench quiets structlog; give the rest of the session its config back."""
+    saved = structlog.get_config()
+    threads = torch.get_num_threads()
+    yield
+    structlog.configure(**saved)
+    assert torch.get_num_threads() == threads  # the bench restores what it changed
+
+
+def _bench(checkpoint: Path, out: Path, *extra: str) -> dict[str, Any]:
+    argv = ["bench", "--quick", "--checkpoint", str(checkpoint), "--concurrency", "4"]
+    argv += ["--out", str(out), "--no-progress", *extra]
+    assert main(argv) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def _recompute(results: dict[str, Any]) -> None:
+    """Every ratio equals numerator/denominator of the runs stored next to it."""
+    repeats = results["settings"]["repeats"]
+    for comp in results["comparisons"]:
+        runs = {(r["workload"], r["arm"], r["repeat"]): r["metrics"] for r in comp["runs"]}
+        for ratio in comp["ratios"]:
+            expected = []
+            for rep in range(repeats):
+                num = runs[(ratio["workload"], ratio["numerator"], rep)][ratio["metric"]]
+                den = runs[(ratio["workload"], ratio["denominator"], rep)][ratio["metric"]]
+                if ratio["kind"] == "difference":
+                    expected.append(num - den)
+                else:
+                    expected.append(num / den)
+            assert ratio["per_repeat"] == pytest.approx(expected), ratio["label"]
+            assert ratio["min"] == pytest.approx(min(expected))
+            assert ratio["median"] == pytest.approx(statistics.median(expected))
+            assert ratio["max"] == pytest.approx(max(expected))
+            if ratio["target"] is not None:
+                t = ratio["target"]
+                ok = (t["low"] is None or ratio["median"] >= t["low"]) and (
+                    t["high"] is None or ratio["median"] <= t["high"]
+                )
+                assert ratio["reached"] is ok
+
+
+def test_quick_bench_schema_and_ratios(
+    toy_checkpoint: Path, tmp_path: Path, keep_global_state: None
+) -> None:
+    only = "depth_batching,wcpb,prefix_cache"
+    results = _bench(toy_checkpoint, tmp_path, "--repeats", "2", "--only", only)
+
+    assert results["schema"] == "rlt-bench/1"
+    assert results["command"].startswith("rlt bench --quick --checkpoint")
+    assert {"date", "machine", "model", "settings", "elapsed_s", "targets"} <= set(results)
+    names = [c["name"] for c in results["comparisons"]]
+    assert names == only.split(",")
+    for comp in results["comparisons"]:
+        cases = {(w["name"], a["name"]) for w in comp["workloads"] for a in comp["arms"]}
+        cases -= {tuple(p) for p in comp["skipped"]}
+        # every case ran once per repeat, interleaved: repeat 0 of all cases before repeat 1
+        assert len(comp["runs"]) == 2 * len(cases)
+        assert [r["repeat"] for r in comp["runs"]] == sorted(r["repeat"] for r in comp["runs"])
+        for run in comp["runs"]:
+            m = run["metrics"]
+            assert set(m) >= RUN_KEYS
+            assert m["output_tokens_per_s"] > 0 and m["ttft_ms_p50"] > 0
+            assert m["core_passes"] == m["runner_core_passes"]  # probe agrees with the runner
+            assert 1 <= m["mean_exit_depth"] <= 4
+    _recompute(results)
+
+    by_name = {c["name"]: c for c in results["comparisons"]}
+    # forced depth: every token runs all 4 loops, so refill cannot save a pass
+    forced = [r for r in by_name["depth_batching"]["runs"] if r["workload"] == "chat_forced"]
+    assert {r["metrics"]["mean_exit_depth"] for r in forced} == {4.0}
+    # identical greedy work: the same number of tokens in every arm
+    tokens = {r["metrics"]["output_tokens"] for r in by_name["depth_batching"]["runs"]}
+    assert len(tokens) == 1  # early / forced share prompts and lengths
+    prefix_runs = by_name["prefix_cache"]["runs"]
+    assert all(r["metrics"]["prefix_hit_rate"] == 0 for r in prefix_runs if r["arm"] == "off")
+    assert any(r["metrics"]["prefix_hit_rate"] > 0 for r in prefix_runs if r["arm"] == "on")
+    # WCPB: capacity measured per arm, then one open-loop workload per offered load
+    wcpb = by_name["wcpb"]
+    assert [w["name"] for w in wcpb["workloads"]] == ["mixed_load35", "mixed_load60"]
+    assert {w["mode"] for w in wcpb["workloads"]} == {"open"}
+    cal = wcpb["calibration"]["mixed"]
+    lowest = min(cal["closed_loop_requests_per_s"].values())
+    assert [x["rate"] for x in cal["loads"]] == pytest.approx([0.35 * lowest, 0.6 * lowest])
+    assert {r["workload"] for r in wcpb["ratios"]} == {"mixed_load35", "mixed_load60"}
+
+    report = (tmp_path / "report.md").read_text()
+    for comp in results["comparisons"]:
+        assert comp["title"] in report
+    assert results["command"] in report
+    pytest.importorskip("matplotlib")
+    assert all((tmp_path / f"{n}.png").stat().st_size > 0 for n in names)
+
+
+def test_quick_bench_pipeline(
+    toy_checkpoint: Path, tmp_path: Path, keep_global_state: None
+) -> None:
+    results = _bench(toy_checkpoint, tmp_path, "--repeats", "1", "--only", "pipeline", "--no-plots")
+    (comp,) = results["comparisons"]
+    _recompute(results)
+    runs = {r["arm"]: r["metrics"] for r in comp["runs"]}
+    assert set(runs) == {"in_process", "pipeline", "in_process_async", "pipeline_async"}
+    # the pipeline serves exactly the same greedy work, counted at its worker
+    assert runs["pipeline"]["output_tokens"] == runs["in_process"]["output_tokens"]
+    assert runs["pipeline"]["mean_exit_depth"] == runs["in_process"]["mean_exit_depth"]
+    assert runs["pipeline"]["core_passes"] > 0
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_cli_rejects_unknown_comparison() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--only", "depth_batching,nope"])
+    args = build_parser().parse_args(["bench", "--only", "wcpb, pipeline"])
+    assert args.only == ["wcpb", "pipeline"]
+    assert args.repeats == 3 and args.concurrency == 32 and args.size == "small"
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    values = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 5.0
+    assert percentile(values, 90) == pytest.approx(4.6)
+    assert percentile([], 50) is None
+
+
+def test_run_metrics_from_timestamps() -> None:
+    a = RequestRecord(arrival=0.0, num_prompt_tokens=10, num_cached_tokens=4)
+    a.token_times, a.finish_time, a.exit_depths = [0.1, 0.3, 0.6], 0.6, [4, 2, 1]
+    b = RequestRecord(arrival=0.5, num_prompt_tokens=10)
+    b.token_times, b.finish_time, b.exit_depths = [0.7, 0.8], 0.8, [4, 3]
+    m = run_metrics(RunRecord(start=0.0, end=1.0, requests=[a, b]))
+    assert m["output_tokens"] == 5 and m["output_tokens_per_s"] == pytest.approx(5.0)
+    assert m["ttft_ms_mean"] == pytest.approx(150.0)  # (0.1 + 0.2) / 2
+    assert m["itl_ms_p50"] == pytest.approx(200.0)  # gaps 0.2, 0.3, 0.1
+    assert m["mean_exit_depth"] == pytest.approx(14 / 5)
+    assert m["prefix_hit_rate"] == pytest.approx(4 / 20)
+    assert m["core_passes"] is None  # no counters: reported as n/a, never as 0
+
+
+def test_workloads_are_seeded() -> None:
+    vocab = TokenRange(1, 512, (0,))
+    w1 = chat_closed(QUICK, vocab, 4, EARLY_EXIT, seed=7)
+    w2 = chat_closed(QUICK, vocab, 4, EARLY_EXIT, seed=7)
+    w3 = chat_closed(QUICK, vocab, 4, EARLY_EXIT, seed=8)
+    assert w1.requests == w2.requests != w3.requests
+    assert w1.num_requests == 4 * QUICK.chat_requests_per_client
+    opened = w1.with_rate(10.0)
+    assert opened.requests == w1.with_rate(10.0).requests
+    prompts = [r.prompt_token_ids for r in w1.requests]
+    assert [r.prompt_token_ids for r in opened.requests] == prompts
+    sp = shared_prefix(QUICK, vocab, 2, seed=0)
+    heads = {tuple(r.prompt_token_ids[: QUICK.prefix_tokens]) for r in sp.requests}
+    assert len(heads) <= QUICK.prefix_groups
+    gaps = poisson_arrivals(4000, 20.0, random.Random(1))
+    assert gaps[0] == 0.0 and gaps[-1] / 3999 == pytest.approx(1 / 20.0, rel=0.1)
+
+
+def test_probe_counts_passes_and_rows(toy_checkpoint: Path) -> None:
+    from messages.sampling import SamplingParams
+
+    engine = LLMEngine.from_checkpoint(toy_checkpoint, SchedulerConfig(num_blocks=256))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with RunnerProbe(engine.runner) as probe:
+        engine.generate([[5, 6, 7], [8, 9]], params)
+    c = probe.counters
+    assert c.core_passes == c.runner_core_passes == engine.runner.num_core_passes > 0
+    # one atomic prefill batch (5 prompt rows x 4 loops) gives each request its first token;
+    # then 2 more tokens, each 4 single-loop decode batches (fixed depth) of 2 rows
+    assert c.core_rows == 5 * 4 + 2 * 4 * 2
+    assert c.decode_batches == 8 and c.batches == 9
+    assert "execute" not in engine.runner.__dict__  # the probe removed its shadows
+
+
+def test_a_failed_comparison_is_reported_not_fatal(
+    toy_checkpoint: Path,
+    tmp_path: Path,
+    keep_global_state: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.bench.pipeline import PipelineBackend
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("bus down")
+
+    monkeypatch.setattr(PipelineBackend, "run", broken)
+    argv = ["bench", "--quick", "--checkpoint", str(toy_checkpoint), "--concurrency", "4"]
+    argv += ["--out", str(tmp_path), "--no-progress", "--no-plots", "--repeats", "1"]
+    assert main([*argv, "--only", "pipeline,prefix_cache"]) == 1
+    results = json.loads((tmp_path / "results.json").read_text())
+    failed, ok = results["comparisons"]
+    assert failed["error"] == "RuntimeError: bus down" and not failed["runs"]
+    assert "error" not in ok and ok["runs"]
+    assert "bus down" in (tmp_path / "report.md").read_text()
