@@ -307,8 +307,8 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
     from services.runtime.bus import HEADER_CHUNK, Reassembler
     from services.runtime.checkpoint import load_model_limits, load_tokenizer
     from services.scheduler.config import SchedulerConfig
+    from services.scheduler.driver import SchedulerDriver
     from services.scheduler.liveness import LossDetector, WorkerTracker
-    from services.scheduler.service import SchedulerDriver
 
     limits, tokenizer = load_model_limits(checkpoint), load_tokenizer(checkpoint)
     admission = AdmissionCore(limits, tokenizer, AdmissionConfig(max_payload=1 << 20))

@@ -21,8 +21,8 @@ from services.launcher import NatsServer
 from services.runtime.bus import HEADER_CHUNK, Reassembler
 from services.runtime.checkpoint import load_model_limits, load_tokenizer
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.driver import SchedulerDriver
 from services.scheduler.liveness import LossDetector, WorkerTracker
-from services.scheduler.service import SchedulerDriver
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from services.worker.service import _is_older_epoch

@@ -21,7 +21,7 @@ from services.launcher import NatsServer
 from services.runtime import subjects
 from services.runtime.checkpoint import load_model_limits, load_tokenizer
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.service import SchedulerDriver
+from services.scheduler.driver import SchedulerDriver
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 
