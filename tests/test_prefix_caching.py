@@ -137,3 +137,33 @@ def test_sync_and_async_publish_the_same_blocks_in_the_same_order(toy_model, mod
 
     sync, asynchronous = published(False), published(True)
     assert sync and sync == asynchronous
+
+
+def test_prefix_index_agrees_with_the_kv_manager_after_every_step(toy_model) -> None:
+    """Envelopes drained after each engine step, applied to the real prefix-cache index,
+    reproduce exactly the scheduler's cached blocks, through publication and eviction."""
+    from services.prefix_cache.core import PrefixIndex
+
+    config = SchedulerConfig(block_size=4, num_blocks=40, enable_prefix_caching=True,
+                             wavefront_chunked_prefill=True, prefill_chunk_size=4,
+                             async_scheduling=True)
+    engine = LLMEngine(toy_model, config)
+    index = PrefixIndex()
+    producer = engine.scheduler.prefix_log.producer_id
+    prompts = [[*BASE, 1], [300 + i for i in range(13)], [*BASE[:8], 5, 6, 7, 8, 9],
+               [400 + i for i in range(13)], [*BASE, 2]]
+    evicted = False
+    for step in range(400):
+        if step % 20 == 0 and prompts:
+            engine.add_request(f"r{step}", prompts.pop(0), GREEDY)
+        engine.step()
+        envelope = engine.scheduler.take_prefix_events()
+        if envelope is not None:
+            outcome = index.apply(envelope)
+            assert outcome.replay is None  # in-order delivery: no gaps
+            evicted |= any(isinstance(e, BlockRemoved) for e in envelope.events)
+        held = index.snapshot().get(producer, set())
+        assert held == engine.scheduler.kv.cached_block_hashes()
+        if not prompts and not engine.has_unfinished_requests():
+            break
+    assert evicted and index.snapshot()[producer]
