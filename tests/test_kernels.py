@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -22,6 +24,8 @@ from kernels import (
 )
 
 HEAD_DIM = 8
+# The module itself: the package attribute of this name is the re-exported function.
+paged_attention_module = importlib.import_module("kernels.paged_attention")
 
 
 def _make_case(
@@ -194,6 +198,39 @@ def test_empty_batch() -> None:
     write_kv(k_cache, v_cache, meta.slot_mapping, empty_kv, empty_kv)
     out = paged_attention(torch.zeros(0, 4, HEAD_DIM), k_cache, v_cache, meta, 1.0)
     assert out.shape == (0, 4, HEAD_DIM)
+
+
+def test_mixed_layout_runs_per_bucket() -> None:
+    """Decode rows next to a long prefill chunk go through separate query-length buckets
+    (instead of padding every decode row to the chunk's length) and still match."""
+    layout = [(1, 57), (1, 60), (40, 0), (1, 3), (1, 62), (2, 58), (1, 61)]
+    case = _make_case(layout, block_size=4, kv_heads=2, group=2, seed=11)
+    meta = build_attention_metadata(case["segments"], 4, case["num_rows"])
+    assert len(meta.buckets) >= 2
+    assert sum(b.num_rows for b in meta.buckets) == case["num_rows"]
+    assert max(b.q_max for b in meta.buckets if b.num_segments > 1) < 40
+    ref = _dense_reference(case)
+    torch.testing.assert_close(_run(case, 4), ref, rtol=1e-10, atol=1e-10)
+    # The full-grid view (flash reads it) equals the unbucketed build's.
+    flat = build_attention_metadata(case["segments"], 4, case["num_rows"], bucketed=False)
+    assert len(flat.buckets) == 1
+    for name in ("query_rows", "context_slots", "mask", "row_to_padded", "context_lens"):
+        assert torch.equal(getattr(meta, name), getattr(flat, name)), name
+
+
+@settings(max_examples=25, deadline=None)
+@given(layout=layouts, block_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16))
+def test_paged_attention_every_size_class_its_own_bucket(
+    layout: list[tuple[int, int]], block_size: int, seed: int
+) -> None:
+    """With merging off, each power-of-two row-count class is its own bucket."""
+    case = _make_case(layout, block_size, kv_heads=2, group=2, seed=seed)
+    with mock.patch.object(paged_attention_module, "_MERGE_SLACK", 0):
+        meta = build_attention_metadata(case["segments"], block_size, case["num_rows"])
+        out = _run(case, block_size)
+    classes = {(n - 1).bit_length() for n, _ in layout}
+    assert len(meta.buckets) == len(classes)
+    torch.testing.assert_close(out, _dense_reference(case), rtol=1e-10, atol=1e-10)
 
 
 @settings(max_examples=40, deadline=None)
