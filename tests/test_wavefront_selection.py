@@ -184,7 +184,7 @@ def test_submission_and_output_paths_give_the_same_events_and_state(async_schedu
     s = two_prompt_scheduler(budget=5, async_scheduling=async_scheduling)
     events, frontiers = [], []
     for batch in iter(s.schedule, None):
-        events += s.update_after_submission(batch)
+        s.update_after_submission(batch)
         events += s.update_from_output(batch, fake_result(batch))
         frontiers.append({r.request_id: [x for _, x in r.prefill_depth_ranges]
                           for r in s.running})
@@ -194,7 +194,7 @@ def test_submission_and_output_paths_give_the_same_events_and_state(async_schedu
     reference = two_prompt_scheduler(budget=5, async_scheduling=not async_scheduling)
     other = []
     for batch in iter(reference.schedule, None):
-        other += reference.update_after_submission(batch)
+        reference.update_after_submission(batch)
         other += reference.update_from_output(batch, fake_result(batch))
     assert other == events
 

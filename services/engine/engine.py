@@ -92,7 +92,7 @@ class LLMEngine:
                 break
             if self._on_batch is not None:
                 self._on_batch(batch)
-            events.extend(self.scheduler.update_after_submission(batch))
+            self.scheduler.update_after_submission(batch)
             # the worker runs batches strictly in seq order; in-process that is right now
             try:
                 result = self.runner.execute(batch.wire)

@@ -323,7 +323,7 @@ class SchedulerDriver:
             self.inflight.append(batch)
             self.sent_at[batch.seq] = time.monotonic()
             try:
-                out += self._route(self.scheduler.update_after_submission(batch))
+                self.scheduler.update_after_submission(batch)
             except Exception as exc:
                 self.log.exception("update_after_submission failed", **{BATCH_SEQ: batch.seq})
                 self._failed_batches.add(batch.seq)

@@ -542,18 +542,17 @@ class Scheduler:
         )
 
     # ------------------------------------------------------------------ progress
-    def update_after_submission(self, batch: ScheduledBatch) -> list[StreamEvent]:
+    def update_after_submission(self, batch: ScheduledBatch) -> None:
         """Called when the batch is handed to the worker. With async scheduling the prefill
         progress is applied here, so the next batch can be built before this one finishes.
-        Returns client-stream events for symmetry with ``update_from_output``; a submission
-        only advances prefill, so today there are none (prefix events: take_prefix_events)."""
+        It produces no client events (a submission only advances prefill); blocks it
+        completes are published for ``take_prefix_events``."""
         for task in batch.tasks:
             task.request.inflight_batches += 1
             if task.kind == TaskKind.DECODE or task.compute_logits:
                 task.request.awaiting_output = True
         if self.config.async_scheduling:
             self._apply_prefill_phase_progress(batch)
-        return []
 
     def update_from_output(self, batch: ScheduledBatch, result: BatchResult) -> list[StreamEvent]:
         """Applies a worker result: prefill progress (if not applied at submission), exit
