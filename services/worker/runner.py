@@ -244,6 +244,8 @@ class ModelRunner:
             )
             survival = update_survival(before, gates[rows].cpu()).tolist()
         decode_survival = dict(zip(decode_index, survival, strict=True))
+        copy_src: list[int] = []
+        copy_dst: list[int] = []
         for i, state in enumerate(active):
             r = state.row
             req = self.requests[r.request_id]
@@ -251,7 +253,9 @@ class ModelRunner:
             loops_run = state.depth + 1
             state.loops_left -= 1
             if state.is_decode:
-                self._finish_decode_loop(state, req, h[0], decode_survival[i], coda_rows)
+                self._finish_decode_loop(
+                    state, req, h[0], decode_survival[i], coda_rows, copy_src, copy_dst
+                )
             else:
                 self._prefill_buffer(req)[r.token_start : r.token_start + r.token_count] = h
                 if r.compute_logits and loops_run == self.total_depths:
@@ -261,6 +265,15 @@ class ModelRunner:
                 ):
                     req.prefill_hidden = None  # prompt done: its hidden rows are dead
             state.depth += 1
+        if copy_src:
+            # every exit of this pass in one copy (decode rows of a pass are distinct requests)
+            device = self.k_cache.device
+            copy_kv_slots(
+                self.k_cache,
+                self.v_cache,
+                torch.tensor(copy_src, device=device),
+                torch.tensor(copy_dst, device=device),
+            )
 
     def _finish_decode_loop(
         self,
@@ -269,6 +282,8 @@ class ModelRunner:
         h: torch.Tensor,
         remaining: float,
         coda_rows: list[tuple[_RowState, torch.Tensor]],
+        copy_src: list[int],
+        copy_dst: list[int],
     ) -> None:
         r = state.row
         loops_run = state.depth + 1
@@ -285,14 +300,10 @@ class ModelRunner:
         state.result.exit_depth = loops_run
         req.decode_hidden = None
         if self.kv_layout == KVLayout.LAST_EXITED and loops_run < self.total_depths:
+            # LAST_EXITED: this token's KV at its exit depth fills every higher plane
             src, dst = exit_copy_slots(req.tables, r.token_start, state.depth, self.block_size)
-            device = self.k_cache.device
-            copy_kv_slots(
-                self.k_cache,
-                self.v_cache,
-                torch.tensor(src, device=device),
-                torch.tensor(dst, device=device),
-            )
+            copy_src.extend(src)
+            copy_dst.extend(dst)
         if r.compute_logits:
             coda_rows.append((state, h))
 
