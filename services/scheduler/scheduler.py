@@ -49,7 +49,7 @@ class SchedulerStats:
     num_batches: int = 0
     num_preemptions: int = 0
     num_decode_rows: int = 0
-    num_core_passes_with_mixed_depths: int = 0
+    num_batches_with_mixed_depths: int = 0
 
 
 class Scheduler:
@@ -494,7 +494,7 @@ class Scheduler:
         self.stats.num_batches += 1
         self.stats.num_decode_rows += len(decode)
         if len({t.depth for t in ordered if t.kind != TaskKind.PRELUDE}) >= 2:
-            self.stats.num_core_passes_with_mixed_depths += 1
+            self.stats.num_batches_with_mixed_depths += 1
         return ScheduledBatch(seq=seq, phase=phase, tasks=ordered, wire=wire)
 
     def _wire_row(self, task: ScheduledTask) -> BatchRow:
