@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kernels.paged_attention import AttentionMetadata, check_cache_shape
+from kernels.paged_attention import AttentionMetadata, check_attention_inputs
 
 # flash-attn 2.x paged KV: page_block_size % 256 == 0 (csrc/flash_attn/flash_api.cpp).
 FLASH2_PAGED_BLOCK_MULTIPLE = 256
@@ -170,9 +170,7 @@ def flash_paged_attention(
 ) -> torch.Tensor:
     """Same contract as ``paged_attention`` (q [T, H, hd] -> [T, H, hd]), via flash-attn."""
     num_rows, num_heads, head_dim = q.shape
-    if num_rows != meta.num_rows:
-        raise ValueError(f"q has {num_rows} rows but metadata was built for {meta.num_rows}")
-    check_cache_shape(k_cache, v_cache, meta)
+    check_attention_inputs(q, k_cache, v_cache, meta)
     if num_rows == 0:
         return q.new_empty((0, num_heads, head_dim))
     s, q_max = state.num_segments, state.q_max

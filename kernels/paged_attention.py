@@ -398,6 +398,19 @@ def _attend_bucket(
     return out.reshape(num_segs * q_max, num_heads, head_dim)
 
 
+def check_attention_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """The checks every attention backend makes before it runs (no device sync)."""
+    num_rows, num_heads, _ = q.shape
+    if num_rows != meta.num_rows:
+        raise ValueError(f"q has {num_rows} rows but metadata was built for {meta.num_rows}")
+    check_cache_shape(k_cache, v_cache, meta)
+    kv_heads = k_cache.shape[2]
+    if num_heads % kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of kv heads {kv_heads}")
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -410,15 +423,9 @@ def paged_attention(
     q: [T, H, hd]; k_cache / v_cache: one layer [num_blocks, block_size, kvh, hd] that already
     hold this pass's new K/V (see ``write_kv``). Returns [T, H, hd] in ``q.dtype``.
     """
-    num_rows, num_heads, head_dim = q.shape
-    if num_rows != meta.num_rows:
-        raise ValueError(f"q has {num_rows} rows but metadata was built for {meta.num_rows}")
-    check_cache_shape(k_cache, v_cache, meta)
-    kv_heads = k_cache.shape[2]
-    if num_heads % kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of kv heads {kv_heads}")
-    if num_rows == 0:
-        return q.new_empty((0, num_heads, head_dim))
+    check_attention_inputs(q, k_cache, v_cache, meta)
+    if q.shape[0] == 0:
+        return q.new_empty(q.shape)
     # Float32 at least for the softmax; float64 inputs stay float64.
     acc = torch.promote_types(q.dtype, torch.float32)
     outs = [

@@ -16,7 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import AttentionBucket, AttentionMetadata, check_cache_shape
+from kernels.paged_attention import (
+    AttentionBucket,
+    AttentionMetadata,
+    check_attention_inputs,
+)
 
 
 @functools.cache
@@ -126,15 +130,9 @@ def sdpa_paged_attention(
     q: [T, H, hd]; k_cache / v_cache: one layer [num_blocks, block_size, kvh, hd] that already
     hold this pass's new K/V. Returns [T, H, hd] in ``q.dtype``.
     """
-    num_rows, num_heads, head_dim = q.shape
-    if num_rows != meta.num_rows:
-        raise ValueError(f"q has {num_rows} rows but metadata was built for {meta.num_rows}")
-    check_cache_shape(k_cache, v_cache, meta)
-    kv_heads = k_cache.shape[2]
-    if num_heads % kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of kv heads {kv_heads}")
-    if num_rows == 0:
-        return q.new_empty((0, num_heads, head_dim))
+    check_attention_inputs(q, k_cache, v_cache, meta)
+    if q.shape[0] == 0:
+        return q.new_empty(q.shape)
     if state is None:
         state = build_sdpa_state(meta)
     outs = [_attend_bucket(q, k_cache, v_cache, st, scale) for st in state.buckets]

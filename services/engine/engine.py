@@ -26,13 +26,7 @@ from services.worker.runner import ModelRunner
 
 
 def model_limits(model: OuroModel) -> ModelLimits:
-    cfg = model.cfg
-    return ModelLimits(
-        total_ut_steps=cfg.total_ut_steps,
-        vocab_size=cfg.vocab_size,
-        max_position_embeddings=cfg.max_position_embeddings,
-        eos_token_ids=tuple(cfg.eos_token_ids),
-    )
+    return ModelLimits.from_model_config(model.cfg)
 
 
 @dataclass

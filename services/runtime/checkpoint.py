@@ -14,12 +14,8 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 def load_model_limits(checkpoint: str | Path) -> ModelLimits:
-    cfg = OuroConfig.from_json_file(Path(checkpoint) / "config.json")
-    return ModelLimits(
-        total_ut_steps=cfg.total_ut_steps,
-        vocab_size=cfg.vocab_size,
-        max_position_embeddings=cfg.max_position_embeddings,
-        eos_token_ids=tuple(cfg.eos_token_ids),
+    return ModelLimits.from_model_config(
+        OuroConfig.from_json_file(Path(checkpoint) / "config.json")
     )
 
 

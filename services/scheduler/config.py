@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 
 class KVLayout(StrEnum):
@@ -17,6 +18,16 @@ class ModelLimits:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_model_config(cls, cfg: Any) -> ModelLimits:
+        """From an ``OuroConfig`` (read by attribute: the scheduler never imports the model)."""
+        return cls(
+            total_ut_steps=cfg.total_ut_steps,
+            vocab_size=cfg.vocab_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            eos_token_ids=tuple(cfg.eos_token_ids),
+        )
 
 
 @dataclass(frozen=True)
