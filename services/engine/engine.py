@@ -119,7 +119,5 @@ class LLMEngine:
         ids = [f"req-{i}" for i in range(len(prompts))]
         for request_id, prompt, p in zip(ids, prompts, param_list, strict=True):
             self.add_request(request_id, list(prompt), p)
-        finished = {
-            e.request_id: e for e in self.run_until_done() if isinstance(e, FinishedEvent)
-        }
+        finished = {e.request_id: e for e in self.run_until_done() if isinstance(e, FinishedEvent)}
         return [finished[i] for i in ids]

@@ -42,8 +42,10 @@ def wavefront_diagram(
             rid = task.request.request_id
             first = task.token_start // chunk
             last = (task.token_end - 1) // chunk
-            levels = [-1] if task.kind == TaskKind.PRELUDE else list(
-                range(task.depth, task.depth + task.num_loops)
+            levels = (
+                [-1]
+                if task.kind == TaskKind.PRELUDE
+                else list(range(task.depth, task.depth + task.num_loops))
             )
             if task.embed and task.kind == TaskKind.PREFILL:
                 levels = [-1, *levels]
@@ -87,6 +89,9 @@ def run_schedule_trace(args: argparse.Namespace) -> int:
     if args.diagram:
         lens = {name: len(p) for name, p in zip(names, prompts, strict=True)}
         print()
-        print(wavefront_diagram(batches, lens, engine.config.prefill_chunk_size,
-                                engine.model.cfg.total_ut_steps))
+        print(
+            wavefront_diagram(
+                batches, lens, engine.config.prefill_chunk_size, engine.model.cfg.total_ut_steps
+            )
+        )
     return 0

@@ -158,21 +158,21 @@ async def connect(
 
     connecting = asyncio.ensure_future(
         nats.connect(
-                url,
-                name=name,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                connect_timeout=2,
-                ping_interval=20,
-                # the stream replies are many small messages: a bigger buffer, fewer flushes
-                pending_size=8 * 1024 * 1024,
-                inbox_prefix=subjects.service_inbox(name),
-                error_cb=on_error,
-                disconnected_cb=disconnected_cb,
-                reconnected_cb=reconnected_cb,
-                **auth,
-            )
+            url,
+            name=name,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=2,
+            ping_interval=20,
+            # the stream replies are many small messages: a bigger buffer, fewer flushes
+            pending_size=8 * 1024 * 1024,
+            inbox_prefix=subjects.service_inbox(name),
+            error_cb=on_error,
+            disconnected_cb=disconnected_cb,
+            reconnected_cb=reconnected_cb,
+            **auth,
+        )
     )
     deadline = time.monotonic() + connect_timeout_s
     try:

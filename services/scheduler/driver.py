@@ -470,5 +470,3 @@ def error_event(request_id: str, code: ErrorCode | str, message: str) -> ErrorEv
 
 def _request_ids(batch: ScheduledBatch) -> list[str]:
     return list(dict.fromkeys(t.request.request_id for t in batch.tasks))
-
-
