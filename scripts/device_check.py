@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import random
 import re
@@ -45,25 +44,10 @@ H200_HBM_BYTES_PER_S = 4.8e12
 H200_BF16_FLOPS = 990e12
 TABLE_HEADER = "| stage | config | result | detail |"
 
-# 1.4B Ouro shape (the brief's numbers; head_dim = 2048 / 16 = 128).
-OURO_1_4B = {
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "vocab_size": 49152,
-    "total_ut_steps": 4,
-}
-TINY = {  # --quick stand-in with the same structure
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "vocab_size": 256,
-    "total_ut_steps": 4,
-}
+from services.worker.model.sizes import CHECKPOINT_SIZES  # noqa: E402
+
+# the 1.4B Ouro shape (head_dim = 2048 / 16 = 128), as `rlt toy-checkpoint --size 1.4b` writes it
+OURO_1_4B = CHECKPOINT_SIZES["1.4b"]
 
 
 @dataclass
@@ -76,14 +60,14 @@ class Plan:
     parity_size: str
     parity_prompts: int
     parity_tokens: int
-    shape: dict[str, int]
+    shape: str  # a CHECKPOINT_SIZES name
     concurrency: tuple[int, ...]
     prompt_len: int
     out_tokens: int
 
 
-FULL = Plan(120, 100, 220, "small", 8, 24, OURO_1_4B, (1, 32, 128), 16, 64)
-QUICK = Plan(45, 45, 45, "toy", 2, 4, TINY, (1, 4), 4, 8)
+FULL = Plan(120, 100, 220, "small", 8, 24, "1.4b", (1, 32, 128), 16, 64)
+QUICK = Plan(45, 45, 45, "toy", 2, 4, "toy", (1, 4), 4, 8)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -119,30 +103,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _ouro_config(shape: dict[str, int]) -> Any:
-    from services.worker.model.config import OuroConfig
-
-    return OuroConfig(
-        hidden_size=shape["hidden_size"],
-        intermediate_size=shape["intermediate_size"],
-        num_hidden_layers=shape["num_hidden_layers"],
-        num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_key_value_heads"],
-        vocab_size=shape["vocab_size"],
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        max_position_embeddings=4096,
-        total_ut_steps=shape["total_ut_steps"],
-        early_exit_threshold=1.0,
-        tie_word_embeddings=False,
-        eos_token_ids=(0,),
-        bos_token_id=0,
-        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-        torch_dtype="bfloat16",
-    )
-
-
-def weight_bytes(shape: dict[str, int], bytes_per_param: int = 2) -> tuple[int, int]:
+def weight_bytes(shape: dict[str, Any], bytes_per_param: int = 2) -> tuple[int, int]:
     """(bytes of core weights read per core pass, bytes of lm_head read per coda)."""
     h, i = shape["hidden_size"], shape["intermediate_size"]
     hd = h // shape["num_attention_heads"]
@@ -152,7 +113,7 @@ def weight_bytes(shape: dict[str, int], bytes_per_param: int = 2) -> tuple[int, 
     return core * bytes_per_param, shape["vocab_size"] * h * bytes_per_param
 
 
-def floor_tokens_per_s(shape: dict[str, int], concurrency: int, depth: float) -> dict[str, float]:
+def floor_tokens_per_s(shape: dict[str, Any], concurrency: int, depth: float) -> dict[str, float]:
     """Upper bounds on decode tokens/s for one H200.
 
     Per decode step every row runs ``depth`` loops: ``depth`` core passes over all weights
@@ -300,63 +261,6 @@ def stage_parity(args: argparse.Namespace, plan: Plan, res: Results) -> None:
 # ---------------------------------------------------------------------------- stage: throughput
 
 
-def write_random_checkpoint(
-    cfg: Any, out_dir: Path, gen_device: torch.device, seed: int = 0
-) -> tuple[Path, int]:
-    """Random bf16 weights in the HF Ouro format (config.json + sharded safetensors + index).
-
-    Each tensor is drawn in bf16 (on the GPU when there is one) and moved to the host only to be
-    written; shards are flushed at ~1 GiB, so the host never holds fp32 or whole-model copies.
-    Scales follow the toy init: outputs stay finite in bf16 and the exit gate spreads hazards.
-    """
-    from safetensors.torch import save_file
-
-    from services.worker.model.loader import CONFIG_FILE, INDEX_FILE, expected_shapes
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator(device=gen_device).manual_seed(seed)
-    h = cfg.hidden_size
-    weight_map: dict[str, str] = {}
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes = total = 0
-    names: list[str] = []
-
-    def flush() -> None:
-        nonlocal shard, shard_bytes
-        if shard:
-            fname = f"model-{len(names):05d}.safetensors"
-            names.append(fname)
-            save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-        shard, shard_bytes = {}, 0
-
-    for name, shape in expected_shapes(cfg).items():
-        if name.endswith("norm.weight") or "layernorm" in name:
-            mean, std = 1.0, 0.05
-        elif name == "model.embed_tokens.weight":
-            mean, std = 0.0, 1.0
-        elif name == "lm_head.weight":
-            mean, std = 0.0, 2.0 / math.sqrt(h)
-        elif name == "model.early_exit_gate.weight":
-            mean, std = 0.0, 1.0 / math.sqrt(h)
-        elif name == "model.early_exit_gate.bias":
-            mean, std = 0.0, 0.1
-        else:
-            mean, std = 0.0, 1.0 / math.sqrt(shape[1])
-        t = torch.randn(shape, generator=gen, device=gen_device, dtype=torch.bfloat16)
-        t = (t * std + mean).cpu().contiguous()
-        shard[name] = t
-        shard_bytes += t.numel() * 2
-        total += t.numel() * 2
-        if shard_bytes >= 1 << 30:
-            flush()
-    flush()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=1))
-    (out_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
-    return out_dir, total
-
-
 @dataclass
 class RunStats:
     requests: int
@@ -421,22 +325,27 @@ def stage_throughput(args: argparse.Namespace, plan: Plan, res: Results) -> None
     from messages.sampling import SamplingParams
     from services.scheduler.config import SchedulerConfig
     from services.worker.model.ouro import OuroModel
+    from services.worker.model.toy import toy_config, write_toy_checkpoint
 
     device = torch.device(args.device)
     deadline = time.monotonic() + plan.throughput_timeout - 15
-    cfg = _ouro_config(plan.shape)
+    cfg = toy_config(plan.shape)
     dtype = torch.bfloat16
     name, block_size = _backend_plan(device, dtype, cfg.head_dim, args.backend)
-    shape_label = "1.4B" if plan.shape == OURO_1_4B else "tiny"
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        ckpt, nbytes = write_random_checkpoint(cfg, Path(tmp) / "ckpt", device)
+        # drawn on the device when there is one (seconds, not a minute of CPU randn); sharded
+        # so the multi-file loader path runs too
+        ckpt = write_toy_checkpoint(
+            Path(tmp) / "ckpt", size=plan.shape, dtype=dtype, gen_device=device, shard_bytes=1 << 30
+        )
+        nbytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
         t1 = time.perf_counter()
         model = OuroModel.from_checkpoint(ckpt, dtype=dtype, device=device)
         _sync(device)
         res.add(
             "setup",
-            f"{shape_label} bf16 random checkpoint",
+            f"{plan.shape} bf16 random checkpoint",
             f"{nbytes / 1e9:.2f} GB",
             f"written in {t1 - t0:.1f} s, loaded to {device} in {time.perf_counter() - t1:.1f} s",
         )
@@ -489,8 +398,8 @@ def stage_throughput(args: argparse.Namespace, plan: Plan, res: Results) -> None
                 f"({st.tokens} tok, {st.seconds:.2f} s end to end); mean exit depth "
                 f"{st.mean_depth:.2f}; {st.passes} core passes"
             )
-            if plan.shape == OURO_1_4B and device.type == "cuda" and st.mean_depth == st.mean_depth:
-                bound = floor_tokens_per_s(plan.shape, c, st.mean_depth)["mem_tok_s"]
+            if plan.shape == "1.4b" and device.type == "cuda" and st.mean_depth == st.mean_depth:
+                bound = floor_tokens_per_s(OURO_1_4B, c, st.mean_depth)["mem_tok_s"]
                 detail += f"; {100 * tok_s / bound:.1f}% of HBM floor bound {bound:,.0f} tok/s"
             if st.partial:
                 detail += "; PARTIAL (time box)"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from messages.sampling import SamplingParams
 from services.scheduler.config import KVLayout, SchedulerConfig
+from services.worker.model.sizes import CHECKPOINT_SIZES
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -161,10 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("toy-checkpoint", help="write a small random Ouro-format checkpoint")
+    p = sub.add_parser("toy-checkpoint", help="write a random Ouro-format checkpoint")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--size", choices=["toy", "small"], default="toy")
+    p.add_argument(
+        "--size",
+        choices=list(CHECKPOINT_SIZES),
+        default="toy",
+        help="toy and small are float32 and write in a second; 1.4b is the Ouro-1.4B shape "
+        "in bfloat16 (2.9 GB, about 20 s)",
+    )
     p.set_defaults(func=cmd_toy_checkpoint)
 
     p = sub.add_parser("generate", help="generate text (over NATS, or --offline in-process)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from services.worker.model.sizes import CHECKPOINT_SIZES
+
 # kept here (not in comparisons.py) so building the parser imports nothing heavy
 COMPARISON_NAMES = ("depth_batching", "wcpb", "pipeline", "prefix_cache")
 
@@ -29,9 +31,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny settings, seconds not minutes")
     p.add_argument(
         "--size",
-        choices=["toy", "small"],
+        choices=list(CHECKPOINT_SIZES),
         default="small",
-        help="random checkpoint to write and use when --checkpoint is not given",
+        help="random checkpoint to write (once, into the cache) and use when --checkpoint is "
+        "not given; 1.4b is the Ouro-1.4B shape, for a GPU",
     )
     p.add_argument("--checkpoint", default=None, help="an Ouro-format checkpoint directory")
     p.add_argument("--device", default="cpu", help="torch device for the model (cpu, cuda)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,39 +18,14 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from .config import OuroConfig
-from .loader import CONFIG_FILE, SINGLE_FILE, expected_shapes
+from .loader import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, expected_shapes
+from .sizes import CHECKPOINT_SIZES, DEFAULT_DTYPE
 
 EOS_TOKEN = "<|endoftext|>"
 
-_COMMON = {
-    "max_position_embeddings": 2048,
-    "rope_theta": 1_000_000.0,
-    "rms_norm_eps": 1e-6,
-    "total_ut_steps": 4,
-    "early_exit_threshold": 1.0,
-    "tie_word_embeddings": False,
-}
+# shards of a multi-file checkpoint are cut at about this size, as in published checkpoints
+SHARD_BYTES = 2 << 30
 
-TOY_SIZES: dict[str, dict[str, int | float | bool]] = {
-    "toy": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 512,
-        **_COMMON,
-    },
-    "small": {
-        "hidden_size": 256,
-        "intermediate_size": 768,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "vocab_size": 2048,
-        **_COMMON,
-    },
-}
 
 # Deterministic built-in training text for the toy BPE (plain English, varied vocabulary).
 _CORPUS = """\
@@ -87,9 +63,9 @@ Energy from the sun warms the earth, drives the winds, and feeds every growing p
 
 
 def toy_config(size: str = "toy") -> OuroConfig:
-    if size not in TOY_SIZES:
-        raise ValueError(f"unknown toy size {size!r}; choose one of {sorted(TOY_SIZES)}")
-    s = TOY_SIZES[size]
+    if size not in CHECKPOINT_SIZES:
+        raise ValueError(f"unknown toy size {size!r}; choose one of {sorted(CHECKPOINT_SIZES)}")
+    s = CHECKPOINT_SIZES[size]
     hidden, heads = int(s["hidden_size"]), int(s["num_attention_heads"])
     return OuroConfig(
         hidden_size=hidden,
@@ -110,38 +86,53 @@ def toy_config(size: str = "toy") -> OuroConfig:
     )
 
 
-def toy_weights(cfg: OuroConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random float32 weights, deterministic from ``seed``.
+def init_mean_std(name: str, shape: tuple[int, ...], hidden: int) -> tuple[float, float]:
+    """(mean, std) of one random weight.
 
-    Scales: sandwich norms renormalise every sublayer output, so projection scale only shapes
-    the direction; embeddings are unit-scale so the token identity survives in the residual;
+    Sandwich norms renormalise every sublayer output, so projection scale only shapes the
+    direction; embeddings are unit-scale so the token identity survives in the residual;
     lm_head and gate are scaled against the unit-RMS normed hidden state so logits have
     std ~2 (distinct argmaxes) and gate logits std ~1 (hazards spread over ~0.15..0.85).
     """
-    g = torch.Generator().manual_seed(seed)
-    h = cfg.hidden_size
+    if name.endswith("norm.weight") or "layernorm" in name:
+        return 1.0, 0.05
+    if name == "model.embed_tokens.weight":
+        return 0.0, 1.0
+    if name == "lm_head.weight":
+        return 0.0, 2.0 / math.sqrt(hidden)
+    if name == "model.early_exit_gate.weight":
+        return 0.0, 1.0 / math.sqrt(hidden)
+    if name == "model.early_exit_gate.bias":
+        return 0.0, 0.1
+    # fan-in scaled projections keep pre-norm activations O(1) (no overflow in fp16)
+    return 0.0, 1.0 / math.sqrt(shape[1])
 
-    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
-        return torch.randn(shape, generator=g, dtype=torch.float32) * std
 
-    out: dict[str, torch.Tensor] = {}
+def random_weights(
+    cfg: OuroConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    trained_vocab: int | None = None,
+    gen_device: str | torch.device = "cpu",
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights one tensor at a time, deterministic from ``seed`` (and the device).
+
+    Drawn in float32 and cast per tensor, so a 1.4B checkpoint never needs a whole-model
+    float32 copy. lm_head rows from ``trained_vocab`` on are zero (logit 0): greedy decoding
+    never picks the tokenizer's reserved padding ids, like the unused rows of real
+    checkpoints.
+    """
+    g = torch.Generator(device=gen_device).manual_seed(seed)
     for name, shape in expected_shapes(cfg).items():
-        if name.endswith("norm.weight") or "layernorm" in name:
-            out[name] = 1.0 + normal(shape, 0.05)
-        elif name == "model.embed_tokens.weight":
-            out[name] = normal(shape, 1.0)
-        elif name == "lm_head.weight":
-            out[name] = normal(shape, 2.0 / math.sqrt(h))
-        elif name == "model.early_exit_gate.weight":
-            out[name] = normal(shape, 1.0 / math.sqrt(h))
-        elif name == "model.early_exit_gate.bias":
-            out[name] = normal(shape, 0.1)
-        else:
-            # Fan-in scaled projections keep pre-norm activations O(1) (no overflow in fp16).
-            out[name] = normal(shape, 1.0 / math.sqrt(shape[1]))
-    if cfg.tie_word_embeddings:
-        del out["lm_head.weight"]
-    return out
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        mean, std = init_mean_std(name, shape, cfg.hidden_size)
+        t = torch.randn(shape, generator=g, dtype=torch.float32, device=gen_device) * std
+        if mean:
+            t = t + mean
+        if name == "lm_head.weight" and trained_vocab is not None:
+            t[trained_vocab:] = 0.0
+        yield name, t.to(dtype).cpu().contiguous()
 
 
 def train_toy_tokenizer(vocab_size: int) -> Tokenizer:
@@ -177,10 +168,18 @@ def write_toy_checkpoint(
     out_dir: str | Path,
     seed: int = 0,
     size: str = "toy",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
+    gen_device: str | torch.device = "cpu",
+    shard_bytes: int = SHARD_BYTES,
 ) -> Path:
-    """Write config.json, model.safetensors, tokenizer files into ``out_dir``; return it."""
+    """Write config.json, weights and tokenizer files into ``out_dir``; return it.
+
+    Weights go to one ``model.safetensors``, or to HF-style shards plus an index once they
+    pass ``shard_bytes``. ``dtype`` defaults to the size's (bfloat16 for 1.4b).
+    """
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if dtype is None:
+        dtype = getattr(torch, DEFAULT_DTYPE[size]) if size in DEFAULT_DTYPE else torch.float32
     if dtype not in dtype_name:
         raise ValueError(f"unsupported toy checkpoint dtype {dtype}")
     cfg = replace(toy_config(size), torch_dtype=dtype_name[dtype])
@@ -192,14 +191,8 @@ def write_toy_checkpoint(
         raise RuntimeError("toy tokenizer does not fit the toy config")  # a bug, not user input
     tok.save(str(out / "tokenizer.json"))
 
-    weights = toy_weights(cfg, seed)
-    # Untrained padding ids get zero lm_head rows (logit 0), so greedy decoding never picks
-    # them and sampling rarely does, like the unused vocab rows of real checkpoints.
-    if "lm_head.weight" in weights:
-        weights["lm_head.weight"][num_trained_tokens(tok) :] = 0.0
-    weights = {k: v.to(dtype).contiguous() for k, v in weights.items()}
-    save_file(weights, str(out / SINGLE_FILE), metadata={"format": "pt"})
-    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    weights = random_weights(cfg, seed, dtype, num_trained_tokens(tok), gen_device)
+    _save_weights(weights, out, shard_bytes)
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -225,4 +218,46 @@ def write_toy_checkpoint(
         )
         + "\n"
     )
+    # config.json last: callers that cache checkpoints treat it as "the write finished"
+    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     return out
+
+
+def _save_weights(weights: Iterator[tuple[str, torch.Tensor]], out: Path, shard_bytes: int) -> None:
+    """One safetensors file, or shards named model-0000i-of-0000n with an index.
+
+    Shards are written as they fill, so at most one shard is held in memory; their final
+    names need the shard count, so they are renamed once it is known.
+    """
+    shard_names: list[list[str]] = []
+    current: dict[str, torch.Tensor] = {}
+    current_bytes = total = 0
+
+    def flush() -> None:
+        nonlocal current, current_bytes
+        if current:
+            tmp = out / f"shard-{len(shard_names)}.tmp"
+            save_file(current, str(tmp), metadata={"format": "pt"})
+            shard_names.append(list(current))
+        current, current_bytes = {}, 0
+
+    for name, t in weights:
+        nbytes = t.numel() * t.element_size()
+        if current and current_bytes + nbytes > shard_bytes:
+            flush()
+        current[name] = t
+        current_bytes += nbytes
+        total += nbytes
+    flush()
+    if len(shard_names) == 1:
+        (out / "shard-0.tmp").replace(out / SINGLE_FILE)
+        return
+    files = [
+        f"model-{i + 1:05d}-of-{len(shard_names):05d}.safetensors" for i in range(len(shard_names))
+    ]
+    weight_map: dict[str, str] = {}
+    for i, (file, names) in enumerate(zip(files, shard_names, strict=True)):
+        (out / f"shard-{i}.tmp").replace(out / file)
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
