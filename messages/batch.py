@@ -51,6 +51,10 @@ class BatchRow(msgspec.Struct, kw_only=True):
     probability so far; ``forced_exit`` > 0 replays a recorded exit depth instead of the
     policy (recompute after preemption or a worker restart).
     ``compute_logits`` asks for the coda + a sample on the row's last position.
+    ``follows`` (async scheduling) marks a decode row sent before the scheduler knew the
+    result of the request's previous row: the worker, which runs batches in order, fills in
+    the position, depth, input token and survival from that result, and ignores the other
+    fields of the row.
     """
 
     request_id: str
@@ -64,6 +68,7 @@ class BatchRow(msgspec.Struct, kw_only=True):
     forced_exit: int = 0
     compute_logits: bool = False
     output_index: int = 0
+    follows: bool = False
 
 
 class Batch(msgspec.Struct, kw_only=True):
@@ -80,6 +85,8 @@ class RowResult(msgspec.Struct, kw_only=True):
     """Outcome of one row: decode rows report survival and exit; coda rows a token."""
 
     row_index: int
+    # a follow-on row the worker could not resolve (its predecessor failed): nothing ran
+    skipped: bool = False
     remaining: float = 1.0
     exited: bool = False
     exit_depth: int = 0

@@ -8,6 +8,9 @@ from enum import StrEnum
 from messages.batch import Batch, BatchPhase
 from services.scheduler.request import Request
 
+# the depth a follow-on row shows in traces: it is known only from the results before it
+FOLLOW_ON_DEPTH = -1
+
 
 class TaskKind(StrEnum):
     PRELUDE = "prelude"  # split prefill: embedding of a prompt span
@@ -27,6 +30,9 @@ class ScheduledTask:
     compute_logits: bool = False
     forced_exit: int = 0
     generation: int = 0
+    # a follow-on decode row (async): the worker resolves its position and depth, so
+    # ``depth`` is FOLLOW_ON_DEPTH and ``token_start`` the furthest position it can reach
+    follows: bool = False
 
     @property
     def token_end(self) -> int:

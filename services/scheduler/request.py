@@ -55,8 +55,10 @@ class Request:
     num_computed_tokens: int = 0
     decode_depth: int = 0
     decode_remaining: float = 1.0
-    # a decode row or the prompt's coda row is in flight; its result decides what is next
-    awaiting_output: bool = False
+    # decode rows and the prompt's coda row in flight: until their results are applied the
+    # scheduler does not know the next position and depth (the worker does)
+    pending_token_rows: int = 0
+    pending_decode_loops: int = 0
     inflight_batches: int = 0
 
     # fixed at creation; plain attributes because the selection loop reads them per row
@@ -68,6 +70,10 @@ class Request:
         self.priority_key = (self.params.priority, self.arrival_seq)
 
     # ------------------------------------------------------------------ derived views
+
+    @property
+    def awaiting_output(self) -> bool:
+        return self.pending_token_rows > 0
 
     @property
     def is_finished(self) -> bool:
@@ -104,4 +110,5 @@ class Request:
         self.num_computed_tokens = origin
         self.decode_depth = 0
         self.decode_remaining = 1.0
-        self.awaiting_output = False
+        self.pending_token_rows = 0
+        self.pending_decode_loops = 0

@@ -23,7 +23,7 @@ from messages.prefix import (
     prompt_block_hashes,
 )
 from messages.sampling import SamplingParams
-from services.scheduler.batch import ScheduledBatch, ScheduledTask, TaskKind
+from services.scheduler.batch import FOLLOW_ON_DEPTH, ScheduledBatch, ScheduledTask, TaskKind
 from services.scheduler.config import ModelLimits, SchedulerConfig
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.prefix_events import PrefixEventLog
@@ -83,6 +83,9 @@ class Scheduler:
         self._pending_finished: list[str] = []
         self._rng = random.Random(seed)
         self.stats = SchedulerStats()
+        # async refill: a request whose decode row is in flight sends its next loop as a
+        # follow-on row instead of sitting out a batch (cohort batching holds rows anyway)
+        self._follow_ons = config.async_scheduling and config.refill
 
     # ------------------------------------------------------------------ requests in/out
     def add_request(
@@ -265,25 +268,59 @@ class Scheduler:
             r.phase == RequestPhase.RECURRENT and r.decode_depth > 0 for r in self.running
         )
         for request in list(self.running):
-            if request.phase != RequestPhase.RECURRENT or request.awaiting_output:
+            if request.phase != RequestPhase.RECURRENT:
                 continue
-            if cohort_busy and request.decode_depth == 0:
+            if request.awaiting_output:
+                task = self._follow_on_task(request)
+                if task is None:
+                    continue
+            elif cohort_busy and request.decode_depth == 0:
                 continue  # no-refill baseline: wait for the whole cohort to exit
-            position = request.num_computed_tokens
-            forced = request.forced_exit_at(position)
-            task = ScheduledTask(
-                request=request,
-                kind=TaskKind.DECODE,
-                token_start=position,
-                token_count=1,
-                depth=request.decode_depth,
-                embed=request.decode_depth == 0,
-                compute_logits=forced == 0,
-                forced_exit=forced,
-            )
+            else:
+                position = request.num_computed_tokens
+                forced = request.forced_exit_at(position)
+                task = ScheduledTask(
+                    request=request,
+                    kind=TaskKind.DECODE,
+                    token_start=position,
+                    token_count=1,
+                    depth=request.decode_depth,
+                    embed=request.decode_depth == 0,
+                    compute_logits=forced == 0,
+                    forced_exit=forced,
+                )
             self._accept_task(task, sel)
             if sel.budget_left <= 0:
                 return
+
+    def _follow_on_task(self, request: Request) -> ScheduledTask | None:
+        """The request's next decode loop while its previous row is still in flight.
+
+        Whatever that row's result (exit or not), the next loop is one 1-token row, so it can
+        be scheduled now and resolved by the worker. Not while recorded exits are replayed
+        (their tokens are not the worker's to choose), and not when the rows in flight may
+        already produce the last token: a follow-on there could need a KV slot past the
+        request's footprint.
+        """
+        if not self._follow_ons:
+            return None
+        if request.num_computed_tokens < request.num_prompt_tokens + len(
+            request.output_token_ids
+        ) - 1:
+            return None  # replaying
+        if len(request.output_token_ids) + request.pending_token_rows >= request.params.max_tokens:
+            return None
+        # if every loop in flight exits, the follow-on feeds this position
+        furthest = request.num_computed_tokens + request.pending_decode_loops
+        return ScheduledTask(
+            request=request,
+            kind=TaskKind.DECODE,
+            token_start=furthest,
+            token_count=1,
+            depth=FOLLOW_ON_DEPTH,
+            compute_logits=True,
+            follows=True,
+        )
 
     def _take_wavefront_phase(self, phase: BatchPhase, sel: _Selection) -> None:
         """Depth-major selection shared by PRELUDE, split RECURRENT and atomic PREFILL.
@@ -412,7 +449,7 @@ class Scheduler:
         count = min(task.token_count, sel.budget_left)
         # prelude spans need no KV; a decode row's slot is allocated with its depth-0 row
         needs_kv = task.kind == TaskKind.PREFILL or (
-            task.kind == TaskKind.DECODE and task.depth == 0
+            task.kind == TaskKind.DECODE and (task.depth == 0 or task.follows)
         )
         if needs_kv and not self._ensure_execution_capacity(request, task.token_start + count, sel):
             return None
@@ -493,12 +530,21 @@ class Scheduler:
         self._last_phase = phase
         self.stats.num_batches += 1
         self.stats.num_decode_rows += len(decode)
-        if len({t.depth for t in ordered if t.kind != TaskKind.PRELUDE}) >= 2:
+        if len({t.depth for t in ordered if t.kind != TaskKind.PRELUDE and not t.follows}) >= 2:
             self.stats.num_batches_with_mixed_depths += 1
         return ScheduledBatch(seq=seq, phase=phase, tasks=ordered, wire=wire)
 
     def _wire_row(self, task: ScheduledTask) -> BatchRow:
         request = task.request
+        if task.follows:  # the worker fills in everything it has and we do not
+            return BatchRow(
+                request_id=request.request_id,
+                token_start=task.token_start,
+                token_count=1,
+                depth=0,
+                compute_logits=True,
+                follows=True,
+            )
         if task.kind == TaskKind.DECODE:
             return BatchRow(
                 request_id=request.request_id,
@@ -548,9 +594,13 @@ class Scheduler:
         It produces no client events (a submission only advances prefill); blocks it
         completes are published for ``take_prefix_events``."""
         for task in batch.tasks:
-            task.request.inflight_batches += 1
-            if task.kind == TaskKind.DECODE or task.compute_logits:
-                task.request.awaiting_output = True
+            request = task.request
+            request.inflight_batches += 1
+            if task.kind == TaskKind.DECODE:
+                request.pending_token_rows += 1
+                request.pending_decode_loops += 1
+            elif task.compute_logits:
+                request.pending_token_rows += 1
         if self.config.async_scheduling:
             self._apply_prefill_phase_progress(batch)
 
@@ -573,12 +623,19 @@ class Scheduler:
             if self._is_stale(task):
                 continue
             request.inflight_batches -= 1
+            if row.skipped:
+                raise SchedulerInvariantError(
+                    f"{request.request_id}: the worker skipped a row of batch {batch.seq} "
+                    "for a live request"
+                )
             if task.kind == TaskKind.DECODE:
+                request.pending_token_rows -= 1
+                request.pending_decode_loops -= 1
                 self._apply_decode_output(
                     task, row.exited, row.exit_depth, row.remaining, row.token_id, events
                 )
             elif task.compute_logits:
-                request.awaiting_output = False
+                request.pending_token_rows -= 1
                 self._append_token(request, row.token_id, self.total_depths, events)
         return events
 
@@ -695,14 +752,20 @@ class Scheduler:
         events: list[StreamEvent],
     ) -> None:
         request = task.request
-        request.awaiting_output = False
+        # results apply in batch order, so the request's cursor is where this row ran
+        # (a follow-on row's depth is only known this way)
+        depth = request.decode_depth
+        if not task.follows and task.depth != depth:
+            raise SchedulerInvariantError(
+                f"{request.request_id}: row scheduled at depth {task.depth}, cursor at {depth}"
+            )
         if not exited:
             request.decode_depth += 1
             request.decode_remaining = remaining
             return
-        if exit_depth != task.depth + 1:
+        if exit_depth != depth + 1:
             raise SchedulerInvariantError(
-                f"{request.request_id}: row at depth {task.depth} reported exit depth {exit_depth}"
+                f"{request.request_id}: row at depth {depth} reported exit depth {exit_depth}"
             )
         request.num_computed_tokens += 1
         request.decode_depth = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from kernels import (
@@ -35,6 +36,9 @@ class _WorkerRequest:
     tables: list[list[int]]  # one block table per plane
     prefill_hidden: torch.Tensor | None = None  # [P, H]: hidden of each prompt position
     decode_hidden: torch.Tensor | None = None  # [H]: the token in progress
+    # the request's next decode row, known once its last decode/coda row ran: what a
+    # follow-on row (sent before the scheduler saw that result) resolves to
+    next_decode: BatchRow | None = None
 
 
 @dataclass
@@ -116,15 +120,38 @@ class ModelRunner:
             raise ValueError(f"batch {batch.seq} arrived after batch {self.last_seq}")
         self._apply_deltas(batch)
         self.last_seq = batch.seq
-        states = [
-            _RowState(index=i, row=row, depth=row.depth, loops_left=row.num_loops)
-            for i, row in enumerate(batch.rows)
-        ]
-        if batch.phase == BatchPhase.PREFILLING_PRELUDE:
-            self._run_prelude(states)
-        else:
-            self._run_recurrent(states)
-        return BatchResult(seq=batch.seq, rows=[s.result for s in states])
+        results = [RowResult(row_index=i, skipped=True) for i in range(len(batch.rows))]
+        states: list[_RowState] = []
+        for i, row in enumerate(batch.rows):
+            resolved = self._resolve_follow_on(row) if row.follows else row
+            if resolved is not None:
+                states.append(
+                    _RowState(
+                        index=i, row=resolved, depth=resolved.depth, loops_left=resolved.num_loops
+                    )
+                )
+        try:
+            if batch.phase == BatchPhase.PREFILLING_PRELUDE:
+                self._run_prelude(states)
+            else:
+                self._run_recurrent(states)
+        except Exception:
+            # a half-run batch leaves no cursor to trust: follow-ons of its requests skip
+            for row in batch.rows:
+                if (req := self.requests.get(row.request_id)) is not None:
+                    req.next_decode = None
+            raise
+        for state in states:
+            results[state.index] = state.result
+        return BatchResult(seq=batch.seq, rows=results)
+
+    def _resolve_follow_on(self, row: BatchRow) -> BatchRow | None:
+        """The row a follow-on stands for; None (skipped) if its predecessor did not run."""
+        req = self.requests.get(row.request_id)
+        if req is None or req.next_decode is None:
+            return None
+        resolved, req.next_decode = req.next_decode, None
+        return resolved
 
     def _run_prelude(self, states: list[_RowState]) -> None:
         if not states:
@@ -296,9 +323,13 @@ class ModelRunner:
         state.result.exited = exited
         if not exited:
             req.decode_hidden = h
+            req.next_decode = msgspec.structs.replace(
+                r, depth=loops_run, embed=False, remaining=remaining, follows=False
+            )
             return
         state.result.exit_depth = loops_run
         req.decode_hidden = None
+        req.next_decode = None  # the coda sets it once the next input token is sampled
         if self.kv_layout == KVLayout.LAST_EXITED and loops_run < self.total_depths:
             # LAST_EXITED: this token's KV at its exit depth fills every higher plane
             src, dst = exit_copy_slots(req.tables, r.token_start, state.depth, self.block_size)
@@ -312,12 +343,26 @@ class ModelRunner:
             return
         logits = self.model.coda(torch.stack([h for _, h in coda_rows])).cpu()
         for (state, _), row_logits in zip(coda_rows, logits, strict=True):
-            s = self.requests[state.row.request_id].sampling
-            state.result.token_id = sample_token(
+            r = state.row
+            req = self.requests[r.request_id]
+            s = req.sampling
+            token = sample_token(
                 row_logits,
                 temperature=s.temperature,
                 top_k=s.top_k,
                 top_p=s.top_p,
                 seed=s.seed,
-                output_index=state.row.output_index,
+                output_index=r.output_index,
+            )
+            state.result.token_id = token
+            # the token is fed back at the next position, from depth 0
+            req.next_decode = BatchRow(
+                request_id=r.request_id,
+                token_start=r.token_start + r.token_count,
+                token_count=1,
+                depth=0,
+                embed=True,
+                input_token_id=token,
+                compute_logits=True,
+                output_index=r.output_index + 1,
             )
