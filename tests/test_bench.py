@@ -221,6 +221,14 @@ def test_probe_counts_passes_and_rows(toy_checkpoint: Path) -> None:
     assert c.decode_batches == 8 and c.batches == 9
     assert "execute" not in engine.runner.__dict__  # the probe removed its shadows
 
+    # async: decode rows sent before the previous result (follow-ons) are decode rows too,
+    # and they keep the same passes: prefill, then 4 decode batches per token
+    config = SchedulerConfig(num_blocks=256, async_scheduling=True)
+    engine = LLMEngine.from_checkpoint(toy_checkpoint, config)
+    with RunnerProbe(engine.runner) as probe:
+        engine.generate([[5, 6, 7], [8, 9]], params)
+    assert (probe.counters.decode_batches, probe.counters.batches) == (8, 9)
+
 
 def test_a_failed_comparison_is_reported_not_fatal(
     toy_checkpoint: Path,

@@ -35,8 +35,9 @@ class RunnerProbe:
             finally:
                 c.execute_s += time.perf_counter() - t0
                 c.batches += 1
+                # a follow-on row (async) is a decode row the worker resolves
                 if batch.phase == BatchPhase.RECURRENT and any(
-                    r.input_token_id >= 0 for r in batch.rows
+                    r.input_token_id >= 0 or r.follows for r in batch.rows
                 ):
                     c.decode_batches += 1
 
