@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+import msgspec
+
 from messages.batch import Batch, BatchPhase
 from services.scheduler.request import Request
 
@@ -18,8 +20,10 @@ class TaskKind(StrEnum):
     DECODE = "decode"  # one loop of one generated token
 
 
-@dataclass(eq=False, slots=True)
-class ScheduledTask:
+class ScheduledTask(msgspec.Struct, eq=False):
+    """One row as the scheduler sees it. Never encoded: a Struct because one is built per
+    row per step, and a Struct builds ~4x faster than a slotted dataclass."""
+
     request: Request
     kind: TaskKind
     token_start: int

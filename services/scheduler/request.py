@@ -17,6 +17,9 @@ class RequestPhase(StrEnum):
     FINISHED = "finished"
 
 
+# read per row per step: an Enum class attribute costs ~75 ns a lookup on Python 3.11
+_FINISHED = RequestPhase.FINISHED
+
 PREFILL_PHASES = (
     RequestPhase.PREFILL,
     RequestPhase.PREFILLING_PRELUDE,
@@ -77,7 +80,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.phase == RequestPhase.FINISHED
+        return self.phase is _FINISHED
 
     def prefill_right(self, depth: int) -> int:
         """Right end of the depth frontier; depth -1 is the prelude frontier."""

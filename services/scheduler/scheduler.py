@@ -29,6 +29,13 @@ from services.scheduler.kv_manager import KVManager
 from services.scheduler.prefix_events import PrefixEventLog
 from services.scheduler.request import PREFILL_PHASES, Request, RequestPhase
 
+# The per-row loops compare kinds by identity against these: on Python 3.11 an Enum class
+# attribute (TaskKind.DECODE) costs ~75 ns a lookup, a module global ~10.
+_DECODE, _PREFILL, _PRELUDE = TaskKind.DECODE, TaskKind.PREFILL, TaskKind.PRELUDE
+_PRELUDE_BATCH, _PREFILL_BATCH = BatchPhase.PREFILLING_PRELUDE, BatchPhase.PREFILL
+_ATOMIC_PREFILLING = RequestPhase.PREFILL
+_SPLIT_PREFILLING = (RequestPhase.PREFILLING_PRELUDE, RequestPhase.PREFILLING_RECURRENT)
+
 
 class SchedulerInvariantError(RuntimeError):
     """A progress update broke a frontier rule; this is a bug, never bad client input."""
@@ -252,9 +259,9 @@ class Scheduler:
             return [BatchPhase.PREFILL, BatchPhase.RECURRENT]
         # split: the prelude is cheap; run it when some request's depth-0 work has caught
         # up with its prelude (it would stall otherwise), else keep the core busy
+        prelude_phase = RequestPhase.PREFILLING_PRELUDE
         starved = any(
-            r.phase == RequestPhase.PREFILLING_PRELUDE
-            and r.prefill_right(0) >= r.num_preluded_tokens
+            r.phase is prelude_phase and r.prefill_right(0) >= r.num_preluded_tokens
             for r in self.running
         )
         if starved:
@@ -264,11 +271,12 @@ class Scheduler:
     # ------------------------------------------------------------------ selection
     def _take_decode_rows(self, sel: _Selection) -> None:
         """Decode rows come first in a RECURRENT batch, one loop per request."""
+        recurrent = RequestPhase.RECURRENT
         cohort_busy = not self.config.refill and any(
-            r.phase == RequestPhase.RECURRENT and r.decode_depth > 0 for r in self.running
+            r.phase is recurrent and r.decode_depth > 0 for r in self.running
         )
         for request in list(self.running):
-            if request.phase != RequestPhase.RECURRENT:
+            if request.phase is not recurrent:
                 continue
             if request.awaiting_output:
                 task = self._follow_on_task(request)
@@ -281,7 +289,7 @@ class Scheduler:
                 forced = request.forced_exit_at(position)
                 task = ScheduledTask(
                     request=request,
-                    kind=TaskKind.DECODE,
+                    kind=_DECODE,
                     token_start=position,
                     token_count=1,
                     depth=request.decode_depth,
@@ -304,9 +312,10 @@ class Scheduler:
         """
         if not self._follow_ons:
             return None
-        if request.num_computed_tokens < request.num_prompt_tokens + len(
-            request.output_token_ids
-        ) - 1:
+        if (
+            request.num_computed_tokens
+            < request.num_prompt_tokens + len(request.output_token_ids) - 1
+        ):
             return None  # replaying
         if len(request.output_token_ids) + request.pending_token_rows >= request.params.max_tokens:
             return None
@@ -375,30 +384,27 @@ class Scheduler:
         prelude_cursors: dict[str, int] | None,
     ) -> ScheduledTask | None:
         prompt_len = request.num_prompt_tokens
-        if phase == BatchPhase.PREFILLING_PRELUDE:
-            if request.phase != RequestPhase.PREFILLING_PRELUDE or prelude_cursors is None:
+        if phase is _PRELUDE_BATCH:
+            if request.phase is not _SPLIT_PREFILLING[0] or prelude_cursors is None:
                 return None
             start = prelude_cursors.get(request.request_id, request.num_preluded_tokens)
             if start >= prompt_len:
                 return None
             end = self._chunk_end(request, start)
-            return self._task(request, TaskKind.PRELUDE, start, end, depth=0, loops=0)
+            return self._task(request, _PRELUDE, start, end, depth=0, loops=0)
 
-        if phase == BatchPhase.PREFILL:
-            if request.phase != RequestPhase.PREFILL:
+        if phase is _PREFILL_BATCH:
+            if request.phase is not _ATOMIC_PREFILLING:
                 return None
             start = request.prefill_right(self.total_depths - 1)
             if start >= prompt_len:
                 return None
             end = self._chunk_end(request, start)
             return self._task(
-                request, TaskKind.PREFILL, start, end, depth=0, loops=self.total_depths, embed=True
+                request, _PREFILL, start, end, depth=0, loops=self.total_depths, embed=True
             )
 
-        if request.phase not in (
-            RequestPhase.PREFILLING_PRELUDE,
-            RequestPhase.PREFILLING_RECURRENT,
-        ):
+        if request.phase not in _SPLIT_PREFILLING:
             return None
         depth = level
         start = request.prefill_right(depth)
@@ -415,7 +421,7 @@ class Scheduler:
                 depth + loops < self.total_depths and request.prefill_right(depth + loops) == start
             ):
                 loops += 1
-        return self._task(request, TaskKind.PREFILL, start, end, depth=depth, loops=loops)
+        return self._task(request, _PREFILL, start, end, depth=depth, loops=loops)
 
     def _task(
         self,
@@ -441,29 +447,31 @@ class Scheduler:
 
     def _accept_task(self, task: ScheduledTask, sel: _Selection) -> ScheduledTask | None:
         """Admits one task into the batch: seats, budget (truncating), then KV capacity."""
+        # called once per row: enum members compare by identity, locals save lookups
         request = task.request
-        if request.request_id not in sel.selected and len(sel.selected) >= sel.max_seqs:
+        selected = sel.selected
+        if len(selected) >= sel.max_seqs and request.request_id not in selected:
             return None
-        if sel.budget_left <= 0:
+        budget = sel.budget_left
+        if budget <= 0:
             return None
-        count = min(task.token_count, sel.budget_left)
+        count = task.token_count if task.token_count <= budget else budget
+        kind = task.kind
         # prelude spans need no KV; a decode row's slot is allocated with its depth-0 row
-        needs_kv = task.kind == TaskKind.PREFILL or (
-            task.kind == TaskKind.DECODE and (task.depth == 0 or task.follows)
-        )
+        needs_kv = (task.depth == 0 or task.follows) if kind is _DECODE else kind is _PREFILL
         if needs_kv and not self._ensure_execution_capacity(request, task.token_start + count, sel):
             return None
         task.token_count = count
         task.generation = request.generation
-        if task.kind == TaskKind.PREFILL:
+        if kind is _PREFILL:
             reaches_coda = (
                 task.depth + task.num_loops == self.total_depths
                 and task.token_end == request.num_prompt_tokens
             )
             # a recomputed request already knows its first token
             task.compute_logits = reaches_coda and not request.output_token_ids
-        sel.budget_left -= count
-        sel.selected[request.request_id] = request
+        sel.budget_left = budget - count
+        selected[request.request_id] = request
         sel.tasks.append(task)
         return task
 
@@ -509,8 +517,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ batch building
     def _build_batch(self, phase: BatchPhase, tasks: list[ScheduledTask]) -> ScheduledBatch:
-        decode = [t for t in tasks if t.kind == TaskKind.DECODE]
-        prompt = [t for t in tasks if t.kind != TaskKind.DECODE]
+        decode = [t for t in tasks if t.kind is _DECODE]
+        prompt = [t for t in tasks if t.kind is not _DECODE]
         # execution order only: selection, budget and queue order are already settled
         prompt.sort(key=lambda t: (t.request.priority_key, t.token_start))
         ordered = decode + prompt
@@ -530,7 +538,7 @@ class Scheduler:
         self._last_phase = phase
         self.stats.num_batches += 1
         self.stats.num_decode_rows += len(decode)
-        if len({t.depth for t in ordered if t.kind != TaskKind.PRELUDE and not t.follows}) >= 2:
+        if len({t.depth for t in ordered if t.kind is not _PRELUDE and not t.follows}) >= 2:
             self.stats.num_batches_with_mixed_depths += 1
         return ScheduledBatch(seq=seq, phase=phase, tasks=ordered, wire=wire)
 
@@ -545,7 +553,7 @@ class Scheduler:
                 compute_logits=True,
                 follows=True,
             )
-        if task.kind == TaskKind.DECODE:
+        if task.kind is _DECODE:
             return BatchRow(
                 request_id=request.request_id,
                 token_start=task.token_start,
@@ -596,7 +604,7 @@ class Scheduler:
         for task in batch.tasks:
             request = task.request
             request.inflight_batches += 1
-            if task.kind == TaskKind.DECODE:
+            if task.kind is _DECODE:
                 request.pending_token_rows += 1
                 request.pending_decode_loops += 1
             elif task.compute_logits:
@@ -628,7 +636,7 @@ class Scheduler:
                     f"{request.request_id}: the worker skipped a row of batch {batch.seq} "
                     "for a live request"
                 )
-            if task.kind == TaskKind.DECODE:
+            if task.kind is _DECODE:
                 request.pending_token_rows -= 1
                 request.pending_decode_loops -= 1
                 self._apply_decode_output(
@@ -660,7 +668,7 @@ class Scheduler:
         batch.progress_applied = True
         groups: dict[tuple[str, TaskKind], list[ScheduledTask]] = {}
         for task in batch.tasks:
-            if task.kind == TaskKind.DECODE or self._is_stale(task):
+            if task.kind is _DECODE or self._is_stale(task):
                 continue
             groups.setdefault((task.request.request_id, task.kind), []).append(task)
         for (_, kind), tasks in groups.items():
