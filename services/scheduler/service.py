@@ -391,7 +391,9 @@ class SchedulerService(Service):
         if chosen is None:
             if self.no_worker_since is None:
                 self.no_worker_since = now
-                self.log.warning("no worker available; requests wait", streams=len(d.streams))
+                # before any worker has been seen (a normal start) this is not a problem
+                log = self.log.warning if d.streams or self.workers.workers else self.log.info
+                log("no worker available; requests wait", streams=len(d.streams))
             return False
         self.no_worker_since = None
         d.bind(chosen)
