@@ -70,3 +70,26 @@ def test_top_k_never_samples_outside_the_k_best() -> None:
     draws = {sample_token(logits, temperature=2.0, top_k=5, top_p=1.0, seed=3, output_index=i)
              for i in range(200)}
     assert draws <= allowed and len(draws) > 1
+
+
+def test_greedy_and_sampled_rows_in_one_batch_each_get_their_own_token(toy_model) -> None:
+    # The worker takes one batched argmax for greedy rows and the host sampler for the
+    # others; a batch that interleaves both must hand every row its own token.
+    def params(i: int) -> SamplingParams:
+        temperature = 0.0 if i % 2 else 0.9
+        return SamplingParams(max_tokens=8, temperature=temperature, seed=i, min_loops=1,
+                              exit_threshold=0.7, ignore_eos=True)
+
+    prompts = [[5 + i, 40 + 3 * i, 7, 200 - i] for i in range(6)]
+
+    def run(ids: list[int]) -> dict[str, FinishedEvent]:
+        engine = LLMEngine(toy_model, SchedulerConfig(block_size=4, num_blocks=256))
+        for i in ids:
+            engine.add_request(f"r{i}", prompts[i], params(i))
+        return {e.request_id: e for e in engine.run_until_done() if isinstance(e, FinishedEvent)}
+
+    together = run(list(range(6)))
+    for i in range(6):
+        alone = run([i])[f"r{i}"]
+        assert together[f"r{i}"].token_ids == alone.token_ids
+        assert together[f"r{i}"].exit_depths == alone.exit_depths

@@ -341,22 +341,14 @@ class ModelRunner:
     def _run_coda(self, coda_rows: list[tuple[_RowState, torch.Tensor]]) -> None:
         if not coda_rows:
             return
-        logits = self.model.coda(torch.stack([h for _, h in coda_rows])).cpu()
-        for (state, _), row_logits in zip(coda_rows, logits, strict=True):
+        logits = self.model.coda(torch.stack([h for _, h in coda_rows]))
+        samplings = [self.requests[state.row.request_id].sampling for state, _ in coda_rows]
+        tokens = self._sample(logits, samplings, [state.row for state, _ in coda_rows])
+        for (state, _), token in zip(coda_rows, tokens, strict=True):
             r = state.row
-            req = self.requests[r.request_id]
-            s = req.sampling
-            token = sample_token(
-                row_logits,
-                temperature=s.temperature,
-                top_k=s.top_k,
-                top_p=s.top_p,
-                seed=s.seed,
-                output_index=r.output_index,
-            )
             state.result.token_id = token
             # the token is fed back at the next position, from depth 0
-            req.next_decode = BatchRow(
+            self.requests[r.request_id].next_decode = BatchRow(
                 request_id=r.request_id,
                 token_start=r.token_start + r.token_count,
                 token_count=1,
@@ -366,3 +358,33 @@ class ModelRunner:
                 compute_logits=True,
                 output_index=r.output_index + 1,
             )
+
+    def _sample(
+        self, logits: torch.Tensor, samplings: list[WorkerSampling], rows: list[BatchRow]
+    ) -> list[int]:
+        """One token per row. Greedy rows take one batched argmax where the logits are, so
+        only their ids leave the device (argmax keeps the first maximum on CPU and CUDA
+        alike, and the float32 upcast keeps the order). Sampled rows go to the host sampler,
+        seeded per (request, token index)."""
+        tokens = [0] * len(rows)
+        greedy = [i for i, s in enumerate(samplings) if s.temperature == 0.0]
+        if greedy:
+            index = torch.tensor(greedy, device=logits.device)
+            ids = torch.argmax(logits.index_select(0, index).float(), dim=-1).tolist()
+            for i, token in zip(greedy, ids, strict=True):
+                tokens[i] = int(token)
+        sampled = [i for i, s in enumerate(samplings) if s.temperature != 0.0]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            host = logits.index_select(0, index).cpu()
+            for i, row_logits in zip(sampled, host, strict=True):
+                s = samplings[i]
+                tokens[i] = sample_token(
+                    row_logits,
+                    temperature=s.temperature,
+                    top_k=s.top_k,
+                    top_p=s.top_p,
+                    seed=s.seed,
+                    output_index=rows[i].output_index,
+                )
+        return tokens
