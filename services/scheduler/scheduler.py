@@ -33,8 +33,9 @@ from services.scheduler.request import PREFILL_PHASES, Request, RequestPhase
 # attribute (TaskKind.DECODE) costs ~75 ns a lookup, a module global ~10.
 _DECODE, _PREFILL, _PRELUDE = TaskKind.DECODE, TaskKind.PREFILL, TaskKind.PRELUDE
 _PRELUDE_BATCH, _PREFILL_BATCH = BatchPhase.PREFILLING_PRELUDE, BatchPhase.PREFILL
-_ATOMIC_PREFILLING = RequestPhase.PREFILL
-_SPLIT_PREFILLING = (RequestPhase.PREFILLING_PRELUDE, RequestPhase.PREFILLING_RECURRENT)
+_ATOMIC_PREFILLING, _RECURRENT = RequestPhase.PREFILL, RequestPhase.RECURRENT
+_SPLIT_PRELUDE = RequestPhase.PREFILLING_PRELUDE
+_SPLIT_PREFILLING = (_SPLIT_PRELUDE, RequestPhase.PREFILLING_RECURRENT)
 
 
 class SchedulerInvariantError(RuntimeError):
@@ -259,9 +260,8 @@ class Scheduler:
             return [BatchPhase.PREFILL, BatchPhase.RECURRENT]
         # split: the prelude is cheap; run it when some request's depth-0 work has caught
         # up with its prelude (it would stall otherwise), else keep the core busy
-        prelude_phase = RequestPhase.PREFILLING_PRELUDE
         starved = any(
-            r.phase is prelude_phase and r.prefill_right(0) >= r.num_preluded_tokens
+            r.phase is _SPLIT_PRELUDE and r.prefill_right(0) >= r.num_preluded_tokens
             for r in self.running
         )
         if starved:
@@ -271,12 +271,11 @@ class Scheduler:
     # ------------------------------------------------------------------ selection
     def _take_decode_rows(self, sel: _Selection) -> None:
         """Decode rows come first in a RECURRENT batch, one loop per request."""
-        recurrent = RequestPhase.RECURRENT
         cohort_busy = not self.config.refill and any(
-            r.phase is recurrent and r.decode_depth > 0 for r in self.running
+            r.phase is _RECURRENT and r.decode_depth > 0 for r in self.running
         )
         for request in list(self.running):
-            if request.phase is not recurrent:
+            if request.phase is not _RECURRENT:
                 continue
             if request.awaiting_output:
                 task = self._follow_on_task(request)
@@ -323,7 +322,7 @@ class Scheduler:
         furthest = request.num_computed_tokens + request.pending_decode_loops
         return ScheduledTask(
             request=request,
-            kind=TaskKind.DECODE,
+            kind=_DECODE,
             token_start=furthest,
             token_count=1,
             depth=FOLLOW_ON_DEPTH,
@@ -385,7 +384,7 @@ class Scheduler:
     ) -> ScheduledTask | None:
         prompt_len = request.num_prompt_tokens
         if phase is _PRELUDE_BATCH:
-            if request.phase is not _SPLIT_PREFILLING[0] or prelude_cursors is None:
+            if request.phase is not _SPLIT_PRELUDE or prelude_cursors is None:
                 return None
             start = prelude_cursors.get(request.request_id, request.num_preluded_tokens)
             if start >= prompt_len:
