@@ -76,7 +76,10 @@ def run_workload(
     config: SchedulerConfig,
     arrivals: list[Arrival],
     max_steps: int = 20_000,
+    aborts: dict[str, int] | None = None,
 ) -> RunRecord:
+    """Runs arrivals to completion; ``aborts`` maps request ids to the step that aborts
+    them (if they are still live then)."""
     record = RunRecord()
 
     def on_batch(batch: ScheduledBatch) -> None:
@@ -93,6 +96,9 @@ def run_workload(
             a = pending.pop(0)
             engine.add_request(a.request_id, a.prompt, a.params)
         events: list[StreamEvent] = engine.step()
+        for request_id, at in (aborts or {}).items():
+            if at == step and request_id in engine.scheduler.requests:
+                events += engine.abort_request(request_id)
         for event in events:
             if isinstance(event, TokenEvent):
                 record.tokens.setdefault(event.request_id, []).append(event)

@@ -7,11 +7,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from messages.api import FinishedEvent
 from messages.sampling import SamplingParams
-from services.engine.engine import LLMEngine
 from services.scheduler.config import SchedulerConfig
-from tests.engine_harness import assert_matches_oracle, check_batch_limits, oracle_result
+from tests.engine_harness import assert_matches_oracle, oracle_result, run_workload
 from tests.test_engine_oracle import D, max_kv_blocks, workloads
 
 
@@ -51,27 +49,7 @@ def test_follow_ons_with_stops_aborts_and_tight_kv_equal_oracle(toy_model, oracl
         max_inflight_batches=data.draw(st.integers(2, 3)),
     )
 
-    engine = LLMEngine(toy_model, config, on_batch=lambda b: check_batch_limits(b, config))
-    finished: dict[str, FinishedEvent] = {}
-    pending = sorted(arrivals, key=lambda a: a.step)
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0].step <= step:
-            a = pending.pop(0)
-            engine.add_request(a.request_id, a.prompt, a.params)
-        events = engine.step()
-        for rid, at in aborts.items():
-            if at == step and rid in engine.scheduler.requests:
-                events += engine.abort_request(rid)
-        for e in events:
-            if isinstance(e, FinishedEvent):
-                assert e.request_id not in finished, "two terminal events"
-                finished[e.request_id] = e
-        step += 1
-        assert step < 20_000, "engine made no progress"
-
-    engine.scheduler.kv.check_consistency()
-    assert engine.scheduler.kv.num_free_blocks == config.num_blocks
+    finished = run_workload(toy_model, config, arrivals, aborts=aborts).finished  # KV checked
     assert set(finished) == {a.request_id for a in arrivals}
     for a in arrivals:
         if finished[a.request_id].finish_reason == "abort":
