@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from services.common.exit_policy import should_exit, update_survival
 
@@ -57,3 +59,34 @@ def test_threshold_zero_exits_at_min_loops() -> None:
 def test_survival_is_updated_below_min_loops_too() -> None:
     # hazard 0.4 on loops 1 and 2 (below min_loops 3) still counts: cdf after loop 3 = 0.784
     assert run_policy(0.4, min_loops=3, max_loops=4, threshold=0.78)[0] == 3
+
+
+def tensor_rule(remaining: float, threshold: float) -> bool:
+    """The float32 tensor comparison the oracle makes (DESIGN.md §1)."""
+    one = torch.tensor(1.0, dtype=torch.float32)
+    cdf = one - torch.tensor(remaining, dtype=torch.float32)
+    return bool(cdf >= torch.tensor(threshold, dtype=torch.float32))
+
+
+@given(
+    remaining=st.floats(0.0, 1.0, width=32),
+    threshold=st.floats(0.0, 1.0, exclude_max=True),
+)
+def test_float_rule_equals_the_float32_tensor_rule(remaining: float, threshold: float) -> None:
+    # should_exit runs per decode row per pass, so it uses Python floats; it must decide
+    # exactly as float32 tensors do, ties and roundings included
+    assert should_exit(1, remaining, 1, 4, threshold) == tensor_rule(remaining, threshold)
+
+
+def test_float_rule_at_the_threshold_boundary() -> None:
+    # survivals one float32 step either side of 1 - threshold, where rounding decides
+    for threshold in (0.7, 0.5, 0.1, 0.9999, 1e-9, 0.3333333333):
+        edge = torch.tensor(1.0 - threshold, dtype=torch.float32)
+        for r in (
+            torch.nextafter(edge, torch.tensor(0.0)),
+            edge,
+            torch.nextafter(edge, torch.tensor(1.0)),
+        ):
+            assert should_exit(2, r.item(), 1, 4, threshold) == tensor_rule(r.item(), threshold)
+    for tiny in (0.0, 1e-45, 2.0**-30, 2.0**-25, 2.0**-24):
+        assert should_exit(2, tiny, 1, 4, 0.999999) == tensor_rule(tiny, 0.999999)

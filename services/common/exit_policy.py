@@ -7,6 +7,8 @@ Survival arithmetic is float32, exactly as the oracle does it.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 
@@ -19,10 +21,25 @@ def update_survival(remaining: torch.Tensor, gate_logits: torch.Tensor) -> torch
 def should_exit(
     loops_run: int, remaining: float, min_loops: int, max_loops: int, threshold: float
 ) -> bool:
-    """Exit after ``loops_run`` loops? ``remaining`` is the float32 survival after them."""
+    """Exit after ``loops_run`` loops? ``remaining`` is the float32 survival after them.
+
+    The test ``1 - remaining >= threshold`` is float32 arithmetic, as the oracle's tensor
+    comparison is, done on Python floats: called per decode row per pass, it must not
+    build tensors (that cost ~10 us a call).
+    """
     if loops_run >= max_loops:
         return True
     if threshold >= 1.0 or loops_run < min_loops:
         return False
-    cdf = torch.tensor(1.0, dtype=torch.float32) - torch.tensor(remaining, dtype=torch.float32)
-    return bool(cdf >= torch.tensor(threshold, dtype=torch.float32))
+    # remaining is a float32 value, so the float64 difference is exact unless remaining
+    # < 2**-29, where it and the float32 difference both round to 1.0: one rounding to
+    # float32 gives exactly the float32 subtraction
+    return _f32(1.0 - _f32(remaining)) >= _f32(threshold)
+
+
+_F32 = struct.Struct("f")
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (ties to even), as a Python float."""
+    return _F32.unpack(_F32.pack(x))[0]
