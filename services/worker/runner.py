@@ -197,11 +197,20 @@ class ModelRunner:
     def _gather_inputs(
         self, active: list[_RowState], first_pass: bool
     ) -> tuple[torch.Tensor, torch.Tensor, list[Segment]]:
+        """The pass's packed hidden rows, their positions and attention segments.
+
+        Rows that start from the prelude (prompt chunks on their first pass, decode rows at
+        depth 0) are embedded in one batched call. Decode token ids and all positions are
+        gathered as Python ints and sent to the device once each: per-row small tensors
+        would cost a host-to-device copy per row on a GPU.
+        """
         pieces: list[torch.Tensor] = []
-        positions: list[torch.Tensor] = []
+        positions: list[int] = []
         segments: list[Segment] = []
-        embed_ids: list[torch.Tensor] = []
-        embed_slots: list[int] = []
+        prompt_ids: list[torch.Tensor] = []  # prompt spans to embed, on the device
+        prompt_slots: list[int] = []
+        token_ids: list[int] = []  # decode tokens to embed
+        token_slots: list[int] = []
         row = 0
         for state in active:
             r = state.row
@@ -209,19 +218,19 @@ class ModelRunner:
             count = r.token_count
             if state.is_decode:
                 if state.depth == 0:
-                    embed_ids.append(torch.tensor([r.input_token_id], device=req.prompt.device))
-                    embed_slots.append(len(pieces))
+                    token_ids.append(r.input_token_id)
+                    token_slots.append(len(pieces))
                     pieces.append(torch.empty(0))  # filled after one batched embedding call
                 else:
                     assert req.decode_hidden is not None, "decode row without hidden state"
                     pieces.append(req.decode_hidden.unsqueeze(0))
             elif r.embed and first_pass:
-                embed_ids.append(req.prompt[r.token_start : r.token_start + count])
-                embed_slots.append(len(pieces))
+                prompt_ids.append(req.prompt[r.token_start : r.token_start + count])
+                prompt_slots.append(len(pieces))
                 pieces.append(torch.empty(0))
             else:
                 pieces.append(self._prefill_buffer(req)[r.token_start : r.token_start + count])
-            positions.append(torch.arange(r.token_start, r.token_start + count))
+            positions.extend(range(r.token_start, r.token_start + count))
             segments.append(
                 Segment(
                     row_start=row,
@@ -231,14 +240,19 @@ class ModelRunner:
                 )
             )
             row += count
-        if embed_ids:
-            embedded = self.model.prelude(torch.cat(embed_ids))
+        device = self.model.device
+        if prompt_ids or token_ids:
+            ids = prompt_ids + ([torch.tensor(token_ids, device=device)] if token_ids else [])
+            embedded = self.model.prelude(torch.cat(ids) if len(ids) > 1 else ids[0])
             offset = 0
-            for slot, ids in zip(embed_slots, embed_ids, strict=True):
-                pieces[slot] = embedded[offset : offset + ids.numel()]
-                offset += ids.numel()
+            for slot, span in zip(prompt_slots, prompt_ids, strict=True):
+                pieces[slot] = embedded[offset : offset + span.numel()]
+                offset += span.numel()
+            for slot in token_slots:
+                pieces[slot] = embedded[offset : offset + 1]
+                offset += 1
         hidden = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        return hidden, torch.cat(positions).to(self.model.device), segments
+        return hidden, torch.tensor(positions, device=device), segments
 
     def _attend(self, meta: AttentionMetadata):
         k_cache, v_cache, scale, backend = self.k_cache, self.v_cache, self.scale, self.attention
