@@ -21,8 +21,9 @@ from services.scheduler.config import ModelLimits, SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 
 D = 4
-LIMITS = ModelLimits(total_ut_steps=D, vocab_size=32000, max_position_embeddings=8192,
-                     eos_token_ids=(0,))
+LIMITS = ModelLimits(
+    total_ut_steps=D, vocab_size=32000, max_position_embeddings=8192, eos_token_ids=(0,)
+)
 
 
 def fake_result(batch: ScheduledBatch, rng: random.Random) -> BatchResult:
@@ -30,8 +31,15 @@ def fake_result(batch: ScheduledBatch, rng: random.Random) -> BatchResult:
     for i, task in enumerate(batch.tasks):
         if task.kind == TaskKind.DECODE:
             exits = task.depth + 1 >= D or rng.random() < 0.4
-            rows.append(RowResult(row_index=i, exited=exits, exit_depth=task.depth + 1,
-                                  remaining=0.5, token_id=rng.randrange(1, 32000)))
+            rows.append(
+                RowResult(
+                    row_index=i,
+                    exited=exits,
+                    exit_depth=task.depth + 1,
+                    remaining=0.5,
+                    token_id=rng.randrange(1, 32000),
+                )
+            )
         else:
             rows.append(RowResult(row_index=i, token_id=5 if task.compute_logits else -1))
     return BatchResult(seq=batch.seq, rows=rows)
@@ -39,17 +47,26 @@ def fake_result(batch: ScheduledBatch, rng: random.Random) -> BatchResult:
 
 def run(concurrency: int, steps: int, seed: int = 0) -> dict[str, float]:
     rng = random.Random(seed)
-    config = SchedulerConfig(max_num_seqs=concurrency, max_num_batched_tokens=4096,
-                             prefill_chunk_size=64, wavefront_chunked_prefill=True,
-                             block_size=16, num_blocks=concurrency * 64 * D, refill=True)
+    config = SchedulerConfig(
+        max_num_seqs=concurrency,
+        max_num_batched_tokens=4096,
+        prefill_chunk_size=64,
+        wavefront_chunked_prefill=True,
+        block_size=16,
+        num_blocks=concurrency * 64 * D,
+        refill=True,
+    )
     s = Scheduler(config, LIMITS)
     counter = 0
 
     def add() -> None:
         nonlocal counter
         prompt = [rng.randrange(1, 32000) for _ in range(rng.randint(32, 256))]
-        s.add_request(f"r{counter}", prompt, SamplingParams(
-            max_tokens=rng.randint(16, 128), temperature=0.0, ignore_eos=True))
+        s.add_request(
+            f"r{counter}",
+            prompt,
+            SamplingParams(max_tokens=rng.randint(16, 128), temperature=0.0, ignore_eos=True),
+        )
         counter += 1
 
     for _ in range(concurrency):
@@ -92,15 +109,19 @@ def main() -> None:
     print("| concurrency | steps | mean µs/step | p50 µs | p99 µs | rows/step | µs/row |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['concurrency']} | {r['steps']} | {r['mean_us']:.0f} | {r['p50_us']:.0f} | "
-              f"{r['p99_us']:.0f} | {r['rows_per_step']:.1f} | "
-              f"{r['mean_us'] / r['rows_per_step']:.2f} |")
+        print(
+            f"| {r['concurrency']} | {r['steps']} | {r['mean_us']:.0f} | {r['p50_us']:.0f} | "
+            f"{r['p99_us']:.0f} | {r['rows_per_step']:.1f} | "
+            f"{r['mean_us'] / r['rows_per_step']:.2f} |"
+        )
     base = results[0]
     for r in results[1:]:
         growth = r["mean_us"] / base["mean_us"]
         scale = r["concurrency"] / base["concurrency"]
-        print(f"growth {base['concurrency']}->{r['concurrency']}: x{growth:.2f} "
-              f"(linear would be x{scale:.0f})")
+        print(
+            f"growth {base['concurrency']}->{r['concurrency']}: x{growth:.2f} "
+            f"(linear would be x{scale:.0f})"
+        )
 
 
 if __name__ == "__main__":

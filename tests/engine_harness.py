@@ -114,8 +114,9 @@ def run_workload(
     return record
 
 
-def oracle_result(oracle: SerialOracle, prompt: list[int], params: SamplingParams,
-                  config: SchedulerConfig):
+def oracle_result(
+    oracle: SerialOracle, prompt: list[int], params: SamplingParams, config: SchedulerConfig
+):
     shared = config.kv_layout == KVLayout.SHARED
     return oracle.generate(
         prompt,
@@ -130,9 +131,7 @@ def oracle_result(oracle: SerialOracle, prompt: list[int], params: SamplingParam
     )
 
 
-def assert_matches_oracle(
-    finished: FinishedEvent, expected, label: str = ""
-) -> int:
+def assert_matches_oracle(finished: FinishedEvent, expected, label: str = "") -> int:
     """Tokens and exit depths must equal the oracle's; the comparison may stop early only
     where the oracle's own top-2 logit gap or |cdf - threshold| is below TIE_EPS.
     Returns how many tokens were compared."""
@@ -147,9 +146,12 @@ def assert_matches_oracle(
             f"{finished.token_ids} vs {expected.token_ids}"
         )
         assert (finished.token_ids[i], finished.exit_depths[i]) == (
-            step.token_id, step.exit_depth
-        ), (f"{label}: token {i} differs: engine {finished.token_ids} / {finished.exit_depths}"
-            f" oracle {expected.token_ids} / {expected.exit_depths}")
+            step.token_id,
+            step.exit_depth,
+        ), (
+            f"{label}: token {i} differs: engine {finished.token_ids} / {finished.exit_depths}"
+            f" oracle {expected.token_ids} / {expected.exit_depths}"
+        )
     assert finished.token_ids == expected.token_ids, label
     assert finished.finish_reason == expected.finish_reason, label
     return len(expected.steps)

@@ -11,18 +11,37 @@ from services.oracle import SerialOracle
 
 
 def rlt(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
-                          text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_generate_offline_json_equals_oracle(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     out = rlt("toy-checkpoint", str(ckpt), "--seed", "3")
     assert out.returncode == 0, out.stderr
-    out = rlt("generate", "--offline", "--checkpoint", str(ckpt), "--json",
-              "--prompt-ids", "5,6,7,8", "--prompt", "The quick brown fox",
-              "--max-tokens", "6", "--min-loops", "1", "--exit-threshold", "0.7",
-              "--ignore-eos")
+    out = rlt(
+        "generate",
+        "--offline",
+        "--checkpoint",
+        str(ckpt),
+        "--json",
+        "--prompt-ids",
+        "5,6,7,8",
+        "--prompt",
+        "The quick brown fox",
+        "--max-tokens",
+        "6",
+        "--min-loops",
+        "1",
+        "--exit-threshold",
+        "0.7",
+        "--ignore-eos",
+    )
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert [e["type"] for e in lines] == ["finished", "finished"]
@@ -32,8 +51,9 @@ def test_generate_offline_json_equals_oracle(tmp_path: Path) -> None:
     prompts = [tok.encode("The quick brown fox", add_special_tokens=False).ids, [5, 6, 7, 8]]
     oracle = SerialOracle(ckpt)
     for event, prompt in zip(lines, prompts, strict=True):
-        expected = oracle.generate(prompt, max_tokens=6, min_loops=1, exit_threshold=0.7,
-                                   ignore_eos=True)
+        expected = oracle.generate(
+            prompt, max_tokens=6, min_loops=1, exit_threshold=0.7, ignore_eos=True
+        )
         assert event["token_ids"] == expected.token_ids
         assert event["exit_depths"] == expected.exit_depths
         assert event["num_prompt_tokens"] == len(prompt)
@@ -51,11 +71,26 @@ def test_generate_offline_reports_bad_input(tmp_path: Path) -> None:
 def test_schedule_trace_prints_the_seed_batches(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     rlt("toy-checkpoint", str(ckpt))
-    out = rlt("schedule-trace", "--checkpoint", str(ckpt), "--json", "--diagram",
-              "--prompt-ids", ",".join(map(str, range(1, 11))),
-              "--prompt-ids", ",".join(map(str, range(11, 21))),
-              "--prefill-chunk-size", "2", "--max-num-batched-tokens", "5",
-              "--max-num-seqs", "2", "--wavefront-chunked-prefill", "--max-tokens", "1")
+    out = rlt(
+        "schedule-trace",
+        "--checkpoint",
+        str(ckpt),
+        "--json",
+        "--diagram",
+        "--prompt-ids",
+        ",".join(map(str, range(1, 11))),
+        "--prompt-ids",
+        ",".join(map(str, range(11, 21))),
+        "--prefill-chunk-size",
+        "2",
+        "--max-num-batched-tokens",
+        "5",
+        "--max-num-seqs",
+        "2",
+        "--wavefront-chunked-prefill",
+        "--max-tokens",
+        "1",
+    )
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert records[0]["phase"] == "prefilling_prelude"

@@ -10,8 +10,9 @@ from services.scheduler.batch import TaskKind
 from services.scheduler.config import SchedulerConfig
 from tests.engine_harness import Arrival, run_workload
 
-PARAMS = SamplingParams(max_tokens=12, temperature=0.0, min_loops=1, exit_threshold=0.7,
-                        ignore_eos=True)
+PARAMS = SamplingParams(
+    max_tokens=12, temperature=0.0, min_loops=1, exit_threshold=0.7, ignore_eos=True
+)
 
 
 def decode_depth_sets(record) -> list[set[int]]:
@@ -58,10 +59,12 @@ def test_no_refill_keeps_cohorts_in_lockstep_and_needs_more_passes(toy_model) ->
     for rid, fin in refill.finished.items():
         assert cohort.finished[rid].token_ids == fin.token_ids
         assert cohort.finished[rid].exit_depths == fin.exit_depths
+
     # ... but refill needs fewer core passes for the same decode work
-    passes = lambda rec: sum(1 for b in rec.batches if any(  # noqa: E731
-        t.kind == TaskKind.DECODE for t in b.tasks))
-    assert passes(refill) < passes(cohort)
+    def decode_passes(rec) -> int:
+        return sum(1 for b in rec.batches if any(t.kind == TaskKind.DECODE for t in b.tasks))
+
+    assert decode_passes(refill) < decode_passes(cohort)
 
 
 def test_async_refill_keeps_in_flight_requests_in_every_pass(toy_model) -> None:

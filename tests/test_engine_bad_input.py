@@ -35,8 +35,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("label", "prompt", "params", "message"), CASES,
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("label", "prompt", "params", "message"), CASES, ids=[c[0] for c in CASES])
 def test_bad_request_is_refused_and_changes_nothing(engine, label, prompt, params, message):
     before_ids = set(engine.scheduler.requests)
     before_free = engine.scheduler.kv.num_free_blocks
@@ -45,8 +44,11 @@ def test_bad_request_is_refused_and_changes_nothing(engine, label, prompt, param
     assert set(engine.scheduler.requests) == before_ids
     assert engine.scheduler.kv.num_free_blocks == before_free
     # the live request is unaffected
-    (done,) = [e for e in engine.run_until_done() if e.request_id == "live" and
-               getattr(e, "finish_reason", None)]
+    (done,) = [
+        e
+        for e in engine.run_until_done()
+        if e.request_id == "live" and getattr(e, "finish_reason", None)
+    ]
     assert len(done.token_ids) == 4
 
 

@@ -107,8 +107,9 @@ def test_last_exited_engine_equals_oracle(toy_model, oracle, data) -> None:
     check_against_oracle(toy_model, oracle, arrivals, config)
 
 
-@settings(max_examples=30, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_shared_layout_engine_equals_oracle(toy_model, oracle, data) -> None:
     arrivals = data.draw(workloads())
@@ -118,12 +119,15 @@ def test_shared_layout_engine_equals_oracle(toy_model, oracle, data) -> None:
 
 def test_preemption_under_pressure_still_equals_oracle(toy_model, oracle) -> None:
     """Tight KV forces recompute-preemption (with replayed exit depths) mid-decode."""
-    params = SamplingParams(max_tokens=12, temperature=0.0, min_loops=1, exit_threshold=0.7,
-                            ignore_eos=True)
-    arrivals = [Arrival(f"p{i}", [10 + i, 20, 30 + i, 40, 50, 60 + i], params, step=i)
-                for i in range(4)]
-    config = SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=4,
-                             prefill_chunk_size=4, max_num_batched_tokens=16)
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, min_loops=1, exit_threshold=0.7, ignore_eos=True
+    )
+    arrivals = [
+        Arrival(f"p{i}", [10 + i, 20, 30 + i, 40, 50, 60 + i], params, step=i) for i in range(4)
+    ]
+    config = SchedulerConfig(
+        block_size=2, num_blocks=40, max_num_seqs=4, prefill_chunk_size=4, max_num_batched_tokens=16
+    )
     record = run_workload(toy_model, config, arrivals)
     assert record.engine is not None
     assert record.engine.scheduler.stats.num_preemptions > 0

@@ -16,8 +16,9 @@ def logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
-def run_policy(hazard: float, *, min_loops: int, max_loops: int, threshold: float,
-               gate: float | None = None) -> tuple[int, list[float]]:
+def run_policy(
+    hazard: float, *, min_loops: int, max_loops: int, threshold: float, gate: float | None = None
+) -> tuple[int, list[float]]:
     remaining = torch.tensor([1.0], dtype=torch.float32)
     g = torch.tensor([logit(hazard) if gate is None else gate], dtype=torch.float32)
     cdfs: list[float] = []

@@ -13,8 +13,9 @@ from tests.engine_harness import assert_matches_oracle, oracle_result, run_workl
 from tests.test_engine_oracle import D, max_kv_blocks, workloads
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_follow_ons_with_stops_aborts_and_tight_kv_equal_oracle(toy_model, oracle, data) -> None:
     arrivals = data.draw(workloads())
@@ -25,8 +26,10 @@ def test_follow_ons_with_stops_aborts_and_tight_kv_equal_oracle(toy_model, oracl
         if free.token_ids and data.draw(st.booleans()):
             stop = data.draw(st.sampled_from(free.token_ids))
             a.params = SamplingParams(
-                **{**{f: getattr(a.params, f) for f in a.params.__struct_fields__},
-                   "stop_token_ids": [stop]}
+                **{
+                    **{f: getattr(a.params, f) for f in a.params.__struct_fields__},
+                    "stop_token_ids": [stop],
+                }
             )
     aborts = {
         a.request_id: data.draw(st.integers(a.step, a.step + 30))
@@ -57,4 +60,3 @@ def test_follow_ons_with_stops_aborts_and_tight_kv_equal_oracle(toy_model, oracl
             continue
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
         assert_matches_oracle(finished[a.request_id], expected, f"{a.request_id} {config}")
-

@@ -24,8 +24,9 @@ def test_blocks_return_after_finish(toy_model) -> None:
 def test_blocks_return_after_abort_mid_decode(toy_model) -> None:
     config = SchedulerConfig(block_size=4, num_blocks=64, async_scheduling=True)
     engine = LLMEngine(toy_model, config)
-    engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=50, temperature=0.0,
-                                                            ignore_eos=True))
+    engine.add_request(
+        "a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    )
     engine.add_request("b", [6, 7, 8], GREEDY)
     for _ in range(12):
         engine.step()

@@ -21,8 +21,13 @@ def test_exit_copy_writes_only_the_exited_tokens_higher_planes(toy_model) -> Non
     config = SchedulerConfig(block_size=4, num_blocks=64)
     engine = LLMEngine(toy_model, config)
     runner = engine.runner
-    engine.add_request("x", [5, 17, 33, 9, 41], SamplingParams(
-        max_tokens=10, temperature=0.0, min_loops=1, exit_threshold=0.5, ignore_eos=True))
+    engine.add_request(
+        "x",
+        [5, 17, 33, 9, 41],
+        SamplingParams(
+            max_tokens=10, temperature=0.0, min_loops=1, exit_threshold=0.5, ignore_eos=True
+        ),
+    )
     checked = 0
     original_execute = runner.execute
 
@@ -42,8 +47,9 @@ def test_exit_copy_writes_only_the_exited_tokens_higher_planes(toy_model) -> Non
             flat_after = runner.k_cache.flatten(1, 2)
             flat_before = before_k.flatten(1, 2)
             for j in range(e + 1, D):
-                assert torch.equal(flat_after[:, slot(tables[j], p, bs)],
-                                   flat_after[:, slot(tables[e], p, bs)])
+                assert torch.equal(
+                    flat_after[:, slot(tables[j], p, bs)], flat_after[:, slot(tables[e], p, bs)]
+                )
             changed = (flat_after != flat_before).any(dim=(0, 2, 3)).nonzero().flatten().tolist()
             assert set(changed) <= written, f"slots {set(changed) - written} changed unexpectedly"
         return result
@@ -57,8 +63,9 @@ def test_shared_layout_differs_from_last_exited_and_each_matches_its_oracle(
     toy_model, oracle
 ) -> None:
     prompt = [12, 7, 99, 4, 250, 31]
-    params = SamplingParams(max_tokens=10, temperature=0.0, min_loops=1, exit_threshold=0.6,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=10, temperature=0.0, min_loops=1, exit_threshold=0.6, ignore_eos=True
+    )
     results = {}
     for layout in KVLayout:
         config = SchedulerConfig(kv_layout=layout, block_size=4, num_blocks=64)

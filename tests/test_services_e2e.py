@@ -180,21 +180,26 @@ async def test_prefix_hits_over_nats_equal_the_oracle(
     )
     rng = random.Random(11)
     bases = [[rng.randrange(1, 400) for _ in range(n)] for n in (9, 13, 17)]
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, min_loops=1,
-                            exit_threshold=0.7, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, min_loops=1, exit_threshold=0.7, ignore_eos=True
+    )
     first = [_request(f"w1-{i}", b, params) for i, b in enumerate(bases)]
     second = [_request(f"w2-{i}", [*b, 7, 8, 9], params) for i, b in enumerate(bases)]
     async with services_up(nats_server.url, toy_checkpoint, config):
         waves = []
         for wave in (first, second):
-            waves.append(await asyncio.gather(
-                *(_one_client(nats_server.url, r) for r in wave)))
+            waves.append(await asyncio.gather(*(_one_client(nats_server.url, r) for r in wave)))
     for wave, requests in zip(waves, (first, second), strict=True):
         for events, req in zip(wave, requests, strict=True):
             got = check_stream(events)
             assert isinstance(got, FinishedEvent), got
-            ref = oracle.generate(req.prompt_token_ids, max_tokens=MAX_TOKENS, min_loops=1,
-                                  exit_threshold=0.7, ignore_eos=True)
+            ref = oracle.generate(
+                req.prompt_token_ids,
+                max_tokens=MAX_TOKENS,
+                min_loops=1,
+                exit_threshold=0.7,
+                ignore_eos=True,
+            )
             assert (got.token_ids, got.exit_depths) == (ref.token_ids, ref.exit_depths)
             # the second wave hits every full block the first wave's prompt published
             base = len(req.prompt_token_ids) - (3 if requests is second else 0)

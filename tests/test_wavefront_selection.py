@@ -14,8 +14,9 @@ from services.scheduler.request import RequestPhase
 from services.scheduler.scheduler import Scheduler, SchedulerInvariantError
 
 D = 4
-LIMITS = ModelLimits(total_ut_steps=D, vocab_size=100, max_position_embeddings=4096,
-                     eos_token_ids=(0,))
+LIMITS = ModelLimits(
+    total_ut_steps=D, vocab_size=100, max_position_embeddings=4096, eos_token_ids=(0,)
+)
 ONE_TOKEN = SamplingParams(max_tokens=1, min_loops=1, max_loops=1, temperature=0.0)
 
 
@@ -24,8 +25,15 @@ def fake_result(batch: ScheduledBatch, token: int = 7) -> BatchResult:
     rows = []
     for i, task in enumerate(batch.tasks):
         if task.kind == TaskKind.DECODE:
-            rows.append(RowResult(row_index=i, exited=True, exit_depth=task.depth + 1,
-                                  token_id=token, remaining=0.5))
+            rows.append(
+                RowResult(
+                    row_index=i,
+                    exited=True,
+                    exit_depth=task.depth + 1,
+                    token_id=token,
+                    remaining=0.5,
+                )
+            )
         else:
             rows.append(RowResult(row_index=i, token_id=token if task.compute_logits else -1))
     return BatchResult(seq=batch.seq, rows=rows)
@@ -45,8 +53,13 @@ def drive(scheduler: Scheduler, max_steps: int = 500) -> list[ScheduledBatch]:
 
 
 def two_prompt_scheduler(budget: int, chunk: int = 2, **kw) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=budget,
-                             prefill_chunk_size=chunk, wavefront_chunked_prefill=True, **kw)
+    config = SchedulerConfig(
+        max_num_seqs=2,
+        max_num_batched_tokens=budget,
+        prefill_chunk_size=chunk,
+        wavefront_chunked_prefill=True,
+        **kw,
+    )
     s = Scheduler(config, LIMITS)
     s.add_request("a", list(range(1, 11)), ONE_TOKEN)
     s.add_request("b", list(range(11, 21)), ONE_TOKEN)
@@ -63,8 +76,9 @@ def test_seed_regression_first_prelude_batch() -> None:
 
 
 # ---------------------------------------------------------------------- reference model
-def reference_schedule(lengths: dict[str, int], chunk: int, budget: int, seats: int,
-                       depths: int) -> list[list[tuple[str, int, int, int]]]:
+def reference_schedule(
+    lengths: dict[str, int], chunk: int, budget: int, seats: int, depths: int
+) -> list[list[tuple[str, int, int, int]]]:
     """An independent model of the scheduling rules, written from DESIGN.md §3:
     phase choice, depth-major levels, budget truncation, (request, start) row order."""
     order = list(lengths)
@@ -113,8 +127,7 @@ def reference_schedule(lengths: dict[str, int], chunk: int, budget: int, seats: 
 
     while any(right[r][-1] < lengths[r] for r in order):
         starved = any(pre[r] < lengths[r] and right[r][0] >= pre[r] for r in order)
-        makers = [prelude_batch, recurrent_batch] if starved else [recurrent_batch,
-                                                                     prelude_batch]
+        makers = [prelude_batch, recurrent_batch] if starved else [recurrent_batch, prelude_batch]
         rows: list[tuple[str, int, int, int]] = []
         prelude = False
         for make in makers:
@@ -137,8 +150,7 @@ def reference_schedule(lengths: dict[str, int], chunk: int, budget: int, seats: 
 def test_every_task_of_the_run_equals_the_reference_model(budget: int) -> None:
     batches = drive(two_prompt_scheduler(budget=budget))
     actual = [[t.key() for t in b.tasks] for b in batches]
-    expected = reference_schedule({"a": 10, "b": 10}, chunk=2, budget=budget, seats=2,
-                                  depths=D)
+    expected = reference_schedule({"a": 10, "b": 10}, chunk=2, budget=budget, seats=2, depths=D)
     assert actual == expected
 
 
@@ -186,8 +198,7 @@ def test_submission_and_output_paths_give_the_same_events_and_state(async_schedu
     for batch in iter(s.schedule, None):
         s.update_after_submission(batch)
         events += s.update_from_output(batch, fake_result(batch))
-        frontiers.append({r.request_id: [x for _, x in r.prefill_depth_ranges]
-                          for r in s.running})
+        frontiers.append({r.request_id: [x for _, x in r.prefill_depth_ranges] for r in s.running})
     # both paths finish both requests with one token each, same order
     finished = [e for e in events if isinstance(e, FinishedEvent)]
     assert [(e.request_id, e.token_ids) for e in finished] == [("a", [7]), ("b", [7])]
@@ -223,8 +234,13 @@ def test_out_of_order_retirement_and_gapped_spans_raise() -> None:
 
 def decoding_low_priority_request(wavefront: bool) -> Scheduler:
     """y (priority 0) has finished its prefill and decodes; its KV fills 8 of 16 blocks."""
-    config = SchedulerConfig(wavefront_chunked_prefill=wavefront, prefill_chunk_size=4,
-                             max_num_batched_tokens=64, block_size=2, num_blocks=16)
+    config = SchedulerConfig(
+        wavefront_chunked_prefill=wavefront,
+        prefill_chunk_size=4,
+        max_num_batched_tokens=64,
+        block_size=2,
+        num_blocks=16,
+    )
     s = Scheduler(config, LIMITS)
     s.add_request("y", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0))
     while s.requests["y"].phase != RequestPhase.RECURRENT or s.requests["y"].awaiting_output:
@@ -234,8 +250,9 @@ def decoding_low_priority_request(wavefront: bool) -> Scheduler:
         s.update_from_output(batch, fake_result(batch))
     assert s.kv.num_held_blocks("y") == 8  # 4 positions: 2 blocks in each of 4 planes
     # x outranks y and needs 8 blocks for its first chunk
-    s.add_request("x", [5, 6, 7, 8, 9, 10, 11, 12], SamplingParams(
-        max_tokens=1, temperature=0.0, priority=-1))
+    s.add_request(
+        "x", [5, 6, 7, 8, 9, 10, 11, 12], SamplingParams(max_tokens=1, temperature=0.0, priority=-1)
+    )
     return s
 
 

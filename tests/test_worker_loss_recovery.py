@@ -12,8 +12,9 @@ from services.engine.engine import LLMEngine
 from services.scheduler.config import SchedulerConfig
 from services.worker.runner import ModelRunner
 
-PARAMS = SamplingParams(max_tokens=10, temperature=0.0, min_loops=1, exit_threshold=0.7,
-                        ignore_eos=True)
+PARAMS = SamplingParams(
+    max_tokens=10, temperature=0.0, min_loops=1, exit_threshold=0.7, ignore_eos=True
+)
 PROMPTS = {"a": [5, 9, 33, 71, 2, 18], "b": [101, 7, 7, 250], "c": [44, 45, 46, 47, 48, 49, 50]}
 
 
@@ -21,9 +22,18 @@ def finished(events) -> dict[str, FinishedEvent]:
     return {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
 
 
-@pytest.mark.parametrize("mode", [{}, {"wavefront_chunked_prefill": True,
-                                       "async_scheduling": True, "prefill_chunk_size": 3,
-                                       "enable_prefix_caching": True}])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {},
+        {
+            "wavefront_chunked_prefill": True,
+            "async_scheduling": True,
+            "prefill_chunk_size": 3,
+            "enable_prefix_caching": True,
+        },
+    ],
+)
 @pytest.mark.parametrize("crash_step", [3, 9, 20])
 def test_recompute_after_worker_loss_equals_uninterrupted_run(toy_model, mode, crash_step):
     config = SchedulerConfig(block_size=4, num_blocks=128, max_num_batched_tokens=8, **mode)
@@ -42,8 +52,7 @@ def test_recompute_after_worker_loss_equals_uninterrupted_run(toy_model, mode, c
     # the worker dies: its in-flight results never arrive; a new one starts empty
     engine._inflight.clear()
     engine.scheduler.reset_after_worker_loss()
-    engine.runner = ModelRunner(toy_model, config.num_blocks, config.block_size,
-                                config.kv_layout)
+    engine.runner = ModelRunner(toy_model, config.num_blocks, config.block_size, config.kv_layout)
     events += engine.run_until_done()
     got = finished(events)
     for rid, want in expected.items():
