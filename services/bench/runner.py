@@ -97,6 +97,18 @@ def resolve_checkpoint(args: argparse.Namespace) -> Path:
         return path
     from services.cli import ensure_checkpoint
 
+    if args.size == "1.4b":
+        if args.device == "cpu":
+            print(
+                "rlt bench: the 1.4b checkpoint is meant for a GPU (--device cuda --dtype "
+                "bfloat16); on a CPU a run takes hours",
+                file=sys.stderr,
+            )
+        print(
+            "rlt bench: writing the 1.4b random checkpoint once (2.9 GB, about 20 s) "
+            "unless it is cached",
+            file=sys.stderr,
+        )
     return ensure_checkpoint(None, size=args.size)
 
 
