@@ -18,6 +18,14 @@ def update_survival(remaining: torch.Tensor, gate_logits: torch.Tensor) -> torch
     return remaining.to(torch.float32) * (1.0 - hazard)
 
 
+_F32 = struct.Struct("f")
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (ties to even), as a Python float."""
+    return _F32.unpack(_F32.pack(x))[0]
+
+
 def should_exit(
     loops_run: int, remaining: float, min_loops: int, max_loops: int, threshold: float
 ) -> bool:
@@ -35,11 +43,3 @@ def should_exit(
     # < 2**-29, where it and the float32 difference both round to 1.0: one rounding to
     # float32 gives exactly the float32 subtraction
     return _f32(1.0 - _f32(remaining)) >= _f32(threshold)
-
-
-_F32 = struct.Struct("f")
-
-
-def _f32(x: float) -> float:
-    """``x`` rounded to the nearest float32 (ties to even), as a Python float."""
-    return _F32.unpack(_F32.pack(x))[0]

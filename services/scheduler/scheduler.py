@@ -311,11 +311,8 @@ class Scheduler:
         """
         if not self._follow_ons:
             return None
-        if (
-            request.num_computed_tokens
-            < request.num_prompt_tokens + len(request.output_token_ids) - 1
-        ):
-            return None  # replaying
+        if request.forced_exit_at(request.num_computed_tokens):
+            return None  # replaying a recorded exit
         if len(request.output_token_ids) + request.pending_token_rows >= request.params.max_tokens:
             return None
         # if every loop in flight exits, the follow-on feeds this position

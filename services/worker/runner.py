@@ -120,7 +120,6 @@ class ModelRunner:
             raise ValueError(f"batch {batch.seq} arrived after batch {self.last_seq}")
         self._apply_deltas(batch)
         self.last_seq = batch.seq
-        results = [RowResult(row_index=i, skipped=True) for i in range(len(batch.rows))]
         states: list[_RowState] = []
         for i, row in enumerate(batch.rows):
             resolved = self._resolve_follow_on(row) if row.follows else row
@@ -141,9 +140,13 @@ class ModelRunner:
                 if (req := self.requests.get(row.request_id)) is not None:
                     req.next_decode = None
             raise
-        for state in states:
-            results[state.index] = state.result
-        return BatchResult(seq=batch.seq, rows=results)
+        ran = {state.index: state.result for state in states}
+        return BatchResult(
+            seq=batch.seq,
+            rows=[
+                ran.get(i) or RowResult(row_index=i, skipped=True) for i in range(len(batch.rows))
+            ],
+        )
 
     def _resolve_follow_on(self, row: BatchRow) -> BatchRow | None:
         """The row a follow-on stands for; None (skipped) if its predecessor did not run."""
