@@ -16,8 +16,8 @@ import time
 from messages.api import FinishedEvent
 from messages.batch import BatchResult, RowResult
 from messages.sampling import SamplingParams
+from services.common.config import ModelLimits, SchedulerConfig
 from services.scheduler.batch import ScheduledBatch, TaskKind
-from services.scheduler.config import ModelLimits, SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 
 D = 4

@@ -175,9 +175,9 @@ def _backend_plan(
 def stage_parity(args: argparse.Namespace, plan: Plan, res: Results) -> None:
     from messages.api import FinishedEvent
     from messages.sampling import SamplingParams
+    from services.common.config import SchedulerConfig
+    from services.common.model_config import OuroConfig
     from services.oracle import SerialOracle
-    from services.scheduler.config import SchedulerConfig
-    from services.worker.model.config import OuroConfig
     from services.worker.model.ouro import OuroModel
     from services.worker.model.toy import write_toy_checkpoint
 
@@ -323,7 +323,7 @@ def timed_generation(
 
 def stage_throughput(args: argparse.Namespace, plan: Plan, res: Results) -> None:
     from messages.sampling import SamplingParams
-    from services.scheduler.config import SchedulerConfig
+    from services.common.config import SchedulerConfig
     from services.worker.model.ouro import OuroModel
     from services.worker.model.toy import toy_config, write_toy_checkpoint
 

@@ -303,10 +303,10 @@ class _Msg:
 def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
     """Mutated messages into every internal decoder and the pure core behind it."""
     from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError, OpenRequests
+    from services.common.checkpoint import load_model_limits, load_tokenizer
+    from services.common.config import SchedulerConfig
     from services.prefix_cache.core import PrefixIndex
     from services.runtime.bus import HEADER_CHUNK, Reassembler
-    from services.runtime.checkpoint import load_model_limits, load_tokenizer
-    from services.scheduler.config import SchedulerConfig
     from services.scheduler.driver import SchedulerDriver
     from services.scheduler.liveness import LossDetector, WorkerTracker
 

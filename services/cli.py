@@ -3,116 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from messages.sampling import SamplingParams
-from services.scheduler.config import KVLayout, SchedulerConfig
+from services.common.flags import add_bus_flags, add_engine_flags, add_request_flags
 from services.worker.model.sizes import CHECKPOINT_SIZES
-
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
-
-
-def default_checkpoint_dir() -> Path:
-    base = Path(os.environ.get("RLT_CACHE_DIR", Path.home() / ".cache" / "rlt"))
-    return base / "toy-checkpoint"
-
-
-def ensure_checkpoint(path: str | None, size: str = "toy") -> Path:
-    """The given checkpoint, or a toy one written once into the cache directory."""
-    if path:
-        return Path(path)
-    target = (
-        default_checkpoint_dir()
-        if size == "toy"
-        else default_checkpoint_dir().with_name(f"{size}-checkpoint")
-    )
-    if not (target / "config.json").exists():
-        from services.worker.model.toy import write_toy_checkpoint
-
-        write_toy_checkpoint(target, seed=0, size=size)
-    return target
-
-
-# ---------------------------------------------------------------------- shared flags
-def add_request_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("requests")
-    g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
-    g.add_argument(
-        "--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)"
-    )
-    g.add_argument("--max-tokens", type=int, default=16)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--min-loops", type=int, default=2)
-    g.add_argument("--max-loops", type=int, default=None)
-    g.add_argument("--exit-threshold", type=float, default=1.0)
-    g.add_argument("--ignore-eos", action="store_true")
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--checkpoint", default=None, help="checkpoint dir (default: toy checkpoint)")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--prefill-chunk-size", type=int, default=512)
-    g.add_argument("--split-prefill", action="store_true")
-    g.add_argument("--wavefront-chunked-prefill", action="store_true")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=4096)
-    g.add_argument("--kv-layout", choices=[k.value for k in KVLayout], default="last_exited")
-    g.add_argument(
-        "--no-refill",
-        action="store_true",
-        help="cohort decode baseline instead of continuous depth batching",
-    )
-    g.add_argument("--enable-prefix-caching", action="store_true")
-    g.add_argument("--async-scheduling", action="store_true")
-
-
-def add_bus_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats-url", default=os.environ.get("RLT_NATS_URL", DEFAULT_NATS_URL))
-
-
-def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
-    return SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk_size=args.prefill_chunk_size,
-        split_prefill=args.split_prefill,
-        wavefront_chunked_prefill=args.wavefront_chunked_prefill,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_layout=KVLayout(args.kv_layout),
-        refill=not args.no_refill,
-        enable_prefix_caching=args.enable_prefix_caching,
-        async_scheduling=args.async_scheduling,
-    )
-
-
-def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        min_loops=args.min_loops,
-        max_loops=args.max_loops,
-        exit_threshold=args.exit_threshold,
-        ignore_eos=args.ignore_eos,
-    )
-
-
-def parse_prompt_ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError as exc:
-        raise SystemExit(f"--prompt-ids must be comma-separated integers: {text!r}") from exc
 
 
 # ---------------------------------------------------------------------- commands

@@ -20,15 +20,18 @@ from typing import IO, Any
 
 import msgspec
 import nats
+import torch
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from messages.api import AbortRequest, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.admission.core import AdmissionConfig
+from services.common.config import SchedulerConfig
+from services.common.flags import device_from_args, parse_prompt_ids, scheduler_config_from_args
 from services.runtime import subjects
 from services.runtime.bus import auth_options, encode_json, is_no_responders, json_decoder
 from services.runtime.service import Service, serve
-from services.scheduler.config import SchedulerConfig
+from services.worker.model.toy import ensure_checkpoint
 
 SERVICE_ORDER = ("worker", "prefix-cache", "scheduler", "admission")  # start order
 
@@ -139,27 +142,18 @@ class NatsServer:
 
 
 # ---------------------------------------------------------------------- services
-def admission_config_from_env() -> AdmissionConfig:
-    base = AdmissionConfig()
-    env = os.environ
-    max_prompt = env.get("RLT_MAX_PROMPT_TOKENS")
-    return AdmissionConfig(
-        max_waiting_requests=int(env.get("RLT_MAX_WAITING_REQUESTS", base.max_waiting_requests)),
-        max_waiting_tokens=int(env.get("RLT_MAX_WAITING_TOKENS", base.max_waiting_tokens)),
-        max_prompt_tokens=int(max_prompt) if max_prompt else None,
-        scheduler_lost_s=float(env.get("RLT_SCHEDULER_LOST_S", base.scheduler_lost_s)),
-        max_request_s=float(env.get("RLT_MAX_REQUEST_S", base.max_request_s)),
-    )
-
-
 def build_service(
     name: str,
     nats_url: str,
     checkpoint: str | Path | None,
     config: SchedulerConfig,
     admission_config: AdmissionConfig | None = None,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> Service:
-    """One service object (not started). ``checkpoint`` is needed by all but prefix-cache."""
+    """One service object (not started). ``checkpoint`` is needed by all but prefix-cache;
+    ``device`` and ``dtype`` are the worker's."""
     if name == "prefix-cache":
         from services.prefix_cache.service import PrefixCacheService
 
@@ -173,7 +167,8 @@ def build_service(
             nats_url,
             checkpoint,
             config,
-            device=os.environ.get("RLT_DEVICE", "cpu"),
+            device=device,
+            dtype=dtype,
             heartbeat_interval_s=float(os.environ.get("RLT_WORKER_HEARTBEAT_S", "0.5")),
         )
     if name == "scheduler":
@@ -193,10 +188,16 @@ def build_services(
     config: SchedulerConfig,
     admission_config: AdmissionConfig | None = None,
     names: Sequence[str] = SERVICE_ORDER,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> list[Service]:
     """Services in start order: the pipeline's back end first, the public entry point last."""
     ordered = [n for n in SERVICE_ORDER if n in names]
-    return [build_service(n, nats_url, checkpoint, config, admission_config) for n in ordered]
+    return [
+        build_service(n, nats_url, checkpoint, config, admission_config, device=device, dtype=dtype)
+        for n in ordered
+    ]
 
 
 def _banner(url: str, checkpoint: Path) -> str:
@@ -223,8 +224,6 @@ asyncio.run(main())'
 
 
 def main_up(args: argparse.Namespace) -> int:
-    from services.cli import ensure_checkpoint, scheduler_config_from_args
-
     config = scheduler_config_from_args(args)
     checkpoint = ensure_checkpoint(args.checkpoint)
     host = getattr(args, "host", "127.0.0.1")
@@ -242,7 +241,15 @@ def main_up(args: argparse.Namespace) -> int:
         print(f"rlt up: {exc}", file=sys.stderr)
         return 1
     try:
-        services = build_services(server.url, checkpoint, config, admission_config_from_env())
+        device, dtype = device_from_args(args)
+        services = build_services(
+            server.url,
+            checkpoint,
+            config,
+            AdmissionConfig.from_env(),
+            device=device,
+            dtype=dtype,
+        )
 
         async def run() -> None:
             task = asyncio.ensure_future(serve(services))
@@ -263,12 +270,17 @@ def _is_loopback(host: str) -> bool:
 
 
 def main_service(args: argparse.Namespace) -> int:
-    from services.cli import ensure_checkpoint, scheduler_config_from_args
-
     config = scheduler_config_from_args(args)
     checkpoint = None if args.name == "prefix-cache" else ensure_checkpoint(args.checkpoint)
+    device, dtype = device_from_args(args)
     service = build_service(
-        args.name, args.nats_url, checkpoint, config, admission_config_from_env()
+        args.name,
+        args.nats_url,
+        checkpoint,
+        config,
+        AdmissionConfig.from_env(),
+        device=device,
+        dtype=dtype,
     )
     return _run_main(f"rlt service {args.name}", serve([service]))
 
@@ -292,8 +304,6 @@ _EVENT = TokenEvent | FinishedEvent | ErrorEvent
 
 def requests_from_args(args: argparse.Namespace) -> list[GenerateRequest]:
     """One request per positional text, --prompt and --prompt-ids, in that order."""
-    from services.cli import parse_prompt_ids
-
     common = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,

@@ -21,11 +21,11 @@ from nats.aio.client import Client as NATS
 
 from messages.api import ErrorEvent, FinishedEvent, TokenEvent
 from services.admission.core import AdmissionConfig
+from services.common.config import SchedulerConfig
 from services.launcher import NatsServer, build_services, free_port
 from services.runtime import subjects
 from services.runtime.bus import encode_json, is_no_responders
 from services.runtime.service import Service
-from services.scheduler.config import SchedulerConfig
 
 Event = TokenEvent | FinishedEvent | ErrorEvent
 _DECODER = msgspec.json.Decoder(Event)

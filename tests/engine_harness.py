@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 from messages.api import FinishedEvent, StreamEvent, TokenEvent
 from messages.sampling import SamplingParams
+from services.common.config import KVLayout, SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.oracle import SerialOracle
 from services.scheduler.batch import ScheduledBatch, TaskKind
-from services.scheduler.config import KVLayout, SchedulerConfig
 from services.worker.model.ouro import OuroModel
 
 # a comparison may stop where the oracle itself is this close to a tie

@@ -29,8 +29,8 @@ from kernels import (
 from kernels.flash import _parse_version, build_flash_state, flash_paged_block_multiple
 from kernels.sdpa_attention import build_sdpa_state, sdpa_paged_attention
 from messages.sampling import SamplingParams
+from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.config import SchedulerConfig
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import write_toy_checkpoint
 from services.worker.runner import ModelRunner

@@ -26,8 +26,8 @@ from services.bench.workloads import (
     shared_prefix,
 )
 from services.cli import build_parser, main
+from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.config import SchedulerConfig
 
 RUN_KEYS = {
     "output_tokens_per_s",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from messages.api import ErrorEvent, FinishedEvent
 from messages.sampling import SamplingParams
+from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.scheduler.batch import TaskKind
-from services.scheduler.config import SchedulerConfig
 from tests.engine_harness import Arrival, run_workload
 
 PARAMS = SamplingParams(

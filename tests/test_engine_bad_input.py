@@ -6,8 +6,8 @@ import pytest
 
 from messages.errors import RequestError
 from messages.sampling import SamplingParams
+from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.config import SchedulerConfig
 
 OK = SamplingParams(max_tokens=4, temperature=0.0)
 

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from messages.sampling import SamplingParams
-from services.scheduler.config import KVLayout, SchedulerConfig
+from services.common.config import KVLayout, SchedulerConfig
 from tests.engine_harness import Arrival, assert_matches_oracle, oracle_result, run_workload
 
 D = 4  # toy total_ut_steps

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from messages.sampling import SamplingParams
-from services.scheduler.config import SchedulerConfig
+from services.common.config import SchedulerConfig
 from tests.engine_harness import assert_matches_oracle, oracle_result, run_workload
 from tests.test_engine_oracle import D, max_kv_blocks, workloads
 

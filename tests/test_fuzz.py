@@ -28,9 +28,9 @@ from messages.internal import (
 from messages.prefix import PrefixEventBatch, PrefixLookup, ReplayRequest
 from scripts.fuzz import fuzz_decoders, run_live
 from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError
+from services.common.checkpoint import load_model_limits, load_tokenizer
 from services.launcher import NatsServer, free_port
 from services.runtime.bus import decode_json, decode_msgpack
-from services.runtime.checkpoint import load_model_limits, load_tokenizer
 from tests.service_procs import service_procs
 
 DECODER_CASES = 4000

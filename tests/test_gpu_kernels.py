@@ -176,8 +176,8 @@ def test_engine_cuda_fp32_matches_oracle(
     """Float32 on CUDA stays on the oracle (DESIGN §6), early exit included."""
     pytest.importorskip("msgspec")
     from messages.sampling import SamplingParams
+    from services.common.config import SchedulerConfig
     from services.engine.engine import LLMEngine
-    from services.scheduler.config import SchedulerConfig
     from services.worker.runner import ModelRunner
     from tests.engine_harness import assert_matches_oracle, oracle_result
 
@@ -206,8 +206,8 @@ def test_engine_cuda_bf16_runs() -> None:
     float32 oracle is reported, not asserted, by scripts/device_check.py)."""
     pytest.importorskip("msgspec")
     from messages.sampling import SamplingParams
+    from services.common.config import SchedulerConfig
     from services.engine.engine import LLMEngine
-    from services.scheduler.config import SchedulerConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_toy_checkpoint(tmp)

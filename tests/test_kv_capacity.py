@@ -8,8 +8,8 @@ import pytest
 from messages.api import ErrorEvent, FinishedEvent
 from messages.errors import RequestError
 from messages.sampling import SamplingParams
+from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.config import SchedulerConfig
 from tests.engine_harness import Arrival, run_workload
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from messages.sampling import SamplingParams
+from services.common.config import KVLayout, SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.config import KVLayout, SchedulerConfig
 from tests.engine_harness import assert_matches_oracle, oracle_result
 
 D = 4

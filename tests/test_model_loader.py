@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from services.worker.model.config import ConfigError, OuroConfig
+from services.common.model_config import ConfigError, OuroConfig
 from services.worker.model.loader import CheckpointError, expected_shapes, load_checkpoint
 from services.worker.model.ouro import OuroModel, dense_causal_attention
 from services.worker.model.toy import EOS_TOKEN, toy_config, write_toy_checkpoint

@@ -7,9 +7,9 @@ import pytest
 
 from messages.prefix import BlockRemoved, BlockStored
 from messages.sampling import SamplingParams
+from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.scheduler.batch import TaskKind
-from services.scheduler.config import SchedulerConfig
 from tests.engine_harness import Arrival, assert_matches_oracle, oracle_result, run_workload
 
 D = 4

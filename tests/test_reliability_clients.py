@@ -24,10 +24,10 @@ import pytest
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.admission.core import AdmissionConfig
+from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.launcher import NatsServer, free_port
 from services.runtime import subjects
-from services.scheduler.config import SchedulerConfig
 
 pytest.register_assert_rewrite("tests.conftest_nats")
 

@@ -16,11 +16,11 @@ from messages.api import FinishedEvent
 from messages.internal import AdmittedRequest, RequestNotice, WorkerHeartbeat
 from messages.sampling import SamplingParams
 from services.admission.core import AdmissionCore, OpenRequests
+from services.common.checkpoint import load_model_limits, load_tokenizer
+from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.launcher import NatsServer
 from services.runtime.bus import HEADER_CHUNK, Reassembler
-from services.runtime.checkpoint import load_model_limits, load_tokenizer
-from services.scheduler.config import SchedulerConfig
 from services.scheduler.driver import SchedulerDriver
 from services.scheduler.liveness import LossDetector, WorkerTracker
 from services.worker.model.ouro import OuroModel

@@ -21,7 +21,8 @@ import pytest
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest
 from messages.sampling import SamplingParams
-from services.cli import build_parser, scheduler_config_from_args
+from services.cli import build_parser
+from services.common.flags import scheduler_config_from_args
 from services.engine.engine import LLMEngine
 from services.launcher import NatsServer, free_port
 from services.oracle import SerialOracle

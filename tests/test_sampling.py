@@ -7,9 +7,9 @@ import torch
 
 from messages.api import FinishedEvent
 from messages.sampling import SamplingParams
+from services.common.config import SchedulerConfig
 from services.common.sampling import sample_token
 from services.engine.engine import LLMEngine
-from services.scheduler.config import SchedulerConfig
 
 PROMPT = [17, 4, 250, 31, 99]
 

@@ -16,11 +16,11 @@ from messages.api import AbortRequest, ErrorEvent, FinishedEvent, GenerateReques
 from messages.internal import AdmittedRequest, SchedulerLoad
 from messages.sampling import SamplingParams
 from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError
+from services.common.checkpoint import load_model_limits, load_tokenizer
+from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.launcher import NatsServer
 from services.runtime import subjects
-from services.runtime.checkpoint import load_model_limits, load_tokenizer
-from services.scheduler.config import SchedulerConfig
 from services.scheduler.driver import SchedulerDriver
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner

@@ -24,13 +24,13 @@ import pytest
 
 from messages.api import AbortRequest, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from messages.sampling import SamplingParams
+from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.launcher import NatsServer, free_port
 from services.oracle import SerialOracle
 from services.runtime import subjects
 from services.runtime.health import check as health_check
 from services.runtime.logging import configure_logging
-from services.scheduler.config import SchedulerConfig
 
 pytest.register_assert_rewrite("tests.conftest_nats")  # its helpers assert too
 

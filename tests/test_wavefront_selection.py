@@ -8,8 +8,8 @@ import pytest
 from messages.api import FinishedEvent
 from messages.batch import BatchPhase, BatchResult, RowResult
 from messages.sampling import SamplingParams
+from services.common.config import ModelLimits, SchedulerConfig
 from services.scheduler.batch import ScheduledBatch, TaskKind
-from services.scheduler.config import ModelLimits, SchedulerConfig
 from services.scheduler.request import RequestPhase
 from services.scheduler.scheduler import Scheduler, SchedulerInvariantError
 

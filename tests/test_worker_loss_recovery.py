@@ -8,8 +8,8 @@ import pytest
 
 from messages.api import FinishedEvent, TokenEvent
 from messages.sampling import SamplingParams
+from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.config import SchedulerConfig
 from services.worker.runner import ModelRunner
 
 PARAMS = SamplingParams(

@@ -7,6 +7,7 @@ a code from ``messages.errors.ErrorCode`` and a message for the client.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
@@ -20,7 +21,7 @@ from messages.api import AbortRequest, ErrorEvent, GenerateRequest
 from messages.errors import ErrorCode, RequestError
 from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad
 from messages.sampling import SamplingParams
-from services.scheduler.config import ModelLimits
+from services.common.config import ModelLimits
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]+$")
 # a reply subject: printable tokens without wildcards, separated by single dots
@@ -73,6 +74,21 @@ class AdmissionConfig:
     scheduler_lost_s: float = 10.0
     # an open-request entry older than this is forgotten (the scheduler ends it itself)
     max_request_s: float = 3600.0
+
+    @classmethod
+    def from_env(cls) -> AdmissionConfig:
+        """The limits operators set through the environment (docs/services.md)."""
+        base, env = cls(), os.environ
+        max_prompt = env.get("RLT_MAX_PROMPT_TOKENS")
+        return cls(
+            max_waiting_requests=int(
+                env.get("RLT_MAX_WAITING_REQUESTS", base.max_waiting_requests)
+            ),
+            max_waiting_tokens=int(env.get("RLT_MAX_WAITING_TOKENS", base.max_waiting_tokens)),
+            max_prompt_tokens=int(max_prompt) if max_prompt else None,
+            scheduler_lost_s=float(env.get("RLT_SCHEDULER_LOST_S", base.scheduler_lost_s)),
+            max_request_s=float(env.get("RLT_MAX_REQUEST_S", base.max_request_s)),
+        )
 
 
 @dataclass

@@ -34,6 +34,8 @@ from services.admission.core import (
     OpenRequests,
     Prepared,
 )
+from services.common.checkpoint import load_model_limits, load_tokenizer
+from services.common.config import SchedulerConfig
 from services.runtime import subjects
 from services.runtime.bus import (
     HEADER_REQUEST_ID,
@@ -43,10 +45,8 @@ from services.runtime.bus import (
     encode_msgpack,
     is_no_responders,
 )
-from services.runtime.checkpoint import load_model_limits, load_tokenizer
 from services.runtime.logging import log_content_enabled, request_fields
 from services.runtime.service import Endpoint, Service
-from services.scheduler.config import SchedulerConfig
 
 
 class AdmissionService(Service):

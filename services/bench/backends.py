@@ -17,8 +17,8 @@ from messages.sampling import SamplingParams
 from services.bench.metrics import RequestRecord, RunRecord
 from services.bench.probe import RunnerProbe
 from services.bench.workloads import LoopMode, RequestSpec, Workload
+from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.config import SchedulerConfig
 from services.worker.model.ouro import OuroModel
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from services.bench import workloads as wl
 from services.bench.workloads import Scale, TokenRange, Workload
-from services.scheduler.config import ModelLimits, SchedulerConfig
+from services.common.config import ModelLimits, SchedulerConfig
 
 
 class BackendKind(StrEnum):

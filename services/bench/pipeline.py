@@ -27,11 +27,11 @@ from services.bench.backends import BenchError, finish_record, sampling_params
 from services.bench.metrics import RequestRecord, RunRecord
 from services.bench.probe import RunnerProbe
 from services.bench.workloads import LoopMode, Workload
+from services.common.config import SchedulerConfig
 from services.launcher import NatsServer, build_service, free_port
 from services.runtime import subjects
 from services.runtime.bus import encode_json, is_no_responders
 from services.runtime.service import Service
-from services.scheduler.config import SchedulerConfig
 from services.worker.service import WorkerService
 
 _EVENTS = msgspec.json.Decoder(TokenEvent | FinishedEvent | ErrorEvent)

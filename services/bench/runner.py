@@ -33,9 +33,10 @@ from services.bench.comparisons import (
 from services.bench.metrics import run_metrics
 from services.bench.progress import Progress
 from services.bench.workloads import FULL, QUICK, LoopMode, RequestSpec, Workload
+from services.common.config import SchedulerConfig
 from services.engine.engine import model_limits
-from services.scheduler.config import SchedulerConfig
 from services.worker.model.ouro import OuroModel
+from services.worker.model.toy import ensure_checkpoint
 
 SCHEMA = "rlt-bench/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,8 +96,6 @@ def resolve_checkpoint(args: argparse.Namespace) -> Path:
         if not (path / "config.json").exists():
             raise SystemExit(f"rlt bench: no config.json in checkpoint dir {path}")
         return path
-    from services.cli import ensure_checkpoint
-
     if args.size == "1.4b":
         if args.device == "cpu":
             print(

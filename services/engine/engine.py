@@ -18,8 +18,8 @@ import torch
 from messages.api import FinishedEvent, StreamEvent
 from messages.batch import BatchResult
 from messages.sampling import SamplingParams
+from services.common.config import ModelLimits, SchedulerConfig
 from services.scheduler.batch import ScheduledBatch
-from services.scheduler.config import ModelLimits, SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner

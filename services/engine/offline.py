@@ -10,15 +10,20 @@ import msgspec
 
 from messages.api import FinishedEvent, TokenEvent
 from messages.errors import RequestError
+from services.common.flags import (
+    device_from_args,
+    parse_prompt_ids,
+    sampling_params_from_args,
+    scheduler_config_from_args,
+)
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.scheduler.batch import ScheduledBatch
+from services.worker.model.toy import ensure_checkpoint
 
 
 def collect_prompts(args: argparse.Namespace, codec: TextCodec | None) -> list[list[int]]:
     """Prompts in input order: positional text, then --prompt, then --prompt-ids."""
-    from services.cli import parse_prompt_ids
-
     texts = list(getattr(args, "text", []) or []) + list(args.prompt)
     if texts and codec is None:
         raise SystemExit("this checkpoint has no tokenizer.json; use --prompt-ids")
@@ -33,20 +38,17 @@ def build_offline_engine(
     args: argparse.Namespace, on_batch: Callable[[ScheduledBatch], None] | None = None
 ) -> tuple[LLMEngine, TextCodec | None, list[list[int]]]:
     """Engine, text codec and prompts from the shared CLI flags (toy checkpoint by default)."""
-    from services.cli import ensure_checkpoint, scheduler_config_from_args
-
     checkpoint = ensure_checkpoint(args.checkpoint)
     codec = TextCodec.from_checkpoint(checkpoint)
     prompts = collect_prompts(args, codec)
+    device, dtype = device_from_args(args)
     engine = LLMEngine.from_checkpoint(
-        checkpoint, scheduler_config_from_args(args), on_batch=on_batch
+        checkpoint, scheduler_config_from_args(args), dtype=dtype, device=device, on_batch=on_batch
     )
     return engine, codec, prompts
 
 
 def run_offline(args: argparse.Namespace) -> int:
-    from services.cli import sampling_params_from_args
-
     engine, codec, prompts = build_offline_engine(args)
     params = sampling_params_from_args(args)
     ids = [f"offline-{i}" for i in range(len(prompts))]

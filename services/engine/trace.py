@@ -12,6 +12,7 @@ import json
 import string
 from collections import defaultdict
 
+from services.common.flags import sampling_params_from_args
 from services.engine.offline import build_offline_engine
 from services.scheduler.batch import ScheduledBatch, TaskKind
 
@@ -71,7 +72,6 @@ def wavefront_diagram(
 
 
 def run_schedule_trace(args: argparse.Namespace) -> int:
-    from services.cli import sampling_params_from_args
 
     batches: list[ScheduledBatch] = []
     engine, _, prompts = build_offline_engine(args, on_batch=batches.append)

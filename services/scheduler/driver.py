@@ -26,10 +26,10 @@ from messages.internal import (
     SchedulerLoad,
 )
 from messages.prefix import PrefixEventBatch, ReplayRequest
+from services.common.config import ModelLimits, SchedulerConfig
 from services.runtime import subjects
 from services.runtime.logging import BATCH_SEQ, get_logger, log_content_enabled, request_fields
 from services.scheduler.batch import ScheduledBatch
-from services.scheduler.config import ModelLimits, SchedulerConfig
 from services.scheduler.request import RequestPhase
 from services.scheduler.scheduler import Scheduler
 

@@ -23,8 +23,8 @@ from messages.prefix import (
     prompt_block_hashes,
 )
 from messages.sampling import SamplingParams
+from services.common.config import ModelLimits, SchedulerConfig
 from services.scheduler.batch import FOLLOW_ON_DEPTH, ScheduledBatch, ScheduledTask, TaskKind
-from services.scheduler.config import ModelLimits, SchedulerConfig
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.prefix_events import PrefixEventLog
 from services.scheduler.request import PREFILL_PHASES, Request, RequestPhase

@@ -35,6 +35,8 @@ from messages.internal import (
     WorkerResult,
 )
 from messages.prefix import PrefixEventBatch, ReplayRequest
+from services.common.checkpoint import load_model_limits, load_tokenizer
+from services.common.config import SchedulerConfig
 from services.runtime import subjects
 from services.runtime.bus import (
     Reassembler,
@@ -45,11 +47,9 @@ from services.runtime.bus import (
     is_no_responders,
     publish_chunked,
 )
-from services.runtime.checkpoint import load_model_limits, load_tokenizer
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
 from services.scheduler.batch import ScheduledBatch
-from services.scheduler.config import SchedulerConfig
 from services.scheduler.driver import Delivery, SchedulerDriver, error_event
 from services.scheduler.liveness import LossDetector, WorkerTracker
 from services.scheduler.scheduler import Scheduler

@@ -23,9 +23,9 @@ from kernels import (
     write_kv,
 )
 from messages.batch import Batch, BatchPhase, BatchResult, BatchRow, RowResult, WorkerSampling
+from services.common.config import KVLayout
 from services.common.exit_policy import should_exit, update_survival
 from services.common.sampling import sample_token
-from services.scheduler.config import KVLayout
 from services.worker.model.ouro import OuroModel
 
 

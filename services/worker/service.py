@@ -29,11 +29,11 @@ from nats.aio.msg import Msg
 
 from messages.batch import Batch, BatchResult
 from messages.internal import WorkerBatch, WorkerHeartbeat, WorkerResult
+from services.common.config import KVLayout, SchedulerConfig
 from services.runtime import subjects
 from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, publish_chunked
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
-from services.scheduler.config import KVLayout, SchedulerConfig
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .config import OuroConfig
+from services.common.model_config import OuroConfig
+
 from .loader import CheckpointError, expected_shapes, load_checkpoint
 
 # attend(layer_idx, q [T, n_heads, hd], k [T, n_kv_heads, hd], v [T, n_kv_heads, hd])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +18,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from .config import OuroConfig
+from services.common.model_config import OuroConfig
+
 from .loader import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, expected_shapes
 from .sizes import CHECKPOINT_SIZES, DEFAULT_DTYPE
 
@@ -261,3 +263,19 @@ def _save_weights(weights: Iterator[tuple[str, torch.Tensor]], out: Path, shard_
         weight_map.update(dict.fromkeys(names, file))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def default_checkpoint_dir(size: str = "toy") -> Path:
+    """Where ``ensure_checkpoint`` keeps the generated checkpoint of each size."""
+    base = Path(os.environ.get("RLT_CACHE_DIR", Path.home() / ".cache" / "rlt"))
+    return base / f"{size}-checkpoint"
+
+
+def ensure_checkpoint(path: str | Path | None, size: str = "toy") -> Path:
+    """The given checkpoint, or a random one of ``size`` written once into the cache dir."""
+    if path:
+        return Path(path)
+    target = default_checkpoint_dir(size)
+    if not (target / "config.json").exists():
+        write_toy_checkpoint(target, seed=0, size=size)
+    return target

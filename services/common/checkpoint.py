@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from services.scheduler.config import ModelLimits
-from services.worker.model.config import OuroConfig
+from services.common.config import ModelLimits
+from services.common.model_config import OuroConfig
 
 TOKENIZER_FILE = "tokenizer.json"
 

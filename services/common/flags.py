@@ -1,0 +1,120 @@
+"""The shared command-line flags and the configs built from them (and from the environment).
+
+The CLI, the launcher, the bench and the offline tools all build their engine, request and
+bus settings here, so a flag means the same everywhere and exists once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from messages.sampling import SamplingParams
+from services.common.config import KVLayout, SchedulerConfig
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_request_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("requests")
+    g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    g.add_argument(
+        "--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)"
+    )
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--min-loops", type=int, default=2)
+    g.add_argument("--max-loops", type=int, default=None)
+    g.add_argument("--exit-threshold", type=float, default=1.0)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--checkpoint", default=None, help="checkpoint dir (default: toy checkpoint)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--prefill-chunk-size", type=int, default=512)
+    g.add_argument("--split-prefill", action="store_true")
+    g.add_argument("--wavefront-chunked-prefill", action="store_true")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=4096)
+    g.add_argument("--kv-layout", choices=[k.value for k in KVLayout], default="last_exited")
+    g.add_argument(
+        "--no-refill",
+        action="store_true",
+        help="cohort decode baseline instead of continuous depth batching",
+    )
+    g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--async-scheduling", action="store_true")
+    add_device_flags(g)
+
+
+def add_device_flags(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--device",
+        default=os.environ.get("RLT_DEVICE", "cpu"),
+        help="torch device of the model and KV cache (default: $RLT_DEVICE, else cpu)",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=os.environ.get("RLT_DTYPE", "float32"),
+        help="model and KV dtype (default: $RLT_DTYPE, else float32)",
+    )
+
+
+def add_bus_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nats-url",
+        default=os.environ.get("RLT_NATS_URL", DEFAULT_NATS_URL),
+        help="NATS server URL, or a comma-separated list for a cluster (default: $RLT_NATS_URL)",
+    )
+
+
+def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
+        split_prefill=args.split_prefill,
+        wavefront_chunked_prefill=args.wavefront_chunked_prefill,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_layout=KVLayout(args.kv_layout),
+        refill=not args.no_refill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
+    )
+
+
+def device_from_args(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+    """(device, dtype) of the model, from ``--device`` / ``--dtype``."""
+    return getattr(args, "device", "cpu"), DTYPES[getattr(args, "dtype", "float32")]
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        min_loops=args.min_loops,
+        max_loops=args.max_loops,
+        exit_threshold=args.exit_threshold,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError as exc:
+        raise SystemExit(f"--prompt-ids must be comma-separated integers: {text!r}") from exc

@@ -1,0 +1,78 @@
+"""The import layering (pyproject's [tool.importlinter] contracts) holds, and breaks loudly
+when a cycle or a forbidden import comes back."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LINT = Path(sys.executable).parent / "lint-imports"
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(LINT), "--no-logo", "--no-cache"],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _copy_tree(tmp_path: Path) -> Path:
+    for name in ("services", "messages", "kernels"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def test_contracts_hold_on_the_tree() -> None:
+    result = _lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "broken"),
+    [
+        # the cycle issue 12 removed: a lower module importing a helper back from the CLI
+        (
+            "services/engine/offline.py",
+            "from services.cli import build_parser  # noqa: F401",
+            "nothing imports the CLI",
+        ),
+        # any cycle between modules of one package
+        (
+            "services/scheduler/request.py",
+            "from services.scheduler.scheduler import Scheduler  # noqa: F401",
+            "no import cycles between packages",
+        ),
+        # one service reaching into another's internals
+        (
+            "services/admission/core.py",
+            "from services.scheduler.request import Request  # noqa: F401",
+            "no service imports another service's internals",
+        ),
+        (
+            "messages/api.py",
+            "from services.common.config import KVLayout  # noqa: F401",
+            "messages and kernels import no service",
+        ),
+    ],
+)
+def test_a_reintroduced_violation_fails(
+    tmp_path: Path, module: str, line: str, broken: str
+) -> None:
+    root = _copy_tree(tmp_path)
+    with open(root / module, "a") as f:
+        f.write(f"\n{line}\n")
+    result = _lint(root)
+    assert result.returncode != 0, result.stdout
+    broken_part = result.stdout.split("Broken contracts", 1)[-1]
+    assert broken in broken_part, result.stdout
