@@ -313,7 +313,7 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
     limits, tokenizer = load_model_limits(checkpoint), load_tokenizer(checkpoint)
     admission = AdmissionCore(limits, tokenizer, AdmissionConfig(max_payload=1 << 20))
     config = SchedulerConfig(block_size=4, num_blocks=256, enable_prefix_caching=True)
-    driver = SchedulerDriver(config, limits, tokenizer, log=_Quiet())
+    driver = SchedulerDriver(config, limits, tokenizer.decode if tokenizer else None, log=_Quiet())
     index = PrefixIndex()
     tracker, loss = WorkerTracker(), LossDetector()
     reassembler = Reassembler()
@@ -340,7 +340,7 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
             (subjects.SCHED_LOAD, SchedulerLoad, admission.load.apply),
             (subjects.WORKER_HEARTBEAT, WorkerHeartbeat, _heartbeat(tracker, loss, driver)),
             (subjects.WORKER_BATCH, WorkerBatch, _worker_batch_checks),
-            (subjects.WORKER_RESULT, WorkerResult, lambda m: driver.on_result(m.result)),
+            (subjects.WORKER_RESULT, WorkerResult, driver.on_result),
             (subjects.PREFIX_EVENTS, PrefixEventBatch, index.apply),
             (subjects.PREFIX_LOOKUP, PrefixLookup, lambda m: index.lookup(m.block_hashes)),
             (subjects.PREFIX_REPLAY_PREFIX, ReplayRequest, driver.answer_replay),
@@ -374,7 +374,9 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
             ) from exc
         # keep the driver moving so requests added by fuzzed submits also leave again
         if mut.rng.random() < 0.05:
-            driver.schedule()
+            driver.bind(ids["worker"])
+            driver.step()
+            driver.executor.take_outbox()
     return report
 
 
@@ -389,7 +391,7 @@ def _heartbeat(tracker: Any, loss: Any, driver: Any) -> Callable[[WorkerHeartbea
     def apply(hb: WorkerHeartbeat) -> None:
         tracker.heartbeat(hb, time.monotonic())
         tracker.choose(None, time.monotonic(), 0.0)
-        loss.check(hb, driver.epoch, [b.seq for b in driver.inflight], driver.sent_at, 1e9)
+        loss.check(hb, driver.epoch, [b.seq for b in driver.inflight], driver.executor.sent_at, 1e9)
 
     return apply
 

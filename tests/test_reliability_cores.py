@@ -26,6 +26,7 @@ from services.scheduler.liveness import LossDetector, WorkerTracker
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from services.worker.service import _is_older_epoch
+from tests.helpers import run_on
 
 pytest.register_assert_rewrite("tests.conftest_nats")
 
@@ -119,7 +120,8 @@ def test_driver_worker_lost_recomputes_and_ignores_the_old_epoch(
     )
     model = OuroModel.from_checkpoint(toy_checkpoint)
     limits = load_model_limits(toy_checkpoint)
-    driver = SchedulerDriver(config, limits, load_tokenizer(toy_checkpoint))
+    tokenizer = load_tokenizer(toy_checkpoint)
+    driver = SchedulerDriver(config, limits, lambda ids: tokenizer.decode(ids))
     prompts = {"a": [5, 9, 33, 71, 2, 18], "b": [101, 7, 7, 250], "c": list(range(40, 52))}
     for rid, ids in prompts.items():
         assert driver.add(_admitted(rid, ids), track=f"rlt.v1.adm.x.{rid}") == []
@@ -129,9 +131,8 @@ def test_driver_worker_lost_recomputes_and_ignores_the_old_epoch(
     stale = []
     driver.bind("w1")
     for step in range(200):
-        batches, out = driver.schedule()
-        events += out
-        results = [runner.execute(b.wire) for b in batches]
+        events += driver.step()
+        results = [run_on(runner, wb) for wb in driver.executor.take_outbox()]
         if step == 7:
             # the worker dies with these batches in flight; a new one starts empty
             stale = results
@@ -141,7 +142,6 @@ def test_driver_worker_lost_recomputes_and_ignores_the_old_epoch(
             continue
         for r in results:
             assert driver.on_result(r)
-        events += driver.apply_results()[1]
         if driver.idle:
             break
     assert driver.idle and stale

@@ -24,6 +24,7 @@ from services.runtime import subjects
 from services.scheduler.driver import SchedulerDriver
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
+from tests.helpers import run_on
 
 pytest.register_assert_rewrite("tests.conftest_nats")
 
@@ -173,7 +174,9 @@ def test_admission_backpressure_counts_unacknowledged_sends(toy_checkpoint: Path
 
 def _driver_and_runner(ckpt: Path, config: SchedulerConfig) -> tuple[SchedulerDriver, ModelRunner]:
     model = OuroModel.from_checkpoint(ckpt)
-    driver = SchedulerDriver(config, load_model_limits(ckpt), load_tokenizer(ckpt))
+    tokenizer = load_tokenizer(ckpt)
+    driver = SchedulerDriver(config, load_model_limits(ckpt), lambda ids: tokenizer.decode(ids))
+    driver.bind("w1")
     return driver, ModelRunner(model, config.num_blocks, config.block_size, config.kv_layout)
 
 
@@ -190,11 +193,9 @@ def test_scheduler_error_for_one_request_spares_the_others(toy_checkpoint: Path)
     out: list = []
 
     def step() -> None:
-        batches, delivered = driver.schedule()
-        out.extend(delivered)
-        for batch in batches:
-            driver.on_result(runner.execute(batch.wire))
-        out.extend(driver.apply_results()[1])
+        out.extend(driver.step())
+        for wb in driver.executor.take_outbox():
+            driver.on_result(run_on(runner, wb))
 
     assert driver.add(_admitted("good", [5, 6, 7, 8], 8)) == []
     while not any(isinstance(e, TokenEvent) for _, e in out):
@@ -239,17 +240,17 @@ def test_results_apply_strictly_in_seq_order(toy_checkpoint: Path) -> None:
     driver.add(_admitted("a", list(range(1, 9)), 4))
     events: list = []
     while not driver.idle:
-        batches, delivered = driver.schedule()
-        events.extend(delivered)
-        results = [runner.execute(b.wire) for b in batches]
+        events.extend(driver.step())
+        results = [run_on(runner, wb) for wb in driver.executor.take_outbox()]
         for result in reversed(results):  # the newer one arrives first
-            driver.on_result(result)
+            assert driver.on_result(result)
             if result is not results[0]:
-                assert driver.apply_results()[0] == 0  # held back until its predecessor
-        applied, delivered = driver.apply_results()
-        assert applied == len(results)
-        events.extend(delivered)
-        assert not driver.on_result(results[-1]) if results else True  # stale: ignored
+                events.extend(driver.step(schedule=False))
+                assert len(driver.inflight) == len(results)  # held back until its predecessor
+        events.extend(driver.step(schedule=False))
+        assert not driver.inflight  # both applied, in order
+        if results:
+            assert not driver.on_result(results[-1])  # a late duplicate: ignored
     finished = check_stream([e for _, e in events])
     assert isinstance(finished, FinishedEvent) and len(finished.token_ids) == 4
 

@@ -10,6 +10,7 @@ from messages.api import FinishedEvent, TokenEvent
 from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
+from services.engine.executor import InProcessExecutor
 from services.worker.runner import ModelRunner
 
 PARAMS = SamplingParams(
@@ -50,9 +51,9 @@ def test_recompute_after_worker_loss_equals_uninterrupted_run(toy_model, mode, c
     for _ in range(crash_step):
         events += engine.step()
     # the worker dies: its in-flight results never arrive; a new one starts empty
-    engine._inflight.clear()
-    engine.scheduler.reset_after_worker_loss()
+    engine.core.reset_after_executor_loss()
     engine.runner = ModelRunner(toy_model, config.num_blocks, config.block_size, config.kv_layout)
+    engine.core.executor = InProcessExecutor(engine.runner)
     events += engine.run_until_done()
     got = finished(events)
     for rid, want in expected.items():

@@ -43,7 +43,12 @@ def build_offline_engine(
     prompts = collect_prompts(args, codec)
     device, dtype = device_from_args(args)
     engine = LLMEngine.from_checkpoint(
-        checkpoint, scheduler_config_from_args(args), dtype=dtype, device=device, on_batch=on_batch
+        checkpoint,
+        scheduler_config_from_args(args),
+        dtype=dtype,
+        device=device,
+        decode=codec.decode if codec else None,
+        on_batch=on_batch,
     )
     return engine, codec, prompts
 
@@ -62,12 +67,11 @@ def run_offline(args: argparse.Namespace) -> int:
             print(f"{request_id}: error: {exc.message}", file=sys.stderr)
     while engine.has_unfinished_requests():
         for event in engine.step():
-            if isinstance(event, TokenEvent) and not args.json and codec and len(ids) == 1:
-                sys.stdout.write(codec.decode([event.token_id]))
+            # the same incremental text as a stream over NATS (EngineCore's output processor)
+            if isinstance(event, TokenEvent) and not args.json and len(ids) == 1:
+                sys.stdout.write(event.text)
                 sys.stdout.flush()
             elif isinstance(event, FinishedEvent):
-                if codec:
-                    event.text = codec.decode(event.token_ids)
                 results[event.request_id] = event
     for request_id in ids:
         event = results.get(request_id)

@@ -1,35 +1,29 @@
-"""The scheduler service's pure core: ``SchedulerDriver`` (no NATS, testable alone).
+"""The scheduler service's pure part: ``SchedulerDriver`` (no NATS, testable alone).
 
-It owns the scheduler core, the batches in flight, the results buffered until they can be
-applied in seq order, and each request's stream (reply subject, incremental detokenizer).
-The loop is the in-process engine's ``step`` spread over the bus: schedule and submit up to
-the in-flight limit, applying ``update_after_submission`` as each batch is published; apply
-results strictly in seq order with ``update_from_output``. The NATS shell is ``service.py``.
+It runs the one step loop (``EngineCore``) with the NATS executor, and keeps what only a
+service has: each request's stream (the client's reply subject, admission's tracking
+subject), the bound worker and its epoch, deadlines, and the load report. Every method
+returns the deliveries to publish; the NATS shell is ``service.py``.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizers import Tokenizer
-
-from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent
-from messages.batch import BatchResult
+from messages.api import ErrorEvent, FinishedEvent, StreamEvent
 from messages.errors import ErrorCode, RequestError
-from messages.internal import (
-    AdmittedRequest,
-    RequestNotice,
-    SchedulerLoad,
-)
+from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad, WorkerResult
 from messages.prefix import PrefixEventBatch, ReplayRequest
 from services.common.config import ModelLimits, SchedulerConfig
 from services.runtime import subjects
-from services.runtime.logging import BATCH_SEQ, get_logger, log_content_enabled, request_fields
+from services.runtime.logging import get_logger, log_content_enabled, request_fields
 from services.scheduler.batch import ScheduledBatch
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.request import RequestPhase
 from services.scheduler.scheduler import Scheduler
 
@@ -37,50 +31,23 @@ Delivery = tuple[str, StreamEvent]  # (client reply subject, event)
 Notice = tuple[str, RequestNotice]  # (admission tracking subject, notice)
 
 
-class IncrementalDetokenizer:
-    """Turns a growing token list into text deltas without re-decoding everything.
-
-    Decodes a short window ``[prefix_offset:]`` and emits what it adds over
-    ``[prefix_offset:read_offset]``; holds text back while it ends in an incomplete UTF-8
-    sequence (U+FFFD), so multi-byte characters split over tokens arrive whole.
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return full[len(prefix) :]
-        return ""
-
-
 @dataclass
 class _Stream:
     reply: str
     trace_id: str
-    detok: IncrementalDetokenizer | None
     started: float
     track: str = ""  # admission's tracking subject ("" = nobody tracks it)
     no: int = 0  # names the stream in its "gone" reply subject
 
 
 class SchedulerDriver:
-    """Scheduler core + streams + in-flight batches; every method returns deliveries."""
+    """``EngineCore`` over NATS + client streams; every method returns deliveries."""
 
     def __init__(
         self,
         config: SchedulerConfig,
         limits: ModelLimits,
-        tokenizer: Tokenizer | None = None,
+        decode: Callable[[list[int]], str] | None = None,
         *,
         instance: str = "local",
         producer_id: str | None = None,
@@ -88,57 +55,67 @@ class SchedulerDriver:
     ) -> None:
         self.config = config
         self.limits = limits
-        self.tokenizer = tokenizer
+        self.decode = decode
         self.instance = instance
         # the prefix-event producer name outlives this process (RLT_SCHEDULER_NAME): a
         # restarted scheduler announces a newer epoch under the same name, and the prefix
         # cache drops everything the old one published
         self.producer_id = producer_id or instance
         self.log = log or get_logger("scheduler")
-        self.max_inflight = config.max_inflight_batches if config.async_scheduling else 1
-        self.generation = 0
         self.draining = False
         self.last_admission_seq: dict[str, int] = {}
         self.notices: list[Notice] = []
         self.num_worker_losses = 0
         self._stream_nos = 0
-        self._new_epoch()
+        self.executor = NatsExecutor(config, instance)
+        self._new_core()
 
-    def _new_epoch(self) -> None:
-        # every new Scheduler starts a new prefix-log epoch, so the prefix cache drops what
-        # the previous one published
-        self.scheduler = Scheduler(self.config, self.limits, producer_id=self.producer_id)
+    def _new_core(self) -> None:
+        # every new core starts a new prefix-log epoch, so the prefix cache drops what the
+        # previous one published
+        self.core = EngineCore(
+            self.config,
+            self.limits,
+            self.executor,
+            producer_id=self.producer_id,
+            decode=self.decode,
+            log=self.log,
+        )
         self._prefix_out: list[PrefixEventBatch] = []
         if self.config.enable_prefix_caching:
             self._prefix_out.append(self.scheduler.prefix_log.announce())
         self.streams: dict[str, _Stream] = {}
         self.by_no: dict[int, str] = {}
-        self._new_worker_epoch()
 
-    def _new_worker_epoch(self) -> None:
-        """A fresh epoch towards the worker: batch results and statuses of older epochs are
-        ignored, and the worker resets its device state when it sees the new epoch."""
-        self.epoch = f"{self.instance}.{self.generation}"
-        self.worker_id: str | None = None  # the worker this epoch's batches go to
-        self.epoch_start_seq: int | None = None  # seq of this epoch's first batch
-        self.inflight: deque[ScheduledBatch] = deque()
-        self.sent_at: dict[int, float] = {}
-        self._results: dict[int, BatchResult] = {}
-        self._failed_batches: set[int] = set()
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def inflight(self) -> deque[ScheduledBatch]:
+        return self.core.inflight
+
+    @property
+    def epoch(self) -> str:
+        return self.executor.epoch
+
+    @property
+    def worker_id(self) -> str | None:
+        return self.executor.worker_id
 
     @property
     def idle(self) -> bool:
-        return not self.streams and not self.inflight
+        return not self.streams and not self.core.inflight
 
     # ------------------------------------------------------------------ workers
     def bind(self, worker_id: str) -> None:
         """Sends this epoch's batches to ``worker_id``. Switching after batches went to
         another worker means that worker's device state is out of reach: recompute."""
-        if self.worker_id == worker_id:
+        if self.executor.worker_id == worker_id:
             return
-        if self.epoch_start_seq is not None:
+        if self.executor.has_sent:
             self.worker_lost(f"switching to worker {worker_id}")
-        self.worker_id = worker_id
+        self.executor.worker_id = worker_id
         self.log.info("worker bound", worker=worker_id, epoch=self.epoch)
 
     def worker_lost(self, reason: str) -> list[str]:
@@ -147,10 +124,9 @@ class SchedulerDriver:
         outputs kept and is recomputed on the next worker, so clients see a delay, not an
         error, and the outputs equal an uninterrupted run. Results still arriving from the
         old epoch are ignored, so nothing is applied twice. Returns the recomputed ids."""
-        lost_worker, lost_batches = self.worker_id, [b.seq for b in self.inflight]
-        self.generation += 1
-        self._new_worker_epoch()
-        affected = self.scheduler.reset_after_worker_loss()
+        lost_worker, lost_batches = self.worker_id, [b.seq for b in self.core.inflight]
+        self.executor.new_epoch()
+        affected = self.core.reset_after_executor_loss()
         self.num_worker_losses += 1
         self.log.warning(
             "worker lost; requests will be recomputed",
@@ -171,38 +147,20 @@ class SchedulerDriver:
             self.last_admission_seq[req.admission_id] = max(seen, req.admission_seq)
         fields = request_fields(req.request_id, req.trace_id)
         if self.draining:
-            self._notice(track, req.request_id, "done")
-            return [
-                (
-                    req.reply_subject,
-                    error_event(
-                        req.request_id, ErrorCode.UNAVAILABLE, "scheduler is shutting down"
-                    ),
-                )
-            ]
+            return self._refuse(req, track, ErrorCode.UNAVAILABLE, "scheduler is shutting down")
         try:
-            # the prefix hint (req.num_cached_tokens_hint) is not passed on: add_request has
-            # no parameter for it yet, and the scheduler re-checks hits itself anyway
-            self.scheduler.add_request(
+            self.core.add_request(
                 req.request_id, req.prompt_token_ids, req.params, trace_id=req.trace_id
             )
         except RequestError as exc:
             self.log.info("request refused", code=str(exc.code), reason=exc.message[:200], **fields)
-            self._notice(track, req.request_id, "done")
-            return [(req.reply_subject, error_event(req.request_id, exc.code, exc.message))]
+            return self._refuse(req, track, exc.code, exc.message)
         except Exception as exc:  # a scheduler bug must not take the service down
             self.log.exception("add_request failed", **fields)
-            self._notice(track, req.request_id, "done")
-            return [
-                (
-                    req.reply_subject,
-                    error_event(req.request_id, ErrorCode.INTERNAL, f"scheduler error: {exc!r}"),
-                )
-            ]
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+            return self._refuse(req, track, ErrorCode.INTERNAL, f"scheduler error: {exc!r}")
         self._stream_nos += 1
         self.streams[req.request_id] = _Stream(
-            req.reply_subject, req.trace_id, detok, time.monotonic(), track, self._stream_nos
+            req.reply_subject, req.trace_id, time.monotonic(), track, self._stream_nos
         )
         self.by_no[self._stream_nos] = req.request_id
         self._notice(track, req.request_id, "accepted")
@@ -217,6 +175,12 @@ class SchedulerDriver:
             **fields,
         )
         return []
+
+    def _refuse(
+        self, req: AdmittedRequest, track: str, code: ErrorCode, message: str
+    ) -> list[Delivery]:
+        self._notice(track, req.request_id, "done")
+        return [(req.reply_subject, error_event(req.request_id, code, message))]
 
     def fail_request(self, request_id: str, code: ErrorCode, message: str) -> list[Delivery]:
         """Ends one live request with an error event, freeing its KV."""
@@ -264,31 +228,9 @@ class SchedulerDriver:
                 )
         return out
 
-    def take_notices(self) -> list[Notice]:
-        out, self.notices = self.notices, []
-        return out
-
-    def gone_subject(self, request_id: str) -> str:
-        """Reply subject for this stream's events ("" if the stream is not live)."""
-        stream = self.streams.get(request_id)
-        return subjects.stream_gone(self.instance, stream.no) if stream else ""
-
-    def _notice(self, track: str, request_id: str, state: str) -> None:
-        if track:
-            notice = RequestNotice(request_id=request_id, scheduler_id=self.instance, state=state)
-            self.notices.append((track, notice))
-
-    def _ended(self, request_id: str) -> _Stream | None:
-        """Drops a stream whose terminal event is being delivered; admission hears "done"."""
-        stream = self.streams.pop(request_id, None)
-        if stream is not None:
-            self.by_no.pop(stream.no, None)
-            self._notice(stream.track, request_id, "done")
-        return stream
-
     def abort(self, request_id: str, requester_reply: str = "") -> list[Delivery]:
         try:
-            events = self.scheduler.abort_request(request_id)
+            events = self.core.abort_request(request_id)
         except RequestError as exc:
             if not requester_reply:
                 return []
@@ -299,80 +241,16 @@ class SchedulerDriver:
             out += [(requester_reply, e) for _, e in out if isinstance(e, FinishedEvent)]
         return out
 
-    # ------------------------------------------------------------------ batches
-    def schedule(self) -> tuple[list[ScheduledBatch], list[Delivery]]:
-        """Builds batches up to the in-flight limit, applying submission-time progress."""
-        batches: list[ScheduledBatch] = []
-        out: list[Delivery] = []
-        while len(self.inflight) < self.max_inflight:
-            try:
-                batch = self.scheduler.schedule()
-            except Exception as exc:
-                # cannot tell which request broke selection: fail every live request
-                self.log.exception("schedule failed")
-                out += self._fail(
-                    list(self.scheduler.requests), ErrorCode.INTERNAL, f"scheduler error: {exc!r}"
-                )
-                break
-            if batch is None:
-                break
-            if self.epoch_start_seq is None:
-                self.epoch_start_seq = batch.seq
-            # once built, a batch must reach the worker: it carries the KV/request deltas
-            batches.append(batch)
-            self.inflight.append(batch)
-            self.sent_at[batch.seq] = time.monotonic()
-            try:
-                self.scheduler.update_after_submission(batch)
-            except Exception as exc:
-                self.log.exception("update_after_submission failed", **{BATCH_SEQ: batch.seq})
-                self._failed_batches.add(batch.seq)
-                out += self._fail(
-                    _request_ids(batch),
-                    ErrorCode.INTERNAL,
-                    f"scheduler error on batch {batch.seq}: {exc!r}",
-                )
-        return batches, out
+    # ------------------------------------------------------------------ the loop
+    def step(self, *, schedule: bool = True) -> list[Delivery]:
+        """One ``EngineCore`` step: results applied in seq order, then (``schedule``, i.e.
+        a worker is bound and the bus is up) new batches into ``executor.outbox``."""
+        return self._route(self.core.step(schedule=schedule))
 
-    def on_result(self, result: BatchResult) -> bool:
-        """Buffers a result; False if it belongs to no batch in flight (stale/duplicate)."""
-        if not self.inflight or not (self.inflight[0].seq <= result.seq <= self.inflight[-1].seq):
-            return False
-        self._results[result.seq] = result
-        return True
-
-    def apply_results(self) -> tuple[int, list[Delivery]]:
-        """Applies buffered results strictly in seq order; returns (#applied, deliveries)."""
-        applied = 0
-        out: list[Delivery] = []
-        while self.inflight and self.inflight[0].seq in self._results:
-            batch = self.inflight.popleft()
-            result = self._results.pop(batch.seq)
-            self.sent_at.pop(batch.seq, None)
-            applied += 1
-            if batch.seq in self._failed_batches:
-                self._failed_batches.discard(batch.seq)
-                continue
-            if result.error is not None:
-                self.log.error(
-                    "worker failed batch", error=result.error[:500], **{BATCH_SEQ: batch.seq}
-                )
-                out += self._fail(
-                    _request_ids(batch),
-                    ErrorCode.INTERNAL,
-                    f"worker failed batch {batch.seq}: {result.error}",
-                )
-                continue
-            try:
-                out += self._route(self.scheduler.update_from_output(batch, result))
-            except Exception as exc:
-                self.log.exception("update_from_output failed", **{BATCH_SEQ: batch.seq})
-                out += self._fail(
-                    _request_ids(batch),
-                    ErrorCode.INTERNAL,
-                    f"scheduler error on batch {batch.seq}: {exc!r}",
-                )
-        return applied, out
+    def on_result(self, wr: WorkerResult) -> bool:
+        """A worker result; False if it is not this epoch's, from the bound worker, for a
+        batch in flight (stale, duplicate or foreign: ignored)."""
+        return self.core.is_inflight(wr.result.seq) and self.executor.deliver(wr)
 
     def reset(self, code: ErrorCode, message: str) -> list[Delivery]:
         """Gives up on everything (shutdown after the drain timeout): every stream ends with
@@ -381,8 +259,12 @@ class SchedulerDriver:
         for rid in list(self.streams):
             self._ended(rid)
         self.log.error("scheduler reset", reason=message, failed=len(out), epoch=self.epoch)
-        self.generation += 1
-        self._new_epoch()
+        self.executor.new_epoch()
+        self._new_core()
+        return out
+
+    def take_notices(self) -> list[Notice]:
+        out, self.notices = self.notices, []
         return out
 
     def take_prefix_events(self) -> list[PrefixEventBatch]:
@@ -398,9 +280,7 @@ class SchedulerDriver:
         return self.scheduler.prefix_log.answer(request, self.scheduler.kv.snapshot_prefix_events)
 
     def oldest_inflight_age(self, now: float) -> float:
-        if not self.inflight:
-            return 0.0
-        return now - self.sent_at.get(self.inflight[0].seq, now)
+        return self.executor.age_of(self.core.oldest_inflight_seq(), now)
 
     def load(self) -> SchedulerLoad:
         waiting = [r for r in self.scheduler.requests.values() if r.phase == RequestPhase.WAITING]
@@ -413,20 +293,33 @@ class SchedulerDriver:
             time=time.time(),
         )
 
+    def gone_subject(self, request_id: str) -> str:
+        """Reply subject for this stream's events ("" if the stream is not live)."""
+        stream = self.streams.get(request_id)
+        return subjects.stream_gone(self.instance, stream.no) if stream else ""
+
     # ------------------------------------------------------------------ streams
+    def _notice(self, track: str, request_id: str, state: str) -> None:
+        if track:
+            notice = RequestNotice(request_id=request_id, scheduler_id=self.instance, state=state)
+            self.notices.append((track, notice))
+
+    def _ended(self, request_id: str) -> _Stream | None:
+        """Drops a stream whose terminal event is being delivered; admission hears "done"."""
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            self.by_no.pop(stream.no, None)
+            self._notice(stream.track, request_id, "done")
+        return stream
+
     def _route(self, events: Iterable[StreamEvent]) -> list[Delivery]:
         out: list[Delivery] = []
         for event in events:
             stream = self.streams.get(event.request_id)
             if stream is None:
                 continue
-            if isinstance(event, TokenEvent):
-                if stream.detok is not None:
-                    event.text = stream.detok.push(event.token_id)
-            elif isinstance(event, FinishedEvent):
+            if isinstance(event, FinishedEvent):
                 self._ended(event.request_id)
-                if self.tokenizer is not None:
-                    event.text = self.tokenizer.decode(event.token_ids, skip_special_tokens=True)
                 extra: dict[str, Any] = {}
                 if log_content_enabled():
                     extra.update(token_ids=event.token_ids, text=event.text)
@@ -440,33 +333,26 @@ class SchedulerDriver:
                 )
             elif isinstance(event, ErrorEvent):
                 self._ended(event.request_id)
+                self.log.warning(
+                    "request failed",
+                    code=event.code,
+                    reason=event.message[:300],
+                    **request_fields(event.request_id, stream.trace_id),
+                )
             out.append((stream.reply, event))
         return out
 
     def _fail(self, request_ids: Iterable[str], code: ErrorCode, message: str) -> list[Delivery]:
-        """Ends these requests with one error event each, freeing their KV."""
-        out: list[Delivery] = []
-        for rid in request_ids:
-            if rid in self.scheduler.requests:
-                try:
-                    self.scheduler.abort_request(rid)  # its "abort" event is replaced below
-                except Exception:
-                    self.log.exception("abort after failure failed", request_id=rid)
+        """Ends these requests with one error event each, freeing their KV. A stream whose
+        request is no longer in the scheduler still gets its error."""
+        ids = list(request_ids)
+        out = self._route(self.core.fail_requests(ids, code, message))
+        for rid in ids:
             stream = self._ended(rid)
             if stream is not None:
-                self.log.warning(
-                    "request failed",
-                    code=str(code),
-                    reason=message[:300],
-                    **request_fields(rid, stream.trace_id),
-                )
                 out.append((stream.reply, error_event(rid, code, message)))
         return out
 
 
 def error_event(request_id: str, code: ErrorCode | str, message: str) -> ErrorEvent:
     return ErrorEvent(request_id=request_id, code=str(code), message=message)
-
-
-def _request_ids(batch: ScheduledBatch) -> list[str]:
-    return list(dict.fromkeys(t.request.request_id for t in batch.tasks))

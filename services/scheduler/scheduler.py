@@ -161,16 +161,17 @@ class Scheduler:
         self._finish(request, "abort", events)
         return events
 
-    def fail_request(self, request_id: str, message: str) -> list[StreamEvent]:
-        """Ends a request with an error event (e.g. the worker failed its batch)."""
+    def fail_request(
+        self, request_id: str, message: str, code: ErrorCode = ErrorCode.INTERNAL
+    ) -> list[StreamEvent]:
+        """Ends a live request with an error event (e.g. the worker failed its batch), freeing
+        its KV; [] if it already ended."""
         request = self.requests.get(request_id)
         if request is None:
             return []
         events: list[StreamEvent] = []
         self._finish(request, "error", events)
-        events[-1] = ErrorEvent(
-            request_id=request_id, code=ErrorCode.INTERNAL.value, message=message
-        )
+        events[-1] = ErrorEvent(request_id=request_id, code=str(code), message=message)
         return events
 
     def reset_after_worker_loss(self) -> list[str]:

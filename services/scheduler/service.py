@@ -49,7 +49,6 @@ from services.runtime.bus import (
 )
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
-from services.scheduler.batch import ScheduledBatch
 from services.scheduler.driver import Delivery, SchedulerDriver, error_event
 from services.scheduler.liveness import LossDetector, WorkerTracker
 from services.scheduler.scheduler import Scheduler
@@ -140,10 +139,11 @@ class SchedulerService(Service):
         self._last_load = 0.0
 
     async def setup(self) -> None:
+        tokenizer = load_tokenizer(self.checkpoint)
         self.driver = SchedulerDriver(
             self.config,
             load_model_limits(self.checkpoint),
-            load_tokenizer(self.checkpoint),
+            (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else None,
             instance=self.instance_id,
             producer_id=self.options.producer_name,
             log=self.log,
@@ -292,7 +292,8 @@ class SchedulerService(Service):
         self.workers.heartbeat(hb, now)
         d = self.driver
         if hb.worker_id == d.worker_id:
-            reason = self.loss.check(hb, d.epoch, [b.seq for b in d.inflight], d.sent_at, now)
+            inflight = [b.seq for b in d.inflight]
+            reason = self.loss.check(hb, d.epoch, inflight, d.executor.sent_at, now)
             if reason is not None:
                 d.worker_lost(reason)
         self._wake.set()
@@ -317,9 +318,8 @@ class SchedulerService(Service):
         except msgspec.DecodeError as exc:
             self.log.error("undecodable worker result", error=str(exc)[:200])
             return
-        d = self.driver
         # seq + epoch + worker instance: a result is applied once, from the bound worker
-        if wr.epoch == d.epoch and wr.worker_id in ("", d.worker_id) and d.on_result(wr.result):
+        if self.driver.on_result(wr):
             self._wake.set()
 
     async def _on_gone(self, msg: Msg) -> None:
@@ -353,19 +353,16 @@ class SchedulerService(Service):
     async def _step(self) -> bool:
         driver = self.driver
         assert driver is not None
-        applied, out = driver.apply_results()
-        batches: list[ScheduledBatch] = []
-        more: list[Delivery] = []
-        if self.bus_connected and self._bind_worker():
-            batches, more = driver.schedule()
+        before = len(driver.inflight), driver.scheduler.stats.num_batches
+        out = driver.step(schedule=self.bus_connected and self._bind_worker())
+        batches = driver.executor.take_outbox()
         # batches first: the worker is the critical path, clients can wait a moment
-        for batch in batches:
-            await self._publish_batch(batch)
+        for wb in batches:
+            await self._publish_batch(wb)
         await self._deliver(out)
-        await self._deliver(more)
         await self._flush_notices()
         await self._publish_prefix(driver.take_prefix_events())
-        if applied or batches:
+        if out or batches or before != (len(driver.inflight), driver.scheduler.stats.num_batches):
             await self._maybe_publish_load()
             return True
         return False
@@ -399,29 +396,20 @@ class SchedulerService(Service):
         d.bind(chosen)
         return True
 
-    async def _publish_batch(self, batch: ScheduledBatch) -> None:
+    async def _publish_batch(self, wb: WorkerBatch) -> None:
         d = self.driver
-        assert d is not None and d.worker_id is not None
-        cfg = self.config
-        wb = WorkerBatch(
-            epoch=d.epoch,
-            batch=batch.wire,
-            num_blocks=cfg.num_blocks,
-            block_size=cfg.block_size,
-            kv_layout=str(cfg.kv_layout),
-            epoch_start_seq=d.epoch_start_seq if d.epoch_start_seq is not None else batch.seq,
-            worker_id=d.worker_id,
-        )
+        assert d is not None
+        batch = wb.batch
         self.log.debug(
-            "batch sent", phase=str(batch.phase), rows=len(batch.tasks), **{BATCH_SEQ: batch.seq}
+            "batch sent", phase=str(batch.phase), rows=len(batch.rows), **{BATCH_SEQ: batch.seq}
         )
         try:
             # a batch bigger than max_payload (many new prompts) travels in parts
             await publish_chunked(
                 self.nc,
-                subjects.worker_batch(d.worker_id),
+                subjects.worker_batch(wb.worker_id),
                 encode_msgpack(wb),
-                reply=subjects.worker_result(d.epoch),
+                reply=subjects.worker_result(wb.epoch),
             )
         except Exception as exc:  # e.g. the bus dropped and the outbound buffer is full
             if wb.epoch == d.epoch:
