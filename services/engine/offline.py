@@ -54,7 +54,7 @@ def build_offline_engine(
 
 
 def run_offline(args: argparse.Namespace) -> int:
-    engine, codec, prompts = build_offline_engine(args)
+    engine, _, prompts = build_offline_engine(args)
     params = sampling_params_from_args(args)
     ids = [f"offline-{i}" for i in range(len(prompts))]
     errors = 0
