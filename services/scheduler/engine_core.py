@@ -170,8 +170,7 @@ class EngineCore:
     ) -> list[StreamEvent]:
         self.log.exception(f"{where} failed", **{BATCH_SEQ: batch.seq})
         self._failed.add(batch.seq)
-        ids = list(dict.fromkeys(t.request.request_id for t in batch.tasks))
-        return self._fail(ids, ErrorCode.INTERNAL, f"scheduler error on batch {batch.seq}: {exc!r}")
+        return self.scheduler.fail_batch(batch, f"scheduler error on batch {batch.seq}: {exc!r}")
 
     # ------------------------------------------------------------------ executor loss
     def reset_after_executor_loss(self) -> list[str]:

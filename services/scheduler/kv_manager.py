@@ -16,7 +16,7 @@ capacity checks stay right. ``num_evictable_blocks`` gives the parked part alone
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from messages.batch import BlockDelta
@@ -32,7 +32,8 @@ class _Group:
     parent_hash: int | None
     batch_seq: int
     ref_count: int
-    cached: bool = True  # False once a reset detached it: still held, never claimable again
+    writer: str = ""  # the request whose rows wrote it (others only claimed it)
+    cached: bool = True  # False once detached (reset, withdrawn): held, never claimable again
 
 
 class KVManager:
@@ -205,10 +206,37 @@ class KVManager:
             parent_hash=parent_hash,
             batch_seq=batch_seq,
             ref_count=1,  # private until now, so its only holder is this request
+            writer=request_id,
         )
         self._groups[group.blocks[0]] = group
         self._by_hash[block_hash] = group
         self._record_stored(group)
+
+    def withdraw(self, writers: Collection[str], since_batch_seq: int) -> list[str]:
+        """Un-publishes the groups ``writers`` published from batch ``since_batch_seq`` on,
+        because a batch that wrote them failed: nobody can claim them any more (the index
+        hears BlockRemoved). Returns the other requests that hold one of them: they read KV
+        that was never written and must be recomputed."""
+        doomed = {
+            key: g
+            for key, g in self._groups.items()
+            if g.cached and g.writer in writers and g.batch_seq >= since_batch_seq
+        }
+        if not doomed:
+            return []
+        for key, group in doomed.items():
+            del self._by_hash[group.block_hash]
+            group.cached = False
+            if group.ref_count == 0:  # parked: nobody holds it, free it now
+                del self._evictable[group.block_hash]
+                del self._groups[key]
+                self._free.extend(group.blocks)
+        self._events.append(BlockRemoved(block_hashes=[g.block_hash for g in doomed.values()]))
+        return [
+            rid
+            for rid, tables in self._tables.items()
+            if tables and any(block in doomed for block in tables[0])
+        ]
 
     def take_prefix_events(self) -> list[PrefixEvent]:
         events, self._events = self._events, []

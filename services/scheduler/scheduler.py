@@ -645,13 +645,23 @@ class Scheduler:
         return events
 
     def fail_batch(self, batch: ScheduledBatch, message: str) -> list[StreamEvent]:
-        """The worker could not run ``batch``: every live request in it ends with an error."""
+        """``batch`` failed (on the worker, or while the scheduler applied it): every live
+        request in it ends with an error. With async scheduling their blocks may already be
+        published (at submission) by this batch or later ones: those are withdrawn, and a
+        request that already claimed one is recomputed. Results apply in seq order, so blocks
+        published before this batch were written by batches that succeeded."""
         batch.outputs_applied = True
         events: list[StreamEvent] = []
+        failed: set[str] = set()
         for task in batch.tasks:
             if not self._is_stale(task):
-                task.request.inflight_batches -= 1
+                failed.add(task.request.request_id)
                 events.extend(self.fail_request(task.request.request_id, message))
+        if failed and self.config.enable_prefix_caching:
+            for request_id in self.kv.withdraw(failed, batch.seq):
+                claimant = self.requests[request_id]
+                claimant.inflight_batches = 0  # its batches in flight are stale from now on
+                self._preempt(claimant)
         return events
 
     def _is_stale(self, task: ScheduledTask) -> bool:
