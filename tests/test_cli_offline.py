@@ -96,3 +96,39 @@ def test_schedule_trace_prints_the_seed_batches(tmp_path: Path) -> None:
     assert records[0]["phase"] == "prefilling_prelude"
     assert [tuple(r[:3]) for r in records[0]["rows"]] == [("a", 0, 2), ("a", 2, 1), ("b", 0, 2)]
     assert "request a: 10 tokens" in out.stdout and "depth 3" in out.stdout
+
+
+def test_diagram_numbers_chunks_from_the_prefill_origin(tmp_path: Path) -> None:
+    """b reuses a's first 16 tokens (4 blocks of 4); with chunk 3 its prefill is cut into
+    [16, 19) and [19, 20), drawn as c0 and c1 (counted from the origin, not from token 0)."""
+    ckpt = tmp_path / "ckpt"
+    rlt("toy-checkpoint", str(ckpt))
+    prompt = ",".join(map(str, range(1, 21)))
+    out = rlt(
+        "schedule-trace",
+        "--checkpoint",
+        str(ckpt),
+        "--diagram",
+        "--prompt-ids",
+        prompt,
+        "--prompt-ids",
+        prompt,
+        "--enable-prefix-caching",
+        "--block-size",
+        "4",
+        "--prefill-chunk-size",
+        "3",
+        "--max-num-seqs",
+        "1",
+        "--wavefront-chunked-prefill",
+        "--max-tokens",
+        "1",
+    )
+    assert out.returncode == 0, out.stderr
+    diagram = out.stdout.split("request b:", 1)[1].split("\n\n", 1)[0]
+    lines = diagram.splitlines()
+    assert "16 cached" in lines[0]
+    assert lines[1].split() == ["c0", "c1"]
+    for row in lines[2:]:  # prelude and every depth: both chunks ran, nothing else
+        cells = row.split()[-2:]
+        assert all(c != "." for c in cells), row

@@ -203,11 +203,15 @@ def test_submission_and_output_paths_give_the_same_events_and_state(async_schedu
     finished = [e for e in events if isinstance(e, FinishedEvent)]
     assert [(e.request_id, e.token_ids) for e in finished] == [("a", [7]), ("b", [7])]
     reference = two_prompt_scheduler(budget=5, async_scheduling=not async_scheduling)
-    other = []
+    other, other_frontiers = [], []
     for batch in iter(reference.schedule, None):
         reference.update_after_submission(batch)
         other += reference.update_from_output(batch, fake_result(batch))
+        other_frontiers.append(
+            {r.request_id: [x for _, x in r.prefill_depth_ranges] for r in reference.running}
+        )
     assert other == events
+    assert other_frontiers == frontiers
 
 
 def test_async_progress_lets_the_next_batch_build_on_the_one_in_flight() -> None:

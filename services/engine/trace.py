@@ -31,18 +31,31 @@ def batch_record(batch: ScheduledBatch) -> dict:
     }
 
 
+def prefill_origins(batch: ScheduledBatch) -> list[int]:
+    """Each row's prefill origin (its prefix-cache hit) when the batch was built: chunks are
+    counted from there, and a later preemption may move it."""
+    return [t.request.prefill_window_origin for t in batch.tasks]
+
+
 def wavefront_diagram(
-    batches: list[ScheduledBatch], prompt_lens: dict[str, int], chunk: int, depths: int
+    batches: list[tuple[ScheduledBatch, list[int]]],
+    prompt_lens: dict[str, int],
+    chunk: int,
+    depths: int,
 ) -> str:
-    """Cells: the step numbers that ran (chunk, depth) for each request's prompt."""
+    """Cells: the step numbers that ran (chunk, depth) for each request's prompt. Chunks are
+    numbered from the prefill origin, as the scheduler cuts them: c0 starts at the first
+    position after a prefix-cache hit."""
     cells: dict[str, dict[tuple[int, int], list[int]]] = defaultdict(lambda: defaultdict(list))
-    for batch in batches:
-        for task in batch.tasks:
+    origin_of: dict[str, int] = {}
+    for batch, origins in batches:
+        for task, origin in zip(batch.tasks, origins, strict=True):
             if task.kind == TaskKind.DECODE:
                 continue
             rid = task.request.request_id
-            first = task.token_start // chunk
-            last = (task.token_end - 1) // chunk
+            origin_of[rid] = origin
+            first = (task.token_start - origin) // chunk
+            last = (task.token_end - 1 - origin) // chunk
             levels = (
                 [-1]
                 if task.kind == TaskKind.PRELUDE
@@ -57,10 +70,14 @@ def wavefront_diagram(
                         steps.append(batch.seq)
     lines: list[str] = []
     for rid, grid in cells.items():
-        n_chunks = -(-prompt_lens[rid] // chunk)
+        origin = origin_of[rid]
+        n_chunks = -(-(prompt_lens[rid] - origin) // chunk)
         text = {k: "+".join(str(s) for s in v) for k, v in grid.items()}
         width = max([len(t) for t in text.values()] + [3])
-        lines.append(f"request {rid}: {prompt_lens[rid]} tokens, chunk {chunk}, cell = step(s)")
+        cached = f", {origin} cached (c0 starts at {origin})" if origin else ""
+        lines.append(
+            f"request {rid}: {prompt_lens[rid]} tokens{cached}, chunk {chunk}, cell = step(s)"
+        )
         header = "        " + " ".join(f"c{c}".rjust(width) for c in range(n_chunks))
         lines.append(header)
         for level in range(-1, depths):
@@ -73,14 +90,16 @@ def wavefront_diagram(
 
 def run_schedule_trace(args: argparse.Namespace) -> int:
 
-    batches: list[ScheduledBatch] = []
-    engine, _, prompts = build_offline_engine(args, on_batch=batches.append)
+    traced: list[tuple[ScheduledBatch, list[int]]] = []
+    engine, _, prompts = build_offline_engine(
+        args, on_batch=lambda b: traced.append((b, prefill_origins(b)))
+    )
     names = request_names(len(prompts))
     params = sampling_params_from_args(args)
     for name, prompt in zip(names, prompts, strict=True):
         engine.add_request(name, prompt, params)
     engine.run_until_done()
-    for batch in batches:
+    for batch, _ in traced:
         if args.json:
             print(json.dumps(batch_record(batch)))
         else:
@@ -91,7 +110,7 @@ def run_schedule_trace(args: argparse.Namespace) -> int:
         print()
         print(
             wavefront_diagram(
-                batches, lens, engine.config.prefill_chunk_size, engine.model.cfg.total_ut_steps
+                traced, lens, engine.config.prefill_chunk_size, engine.model.cfg.total_ut_steps
             )
         )
     return 0

@@ -53,6 +53,7 @@ class ScheduledBatch:
     phase: BatchPhase
     tasks: list[ScheduledTask]
     wire: Batch
+    submitted: bool = False
     progress_applied: bool = False
     outputs_applied: bool = False
 

@@ -598,6 +598,9 @@ class Scheduler:
         progress is applied here, so the next batch can be built before this one finishes.
         It produces no client events (a submission only advances prefill); blocks it
         completes are published for ``take_prefix_events``."""
+        if batch.submitted:
+            raise SchedulerInvariantError(f"batch {batch.seq} submitted twice")
+        batch.submitted = True
         for task in batch.tasks:
             request = task.request
             request.inflight_batches += 1
