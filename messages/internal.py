@@ -17,9 +17,6 @@ class AdmittedRequest(msgspec.Struct, kw_only=True):
     params: SamplingParams
     reply_subject: str
     trace_id: str = ""
-    # prefix-cache hint from admission (tokens); the scheduler re-checks it (it is the authority)
-    num_cached_tokens_hint: int = 0
-    prefix_producer_id: str | None = None
     # backpressure accounting: which admission sent it, and its per-admission sequence
     admission_id: str = ""
     admission_seq: int = 0

@@ -313,7 +313,7 @@ async def test_logs_follow_one_request_and_services_are_discoverable(
             assert isinstance(check_stream(events), FinishedEvent)
 
             # its prompt blocks were published to the prefix cache; the same prompt again
-            # is a hit there (admission's lookup) and in the scheduler's own KV
+            # is a hit in the scheduler's own KV
             index = services["prefix-cache"].index  # type: ignore[attr-defined]
             for _ in range(100):
                 if index.snapshot():
@@ -324,7 +324,6 @@ async def test_logs_follow_one_request_and_services_are_discoverable(
             )
             second = check_stream(again)
             assert isinstance(second, FinishedEvent) and second.num_cached_tokens > 0
-            assert services["prefix-cache"].num_hits >= 1  # type: ignore[attr-defined]
 
             # every service answers micro discovery and its own health subject
             nc = client.nc
@@ -347,12 +346,7 @@ async def test_logs_follow_one_request_and_services_are_discoverable(
 
     lines = [json.loads(line) for line in buf.getvalue().splitlines() if line.startswith("{")]
     mine = [entry for entry in lines if entry.get("request_id") == "traced-1"]
-    assert {entry["service"] for entry in mine} == {
-        "admission",
-        "scheduler",
-        "worker",
-        "prefix-cache",
-    }
+    assert {entry["service"] for entry in mine} == {"admission", "scheduler", "worker"}
     traces = {entry["trace_id"] for entry in mine if "trace_id" in entry}
     assert len(traces) == 1  # one trace id across all services
     assert all("prompt_token_ids" not in entry and "prompt" not in entry for entry in lines)

@@ -63,7 +63,6 @@ class AdmissionConfig:
     num_blocks: int | None = None
     num_kv_planes: int = 1
     enable_prefix_caching: bool = False
-    prefix_lookup_timeout_s: float = 0.05
     # prompt cap in tokens (None: the model's max_position_embeddings)
     max_prompt_tokens: int | None = None
     # the bus's max_payload (set by the service once connected): internal messages and the
@@ -209,8 +208,6 @@ class AdmissionCore:
         prepared: Prepared,
         reply_subject: str,
         *,
-        num_cached_tokens: int = 0,
-        prefix_producer_id: str | None = None,
         now: float | None = None,
     ) -> AdmittedRequest:
         """Builds the message for the scheduler and counts it as waiting."""
@@ -224,8 +221,6 @@ class AdmissionCore:
             params=prepared.params,
             reply_subject=reply_subject,
             trace_id=prepared.trace_id,
-            num_cached_tokens_hint=num_cached_tokens,
-            prefix_producer_id=prefix_producer_id,
             admission_id=self.admission_id,
             admission_seq=seq,
             admitted_at=time.time(),

@@ -32,13 +32,11 @@ from services.admission.core import (
     AdmissionError,
     OpenRequest,
     OpenRequests,
-    Prepared,
 )
 from services.common.checkpoint import load_model_limits, load_tokenizer
 from services.common.config import SchedulerConfig
 from services.runtime import subjects
 from services.runtime.bus import (
-    HEADER_REQUEST_ID,
     HEADER_TRACE_ID,
     decode_msgpack,
     encode_json,
@@ -90,11 +88,9 @@ class AdmissionService(Service):
         )
 
     def endpoints(self) -> Sequence[Endpoint]:
-        # without prefix lookups nothing awaits, so inline handling keeps arrival order;
-        # with them, requests overlap their lookups (bounded)
-        concurrency = 64 if self.config.enable_prefix_caching else 1
+        # inline handling keeps arrival order: an abort never overtakes its generate
         return (
-            Endpoint("generate", subjects.GENERATE, self._on_generate, max_concurrency=concurrency),
+            Endpoint("generate", subjects.GENERATE, self._on_generate),
             Endpoint("abort", subjects.ABORT, self._on_abort),
             # every admission replica needs every load report: a queue group of its own
             Endpoint(
@@ -160,12 +156,7 @@ class AdmissionService(Service):
                 prepared.request_id, ErrorCode.UNAVAILABLE, "no scheduler is running"
             )
         self.core.check_backpressure(prepared)
-        cached, producer = 0, None
-        if self.config.enable_prefix_caching:
-            cached, producer = await self._lookup_prefix(prepared)
-        admitted = self.core.admit(
-            prepared, reply, num_cached_tokens=cached, prefix_producer_id=producer
-        )
+        admitted = self.core.admit(prepared, reply)
         body = encode_msgpack(admitted)
         seq = admitted.admission_seq
         self.open.opened(seq, prepared.request_id, reply, prepared.trace_id, time.monotonic())
@@ -181,7 +172,6 @@ class AdmissionService(Service):
             "request admitted",
             num_prompt_tokens=len(prepared.prompt_token_ids),
             max_tokens=prepared.params.max_tokens,
-            num_cached_tokens_hint=cached,
             **extra,
             **request_fields(prepared.request_id, prepared.trace_id),
         )
@@ -277,43 +267,3 @@ class AdmissionService(Service):
         )
         event = ErrorEvent(request_id=exc.request_id, code=str(exc.code), message=exc.message)
         await self.nc.publish(reply, encode_json(event))
-
-    async def _lookup_prefix(self, prepared: Prepared) -> tuple[int, str | None]:
-        """Longest cached prefix in tokens; any failure or timeout is simply "no hit"."""
-        try:
-            from messages.prefix import (
-                PrefixLookup,
-                PrefixLookupReply,
-                cacheable_prefix_blocks,
-                prompt_block_hashes,
-            )
-        except ImportError:
-            return 0, None
-        block_size = self.config.block_size
-        ids = prepared.prompt_token_ids
-        hashes = prompt_block_hashes(
-            ids, block_size, max_blocks=cacheable_prefix_blocks(len(ids), block_size)
-        )
-        if not hashes:
-            return 0, None
-        lookup = PrefixLookup(
-            block_hashes=hashes, request_id=prepared.request_id, trace_id=prepared.trace_id
-        )
-        headers = {HEADER_REQUEST_ID: prepared.request_id, HEADER_TRACE_ID: prepared.trace_id}
-        try:
-            msg = await self.nc.request(
-                subjects.PREFIX_LOOKUP,
-                encode_msgpack(lookup),
-                timeout=self.config.prefix_lookup_timeout_s,
-                headers=headers,
-            )
-            reply = decode_msgpack(msg.data, PrefixLookupReply)
-        except (NatsError, TimeoutError, msgspec.DecodeError) as exc:
-            self.log.debug(
-                "prefix lookup missed",
-                error=repr(exc),
-                **request_fields(prepared.request_id, prepared.trace_id),
-            )
-            return 0, None
-        cached = min(reply.num_blocks, len(hashes)) * block_size
-        return cached, reply.producer_id if cached else None
