@@ -11,10 +11,27 @@ from enum import StrEnum
 import msgspec
 
 
-class BatchPhase(StrEnum):
+class Phase(StrEnum):
+    """The one phase vocabulary: where a request is in its life, and which of those phases a
+    batch serves (a batch is one of PREFILL, PREFILLING_PRELUDE or RECURRENT)."""
+
+    WAITING = "waiting"
     PREFILL = "prefill"  # atomic chunked prefill: prelude + every depth of a chunk in one task
     PREFILLING_PRELUDE = "prefilling_prelude"  # split prefill: prelude only (no KV for Ouro)
-    RECURRENT = "recurrent"  # decode rows first, then split-prefill recurrent rows
+    PREFILLING_RECURRENT = "prefilling_recurrent"  # split prefill: the per-depth core tasks
+    RECURRENT = "recurrent"  # decode; a RECURRENT batch also carries prefilling_recurrent rows
+    FINISHED = "finished"
+
+
+class RowKind(StrEnum):
+    """What a row of a batch does."""
+
+    PRELUDE = "prelude"  # split prefill: the embedding of a prompt span (no core loop)
+    PREFILL = "prefill"  # prompt positions through loops (a split depth task or an atomic chunk)
+    DECODE = "decode"  # one loop of the token being generated
+    # a decode row sent before the result of the request's previous row was known (async):
+    # the worker, which runs batches in order, resolves its position, depth and input token
+    FOLLOW_ON = "follow_on"
 
 
 class WorkerSampling(msgspec.Struct, kw_only=True):
@@ -47,33 +64,31 @@ class BatchRow(msgspec.Struct, kw_only=True):
 
     The row runs ``num_loops`` loops starting at loop index ``depth`` (0-based).
     ``embed`` runs the prelude first (atomic prefill, decode at depth 0).
-    Decode rows (``input_token_id >= 0``) carry the token they feed and the survival
-    probability so far; ``forced_exit`` > 0 replays a recorded exit depth instead of the
-    policy (recompute after preemption or a worker restart).
+    DECODE rows carry the token they feed (``input_token_id``) and the survival probability
+    so far; ``forced_exit_loops`` > 0 replays a recorded exit (the token exits after that
+    many loops) instead of the policy (recompute after preemption or a worker restart).
     ``compute_logits`` asks for the coda + a sample on the row's last position.
-    ``follows`` (async scheduling) marks a decode row sent before the scheduler knew the
-    result of the request's previous row: the worker, which runs batches in order, fills in
-    the position, depth, input token and survival from that result, and ignores the other
-    fields of the row.
+    A FOLLOW_ON row carries only its request: the worker fills in the rest from the result
+    of the request's previous row.
     """
 
     request_id: str
+    kind: RowKind
     token_start: int
     token_count: int
-    depth: int
+    depth: int = 0
     num_loops: int = 1
     embed: bool = False
-    input_token_id: int = -1
+    input_token_id: int = 0
     remaining: float = 1.0
-    forced_exit: int = 0
+    forced_exit_loops: int = 0
     compute_logits: bool = False
     output_index: int = 0
-    follows: bool = False
 
 
 class Batch(msgspec.Struct, kw_only=True):
     seq: int
-    phase: BatchPhase
+    phase: Phase
     rows: list[BatchRow]
     new_requests: list[NewRequest] = msgspec.field(default_factory=list)
     block_deltas: list[BlockDelta] = msgspec.field(default_factory=list)
@@ -89,7 +104,7 @@ class RowResult(msgspec.Struct, kw_only=True):
     skipped: bool = False
     remaining: float = 1.0
     exited: bool = False
-    exit_depth: int = 0
+    exit_loops: int = 0  # the token exited after this many loops (1..total_ut_steps)
     token_id: int = -1
 
 

@@ -14,10 +14,10 @@ import statistics
 import time
 
 from messages.api import FinishedEvent
-from messages.batch import BatchResult, RowResult
+from messages.batch import BatchResult, RowKind, RowResult
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
-from services.scheduler.batch import ScheduledBatch, TaskKind
+from services.scheduler.batch import ScheduledBatch
 from services.scheduler.scheduler import Scheduler
 
 D = 4
@@ -29,13 +29,13 @@ LIMITS = ModelLimits(
 def fake_result(batch: ScheduledBatch, rng: random.Random) -> BatchResult:
     rows = []
     for i, task in enumerate(batch.tasks):
-        if task.kind == TaskKind.DECODE:
+        if task.kind == RowKind.DECODE:
             exits = task.depth + 1 >= D or rng.random() < 0.4
             rows.append(
                 RowResult(
                     row_index=i,
                     exited=exits,
-                    exit_depth=task.depth + 1,
+                    exit_loops=task.depth + 1,
                     remaining=0.5,
                     token_id=rng.randrange(1, 32000),
                 )

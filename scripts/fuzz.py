@@ -41,11 +41,12 @@ if str(ROOT) not in sys.path:
 from messages.api import AbortRequest, FinishedEvent, GenerateRequest  # noqa: E402
 from messages.batch import (  # noqa: E402
     Batch,
-    BatchPhase,
     BatchResult,
     BatchRow,
     BlockDelta,
     NewRequest,
+    Phase,
+    RowKind,
     RowResult,
     WorkerSampling,
 )
@@ -173,8 +174,12 @@ def valid_messages(ids: dict[str, str]) -> list[tuple[str, Any, Callable[[Any], 
     params = SamplingParams(max_tokens=8, temperature=0.0, min_loops=1, exit_threshold=0.7)
     batch = Batch(
         seq=3,
-        phase=BatchPhase.RECURRENT,
-        rows=[BatchRow(request_id="r1", token_start=0, token_count=3, depth=0, embed=True)],
+        phase=Phase.RECURRENT,
+        rows=[
+            BatchRow(
+                request_id="r1", kind=RowKind.PREFILL, token_start=0, token_count=3, embed=True
+            )
+        ],
         new_requests=[
             NewRequest(
                 request_id="r1",

@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from messages.api import FinishedEvent, StreamEvent, TokenEvent
+from messages.batch import RowKind
 from messages.sampling import SamplingParams
 from services.common.config import KVLayout, SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.oracle import SerialOracle
-from services.scheduler.batch import ScheduledBatch, TaskKind
+from services.scheduler.batch import ScheduledBatch
 from services.worker.model.ouro import OuroModel
 
 # a comparison may stop where the oracle itself is this close to a tie
@@ -38,11 +39,10 @@ def check_batch_limits(batch: ScheduledBatch, config: SchedulerConfig) -> None:
     assert tokens <= config.max_num_batched_tokens, f"batch {batch.seq} over budget: {tokens}"
     seqs = {t.request.request_id for t in batch.tasks}
     assert len(seqs) <= config.max_num_seqs, f"batch {batch.seq} has {len(seqs)} requests"
-    kinds = [t.kind for t in batch.tasks]
-    # decode rows come first in a mixed batch
-    if TaskKind.DECODE in kinds:
-        first_other = next((i for i, k in enumerate(kinds) if k != TaskKind.DECODE), len(kinds))
-        assert all(k != TaskKind.DECODE for k in kinds[first_other:])
+    decode = [t.kind in (RowKind.DECODE, RowKind.FOLLOW_ON) for t in batch.tasks]
+    # decode rows (follow-ons included) come first in a mixed batch
+    first_other = next((i for i, is_decode in enumerate(decode) if not is_decode), len(decode))
+    assert not any(decode[first_other:]), f"batch {batch.seq}: a decode row after prompt rows"
 
 
 class FrontierWatch:

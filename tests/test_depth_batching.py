@@ -4,10 +4,10 @@ versus the cohort baseline where exited rows idle until the whole cohort is done
 from __future__ import annotations
 
 from messages.api import ErrorEvent, FinishedEvent
+from messages.batch import RowKind
 from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.batch import TaskKind
 from tests.engine_harness import Arrival, run_workload
 
 PARAMS = SamplingParams(
@@ -17,9 +17,9 @@ PARAMS = SamplingParams(
 
 def decode_depth_sets(record) -> list[set[int]]:
     return [
-        {t.depth for t in b.tasks if t.kind == TaskKind.DECODE}
+        {t.depth for t in b.tasks if t.kind == RowKind.DECODE}
         for b in record.batches
-        if any(t.kind == TaskKind.DECODE for t in b.tasks)
+        if any(t.kind == RowKind.DECODE for t in b.tasks)
     ]
 
 
@@ -62,7 +62,7 @@ def test_no_refill_keeps_cohorts_in_lockstep_and_needs_more_passes(toy_model) ->
 
     # ... but refill needs fewer core passes for the same decode work
     def decode_passes(rec) -> int:
-        return sum(1 for b in rec.batches if any(t.kind == TaskKind.DECODE for t in b.tasks))
+        return sum(1 for b in rec.batches if any(t.kind == RowKind.DECODE for t in b.tasks))
 
     assert decode_passes(refill) < decode_passes(cohort)
 
@@ -76,8 +76,8 @@ def test_async_refill_keeps_in_flight_requests_in_every_pass(toy_model) -> None:
     for inflight in (2, 3):
         asy = run(toy_model, refill=True, async_scheduling=True, max_inflight_batches=inflight)
         assert_same_results(sync, asy)
-        follow_ons = [t for b in asy.batches for t in b.tasks if t.follows]
-        assert follow_ons and all(t.kind == TaskKind.DECODE for t in follow_ons)
+        follow_ons = [t for b in asy.batches for t in b.tasks if t.kind is RowKind.FOLLOW_ON]
+        assert follow_ons
         # a follow-on may outlive its request by one wasted row (the in-flight row ended it)
         assert core_passes(asy) <= core_passes(sync) + inflight
 
@@ -85,7 +85,7 @@ def test_async_refill_keeps_in_flight_requests_in_every_pass(toy_model) -> None:
 def test_async_cohort_batching_sends_no_follow_ons(toy_model) -> None:
     # cohort batching holds exited rows back on purpose: nothing to follow on
     cohort = run(toy_model, refill=False, async_scheduling=True)
-    assert not any(t.follows for b in cohort.batches for t in b.tasks)
+    assert not any(t.kind is RowKind.FOLLOW_ON for b in cohort.batches for t in b.tasks)
     assert_same_results(run(toy_model, refill=False), cohort)
 
 

@@ -35,11 +35,11 @@ def test_exit_copy_writes_only_the_exited_tokens_higher_planes(toy_model) -> Non
         before_k = runner.k_cache.clone()
         result = original_execute(wire)
         for row, res in zip(wire.rows, result.rows, strict=True):
-            if row.input_token_id < 0 or not res.exited or res.exit_depth == D:
+            if row.kind != "decode" or not res.exited or res.exit_loops == D:
                 continue
             nonlocal checked
             checked += 1
-            e = res.exit_depth - 1
+            e = res.exit_loops - 1
             tables = runner.requests[row.request_id].tables
             p = row.token_start
             bs = config.block_size

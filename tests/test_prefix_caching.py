@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from messages.batch import RowKind
 from messages.prefix import BlockRemoved, BlockStored
 from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.batch import TaskKind
 from tests.engine_harness import Arrival, assert_matches_oracle, oracle_result, run_workload
 
 D = 4
@@ -47,7 +47,7 @@ def test_prefix_reuse_equals_cold_generation(toy_model, oracle, mode, async_sche
         t
         for b in record.batches
         for t in b.tasks
-        if t.request.request_id == "second" and t.kind != TaskKind.DECODE
+        if t.request.request_id == "second" and t.kind != RowKind.DECODE
     ]
     assert second_rows[0].token_start == 16  # hits x block_size
     for a in (first, second):

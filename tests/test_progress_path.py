@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from messages.batch import BatchPhase, BatchResult, RowResult
+from messages.batch import BatchResult, Phase, RowKind, RowResult
 from messages.prefix import BlockStored, prompt_block_hashes
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
-from services.scheduler.batch import ScheduledBatch, ScheduledTask, TaskKind
-from services.scheduler.request import RequestPhase
+from services.scheduler.batch import ScheduledBatch, ScheduledTask
 from services.scheduler.scheduler import Scheduler, SchedulerInvariantError, _Selection
 
 D = 4
@@ -26,8 +25,8 @@ def fake_result(batch: ScheduledBatch, token: int = 7) -> BatchResult:
     """Decode rows exit after one loop; coda rows sample ``token``."""
     rows = []
     for i, task in enumerate(batch.tasks):
-        if task.kind == TaskKind.DECODE:
-            rows.append(RowResult(row_index=i, exited=True, exit_depth=1, token_id=token))
+        if task.kind == RowKind.DECODE:
+            rows.append(RowResult(row_index=i, exited=True, exit_loops=1, token_id=token))
         else:
             rows.append(RowResult(row_index=i, token_id=token if task.compute_logits else -1))
     return BatchResult(seq=batch.seq, rows=rows)
@@ -59,7 +58,7 @@ def test_multi_depth_split_update_at_submission_publishes_blocks_while_in_flight
     inflight: list[ScheduledBatch] = []
 
     prelude = s.schedule()
-    assert prelude is not None and prelude.phase == BatchPhase.PREFILLING_PRELUDE
+    assert prelude is not None and prelude.phase == Phase.PREFILLING_PRELUDE
     s.update_after_submission(prelude)
     inflight.append(prelude)
     assert s.requests["a"].num_preluded_tokens == 12  # advanced at submission
@@ -153,11 +152,11 @@ def split_request(s: Scheduler) -> object:
     s.add_request("a", list(range(1, 11)), PARAMS)
     request = s.requests["a"]
     request.reset_prefill(origin=0)
-    request.phase = RequestPhase.PREFILLING_PRELUDE
+    request.phase = Phase.PREFILLING_PRELUDE
     return request
 
 
-def task(request, kind: TaskKind, start: int, count: int, depth: int = 0, loops: int = 1):
+def task(request, kind: RowKind, start: int, count: int, depth: int = 0, loops: int = 1):
     return ScheduledTask(
         request=request,
         kind=kind,
@@ -171,15 +170,15 @@ def task(request, kind: TaskKind, start: int, count: int, depth: int = 0, loops:
 def test_a_gap_in_prelude_spans_raises_and_moves_nothing() -> None:
     s = Scheduler(SchedulerConfig(split_prefill=True), LIMITS)
     request = split_request(s)
-    spans = [task(request, TaskKind.PRELUDE, 0, 2), task(request, TaskKind.PRELUDE, 3, 2)]
+    spans = [task(request, RowKind.PRELUDE, 0, 2), task(request, RowKind.PRELUDE, 3, 2)]
     with pytest.raises(SchedulerInvariantError, match="prelude span starts at 3"):
         s._apply_prelude_spans(request, spans)
     assert request.num_preluded_tokens == 0
     with pytest.raises(SchedulerInvariantError, match="prelude span starts at 2"):
-        s._apply_prelude_spans(request, [task(request, TaskKind.PRELUDE, 2, 2)])
+        s._apply_prelude_spans(request, [task(request, RowKind.PRELUDE, 2, 2)])
     # contiguous spans in any order merge into one advance
     s._apply_prelude_spans(
-        request, [task(request, TaskKind.PRELUDE, 2, 3), task(request, TaskKind.PRELUDE, 0, 2)]
+        request, [task(request, RowKind.PRELUDE, 2, 3), task(request, RowKind.PRELUDE, 0, 2)]
     )
     assert request.num_preluded_tokens == 5
 
@@ -188,7 +187,7 @@ def test_a_span_ending_beyond_the_shallower_frontier_raises() -> None:
     s = Scheduler(SchedulerConfig(split_prefill=True), LIMITS)
     request = split_request(s)
     request.num_preluded_tokens = 6
-    with pytest.raises(SchedulerInvariantError, match="beyond depth -1's frontier 6"):
+    with pytest.raises(SchedulerInvariantError, match="beyond the prelude's frontier 6"):
         s._advance_prefill_depth_frontier(request, 0, 0, 8, 1)
     s._advance_prefill_depth_frontier(request, 0, 0, 6, 1)
     with pytest.raises(SchedulerInvariantError, match="beyond depth 0's frontier 6"):
@@ -231,7 +230,7 @@ def two_prefilling_requests() -> Scheduler:
         request = s.requests[rid]
         s._waiting.remove((request.priority_key, request))
         request.reset_prefill(origin=0)
-        request.phase = RequestPhase.PREFILLING_RECURRENT
+        request.phase = Phase.PREFILLING_RECURRENT
         request.num_preluded_tokens = 4
         s._insert_running(request)
     assert s.kv.ensure("y", 4)  # 2 blocks x 4 planes
@@ -243,17 +242,17 @@ def test_a_request_selected_by_a_prefill_row_is_never_preempted_in_that_batch() 
     s = two_prefilling_requests()
     sel = _Selection(budget_left=64, max_seqs=2)
     y = s.requests["y"]
-    assert s._accept_task(task(y, TaskKind.PREFILL, 0, 4), sel) is not None
+    assert s._accept_task(task(y, RowKind.PREFILL, 0, 4), sel) is not None
     x = s.requests["x"]
-    assert s._accept_task(task(x, TaskKind.PREFILL, 0, 4), sel) is None  # x waits
+    assert s._accept_task(task(x, RowKind.PREFILL, 0, 4), sel) is None  # x waits
     assert s.stats.num_preemptions == 0
-    assert y.phase == RequestPhase.PREFILLING_RECURRENT and s.kv.num_held_blocks("y") == 8
+    assert y.phase == Phase.PREFILLING_RECURRENT and s.kv.num_held_blocks("y") == 8
 
 
 def test_contrast_an_unselected_prefill_request_is_preempted() -> None:
     s = two_prefilling_requests()
     sel = _Selection(budget_left=64, max_seqs=2)
     x = s.requests["x"]
-    assert s._accept_task(task(x, TaskKind.PREFILL, 0, 4), sel) is not None
+    assert s._accept_task(task(x, RowKind.PREFILL, 0, 4), sel) is not None
     assert s.stats.num_preemptions == 1
-    assert s.requests["y"].phase == RequestPhase.WAITING and s.kv.num_held_blocks("y") == 0
+    assert s.requests["y"].phase == Phase.WAITING and s.kv.num_held_blocks("y") == 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from messages.batch import Batch, BatchPhase, BatchResult
+from messages.batch import Batch, BatchResult, Phase, RowKind
 from services.bench.metrics import EngineCounters
 from services.worker.runner import ModelRunner
 
@@ -36,8 +36,8 @@ class RunnerProbe:
                 c.execute_s += time.perf_counter() - t0
                 c.batches += 1
                 # a follow-on row (async) is a decode row the worker resolves
-                if batch.phase == BatchPhase.RECURRENT and any(
-                    r.input_token_id >= 0 or r.follows for r in batch.rows
+                if batch.phase == Phase.RECURRENT and any(
+                    r.kind is RowKind.DECODE or r.kind is RowKind.FOLLOW_ON for r in batch.rows
                 ):
                     c.decode_batches += 1
 

@@ -12,13 +12,21 @@ import json
 import string
 from collections import defaultdict
 
+from messages.batch import RowKind
 from services.common.flags import sampling_params_from_args
 from services.engine.offline import build_offline_engine
-from services.scheduler.batch import ScheduledBatch, TaskKind
+from services.scheduler.batch import ScheduledBatch, ScheduledTask
 
 
 def request_names(n: int) -> list[str]:
     return [string.ascii_lowercase[i] if i < 26 else f"r{i}" for i in range(n)]
+
+
+def row_text(task: ScheduledTask) -> str:
+    """``(request, token_start, token_count, depth)``; a follow-on row's depth is not known
+    when it is scheduled (the worker resolves it), so it shows as ``+``."""
+    depth = "+" if task.kind is RowKind.FOLLOW_ON else str(task.depth)
+    return f"({task.request.request_id},{task.token_start},{task.token_count},{depth})"
 
 
 def batch_record(batch: ScheduledBatch) -> dict:
@@ -50,7 +58,7 @@ def wavefront_diagram(
     origin_of: dict[str, int] = {}
     for batch, origins in batches:
         for task, origin in zip(batch.tasks, origins, strict=True):
-            if task.kind == TaskKind.DECODE:
+            if task.kind is RowKind.DECODE or task.kind is RowKind.FOLLOW_ON:
                 continue
             rid = task.request.request_id
             origin_of[rid] = origin
@@ -58,10 +66,10 @@ def wavefront_diagram(
             last = (task.token_end - 1 - origin) // chunk
             levels = (
                 [-1]
-                if task.kind == TaskKind.PRELUDE
+                if task.kind == RowKind.PRELUDE
                 else list(range(task.depth, task.depth + task.num_loops))
             )
-            if task.embed and task.kind == TaskKind.PREFILL:
+            if task.embed and task.kind == RowKind.PREFILL:
                 levels = [-1, *levels]
             for c in range(first, last + 1):
                 for level in levels:
@@ -103,7 +111,7 @@ def run_schedule_trace(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(batch_record(batch)))
         else:
-            rows = " ".join(f"({r},{s},{n},{d})" for r, s, n, d in batch.rows())
+            rows = " ".join(row_text(t) for t in batch.tasks)
             print(f"seq={batch.seq:<4} {batch.phase!s:<19} {rows}")
     if args.diagram:
         lens = {name: len(p) for name, p in zip(names, prompts, strict=True)}

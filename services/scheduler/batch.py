@@ -3,40 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
 import msgspec
 
-from messages.batch import Batch, BatchPhase
+from messages.batch import Batch, Phase, RowKind
 from services.scheduler.request import Request
-
-# the depth a follow-on row shows in traces: it is known only from the results before it
-FOLLOW_ON_DEPTH = -1
-
-
-class TaskKind(StrEnum):
-    PRELUDE = "prelude"  # split prefill: embedding of a prompt span
-    PREFILL = "prefill"  # prefill recurrent work (split depth task or atomic chunk)
-    DECODE = "decode"  # one loop of one generated token
 
 
 class ScheduledTask(msgspec.Struct, eq=False):
     """One row as the scheduler sees it. Never encoded: a Struct because one is built per
-    row per step, and a Struct builds ~4x faster than a slotted dataclass."""
+    row per step, and a Struct builds ~4x faster than a slotted dataclass.
+
+    A FOLLOW_ON task's depth is not known when it is built (the worker resolves it; it is 0
+    here) and its ``token_start`` is the furthest position it can reach."""
 
     request: Request
-    kind: TaskKind
+    kind: RowKind
     token_start: int
     token_count: int
     depth: int = 0
     num_loops: int = 1
     embed: bool = False
     compute_logits: bool = False
-    forced_exit: int = 0
+    forced_exit_loops: int = 0
     generation: int = 0
-    # a follow-on decode row (async): the worker resolves its position and depth, so
-    # ``depth`` is FOLLOW_ON_DEPTH and ``token_start`` the furthest position it can reach
-    follows: bool = False
 
     @property
     def token_end(self) -> int:
@@ -50,7 +40,7 @@ class ScheduledTask(msgspec.Struct, eq=False):
 @dataclass(eq=False)
 class ScheduledBatch:
     seq: int
-    phase: BatchPhase
+    phase: Phase
     tasks: list[ScheduledTask]
     wire: Batch
     submitted: bool = False

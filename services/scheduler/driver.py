@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent
+from messages.batch import Phase
 from messages.errors import ErrorCode, RequestError
 from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad, WorkerResult
 from messages.prefix import PrefixEventBatch, ReplayRequest
@@ -24,7 +25,6 @@ from services.runtime.logging import get_logger, log_content_enabled, request_fi
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.nats_executor import NatsExecutor
-from services.scheduler.request import RequestPhase
 from services.scheduler.scheduler import Scheduler
 
 Delivery = tuple[str, StreamEvent]  # (client reply subject, event)
@@ -283,7 +283,7 @@ class SchedulerDriver:
         return self.executor.age_of(self.core.oldest_inflight_seq(), now)
 
     def load(self) -> SchedulerLoad:
-        waiting = [r for r in self.scheduler.requests.values() if r.phase == RequestPhase.WAITING]
+        waiting = [r for r in self.scheduler.requests.values() if r.phase == Phase.WAITING]
         return SchedulerLoad(
             scheduler_id=self.instance,
             num_waiting=len(waiting),

@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
+from messages.batch import Phase
 from messages.sampling import SamplingParams
 
-
-class RequestPhase(StrEnum):
-    WAITING = "waiting"
-    PREFILL = "prefill"  # atomic chunked prefill
-    PREFILLING_PRELUDE = "prefilling_prelude"
-    PREFILLING_RECURRENT = "prefilling_recurrent"
-    RECURRENT = "recurrent"  # decode; Ouro's prelude (embedding) is fused into the depth-0 row
-    FINISHED = "finished"
-
-
 # read per row per step: an Enum class attribute costs ~75 ns a lookup on Python 3.11
-_FINISHED = RequestPhase.FINISHED
+_FINISHED = Phase.FINISHED
 
 PREFILL_PHASES = (
-    RequestPhase.PREFILL,
-    RequestPhase.PREFILLING_PRELUDE,
-    RequestPhase.PREFILLING_RECURRENT,
+    Phase.PREFILL,
+    Phase.PREFILLING_PRELUDE,
+    Phase.PREFILLING_RECURRENT,
 )
 
 
@@ -36,7 +26,7 @@ class Request:
     arrival_seq: int
     total_depths: int
     trace_id: str = ""
-    phase: RequestPhase = RequestPhase.WAITING
+    phase: Phase = Phase.WAITING
     # bumped on preemption so results of batches sent before it are ignored
     generation: int = 0
 
@@ -83,22 +73,25 @@ class Request:
         return self.phase is _FINISHED
 
     def prefill_right(self, depth: int) -> int:
-        """Right end of the depth frontier; depth -1 is the prelude frontier."""
-        if depth < 0:
-            return self.num_preluded_tokens
+        """Right end of depth ``depth``'s frontier (0-based depth)."""
         return self.prefill_depth_ranges[depth][1]
+
+    def ready_end(self, depth: int) -> int:
+        """How far depth ``depth`` may run: what the level above it has done (the prelude
+        frontier for depth 0, else depth - 1's frontier)."""
+        if depth == 0:
+            return self.num_preluded_tokens
+        return self.prefill_depth_ranges[depth - 1][1]
 
     def token_at(self, position: int) -> int:
         if position < self.num_prompt_tokens:
             return self.prompt_token_ids[position]
         return self.output_token_ids[position - self.num_prompt_tokens]
 
-    def forced_exit_at(self, position: int) -> int:
-        """Recorded exit depth of the token fed at ``position`` (0 = decide by policy).
-
-        Feeding output i at position P+i produced output i+1, so a position whose output is
-        already known replays that token's recorded depth.
-        """
+    def forced_exit_loops_at(self, position: int) -> int:
+        """Recorded exit (a loop count) of the token fed at ``position``; 0 = decide by the
+        policy. Feeding output i at position P+i produced output i+1, so a position whose
+        output is already known replays that token's recorded exit."""
         index = position - self.num_prompt_tokens + 1
         if index < len(self.output_token_ids):
             return self.output_exit_depths[index]

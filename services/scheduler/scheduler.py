@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent
-from messages.batch import Batch, BatchPhase, BatchResult, BatchRow, NewRequest, WorkerSampling
+from messages.batch import Batch, BatchResult, BatchRow, NewRequest, Phase, RowKind, WorkerSampling
 from messages.errors import ErrorCode, RequestError
 from messages.prefix import (
     AllBlocksCleared,
@@ -24,18 +24,19 @@ from messages.prefix import (
 )
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
-from services.scheduler.batch import FOLLOW_ON_DEPTH, ScheduledBatch, ScheduledTask, TaskKind
+from services.scheduler.batch import ScheduledBatch, ScheduledTask
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.prefix_events import PrefixEventLog
-from services.scheduler.request import PREFILL_PHASES, Request, RequestPhase
+from services.scheduler.request import PREFILL_PHASES, Request
 
-# The per-row loops compare kinds by identity against these: on Python 3.11 an Enum class
-# attribute (TaskKind.DECODE) costs ~75 ns a lookup, a module global ~10.
-_DECODE, _PREFILL, _PRELUDE = TaskKind.DECODE, TaskKind.PREFILL, TaskKind.PRELUDE
-_PRELUDE_BATCH, _PREFILL_BATCH = BatchPhase.PREFILLING_PRELUDE, BatchPhase.PREFILL
-_ATOMIC_PREFILLING, _RECURRENT = RequestPhase.PREFILL, RequestPhase.RECURRENT
-_SPLIT_PRELUDE = RequestPhase.PREFILLING_PRELUDE
-_SPLIT_PREFILLING = (_SPLIT_PRELUDE, RequestPhase.PREFILLING_RECURRENT)
+# The per-row loops compare enum members by identity against module globals: on Python 3.11
+# an Enum class attribute (RowKind.DECODE) costs ~75 ns a lookup, a module global ~10.
+_DECODE, _FOLLOW_ON = RowKind.DECODE, RowKind.FOLLOW_ON
+_PREFILL, _PRELUDE = RowKind.PREFILL, RowKind.PRELUDE
+_ATOMIC, _RECURRENT = Phase.PREFILL, Phase.RECURRENT
+_SPLIT_PRELUDE, _SPLIT_RECURRENT = Phase.PREFILLING_PRELUDE, Phase.PREFILLING_RECURRENT
+_SPLIT_PREFILLING = (_SPLIT_PRELUDE, _SPLIT_RECURRENT)
+_DECODE_KINDS = (_DECODE, _FOLLOW_ON)  # rows of the token being generated
 
 
 class SchedulerInvariantError(RuntimeError):
@@ -86,7 +87,7 @@ class Scheduler:
         self._waiting: list[tuple[tuple[int, int], Request]] = []
         self._arrivals = 0
         self._next_seq = 0
-        self._last_phase: BatchPhase | None = None
+        self._last_phase: Phase | None = None
         self._pending_new: list[Request] = []
         self._pending_finished: list[str] = []
         self._rng = random.Random(seed)
@@ -208,7 +209,7 @@ class Scheduler:
         self._admit_waiting()
         for phase in self._phase_preference():
             selection = _Selection(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-            if phase == BatchPhase.RECURRENT:
+            if phase == Phase.RECURRENT:
                 self._take_decode_rows(selection)
             self._take_wavefront_phase(phase, selection)
             if selection.tasks:
@@ -221,11 +222,7 @@ class Scheduler:
             if request.is_finished:
                 continue  # aborted while waiting
             request.reset_prefill(origin=self._claim_cached_prefix(request))
-            request.phase = (
-                RequestPhase.PREFILLING_PRELUDE
-                if self.config.split_prefill
-                else RequestPhase.PREFILL
-            )
+            request.phase = Phase.PREFILLING_PRELUDE if self.config.split_prefill else Phase.PREFILL
             self._insert_running(request)
             self._pending_new.append(request)
 
@@ -253,12 +250,12 @@ class Scheduler:
         index = next((i for i, k in enumerate(keys) if k > request.priority_key), len(keys))
         self.running.insert(index, request)
 
-    def _phase_preference(self) -> list[BatchPhase]:
+    def _phase_preference(self) -> list[Phase]:
         if not self.config.split_prefill:
             # atomic prefill and decode cannot share a batch: alternate when both have work
-            if self._last_phase == BatchPhase.PREFILL:
-                return [BatchPhase.RECURRENT, BatchPhase.PREFILL]
-            return [BatchPhase.PREFILL, BatchPhase.RECURRENT]
+            if self._last_phase == Phase.PREFILL:
+                return [Phase.RECURRENT, Phase.PREFILL]
+            return [Phase.PREFILL, Phase.RECURRENT]
         # split: the prelude is cheap; run it when some request's depth-0 work has caught
         # up with its prelude (it would stall otherwise), else keep the core busy
         starved = any(
@@ -266,8 +263,8 @@ class Scheduler:
             for r in self.running
         )
         if starved:
-            return [BatchPhase.PREFILLING_PRELUDE, BatchPhase.RECURRENT]
-        return [BatchPhase.RECURRENT, BatchPhase.PREFILLING_PRELUDE]
+            return [Phase.PREFILLING_PRELUDE, Phase.RECURRENT]
+        return [Phase.RECURRENT, Phase.PREFILLING_PRELUDE]
 
     # ------------------------------------------------------------------ selection
     def _take_decode_rows(self, sel: _Selection) -> None:
@@ -286,7 +283,7 @@ class Scheduler:
                 continue  # no-refill baseline: wait for the whole cohort to exit
             else:
                 position = request.num_computed_tokens
-                forced = request.forced_exit_at(position)
+                forced = request.forced_exit_loops_at(position)
                 task = ScheduledTask(
                     request=request,
                     kind=_DECODE,
@@ -295,7 +292,7 @@ class Scheduler:
                     depth=request.decode_depth,
                     embed=request.decode_depth == 0,
                     compute_logits=forced == 0,
-                    forced_exit=forced,
+                    forced_exit_loops=forced,
                 )
             self._accept_task(task, sel)
             if sel.budget_left <= 0:
@@ -312,23 +309,15 @@ class Scheduler:
         """
         if not self._follow_ons:
             return None
-        if request.forced_exit_at(request.num_computed_tokens):
+        if request.forced_exit_loops_at(request.num_computed_tokens):
             return None  # replaying a recorded exit
         if len(request.output_token_ids) + request.pending_token_rows >= request.params.max_tokens:
             return None
         # if every loop in flight exits, the follow-on feeds this position
         furthest = request.num_computed_tokens + request.pending_decode_loops
-        return ScheduledTask(
-            request=request,
-            kind=_DECODE,
-            token_start=furthest,
-            token_count=1,
-            depth=FOLLOW_ON_DEPTH,
-            compute_logits=True,
-            follows=True,
-        )
+        return ScheduledTask(request=request, kind=_FOLLOW_ON, token_start=furthest, token_count=1)
 
-    def _take_wavefront_phase(self, phase: BatchPhase, sel: _Selection) -> None:
+    def _take_wavefront_phase(self, phase: Phase, sel: _Selection) -> None:
         """Depth-major selection shared by PRELUDE, split RECURRENT and atomic PREFILL.
 
         For each level (PRELUDE: chunk order; RECURRENT: depth 0..D-1; PREFILL: one level)
@@ -338,9 +327,7 @@ class Scheduler:
         candidates = [r for r in self.running if r.phase in PREFILL_PHASES]
         if not candidates or sel.budget_left <= 0:
             return
-        prelude_cursors: dict[str, int] | None = (
-            {} if phase == BatchPhase.PREFILLING_PRELUDE else None
-        )
+        prelude_cursors: dict[str, int] | None = {} if phase == Phase.PREFILLING_PRELUDE else None
         for level in self._levels(phase):
             accepted_any = False
             for request in candidates:
@@ -359,10 +346,10 @@ class Scheduler:
             if prelude_cursors is not None and not accepted_any:
                 return  # PRELUDE levels go on only while some request still advances
 
-    def _levels(self, phase: BatchPhase) -> Iterable[int]:
-        if phase == BatchPhase.PREFILLING_PRELUDE:
+    def _levels(self, phase: Phase) -> Iterable[int]:
+        if phase == Phase.PREFILLING_PRELUDE:
             return _count_up()
-        if phase == BatchPhase.PREFILL:
+        if phase == Phase.PREFILL:
             return (0,)
         return range(self.total_depths)
 
@@ -376,12 +363,12 @@ class Scheduler:
     def _make_wavefront_task(
         self,
         request: Request,
-        phase: BatchPhase,
+        phase: Phase,
         level: int,
         prelude_cursors: dict[str, int] | None,
     ) -> ScheduledTask | None:
         prompt_len = request.num_prompt_tokens
-        if phase is _PRELUDE_BATCH:
+        if phase is _SPLIT_PRELUDE:
             if request.phase is not _SPLIT_PRELUDE or prelude_cursors is None:
                 return None
             start = prelude_cursors.get(request.request_id, request.num_preluded_tokens)
@@ -390,8 +377,8 @@ class Scheduler:
             end = self._chunk_end(request, start)
             return self._task(request, _PRELUDE, start, end, depth=0, loops=0)
 
-        if phase is _PREFILL_BATCH:
-            if request.phase is not _ATOMIC_PREFILLING:
+        if phase is _ATOMIC:
+            if request.phase is not _ATOMIC:
                 return None
             start = request.prefill_right(self.total_depths - 1)
             if start >= prompt_len:
@@ -405,8 +392,8 @@ class Scheduler:
             return None
         depth = level
         start = request.prefill_right(depth)
-        # ready as of the start of the step: [right_d, ...) bounded by depth d-1's frontier
-        limit = request.prefill_right(depth - 1)
+        # ready as of the start of the step: [right_d, ...) bounded by the level above
+        limit = request.ready_end(depth)
         end = min(self._chunk_end(request, start), limit)
         if end <= start:
             return None
@@ -423,7 +410,7 @@ class Scheduler:
     def _task(
         self,
         request: Request,
-        kind: TaskKind,
+        kind: RowKind,
         start: int,
         end: int,
         *,
@@ -455,7 +442,7 @@ class Scheduler:
         count = task.token_count if task.token_count <= budget else budget
         kind = task.kind
         # prelude spans need no KV; a decode row's slot is allocated with its depth-0 row
-        needs_kv = (task.depth == 0 or task.follows) if kind is _DECODE else kind is _PREFILL
+        needs_kv = kind is _FOLLOW_ON or kind is _PREFILL or (kind is _DECODE and task.depth == 0)
         if needs_kv and not self._ensure_execution_capacity(request, task.token_start + count, sel):
             return None
         task.token_count = count
@@ -504,7 +491,7 @@ class Scheduler:
         self.kv.free(request.request_id)
         self.running.remove(request)
         request.generation += 1
-        request.phase = RequestPhase.WAITING
+        request.phase = Phase.WAITING
         request.reset_prefill(origin=0)
         self._pending_finished.append(request.request_id)
         if request in self._pending_new:
@@ -513,9 +500,9 @@ class Scheduler:
         self.stats.num_preemptions += 1
 
     # ------------------------------------------------------------------ batch building
-    def _build_batch(self, phase: BatchPhase, tasks: list[ScheduledTask]) -> ScheduledBatch:
-        decode = [t for t in tasks if t.kind is _DECODE]
-        prompt = [t for t in tasks if t.kind is not _DECODE]
+    def _build_batch(self, phase: Phase, tasks: list[ScheduledTask]) -> ScheduledBatch:
+        decode = [t for t in tasks if t.kind in _DECODE_KINDS]
+        prompt = [t for t in tasks if t.kind not in _DECODE_KINDS]
         # execution order only: selection, budget and queue order are already settled
         prompt.sort(key=lambda t: (t.request.priority_key, t.token_start))
         ordered = decode + prompt
@@ -535,24 +522,24 @@ class Scheduler:
         self._last_phase = phase
         self.stats.num_batches += 1
         self.stats.num_decode_rows += len(decode)
-        if len({t.depth for t in ordered if t.kind is not _PRELUDE and not t.follows}) >= 2:
+        if len({t.depth for t in ordered if t.kind is _DECODE or t.kind is _PREFILL}) >= 2:
             self.stats.num_batches_with_mixed_depths += 1
         return ScheduledBatch(seq=seq, phase=phase, tasks=ordered, wire=wire)
 
     def _wire_row(self, task: ScheduledTask) -> BatchRow:
         request = task.request
-        if task.follows:  # the worker fills in everything it has and we do not
+        if task.kind is _FOLLOW_ON:  # the worker fills in everything it has and we do not
             return BatchRow(
                 request_id=request.request_id,
+                kind=_FOLLOW_ON,
                 token_start=task.token_start,
                 token_count=1,
-                depth=0,
                 compute_logits=True,
-                follows=True,
             )
         if task.kind is _DECODE:
             return BatchRow(
                 request_id=request.request_id,
+                kind=_DECODE,
                 token_start=task.token_start,
                 token_count=1,
                 depth=task.depth,
@@ -560,17 +547,18 @@ class Scheduler:
                 embed=task.embed,
                 input_token_id=request.token_at(task.token_start),
                 remaining=request.decode_remaining,
-                forced_exit=task.forced_exit,
+                forced_exit_loops=task.forced_exit_loops,
                 compute_logits=task.compute_logits,
                 output_index=len(request.output_token_ids),
             )
         return BatchRow(
             request_id=request.request_id,
+            kind=task.kind,
             token_start=task.token_start,
             token_count=task.token_count,
             depth=task.depth,
             num_loops=task.num_loops,
-            embed=task.embed or task.kind == TaskKind.PRELUDE,
+            embed=task.embed or task.kind is _PRELUDE,
             compute_logits=task.compute_logits,
             output_index=len(request.output_token_ids),
         )
@@ -604,7 +592,7 @@ class Scheduler:
         for task in batch.tasks:
             request = task.request
             request.inflight_batches += 1
-            if task.kind is _DECODE:
+            if task.kind in _DECODE_KINDS:
                 request.pending_token_rows += 1
                 request.pending_decode_loops += 1
             elif task.compute_logits:
@@ -636,11 +624,11 @@ class Scheduler:
                     f"{request.request_id}: the worker skipped a row of batch {batch.seq} "
                     "for a live request"
                 )
-            if task.kind is _DECODE:
+            if task.kind in _DECODE_KINDS:
                 request.pending_token_rows -= 1
                 request.pending_decode_loops -= 1
                 self._apply_decode_output(
-                    task, row.exited, row.exit_depth, row.remaining, row.token_id, events
+                    task, row.exited, row.exit_loops, row.remaining, row.token_id, events
                 )
             elif task.compute_logits:
                 request.pending_token_rows -= 1
@@ -676,14 +664,14 @@ class Scheduler:
         completes are published here (drained by ``take_prefix_events``), so submission-time
         and output-time progress publish identically."""
         batch.progress_applied = True
-        groups: dict[tuple[str, TaskKind], list[ScheduledTask]] = {}
+        groups: dict[tuple[str, RowKind], list[ScheduledTask]] = {}
         for task in batch.tasks:
-            if task.kind is _DECODE or self._is_stale(task):
+            if task.kind in _DECODE_KINDS or self._is_stale(task):
                 continue
             groups.setdefault((task.request.request_id, task.kind), []).append(task)
         for (_, kind), tasks in groups.items():
             request = tasks[0].request
-            if kind == TaskKind.PRELUDE:
+            if kind is _PRELUDE:
                 self._apply_prelude_spans(request, tasks)
                 continue
             for task in tasks:
@@ -706,10 +694,8 @@ class Scheduler:
                 )
             frontier = task.token_end
         request.num_preluded_tokens = frontier
-        if frontier == request.num_prompt_tokens and request.phase == (
-            RequestPhase.PREFILLING_PRELUDE
-        ):
-            request.phase = RequestPhase.PREFILLING_RECURRENT
+        if frontier == request.num_prompt_tokens and request.phase == (Phase.PREFILLING_PRELUDE):
+            request.phase = Phase.PREFILLING_RECURRENT
 
     def _advance_prefill_depth_frontier(
         self, request: Request, depth: int, start: int, end: int, loop_count: int
@@ -725,10 +711,11 @@ class Scheduler:
                     f"{request.request_id}: depth {d} frontier is at {right}, "
                     f"task starts at {start}"
                 )
-            if end > request.prefill_right(d - 1):
+            if end > request.ready_end(d):
+                above = "the prelude" if d == 0 else f"depth {d - 1}"
                 raise SchedulerInvariantError(
-                    f"{request.request_id}: depth {d} task ends at {end}, beyond depth {d - 1}'s "
-                    f"frontier {request.prefill_right(d - 1)}"
+                    f"{request.request_id}: depth {d} task ends at {end}, beyond {above}'s "
+                    f"frontier {request.ready_end(d)}"
                 )
             request.prefill_depth_ranges[d] = (origin, end)
         return depth + loop_count == self.total_depths
@@ -747,7 +734,7 @@ class Scheduler:
             request.num_computed_tokens = end
             request.decode_depth = 0
             request.decode_remaining = 1.0
-            request.phase = RequestPhase.RECURRENT
+            request.phase = Phase.RECURRENT
 
     def _publish_full_blocks(self, request: Request, end: int, batch_seq: int) -> None:
         if not request.block_hashes:
@@ -764,7 +751,7 @@ class Scheduler:
         self,
         task: ScheduledTask,
         exited: bool,
-        exit_depth: int,
+        exit_loops: int,
         remaining: float,
         token_id: int,
         events: list[StreamEvent],
@@ -773,7 +760,7 @@ class Scheduler:
         # results apply in batch order, so the request's cursor is where this row ran
         # (a follow-on row's depth is only known this way)
         depth = request.decode_depth
-        if not task.follows and task.depth != depth:
+        if task.kind is _DECODE and task.depth != depth:
             raise SchedulerInvariantError(
                 f"{request.request_id}: row scheduled at depth {task.depth}, cursor at {depth}"
             )
@@ -781,28 +768,30 @@ class Scheduler:
             request.decode_depth += 1
             request.decode_remaining = remaining
             return
-        if exit_depth != depth + 1:
+        if exit_loops != depth + 1:
             raise SchedulerInvariantError(
-                f"{request.request_id}: row at depth {depth} reported exit depth {exit_depth}"
+                f"{request.request_id}: row at depth {depth} reported an exit after "
+                f"{exit_loops} loops"
             )
         request.num_computed_tokens += 1
         request.decode_depth = 0
         request.decode_remaining = 1.0
-        if task.forced_exit:
+        if task.forced_exit_loops:
             return  # replayed position: its token is already known
-        self._append_token(request, token_id, exit_depth, events)
+        self._append_token(request, token_id, exit_loops, events)
 
     def _append_token(
-        self, request: Request, token_id: int, exit_depth: int, events: list[StreamEvent]
+        self, request: Request, token_id: int, exit_loops: int, events: list[StreamEvent]
     ) -> None:
         request.output_token_ids.append(token_id)
-        request.output_exit_depths.append(exit_depth)
+        # the public API names this loop count "exit_depth" (docs/ARCHITECTURE.md)
+        request.output_exit_depths.append(exit_loops)
         events.append(
             TokenEvent(
                 request_id=request.request_id,
                 index=len(request.output_token_ids) - 1,
                 token_id=token_id,
-                exit_depth=exit_depth,
+                exit_depth=exit_loops,
             )
         )
         params = request.params
@@ -814,7 +803,7 @@ class Scheduler:
             self._finish(request, "length", events)
 
     def _finish(self, request: Request, reason: str, events: list[StreamEvent]) -> None:
-        request.phase = RequestPhase.FINISHED
+        request.phase = Phase.FINISHED
         request.finish_reason = reason
         self.kv.free(request.request_id)
         if request in self.running:

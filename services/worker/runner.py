@@ -22,7 +22,7 @@ from kernels import (
     select_attention_backend,
     write_kv,
 )
-from messages.batch import Batch, BatchPhase, BatchResult, BatchRow, RowResult, WorkerSampling
+from messages.batch import Batch, BatchResult, BatchRow, Phase, RowKind, RowResult, WorkerSampling
 from services.common.config import KVLayout
 from services.common.exit_policy import should_exit, update_survival
 from services.common.sampling import sample_token
@@ -54,7 +54,7 @@ class _RowState:
 
     @property
     def is_decode(self) -> bool:
-        return self.row.input_token_id >= 0
+        return self.row.kind is RowKind.DECODE
 
 
 class ModelRunner:
@@ -122,7 +122,7 @@ class ModelRunner:
         self.last_seq = batch.seq
         states: list[_RowState] = []
         for i, row in enumerate(batch.rows):
-            resolved = self._resolve_follow_on(row) if row.follows else row
+            resolved = self._resolve_follow_on(row) if row.kind is RowKind.FOLLOW_ON else row
             if resolved is not None:
                 states.append(
                     _RowState(
@@ -130,7 +130,7 @@ class ModelRunner:
                     )
                 )
         try:
-            if batch.phase == BatchPhase.PREFILLING_PRELUDE:
+            if batch.phase == Phase.PREFILLING_PRELUDE:
                 self._run_prelude(states)
             else:
                 self._run_recurrent(states)
@@ -332,8 +332,8 @@ class ModelRunner:
         r = state.row
         loops_run = state.depth + 1
         s = req.sampling
-        if r.forced_exit:
-            exited = loops_run >= r.forced_exit
+        if r.forced_exit_loops:
+            exited = loops_run >= r.forced_exit_loops
         else:
             exited = should_exit(loops_run, remaining, s.min_loops, s.max_loops, s.exit_threshold)
         state.result.remaining = remaining
@@ -341,10 +341,10 @@ class ModelRunner:
         if not exited:
             req.decode_hidden = h
             req.next_decode = msgspec.structs.replace(
-                r, depth=loops_run, embed=False, remaining=remaining, follows=False
+                r, depth=loops_run, embed=False, remaining=remaining
             )
             return
-        state.result.exit_depth = loops_run
+        state.result.exit_loops = loops_run
         req.decode_hidden = None
         req.next_decode = None  # the coda sets it once the next input token is sampled
         if self.kv_layout == KVLayout.LAST_EXITED and loops_run < self.total_depths:
@@ -367,6 +367,7 @@ class ModelRunner:
             # the token is fed back at the next position, from depth 0
             self.requests[r.request_id].next_decode = BatchRow(
                 request_id=r.request_id,
+                kind=RowKind.DECODE,
                 token_start=r.token_start + r.token_count,
                 token_count=1,
                 depth=0,
