@@ -14,7 +14,9 @@ token of a decode specially (SentencePiece's leading-space strip) only affect ch
 already emitted. While text is held back the window grows; for byte-level BPE (Ouro's
 tokenizer) a long hold is cut at a token boundary where decoding the two halves separately
 gives the same text, which for UTF-8 means the byte decoder is back in sync there, so the
-window stays bounded even for runs of invalid bytes.
+window stays bounded even for runs of invalid bytes. SentencePiece byte-fallback tokens
+decode as a group (all U+FFFD if any byte is invalid, even bytes that alone were valid),
+so a trailing run of them is held back whole until a text token closes it.
 """
 
 from __future__ import annotations
@@ -42,12 +44,23 @@ class IncrementalDetokenizer:
             self._parts = ["".join(self._parts)]
         return self._parts[0] if self._parts else ""
 
+    @property
+    def window_len(self) -> int:
+        """Ids kept for the next decode: the cost of a push (bounded for byte-level BPE)."""
+        return len(self._window)
+
     def push(self, token_id: int) -> str:
         """Adds one token; returns the text it completes ("" while held back)."""
         window = self._window
         window.append(token_id)
         decoded = self._codec.decode(window)
-        if decoded.endswith(_REPLACEMENT):
+        group = self._open_byte_group()
+        if group is not None:
+            # text before an open byte-fallback group is final; the group is not
+            stable = len(self._codec.decode(window[:group]))
+            delta = decoded[self._emitted_in_window : stable]
+            self._emitted_in_window = max(self._emitted_in_window, stable)
+        elif decoded.endswith(_REPLACEMENT):
             stable = len(decoded.rstrip(_REPLACEMENT))
             delta = decoded[self._emitted_in_window : stable]
             self._emitted_in_window = max(self._emitted_in_window, stable)
@@ -69,6 +82,18 @@ class IncrementalDetokenizer:
         if delta:
             self._parts.append(delta)
         return delta
+
+    def _open_byte_group(self) -> int | None:
+        """Where the window's trailing run of byte-fallback tokens starts (tokens without
+        text inside it do not close it), or None when the window does not end in one."""
+        start = None
+        for i in range(len(self._window) - 1, -1, -1):
+            token = self._window[i]
+            if self._codec.is_byte_piece(token):
+                start = i
+            elif self._codec.produces_text(token):
+                break
+        return start
 
     def _reanchor(self) -> None:
         """Everything is emitted: keep only the last text-producing token as context."""

@@ -9,8 +9,10 @@ same ids everywhere. What ``encode`` does matches ``AutoTokenizer.from_pretraine
   ``add_bos_token`` / ``add_eos_token`` in tokenizer_config.json do not override it when a
   tokenizer.json exists (transformers drops them then);
 - tokenizer_config.json's named special tokens (``bos_token``, ``eos_token``, ``unk_token``,
-  ``pad_token``, ``additional_special_tokens`` / ``extra_special_tokens``) and its
-  ``added_tokens_decoder`` entries are special: never split, and skipped by ``decode``;
+  ``pad_token``, ...) become special: never split, and skipped by ``decode``. Tokens of
+  ``additional_special_tokens`` / ``extra_special_tokens`` and ``added_tokens_decoder`` are
+  added when tokenizer.json lacks them, but keep tokenizer.json's flag when it has them
+  (transformers 5 does the same; Ouro's chat tokens are special in its tokenizer.json);
 - chat prompts render the checkpoint's chat template (``chat_template.jinja``, else
   tokenizer_config.json's ``chat_template``) in transformers' Jinja environment and are
   tokenized *without* post-processor specials, as ``apply_chat_template(tokenize=True)``.
@@ -24,6 +26,7 @@ ships.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -41,7 +44,15 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
-_NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+_NAMED_SPECIALS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "sep_token",
+    "cls_token",
+    "mask_token",
+)
 _SPECIAL_LISTS = ("additional_special_tokens", "extra_special_tokens")
 
 
@@ -65,6 +76,10 @@ class TextCodec:
         # byte-level BPE (GPT-2, Qwen, SmolLM, Ouro): the decode of a byte stream, which
         # lets the detokenizer bound its window (see IncrementalDetokenizer)
         self.is_byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        # SentencePiece-style byte fallback (<0xE2> tokens): a run of them decodes as one
+        # group, all of it U+FFFD when any byte is invalid, so the run is open until a
+        # text token closes it
+        self._byte_fallback = _decoder_types(tokenizer) & {"ByteFallback"} != set()
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -148,9 +163,26 @@ class TextCodec:
         """Whether ``decode`` gives this id any bytes (specials and unknown ids give none)."""
         return token_id not in self.special_ids and self._tok.id_to_token(token_id) is not None
 
+    def is_byte_piece(self, token_id: int) -> bool:
+        """A byte-fallback token (``<0xNN>``) of a decoder that groups them."""
+        if not self._byte_fallback:
+            return False
+        token = self._tok.id_to_token(token_id)
+        return token is not None and _BYTE_PIECE.fullmatch(token) is not None
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _decoder_types(tokenizer: Tokenizer) -> set[str]:
+    """The types of the decoder and, for a Sequence, of its members."""
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    members = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    return {m.get("type", "") for m in members if isinstance(m, dict)}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -196,9 +228,12 @@ def _apply_tokenizer_config(tokenizer: Tokenizer, config: Mapping[str, Any], pat
         content = _token_content(config.get(name))
         if content is not None:
             specials[name] = content
-    extra = [c for n in _SPECIAL_LISTS for c in map(_token_content, config.get(n) or ()) if c]
-    for content in (*specials.values(), *extra):
+    for content in specials.values():
         to_add.append(AddedToken(content, special=True, normalized=False))
+    for name in _SPECIAL_LISTS:
+        for content in map(_token_content, config.get(name) or ()):
+            if content and tokenizer.token_to_id(content) is None:
+                to_add.append(AddedToken(content, special=True, normalized=False))
     # tokens already in tokenizer.json keep their ids; only their "special" flag may change
     tokenizer.add_tokens([t for t in to_add if not t.special])
     tokenizer.add_special_tokens([t for t in to_add if t.special])
