@@ -42,6 +42,12 @@ _NOT_IMPLEMENTED = {
 }
 
 
+# every key GenerationDefaults reads or reports
+GENERATION_KEYS = frozenset(
+    {"eos_token_id", "max_new_tokens", "temperature", "top_p", "top_k", *_NOT_IMPLEMENTED}
+)
+
+
 @dataclass(frozen=True)
 class GenerationDefaults:
     """The parts of generation_config.json rlt applies (``None``: the file does not say)."""

@@ -16,7 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config_error import ConfigError
-from services.common.generation_config import GENERATION_CONFIG_FILE, GenerationDefaults
+from services.common.generation_config import (
+    GENERATION_CONFIG_FILE,
+    GENERATION_KEYS,
+    GenerationDefaults,
+)
 
 __all__ = ["HF_DEFAULTS", "ConfigError", "OuroConfig", "config_field_report"]
 
@@ -174,6 +178,11 @@ class OuroConfig:
         vals: dict[str, Any] = {name: req_int(name) for name in _REQUIRED_INT}
         # HF: absent -> its default of 32; an explicit null -> num_attention_heads
         kv_heads = d.get("num_key_value_heads", HF_DEFAULTS["num_key_value_heads"])
+        if "num_key_value_heads" not in d and heads % kv_heads != 0:
+            raise ConfigError(
+                f"config has no 'num_key_value_heads': HF's default of {kv_heads} does not "
+                f"divide num_attention_heads ({heads}); the checkpoint needs the field"
+            )
         vals["num_key_value_heads"] = _as_int(
             "num_key_value_heads", heads if kv_heads is None else kv_heads
         )
@@ -286,6 +295,8 @@ def config_field_report(d: Mapping[str, Any]) -> dict[str, str]:
             report[name] = "implemented"
         elif name in _NO_EFFECT:
             report[name] = f"no effect: {_NO_EFFECT[name]}"
+        elif name in GENERATION_KEYS:
+            report[name] = "generation default, used when there is no generation_config.json"
         else:
             report[name] = "unknown: not read by rlt (nor by HF's Ouro modeling code)"
     return report
