@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, processors
 
 from messages.api import FinishedEvent, GenerateRequest
 from messages.sampling import SamplingParams
-from services.admission.core import AdmissionConfig, AdmissionCore
+from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError
 from services.common.checkpoint import load_model_limits
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.model_config import ConfigError, OuroConfig, config_field_report
@@ -363,6 +363,31 @@ def test_chat_messages_use_the_checkpoint_template(toy_checkpoint: Path) -> None
     assert ids[0] == im_start and im_end in ids and ids.count(im_start) == 2
     assert codec.decode(ids) == "user\nHello there\nassistant\n"  # specials skipped
     assert ids == codec.encode_chat(messages)
+
+
+def test_bad_chat_requests_get_error_replies(toy_checkpoint: Path, tmp_path: Path) -> None:
+    def prepare(ckpt: Path, body: dict[str, Any]) -> str:
+        core = AdmissionCore(load_model_limits(ckpt), TextCodec.from_checkpoint(ckpt))
+        with pytest.raises(AdmissionError) as info:
+            core.prepare(json.dumps(body).encode())
+        return info.value.message
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert "exactly one of" in prepare(toy_checkpoint, {**chat, "prompt": "hi"})
+    assert "'role'" in prepare(toy_checkpoint, {"messages": [{"content": "hi"}]})
+    no_template = variant(toy_checkpoint, tmp_path / "plain")
+    edit = json.loads((no_template / "tokenizer_config.json").read_text())
+    del edit["chat_template"]
+    (no_template / "tokenizer_config.json").write_text(json.dumps(edit))
+    assert "no chat template" in prepare(no_template, chat)
+    raising = variant(toy_checkpoint, tmp_path / "raising")
+    (raising / "chat_template.jinja").write_text(
+        "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+        "{{ messages[0]['content'] }}{{ 1 // (messages|length - 1) }}"
+    )
+    two = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+    assert "one message only" in prepare(raising, two)
+    assert "ZeroDivisionError" in prepare(raising, chat)
 
 
 def test_toy_checkpoint_ends_chat_replies_like_ouro(toy_checkpoint: Path) -> None:

@@ -22,7 +22,6 @@ from messages.errors import ErrorCode, RequestError
 from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits
-from services.common.config_error import ConfigError
 from services.common.tokenizer import TextCodec
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]+$")
@@ -315,8 +314,12 @@ class AdmissionCore:
         self._check_chars(sum(len(str(m.get("content"))) for m in messages))
         try:
             return codec.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
-        except (jinja2.TemplateError, ConfigError, TypeError, ValueError) as exc:
+        except jinja2.TemplateError as exc:  # raise_exception() and template errors
             raise RequestError(f"the chat template refused the messages: {exc}") from None
+        except Exception as exc:  # the template is checkpoint code run on client data
+            raise RequestError(
+                f"the chat template failed on the messages: {type(exc).__name__}: {exc}"
+            ) from None
 
     def _codec(self) -> TextCodec:
         if self.codec is None:
