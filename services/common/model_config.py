@@ -223,15 +223,19 @@ class OuroConfig:
         generation_config.json the generation keys come from config.json, as in HF."""
         ckpt = Path(checkpoint_dir)
         cfg = cls.from_json_file(ckpt / CONFIG_FILE)
-        if (ckpt / GENERATION_CONFIG_FILE).is_file():
+        source = ckpt / GENERATION_CONFIG_FILE
+        if source.is_file():
             generation = GenerationDefaults.from_checkpoint(ckpt)
         else:
-            raw = json.loads((ckpt / CONFIG_FILE).read_text(encoding="utf-8"))
-            generation = GenerationDefaults.from_dict(raw)
+            source = ckpt / CONFIG_FILE
+            try:
+                generation = GenerationDefaults.from_dict(json.loads(source.read_text("utf-8")))
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from e
         try:
             return replace(cfg, generation=generation)
         except ConfigError as e:
-            raise ConfigError(f"{ckpt / GENERATION_CONFIG_FILE}: {e}") from e
+            raise ConfigError(f"{source}: {e}") from e
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> OuroConfig:
