@@ -9,33 +9,52 @@ import msgspec
 from messages.errors import RequestError
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """vLLM-like sampling knobs plus the looped-model exit policy.
-
-    ``max_loops=None`` means "the model's total_ut_steps"; ``resolve`` fills it in.
-    ``top_k=0`` and ``top_p=1.0`` disable those filters; ``temperature=0`` is greedy.
-    """
+class RequestDefaults(msgspec.Struct, frozen=True, kw_only=True):
+    """What a request that leaves a field unset gets: the API's own defaults, replaced per
+    checkpoint by its generation_config.json and config.json (``early_exit_threshold``)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    exit_threshold: float = 1.0
+
+
+API_DEFAULTS = RequestDefaults()
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM-like sampling knobs plus the looped-model exit policy.
+
+    ``None`` means "unset": ``resolve`` fills it from the model's ``RequestDefaults``
+    (``max_loops=None`` becomes the model's total_ut_steps). A value the request sets always
+    wins. ``top_k=0`` and ``top_p=1.0`` disable those filters; ``temperature=0`` is greedy.
+    """
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     min_loops: int = 2
     max_loops: int | None = None
-    exit_threshold: float = 1.0
+    exit_threshold: float | None = None
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0
 
     def validate(self) -> None:
-        """Model-independent range checks; raises RequestError with a clear message."""
-        _check_int("max_tokens", self.max_tokens, lo=1, hi=2**31 - 1)
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        """Model-independent range checks of the fields that are set; raises RequestError."""
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1, hi=2**31 - 1)
+        if self.temperature is not None and (
+            not math.isfinite(self.temperature) or self.temperature < 0
+        ):
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
+        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, lo=0, hi=2**31 - 1)
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, lo=0, hi=2**31 - 1)
         if self.seed is not None:
             _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
         _check_int("min_loops", self.min_loops, lo=1, hi=2**31 - 1)
@@ -45,14 +64,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise RequestError(
                     f"min_loops ({self.min_loops}) must not exceed max_loops ({self.max_loops})"
                 )
-        if not (0.0 <= self.exit_threshold <= 1.0):
+        if self.exit_threshold is not None and not (0.0 <= self.exit_threshold <= 1.0):
             raise RequestError(f"exit_threshold must be in [0, 1], got {self.exit_threshold}")
         for tok in self.stop_token_ids:
             _check_int("stop_token_ids entry", tok, lo=0, hi=2**31 - 1)
         _check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
 
-    def resolve(self, total_ut_steps: int, vocab_size: int) -> SamplingParams:
-        """Checks against the model and returns a copy with ``max_loops`` filled in."""
+    def resolve(
+        self, total_ut_steps: int, vocab_size: int, defaults: RequestDefaults = API_DEFAULTS
+    ) -> SamplingParams:
+        """Checks against the model; returns a copy with every unset field filled in from
+        ``defaults`` (and ``max_loops`` from ``total_ut_steps``). Idempotent."""
         self.validate()
         max_loops = total_ut_steps if self.max_loops is None else self.max_loops
         if max_loops > total_ut_steps:
@@ -66,7 +88,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for tok in self.stop_token_ids:
             if tok >= vocab_size:
                 raise RequestError(f"stop token id {tok} is outside the vocabulary ({vocab_size})")
-        return msgspec.structs.replace(self, max_loops=max_loops)
+        resolved = msgspec.structs.replace(
+            self,
+            max_tokens=_or(self.max_tokens, defaults.max_tokens),
+            temperature=_or(self.temperature, defaults.temperature),
+            top_p=_or(self.top_p, defaults.top_p),
+            top_k=_or(self.top_k, defaults.top_k),
+            exit_threshold=_or(self.exit_threshold, defaults.exit_threshold),
+            max_loops=max_loops,
+        )
+        resolved.validate()  # the defaults come from checkpoint files: check them too
+        return resolved
+
+
+def _or(value, default):  # type: ignore[no-untyped-def]
+    return default if value is None else value
 
 
 def _check_int(name: str, value: int, lo: int | None = None, hi: int | None = None) -> None:

@@ -310,13 +310,16 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
     from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError, OpenRequests
     from services.common.checkpoint import load_model_limits, load_tokenizer
     from services.common.config import SchedulerConfig
+    from services.common.tokenizer import TextCodec
     from services.prefix_cache.core import PrefixIndex
     from services.runtime.bus import HEADER_CHUNK, Reassembler
     from services.scheduler.driver import SchedulerDriver
     from services.scheduler.liveness import LossDetector, WorkerTracker
 
     limits, tokenizer = load_model_limits(checkpoint), load_tokenizer(checkpoint)
-    admission = AdmissionCore(limits, tokenizer, AdmissionConfig(max_payload=1 << 20))
+    admission = AdmissionCore(
+        limits, TextCodec.from_checkpoint(checkpoint), AdmissionConfig(max_payload=1 << 20)
+    )
     config = SchedulerConfig(block_size=4, num_blocks=256, enable_prefix_caching=True)
     driver = SchedulerDriver(config, limits, tokenizer.decode if tokenizer else None, log=_Quiet())
     index = PrefixIndex()

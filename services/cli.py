@@ -6,7 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from services.common.flags import add_bus_flags, add_engine_flags, add_request_flags
+from services.common.flags import (
+    add_bus_flags,
+    add_device_flags,
+    add_engine_flags,
+    add_request_flags,
+)
 from services.worker.model.sizes import CHECKPOINT_SIZES
 
 
@@ -17,6 +22,12 @@ def cmd_toy_checkpoint(args: argparse.Namespace) -> int:
     out = write_toy_checkpoint(args.dir, seed=args.seed, size=args.size)
     print(f"wrote {args.size} checkpoint to {out}")
     return 0
+
+
+def cmd_check_checkpoint(args: argparse.Namespace) -> int:
+    from services.engine.check import run_check
+
+    return run_check(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -68,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
         "in bfloat16 (2.9 GB, about 20 s)",
     )
     p.set_defaults(func=cmd_toy_checkpoint)
+
+    p = sub.add_parser(
+        "check-checkpoint",
+        help="load a checkpoint directory, print its resolved config, refuse what rlt cannot "
+        "run as HF does, and generate one token",
+    )
+    p.add_argument("dir")
+    add_device_flags(p)
+    p.set_defaults(func=cmd_check_checkpoint)
 
     p = sub.add_parser("generate", help="generate text (over NATS, or --offline in-process)")
     p.add_argument("text", nargs="*", help="prompt text (same as --prompt)")

@@ -28,7 +28,8 @@ from messages.internal import (
 from messages.prefix import PrefixEventBatch, PrefixLookup, ReplayRequest
 from scripts.fuzz import fuzz_decoders, run_live
 from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError
-from services.common.checkpoint import load_model_limits, load_tokenizer
+from services.common.checkpoint import load_model_limits
+from services.common.tokenizer import TextCodec
 from services.launcher import NatsServer, free_port
 from services.runtime.bus import decode_json, decode_msgpack
 from tests.service_procs import service_procs
@@ -69,7 +70,7 @@ def test_random_bytes_only_raise_decode_errors(data: bytes, index: int) -> None:
 def admission_core(toy_checkpoint: Path) -> AdmissionCore:
     return AdmissionCore(
         load_model_limits(toy_checkpoint),
-        load_tokenizer(toy_checkpoint),
+        TextCodec.from_checkpoint(toy_checkpoint),
         AdmissionConfig(max_payload=1 << 20),
     )
 

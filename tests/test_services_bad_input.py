@@ -18,6 +18,7 @@ from messages.sampling import SamplingParams
 from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError
 from services.common.checkpoint import load_model_limits, load_tokenizer
 from services.common.config import SchedulerConfig
+from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.launcher import NatsServer
 from services.runtime import subjects
@@ -142,7 +143,7 @@ async def test_overload_is_refused_with_overloaded(
 def test_admission_backpressure_counts_unacknowledged_sends(toy_checkpoint: Path) -> None:
     core = AdmissionCore(
         load_model_limits(toy_checkpoint),
-        load_tokenizer(toy_checkpoint),
+        TextCodec.from_checkpoint(toy_checkpoint),
         AdmissionConfig(max_waiting_requests=3, max_waiting_tokens=100),
         admission_id="a1",
     )

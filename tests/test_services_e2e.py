@@ -132,7 +132,7 @@ async def test_pipeline_matches_engine_and_oracle(
 
     # the in-process engine, same config
     engine = LLMEngine.from_checkpoint(toy_checkpoint, config)
-    tokenizer_ids = services["admission"].core.tokenizer.encode(text).ids  # type: ignore[attr-defined]
+    tokenizer_ids = services["admission"].core.codec.encode(text)  # type: ignore[attr-defined]
     expected = engine.generate(
         [ids for ids, _ in cases] + [tokenizer_ids],
         [p for _, p in cases] + [cases[0][1]],  # the text request's params equal case 0's

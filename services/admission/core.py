@@ -14,14 +14,15 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
+import jinja2
 import msgspec
-from tokenizers import Tokenizer
 
 from messages.api import AbortRequest, ErrorEvent, GenerateRequest
 from messages.errors import ErrorCode, RequestError
 from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits
+from services.common.tokenizer import TextCodec
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]+$")
 # a reply subject: printable tokens without wildcards, separated by single dots
@@ -147,12 +148,12 @@ class AdmissionCore:
     def __init__(
         self,
         limits: ModelLimits,
-        tokenizer: Tokenizer | None,
+        codec: TextCodec | None,
         config: AdmissionConfig | None = None,
         admission_id: str | None = None,
     ) -> None:
         self.limits = limits
-        self.tokenizer = tokenizer
+        self.codec = codec
         self.config = config or AdmissionConfig()
         self.admission_id = admission_id or uuid.uuid4().hex[:12]
         self.load = LoadTracker(self.admission_id, self.config.unseen_expiry_s)
@@ -164,8 +165,9 @@ class AdmissionCore:
         request_id = self._request_id(request.request_id)
         try:
             prompt = self._prompt_ids(request)
-            params = request.sampling_params()
-            params.resolve(self.limits.total_ut_steps, self.limits.vocab_size)
+            # the scheduler gets the request with the model's defaults filled in
+            params = self.limits.resolve(request.sampling_params())
+            assert params.max_tokens is not None
             self._check_fits(len(prompt), params.max_tokens)
             _check_encodable(params)
         except RequestError as exc:
@@ -263,12 +265,13 @@ class AdmissionCore:
             )
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
-        has_text = request.prompt is not None
-        has_ids = request.prompt_token_ids is not None
-        if has_text == has_ids:
-            raise RequestError("give exactly one of prompt or prompt_token_ids")
+        given = [request.prompt, request.prompt_token_ids, request.messages]
+        if sum(x is not None for x in given) != 1:
+            raise RequestError("give exactly one of prompt, prompt_token_ids or messages")
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
+        elif request.messages is not None:
+            ids = self._tokenize_chat(request.messages, request.chat_template_kwargs or {})
         else:
             ids = self._tokenize(request.prompt or "")
         if not ids:
@@ -291,13 +294,38 @@ class AdmissionCore:
         return limit if cap is None else min(cap, limit)
 
     def _tokenize(self, text: str) -> list[int]:
-        if self.tokenizer is None:
+        codec = self._codec()
+        self._check_chars(len(text))
+        return codec.encode(text)
+
+    def _tokenize_chat(self, messages: list[dict], template_kwargs: dict) -> list[int]:
+        codec = self._codec()
+        if codec.chat_template is None:
+            raise RequestError("this checkpoint's tokenizer has no chat template; send prompt")
+        for message in messages:
+            content = message.get("content")
+            if not isinstance(message.get("role"), str) or not isinstance(content, str | list):
+                raise RequestError("each message needs a string 'role' and a 'content'")
+        self._check_chars(sum(len(str(m.get("content"))) for m in messages))
+        try:
+            return codec.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
+        except jinja2.TemplateError as exc:  # raise_exception() and template errors
+            raise RequestError(f"the chat template refused the messages: {exc}") from None
+        except Exception as exc:  # the template is checkpoint code run on client data
+            raise RequestError(
+                f"the chat template failed on the messages: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def _codec(self) -> TextCodec:
+        if self.codec is None:
             raise RequestError("this checkpoint has no tokenizer.json; send prompt_token_ids")
+        return self.codec
+
+    def _check_chars(self, num_chars: int) -> None:
         # cheap guard before tokenizing: no tokenizer makes fewer than 1 token per 64 chars
         max_chars = 64 * self.max_prompt_tokens
-        if len(text) > max_chars:
-            raise RequestError(f"prompt is too long ({len(text)} characters, limit {max_chars})")
-        return list(self.tokenizer.encode(text).ids)
+        if num_chars > max_chars:
+            raise RequestError(f"prompt is too long ({num_chars} characters, limit {max_chars})")
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
         limit = self.limits.max_position_embeddings

@@ -33,8 +33,9 @@ from services.admission.core import (
     OpenRequest,
     OpenRequests,
 )
-from services.common.checkpoint import load_model_limits, load_tokenizer
+from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
+from services.common.tokenizer import TextCodec
 from services.runtime import subjects
 from services.runtime.bus import (
     HEADER_TRACE_ID,
@@ -84,7 +85,10 @@ class AdmissionService(Service):
         # connected by now: requests whose messages could never cross the bus are refused
         self.config = dataclasses.replace(self.config, max_payload=self.nc.max_payload)
         self.core = AdmissionCore(
-            limits, load_tokenizer(self.checkpoint), self.config, admission_id=self.instance_id
+            limits,
+            TextCodec.from_checkpoint(self.checkpoint),
+            self.config,
+            admission_id=self.instance_id,
         )
 
     def endpoints(self) -> Sequence[Endpoint]:

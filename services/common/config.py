@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from messages.sampling import API_DEFAULTS, RequestDefaults, SamplingParams
+
 
 class KVLayout(StrEnum):
     LAST_EXITED = "last_exited"  # one plane per depth; exited tokens copied upwards
@@ -17,17 +19,39 @@ class ModelLimits:
     total_ut_steps: int
     vocab_size: int
     max_position_embeddings: int
+    # ids that end a request (unless ignore_eos): config.json's and generation_config.json's
+    # eos; empty when neither names one (then only max_tokens and stop ids end a request)
     eos_token_ids: tuple[int, ...]
+    # what a request that leaves a field unset gets (generation_config.json, config.json)
+    defaults: RequestDefaults = API_DEFAULTS
 
     @classmethod
     def from_model_config(cls, cfg: Any) -> ModelLimits:
         """From an ``OuroConfig`` (read by attribute: the scheduler never imports the model)."""
+        generation = cfg.generation
+        api = API_DEFAULTS
         return cls(
             total_ut_steps=cfg.total_ut_steps,
             vocab_size=cfg.vocab_size,
             max_position_embeddings=cfg.max_position_embeddings,
-            eos_token_ids=tuple(cfg.eos_token_ids),
+            eos_token_ids=tuple(cfg.stop_token_ids),
+            defaults=RequestDefaults(
+                max_tokens=_first(generation.max_tokens, api.max_tokens),
+                temperature=_first(generation.temperature, api.temperature),
+                top_p=_first(generation.top_p, api.top_p),
+                top_k=_first(generation.top_k, api.top_k),
+                exit_threshold=cfg.early_exit_threshold,
+            ),
         )
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """The one place a request's unset fields get this model's defaults (admission and
+        the scheduler both call it); raises RequestError for values the model cannot take."""
+        return params.resolve(self.total_ut_steps, self.vocab_size, self.defaults)
+
+
+def _first(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 @dataclass(frozen=True)

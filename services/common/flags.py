@@ -24,14 +24,20 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)"
     )
-    g.add_argument("--max-tokens", type=int, default=16)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    # unset (None) takes the checkpoint's default: generation_config.json, else the API's
+    g.add_argument("--max-tokens", type=int, default=None, help="default: the checkpoint's")
+    g.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
+    g.add_argument("--top-p", type=float, default=None, help="default: the checkpoint's")
+    g.add_argument("--top-k", type=int, default=None, help="default: the checkpoint's")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--min-loops", type=int, default=2)
     g.add_argument("--max-loops", type=int, default=None)
-    g.add_argument("--exit-threshold", type=float, default=1.0)
+    g.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="default: the checkpoint's early_exit_threshold (config.json)",
+    )
     g.add_argument("--ignore-eos", action="store_true")
 
 

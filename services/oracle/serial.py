@@ -120,39 +120,69 @@ class _Config:
     max_position_embeddings: int
     total_ut_steps: int
     tie_word_embeddings: bool
+    # config.json's eos, then generation_config.json's (HF's generate() stops at the latter)
     eos_token_ids: tuple[int, ...]
+    early_exit_threshold: float
+    default_max_tokens: int
+    # per layer: None (full causal attention) or the sliding window's size in tokens
+    windows: tuple[int | None, ...]
+
+
+def _eos_list(eos: object) -> list[int]:
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]  # type: ignore[call-overload]
+
+
+def _layer_windows(raw: dict, num_layers: int) -> tuple[int | None, ...]:
+    """HF OuroConfig: sliding_window only when use_sliding_window; layer_types, else sliding
+    for layers >= max_window_layers (default 28)."""
+    window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
+    types = raw.get("layer_types") or [
+        "sliding_attention"
+        if window is not None and i >= raw.get("max_window_layers", 28)
+        else "full_attention"
+        for i in range(num_layers)
+    ]
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _read_config(path: Path) -> _Config:
+    """config.json (and generation_config.json beside it), with HF OuroConfig's defaults."""
     raw = json.loads(path.read_text())
+    gen_path = path.parent / "generation_config.json"
+    # without a generation_config.json, HF derives the generation config from config.json
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else raw
     hidden = int(raw["hidden_size"])
     heads = int(raw["num_attention_heads"])
-    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    kv_heads = raw.get("num_key_value_heads", 32)  # absent: HF's default; null: MHA
+    kv_heads = heads if kv_heads is None else int(kv_heads)
     head_dim = raw.get("head_dim")
     head_dim = int(head_dim) if head_dim else hidden // heads
     if heads % kv_heads != 0:
         raise ValueError(f"num_attention_heads={heads} not divisible by kv heads={kv_heads}")
-    eos = raw.get("eos_token_id")
-    if eos is None:
-        eos_ids: tuple[int, ...] = ()
-    elif isinstance(eos, list):
-        eos_ids = tuple(int(e) for e in eos)
-    else:
-        eos_ids = (int(eos),)
+    eos_ids = tuple(
+        dict.fromkeys(_eos_list(raw.get("eos_token_id")) + _eos_list(gen.get("eos_token_id")))
+    )
+    threshold = raw.get("early_exit_threshold")
+    layers = int(raw["num_hidden_layers"])
     return _Config(
         hidden_size=hidden,
         intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=int(raw["vocab_size"]),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(raw.get("rope_theta", 10000.0)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
         total_ut_steps=int(raw.get("total_ut_steps", 4)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=eos_ids,
+        early_exit_threshold=1.0 if threshold is None else float(threshold),
+        default_max_tokens=int(gen.get("max_new_tokens") or 16),
+        windows=_layer_windows(raw, layers),
     )
 
 
@@ -310,8 +340,11 @@ class SerialOracle:
         vals = kv.v[plane][layer][:end].repeat_interleave(group, dim=1).transpose(0, 1)
         scores = q.transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(cfg.head_dim)
         key_pos = torch.arange(end)
-        future = key_pos[None, :] > positions[:, None]  # [n, end]
-        scores = scores.masked_fill(future[None], float("-inf"))
+        hidden = key_pos[None, :] > positions[:, None]  # [n, end]: the future
+        window = cfg.windows[layer]
+        if window is not None:  # HF's sliding window: the last `window` positions only
+            hidden |= key_pos[None, :] <= positions[:, None] - window
+        scores = scores.masked_fill(hidden[None], float("-inf"))
         out = torch.softmax(scores, dim=-1) @ vals  # [heads, n, hd]
         out = out.transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim)
         return F.linear(out, w.wo)
@@ -373,10 +406,10 @@ class SerialOracle:
         self,
         prompt_token_ids: Sequence[int],
         *,
-        max_tokens: int,
+        max_tokens: int | None = None,
         min_loops: int = 2,
         max_loops: int | None = None,
-        exit_threshold: float = 1.0,
+        exit_threshold: float | None = None,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         kv_layout: str = "last_exited",
@@ -389,9 +422,15 @@ class SerialOracle:
         ``sampler(logits_f32[V], output_index) -> token`` defaults to greedy argmax (lowest
         index on exact ties). ``forced_exit_depths[i]`` (i >= 1) makes generated token i exit
         after exactly that many loops instead of following the policy; entry 0 is ignored
-        because the first token always comes from the full-depth prefill.
+        because the first token always comes from the full-depth prefill. Unset
+        ``max_tokens`` / ``exit_threshold`` take the checkpoint's defaults
+        (generation_config.json's max_new_tokens, else 16; config.json's early_exit_threshold).
         """
         D = self.total_ut_steps
+        if max_tokens is None:
+            max_tokens = self._cfg.default_max_tokens
+        if exit_threshold is None:
+            exit_threshold = self._cfg.early_exit_threshold
         prompt = self._check_tokens(prompt_token_ids)
         layout = self._check_layout(kv_layout)
         if max_tokens < 1:

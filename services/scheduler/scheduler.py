@@ -110,7 +110,7 @@ class Scheduler:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already live")
         self._validate_prompt(prompt_token_ids)
-        resolved = params.resolve(self.limits.total_ut_steps, self.limits.vocab_size)
+        resolved = self.limits.resolve(params)
         total = len(prompt_token_ids) + resolved.max_tokens
         if total > self.limits.max_position_embeddings:
             raise RequestError(

@@ -8,11 +8,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.common.model_config import ConfigError, OuroConfig
+from services.common.checkpoint import log_checkpoint_notes
+from services.common.model_config import CONFIG_FILE, ConfigError, OuroConfig
+
+__all__ = ["CONFIG_FILE", "CheckpointError", "expected_shapes", "load_checkpoint"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
 
 # Dtypes we accept on disk; anything else (int8, fp8, ...) would need dequantisation we lack.
 _DISK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -98,9 +100,10 @@ def load_checkpoint(
     if not ckpt.is_dir():
         raise CheckpointError(f"{ckpt}: checkpoint directory not found")
     try:
-        cfg = OuroConfig.from_json_file(ckpt / CONFIG_FILE)
+        cfg = OuroConfig.from_checkpoint(ckpt)
     except ConfigError as e:
         raise CheckpointConfigError(str(e)) from e
+    log_checkpoint_notes(cfg, ckpt)
 
     expected = expected_shapes(cfg)
     files = _tensor_files(ckpt)

@@ -24,6 +24,17 @@ from .loader import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, expected_shapes
 from .sizes import CHECKPOINT_SIZES, DEFAULT_DTYPE
 
 EOS_TOKEN = "<|endoftext|>"
+# Ouro's chat turns (ChatML); a chat reply ends with IM_END, which generation_config.json
+# lists as an end of sequence next to config.json's <|endoftext|>
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+CHAT_TOKENS = (IM_START, IM_END)
+# Ouro's chat template, in the ChatML form its tokenizer_config.json carries
+CHAT_TEMPLATE = """{% for message in messages %}
+{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}
+{% if add_generation_prompt %}
+{{ '<|im_start|>assistant\\n' }}{% endif %}
+"""
 
 # shards of a multi-file checkpoint are cut at about this size, as in published checkpoints
 SHARD_BYTES = 2 << 30
@@ -142,21 +153,25 @@ def train_toy_tokenizer(vocab_size: int) -> Tokenizer:
 
     The small corpus cannot fill a large vocab, so the rest is padded with reserved special
     tokens: every id the model can emit then decodes (to "" with skip_special_tokens), as with
-    the padded vocabularies of real checkpoints.
+    the padded vocabularies of real checkpoints. The chat tokens take the last two ids, so
+    the trained ids and the reserved range are those of the tokenizer without them. As in
+    Ouro's tokenizer, the post-processor adds no special token to an encoded text.
     """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(CHAT_TOKENS),
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
     trained = tok.get_vocab_size()
-    tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - trained)])
+    reserved = vocab_size - len(CHAT_TOKENS) - trained
+    tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(reserved)])
+    tok.add_special_tokens(list(CHAT_TOKENS))
     return tok
 
 
@@ -192,6 +207,7 @@ def write_toy_checkpoint(
     if tok.get_vocab_size() > cfg.vocab_size or tok.token_to_id(EOS_TOKEN) != cfg.eos_token_ids[0]:
         raise RuntimeError("toy tokenizer does not fit the toy config")  # a bug, not user input
     tok.save(str(out / "tokenizer.json"))
+    im_end = tok.token_to_id(IM_END)
 
     weights = random_weights(cfg, seed, dtype, num_trained_tokens(tok), gen_device)
     _save_weights(weights, out, shard_bytes)
@@ -201,9 +217,13 @@ def write_toy_checkpoint(
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "bos_token": EOS_TOKEN,
                 "eos_token": EOS_TOKEN,
+                "pad_token": EOS_TOKEN,
                 "unk_token": None,
+                "additional_special_tokens": list(CHAT_TOKENS),
                 "model_max_length": cfg.max_position_embeddings,
                 "add_bos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
             },
             indent=2,
         )
@@ -213,8 +233,7 @@ def write_toy_checkpoint(
         json.dumps(
             {
                 "bos_token_id": cfg.bos_token_id,
-                "eos_token_id": cfg.eos_token_ids[0],
-                "do_sample": False,
+                "eos_token_id": [cfg.eos_token_ids[0], im_end],
             },
             indent=2,
         )
