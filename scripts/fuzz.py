@@ -308,7 +308,7 @@ class _Msg:
 def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
     """Mutated messages into every internal decoder and the pure core behind it."""
     from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError, OpenRequests
-    from services.common.checkpoint import load_model_limits, load_tokenizer
+    from services.common.checkpoint import load_model_limits
     from services.common.config import SchedulerConfig
     from services.common.tokenizer import TextCodec
     from services.prefix_cache.core import PrefixIndex
@@ -316,12 +316,10 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
     from services.scheduler.driver import SchedulerDriver
     from services.scheduler.liveness import LossDetector, WorkerTracker
 
-    limits, tokenizer = load_model_limits(checkpoint), load_tokenizer(checkpoint)
-    admission = AdmissionCore(
-        limits, TextCodec.from_checkpoint(checkpoint), AdmissionConfig(max_payload=1 << 20)
-    )
+    limits, codec = load_model_limits(checkpoint), TextCodec.from_checkpoint(checkpoint)
+    admission = AdmissionCore(limits, codec, AdmissionConfig(max_payload=1 << 20))
     config = SchedulerConfig(block_size=4, num_blocks=256, enable_prefix_caching=True)
-    driver = SchedulerDriver(config, limits, tokenizer.decode if tokenizer else None, log=_Quiet())
+    driver = SchedulerDriver(config, limits, codec, log=_Quiet())
     index = PrefixIndex()
     tracker, loss = WorkerTracker(), LossDetector()
     reassembler = Reassembler()

@@ -138,4 +138,6 @@ def check_stream(events: Sequence[Event]) -> FinishedEvent | ErrorEvent:
     if isinstance(terminal, FinishedEvent):
         assert [t.token_id for t in tokens] == terminal.token_ids  # type: ignore[union-attr]
         assert [t.exit_depth for t in tokens] == terminal.exit_depths  # type: ignore[union-attr]
+        # the stream's text deltas add up to the final text (DESIGN.md §6)
+        assert "".join(t.text for t in tokens) == terminal.text  # type: ignore[union-attr]
     return terminal

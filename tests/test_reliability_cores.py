@@ -16,8 +16,9 @@ from messages.api import FinishedEvent
 from messages.internal import AdmittedRequest, RequestNotice, WorkerHeartbeat
 from messages.sampling import SamplingParams
 from services.admission.core import AdmissionCore, OpenRequests
-from services.common.checkpoint import load_model_limits, load_tokenizer
+from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
+from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.launcher import NatsServer
 from services.runtime.bus import HEADER_CHUNK, Reassembler
@@ -120,8 +121,7 @@ def test_driver_worker_lost_recomputes_and_ignores_the_old_epoch(
     )
     model = OuroModel.from_checkpoint(toy_checkpoint)
     limits = load_model_limits(toy_checkpoint)
-    tokenizer = load_tokenizer(toy_checkpoint)
-    driver = SchedulerDriver(config, limits, lambda ids: tokenizer.decode(ids))
+    driver = SchedulerDriver(config, limits, TextCodec.from_checkpoint(toy_checkpoint))
     prompts = {"a": [5, 9, 33, 71, 2, 18], "b": [101, 7, 7, 250], "c": list(range(40, 52))}
     for rid, ids in prompts.items():
         assert driver.add(_admitted(rid, ids), track=f"rlt.v1.adm.x.{rid}") == []

@@ -16,7 +16,7 @@ from messages.api import AbortRequest, ErrorEvent, FinishedEvent, GenerateReques
 from messages.internal import AdmittedRequest, SchedulerLoad
 from messages.sampling import SamplingParams
 from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError
-from services.common.checkpoint import load_model_limits, load_tokenizer
+from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
@@ -175,8 +175,7 @@ def test_admission_backpressure_counts_unacknowledged_sends(toy_checkpoint: Path
 
 def _driver_and_runner(ckpt: Path, config: SchedulerConfig) -> tuple[SchedulerDriver, ModelRunner]:
     model = OuroModel.from_checkpoint(ckpt)
-    tokenizer = load_tokenizer(ckpt)
-    driver = SchedulerDriver(config, load_model_limits(ckpt), lambda ids: tokenizer.decode(ids))
+    driver = SchedulerDriver(config, load_model_limits(ckpt), TextCodec.from_checkpoint(ckpt))
     driver.bind("w1")
     return driver, ModelRunner(model, config.num_blocks, config.block_size, config.kv_layout)
 

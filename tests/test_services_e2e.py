@@ -443,3 +443,39 @@ def test_rlt_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path, toy_checkpoi
             up.wait()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+
+
+async def test_text_prompts_give_the_same_ids_and_text_offline_and_over_nats(
+    nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path
+) -> None:
+    """One tokenizer path and one detokenizer: `rlt generate --offline` and the services
+    turn the same text into the same tokens and the same text (multi-byte characters
+    included), and the stream adds up to the final text."""
+    prompts = ["The quick brown fox", "naïve café, 東京 — ünïcödé ✓", "Hello!\n  spaces\ttab"]
+    params = ["--max-tokens", "12", "--temperature", "1.0", "--seed", "7", "--ignore-eos"]
+    offline = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", "--offline", "--json"]
+        + ["--checkpoint", str(toy_checkpoint), *params]
+        + [arg for p in prompts for arg in ("--prompt", p)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    expected = [json.loads(line) for line in offline.stdout.splitlines()]
+    assert len(expected) == len(prompts)
+    config = SchedulerConfig(block_size=4, num_blocks=256)
+    async with (
+        services_up(nats_server.url, toy_checkpoint, config),
+        Client.connect(nats_server.url) as client,
+    ):
+        for prompt, want in zip(prompts, expected, strict=True):
+            events = await client.generate(
+                {"prompt": prompt, "max_tokens": 12, "temperature": 1.0, "seed": 7,
+                 "ignore_eos": True}
+            )  # fmt: skip
+            got = check_stream(events)  # also: the token texts add up to the final text
+            assert isinstance(got, FinishedEvent)
+            assert got.num_prompt_tokens == want["num_prompt_tokens"]
+            assert got.token_ids == want["token_ids"]
+            assert got.text == want["text"]

@@ -9,16 +9,16 @@ from hypothesis import strategies as st
 
 from messages.api import FinishedEvent, StreamEvent, TokenEvent
 from messages.sampling import SamplingParams
-from services.common.checkpoint import load_tokenizer
 from services.common.config import SchedulerConfig
+from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.scheduler.output import OutputProcessor
 
 
-def _decode(checkpoint):  # type: ignore[no-untyped-def]
-    tok = load_tokenizer(checkpoint)
-    assert tok is not None
-    return lambda ids: tok.decode(ids, skip_special_tokens=True)
+def _codec(checkpoint) -> TextCodec:  # type: ignore[no-untyped-def]
+    codec = TextCodec.from_checkpoint(checkpoint)
+    assert codec is not None
+    return codec
 
 
 @settings(max_examples=200, deadline=None)
@@ -28,8 +28,8 @@ def _decode(checkpoint):  # type: ignore[no-untyped-def]
     per_step=st.integers(min_value=1, max_value=4),
 )
 def test_concatenated_token_text_equals_final_text(toy_checkpoint, ids, reason, per_step):
-    decode = _decode(toy_checkpoint)
-    outputs = OutputProcessor(decode)
+    codec = _codec(toy_checkpoint)
+    outputs = OutputProcessor(codec)
     streamed: list[str] = []
     events: list[StreamEvent] = [
         TokenEvent(request_id="r", index=i, token_id=t, exit_depth=4) for i, t in enumerate(ids)
@@ -49,13 +49,13 @@ def test_concatenated_token_text_equals_final_text(toy_checkpoint, ids, reason, 
         outputs.process([final])
     assert "".join(streamed) == final.text
     if reason != "abort":
-        assert final.text == decode(ids)  # nothing held back is lost at the end
+        assert final.text == codec.decode(ids)  # nothing held back is lost at the end
 
 
 def test_engine_streams_the_final_text(toy_model, toy_checkpoint):
-    decode = _decode(toy_checkpoint)
+    codec = _codec(toy_checkpoint)
     config = SchedulerConfig(block_size=4, num_blocks=256, async_scheduling=True)
-    engine = LLMEngine(toy_model, config, decode=decode)
+    engine = LLMEngine(toy_model, config, codec=codec)
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
     for i in range(6):
         engine.add_request(f"r{i}", [5 + i, 60, 200 + i], params)
@@ -68,4 +68,4 @@ def test_engine_streams_the_final_text(toy_model, toy_checkpoint):
             finished[event.request_id] = event
     assert len(finished) == 6
     for rid, event in finished.items():
-        assert "".join(texts[rid]) == event.text == decode(event.token_ids)
+        assert "".join(texts[rid]) == event.text == codec.decode(event.token_ids)

@@ -1,17 +1,15 @@
 """Checkpoint facts the CPU-only services need (admission, scheduler): model limits from
-config.json and the tokenizer, without loading any weights."""
+config.json and generation_config.json, without loading any weights (the tokenizer is
+services/common/tokenizer.py's TextCodec)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import structlog
-from tokenizers import Tokenizer
 
 from services.common.config import ModelLimits
 from services.common.model_config import OuroConfig
-
-TOKENIZER_FILE = "tokenizer.json"
 
 
 def load_model_limits(checkpoint: str | Path) -> ModelLimits:
@@ -38,9 +36,3 @@ def log_checkpoint_notes(cfg: OuroConfig, checkpoint: str | Path) -> None:
             keys=list(cfg.generation.not_applied),
             checkpoint=str(checkpoint),
         )
-
-
-def load_tokenizer(checkpoint: str | Path) -> Tokenizer | None:
-    """The checkpoint's tokenizer.json, or None (then only prompt_token_ids are accepted)."""
-    path = Path(checkpoint) / TOKENIZER_FILE
-    return Tokenizer.from_file(str(path)) if path.exists() else None

@@ -15,10 +15,10 @@ import torch
 from messages.api import FinishedEvent, StreamEvent
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
+from services.common.tokenizer import TextCodec
 from services.engine.executor import InProcessExecutor
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.engine_core import EngineCore
-from services.scheduler.output import Decode
 from services.scheduler.scheduler import Scheduler
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
@@ -34,7 +34,7 @@ class LLMEngine:
         model: OuroModel,
         config: SchedulerConfig,
         *,
-        decode: Decode | None = None,
+        codec: TextCodec | None = None,
         on_batch: Callable[[ScheduledBatch], None] | None = None,
     ) -> None:
         self.model = model
@@ -44,7 +44,7 @@ class LLMEngine:
             config,
             model_limits(model),
             InProcessExecutor(self.runner),
-            decode=decode,
+            codec=codec,
             on_batch=on_batch,
         )
 
@@ -56,11 +56,11 @@ class LLMEngine:
         *,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
-        decode: Decode | None = None,
+        codec: TextCodec | None = None,
         on_batch: Callable[[ScheduledBatch], None] | None = None,
     ) -> LLMEngine:
         model = OuroModel.from_checkpoint(checkpoint_dir, dtype=dtype, device=device)
-        return cls(model, config, decode=decode, on_batch=on_batch)
+        return cls(model, config, codec=codec, on_batch=on_batch)
 
     @property
     def scheduler(self) -> Scheduler:

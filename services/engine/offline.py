@@ -47,7 +47,7 @@ def build_offline_engine(
         scheduler_config_from_args(args),
         dtype=dtype,
         device=device,
-        decode=codec.decode if codec else None,
+        codec=codec,
         on_batch=on_batch,
     )
     return engine, codec, prompts

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from messages.errors import ErrorCode, RequestError
 from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad, WorkerResult
 from messages.prefix import PrefixEventBatch, ReplayRequest
 from services.common.config import ModelLimits, SchedulerConfig
+from services.common.tokenizer import TextCodec
 from services.runtime import subjects
 from services.runtime.logging import get_logger, log_content_enabled, request_fields
 from services.scheduler.batch import ScheduledBatch
@@ -47,7 +48,7 @@ class SchedulerDriver:
         self,
         config: SchedulerConfig,
         limits: ModelLimits,
-        decode: Callable[[list[int]], str] | None = None,
+        codec: TextCodec | None = None,
         *,
         instance: str = "local",
         producer_id: str | None = None,
@@ -55,7 +56,7 @@ class SchedulerDriver:
     ) -> None:
         self.config = config
         self.limits = limits
-        self.decode = decode
+        self.codec = codec
         self.instance = instance
         # the prefix-event producer name outlives this process (RLT_SCHEDULER_NAME): a
         # restarted scheduler announces a newer epoch under the same name, and the prefix
@@ -78,7 +79,7 @@ class SchedulerDriver:
             self.limits,
             self.executor,
             producer_id=self.producer_id,
-            decode=self.decode,
+            codec=self.codec,
             log=self.log,
         )
         self._prefix_out: list[PrefixEventBatch] = []

@@ -30,9 +30,10 @@ from messages.batch import BatchResult
 from messages.errors import ErrorCode
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
+from services.common.tokenizer import TextCodec
 from services.runtime.logging import BATCH_SEQ, get_logger
 from services.scheduler.batch import ScheduledBatch
-from services.scheduler.output import Decode, OutputProcessor
+from services.scheduler.output import OutputProcessor
 from services.scheduler.scheduler import Scheduler
 
 
@@ -54,7 +55,7 @@ class EngineCore:
         executor: Executor,
         *,
         producer_id: str = "scheduler-0",
-        decode: Decode | None = None,
+        codec: TextCodec | None = None,
         on_batch: Callable[[ScheduledBatch], None] | None = None,
         log: Any = None,
     ) -> None:
@@ -69,7 +70,7 @@ class EngineCore:
         self.inflight: deque[ScheduledBatch] = deque()
         self._results: dict[int, BatchResult] = {}
         self._failed: set[int] = set()  # batches whose requests already ended with an error
-        self.outputs = OutputProcessor(decode)
+        self.outputs = OutputProcessor(codec)
 
     # ------------------------------------------------------------------ requests
     def add_request(

@@ -10,59 +10,20 @@ streamed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent
-
-Decode = Callable[[list[int]], str]
-
-
-class IncrementalDetokenizer:
-    """Turns a growing token list into text deltas without re-decoding everything.
-
-    Decodes a short window ``[prefix_offset:]`` and emits what it adds over
-    ``[prefix_offset:read_offset]``; holds text back while it ends in an incomplete UTF-8
-    sequence (U+FFFD), so multi-byte characters split over tokens arrive whole.
-    """
-
-    def __init__(self, decode: Decode) -> None:
-        self.decode = decode
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.text = ""  # everything emitted so far
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return self._emit(full[len(prefix) :])
-        return ""
-
-    def flush(self) -> str:
-        """What is still held back, at the end of the request."""
-        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.decode(self.ids[self.prefix_offset :])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return self._emit(full[len(prefix) :])
-
-    def _emit(self, delta: str) -> str:
-        self.text += delta
-        return delta
+from services.common.detokenizer import IncrementalDetokenizer
+from services.common.tokenizer import TextCodec
 
 
 class OutputProcessor:
     """Fills in the text of stream events; without a tokenizer every text stays empty."""
 
-    def __init__(self, decode: Decode | None) -> None:
-        self.decode = decode
+    def __init__(self, codec: TextCodec | None) -> None:
+        self.codec = codec
         self._detoks: dict[str, IncrementalDetokenizer] = {}
 
     def process(self, events: list[StreamEvent]) -> list[StreamEvent]:
-        if self.decode is None:
+        if self.codec is None:
             return events
         last_token: dict[str, TokenEvent] = {}
         for event in events:
@@ -70,7 +31,7 @@ class OutputProcessor:
             if isinstance(event, TokenEvent):
                 detok = self._detoks.get(rid)
                 if detok is None:
-                    detok = self._detoks[rid] = IncrementalDetokenizer(self.decode)
+                    detok = self._detoks[rid] = IncrementalDetokenizer(self.codec)
                 event.text = detok.push(event.token_id)
                 last_token[rid] = event
             elif isinstance(event, FinishedEvent):

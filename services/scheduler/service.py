@@ -35,8 +35,9 @@ from messages.internal import (
     WorkerResult,
 )
 from messages.prefix import PrefixEventBatch, ReplayRequest
-from services.common.checkpoint import load_model_limits, load_tokenizer
+from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
+from services.common.tokenizer import TextCodec
 from services.runtime import subjects
 from services.runtime.bus import (
     Reassembler,
@@ -139,11 +140,10 @@ class SchedulerService(Service):
         self._last_load = 0.0
 
     async def setup(self) -> None:
-        tokenizer = load_tokenizer(self.checkpoint)
         self.driver = SchedulerDriver(
             self.config,
             load_model_limits(self.checkpoint),
-            (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else None,
+            TextCodec.from_checkpoint(self.checkpoint),
             instance=self.instance_id,
             producer_id=self.options.producer_name,
             log=self.log,
