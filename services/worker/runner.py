@@ -8,6 +8,7 @@ runs max(num_loops) passes over a shrinking set of rows.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -27,6 +28,21 @@ from services.common.config import KVLayout
 from services.common.exit_policy import should_exit, update_survival
 from services.common.sampling import sample_token
 from services.worker.model.ouro import OuroModel
+
+
+@dataclass
+class RunnerStats:
+    """What the runner did since it was made: the bench reads these (in-process, or from a
+    worker service's health reply) and so can metrics."""
+
+    batches: int = 0
+    decode_batches: int = 0  # batches with decode rows: each is one pass that carries them
+    core_passes: int = 0
+    core_rows: int = 0  # hidden-state rows over all core passes (a decode row is one)
+    execute_s: float = 0.0  # time inside execute
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.__dict__)
 
 
 @dataclass
@@ -88,7 +104,7 @@ class ModelRunner:
         )
         self.requests: dict[str, _WorkerRequest] = {}
         self.last_seq = -1
-        self.num_core_passes = 0
+        self.stats = RunnerStats()
 
     # ------------------------------------------------------------------ state mirroring
     def _apply_deltas(self, batch: Batch) -> None:
@@ -114,8 +130,25 @@ class ModelRunner:
         return depth if self.kv_layout == KVLayout.LAST_EXITED else 0
 
     # ------------------------------------------------------------------ execution
-    @torch.inference_mode()
+    @property
+    def num_core_passes(self) -> int:
+        return self.stats.core_passes
+
     def execute(self, batch: Batch) -> BatchResult:
+        t0 = time.perf_counter()
+        try:
+            return self._execute(batch)
+        finally:
+            stats = self.stats
+            stats.execute_s += time.perf_counter() - t0
+            stats.batches += 1
+            if batch.phase is Phase.RECURRENT and any(
+                r.kind is RowKind.DECODE or r.kind is RowKind.FOLLOW_ON for r in batch.rows
+            ):
+                stats.decode_batches += 1
+
+    @torch.inference_mode()
+    def _execute(self, batch: Batch) -> BatchResult:
         if batch.seq <= self.last_seq:
             raise ValueError(f"batch {batch.seq} arrived after batch {self.last_seq}")
         self._apply_deltas(batch)
@@ -193,7 +226,8 @@ class ModelRunner:
                 segments, self.block_size, hidden.shape[0], device=self.model.device
             )
             out, gates = self.model.core_loop(hidden, positions, self._attend(meta))
-            self.num_core_passes += 1
+            self.stats.core_passes += 1
+            self.stats.core_rows += hidden.shape[0]
             self._scatter_outputs(active, out, gates, coda_rows)
         self._run_coda(coda_rows)
 

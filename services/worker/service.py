@@ -123,6 +123,9 @@ class WorkerService(Service):
             "buffered": len(self._pending),
             "batches": self.num_batches,
             "failed_batches": self.num_failed,
+            # what the model runner did (passes, rows, time executing): for the bench and
+            # for metrics; a new KV geometry starts a new runner, and these from zero
+            "runner": self.runner.stats.snapshot() if self.runner is not None else {},
         }
 
     # ------------------------------------------------------------------ heartbeats
