@@ -59,6 +59,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--enable-prefix-caching", action="store_true")
     g.add_argument("--async-scheduling", action="store_true")
+    g.add_argument(
+        "--max-inflight-batches",
+        type=int,
+        default=2,
+        help="batches submitted before the oldest result is applied (async scheduling)",
+    )
     add_device_flags(g)
 
 
@@ -97,7 +103,30 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         refill=not args.no_refill,
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
+        max_inflight_batches=args.max_inflight_batches,
     )
+
+
+def engine_args(config: SchedulerConfig) -> list[str]:
+    """The engine flags that rebuild ``config`` (``scheduler_config_from_args`` inverted),
+    for starting ``rlt service`` processes with a given config."""
+    args = [
+        f"--max-num-seqs={config.max_num_seqs}",
+        f"--max-num-batched-tokens={config.max_num_batched_tokens}",
+        f"--prefill-chunk-size={config.prefill_chunk_size}",
+        f"--block-size={config.block_size}",
+        f"--num-blocks={config.num_blocks}",
+        f"--kv-layout={config.kv_layout.value}",
+        f"--max-inflight-batches={config.max_inflight_batches}",
+    ]
+    switches = {
+        "--split-prefill": config.split_prefill,
+        "--wavefront-chunked-prefill": config.wavefront_chunked_prefill,
+        "--no-refill": not config.refill,
+        "--enable-prefix-caching": config.enable_prefix_caching,
+        "--async-scheduling": config.async_scheduling,
+    }
+    return args + [flag for flag, on in switches.items() if on]
 
 
 def device_from_args(args: argparse.Namespace) -> tuple[str, torch.dtype]:
