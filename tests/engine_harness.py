@@ -84,6 +84,9 @@ def run_workload(
 
     def on_batch(batch: ScheduledBatch) -> None:
         check_batch_limits(batch, config)
+        # preemption never takes a request this batch selected
+        selected = {t.request.request_id for t in batch.tasks}
+        assert not selected & {p.request_id for p in batch.preemptions}, batch.preemptions
         record.batches.append(batch)
 
     engine = LLMEngine(model, config, on_batch=on_batch)

@@ -12,7 +12,7 @@ import os
 import torch
 
 from messages.sampling import SamplingParams
-from services.common.config import KVLayout, SchedulerConfig
+from services.common.config import KVAdmission, KVLayout, SchedulerConfig
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,6 +53,24 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--enable-prefix-caching", action="store_true")
     g.add_argument("--async-scheduling", action="store_true")
+    g.add_argument(
+        "--kv-admission",
+        choices=[k.value for k in KVAdmission],
+        default=SchedulerConfig.kv_admission.value,
+        help="when a waiting request may start: reserve (its whole KV footprint fits, never "
+        "preempts), incremental (seats only; a KV shortfall preempts and recomputes), "
+        "watermark (its prompt fits and free KV still covers --kv-watermark of what running "
+        "requests may write) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-watermark",
+        type=float,
+        default=SchedulerConfig.kv_watermark,
+        metavar="FRACTION",
+        help="watermark admission: share in [0, 1] of the running requests' unwritten "
+        "footprint kept free (0 = admit when the prompt fits, 1 = reserve) "
+        "(default: %(default)s)",
+    )
     add_device_flags(g)
 
 
@@ -91,6 +109,8 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         refill=not args.no_refill,
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
+        kv_admission=KVAdmission(args.kv_admission),
+        kv_watermark=args.kv_watermark,
     )
 
 

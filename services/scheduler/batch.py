@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import msgspec
 
 from messages.batch import Batch, BatchPhase
+from services.scheduler.kv_admission import Preemption
 from services.scheduler.request import Request
 
 # the depth a follow-on row shows in traces: it is known only from the results before it
@@ -55,6 +56,8 @@ class ScheduledBatch:
     wire: Batch
     progress_applied: bool = False
     outputs_applied: bool = False
+    # requests preempted while this batch was selected (or since the last batch)
+    preemptions: list[Preemption] = field(default_factory=list)
 
     def rows(self) -> list[tuple[str, int, int, int]]:
         return [t.key() for t in self.tasks]

@@ -144,6 +144,14 @@ class KVManager:
         """Leading hashes currently cached (pass only blocks before the last prompt token)."""
         return len(self._leading_groups(block_hashes, before_batch_seq))
 
+    def claimable_prefix(
+        self, block_hashes: Sequence[int], before_batch_seq: int | None = None
+    ) -> tuple[int, int]:
+        """(groups ``claim_prefix`` would attach now, how many of them are parked). A parked
+        group leaves the free count when claimed: admission checks weigh both, claiming nothing."""
+        groups = self._leading_groups(block_hashes, before_batch_seq)
+        return len(groups), sum(1 for g in groups if g.ref_count == 0)
+
     def claim_prefix(
         self,
         request_id: str,
