@@ -84,9 +84,12 @@ def run_workload(
 
     def on_batch(batch: ScheduledBatch) -> None:
         check_batch_limits(batch, config)
-        # preemption never takes a request this batch selected
-        selected = {t.request.request_id for t in batch.tasks}
-        assert not selected & {p.request_id for p in batch.preemptions}, batch.preemptions
+        # preemption never takes a request this batch selected: any row of a victim here
+        # was selected after its readmission (a newer generation)
+        restarted = {p.request_id: p.generation for p in batch.preemptions}
+        for t in batch.tasks:
+            rid = t.request.request_id
+            assert t.generation >= restarted.get(rid, 0), (batch.seq, batch.preemptions)
         record.batches.append(batch)
 
     engine = LLMEngine(model, config, on_batch=on_batch)

@@ -208,6 +208,27 @@ def test_a_victim_with_work_in_flight_is_not_preempted_at_admission() -> None:
     assert s.stats.num_preemptions == 0
 
 
+def test_no_preemption_that_could_not_make_room() -> None:
+    """h (24 blocks) outranks a, but a's 8 blocks beside g's 12 can never make room: a keeps
+    running instead of being thrown out for nothing."""
+    config = SchedulerConfig(block_size=2, num_blocks=28, kv_admission=KVAdmission.INCREMENTAL)
+    s = Scheduler(config, LIMITS)
+    s.add_request("g", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0, priority=-2))
+    s.add_request("a", [5, 6], SamplingParams(max_tokens=3, temperature=0.0))
+    while any(r.phase != RequestPhase.RECURRENT for r in s.running):
+        step(s)
+    high = SamplingParams(max_tokens=1, temperature=0.0, priority=-1)
+    s.add_request("h", list(range(1, 13)), high)
+    while "g" in s.requests:
+        assert step(s).preemptions == []
+    assert s.stats.num_preemptions == 0
+    # g's KV is back: h runs (a's blocks now make room, or a finished first)
+    while s.has_unfinished_requests():
+        step(s)
+    s.kv.check_consistency()
+    assert s.kv.num_free_blocks == config.num_blocks
+
+
 # ---------------------------------------------------------------------- config and surfaces
 def test_admission_arithmetic_at_the_edges() -> None:
     running = Commitment(prompt=0, decode=4)  # a decoding request may still write 4 blocks
@@ -271,5 +292,6 @@ def test_schedule_trace_shows_preemptions(toy_checkpoint: Path, capsys) -> None:
             "prompt_tokens": 2,
             "output_tokens": 0,
             "blocks": 4,
+            "generation": 1,
         }
     ]

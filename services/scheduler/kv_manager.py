@@ -63,6 +63,12 @@ class KVManager:
     def blocks_for(self, num_tokens: int) -> int:
         return self.blocks_per_plane(num_tokens) * self.num_planes
 
+    def blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+        """Blocks ``ensure(request_id, num_tokens)`` would allocate (off its hot path)."""
+        tables = self._tables.get(request_id)
+        have = len(tables[0]) if tables else 0
+        return max(0, self.blocks_per_plane(num_tokens) - have) * self.num_planes
+
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) <= self.num_blocks
 

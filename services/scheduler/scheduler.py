@@ -573,6 +573,14 @@ class Scheduler:
         Never preempts a request already selected in this batch, one with work in flight,
         or one ahead of ``request`` in queue order (that would thrash).
         """
+        if self.kv.ensure(request.request_id, num_tokens):
+            return True
+        shortfall = self.kv.blocks_to_grow(request.request_id, num_tokens)
+        reclaimable = sum(
+            self.kv.num_held_blocks(r.request_id) for r in self._victims(request, sel)
+        )
+        if reclaimable < shortfall - self.kv.num_free_blocks:
+            return False  # preempting them all would throw their work away and still not fit
         while not self.kv.ensure(request.request_id, num_tokens):
             victim = self._pick_victim(request, sel)
             if victim is None:
@@ -581,16 +589,20 @@ class Scheduler:
         return True
 
     def _pick_victim(self, request: Request, sel: _Selection) -> Request | None:
+        return next(self._victims(request, sel), None)
+
+    def _victims(self, request: Request, sel: _Selection) -> Iterator[Request]:
+        """Who ``request`` may preempt, first victim first: behind it in queue order, not
+        selected in this batch, no work in flight, holding KV."""
         for candidate in reversed(self.running):
             if candidate.priority_key <= request.priority_key:
-                return None
+                return
             if (
                 candidate.request_id not in sel.selected
                 and candidate.inflight_batches == 0
                 and self.kv.num_held_blocks(candidate.request_id) > 0
             ):
-                return candidate
-        return None
+                yield candidate
 
     def _preempt(self, request: Request, for_request_id: str = "") -> None:
         """Recompute-style preemption: free KV, keep outputs, requeue at its old priority."""
@@ -620,6 +632,7 @@ class Scheduler:
                 prompt_tokens=prompt,
                 output_tokens=max(0, output),
                 blocks=self.kv.num_held_blocks(request.request_id),
+                generation=request.generation + 1,  # _preempt bumps it next
             )
         )
 
