@@ -61,7 +61,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     async_scheduling: bool = False
     max_inflight_batches: int = 2
-    kv_admission: KVAdmission = KVAdmission.INCREMENTAL
+    kv_admission: KVAdmission = KVAdmission.WATERMARK
     kv_watermark: float = 0.5
 
     def __post_init__(self) -> None:
