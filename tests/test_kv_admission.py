@@ -82,8 +82,12 @@ def test_incremental_admits_on_seats_and_recomputes_the_thrown_away_prefills(
 
 @pytest.mark.parametrize(
     "config",
-    [tight(KVAdmission.RESERVE), tight(KVAdmission.WATERMARK, kv_watermark=0.5)],
-    ids=["reserve", "watermark-0.5"],
+    [
+        tight(KVAdmission.RESERVE),
+        tight(KVAdmission.WATERMARK, kv_watermark=0.5),
+        SchedulerConfig(block_size=2, num_blocks=8),  # the default policy
+    ],
+    ids=["reserve", "watermark-0.5", "default"],
 )
 def test_reserving_policies_start_a_alone_and_never_recompute(toy_model, oracle, config) -> None:
     record = run(toy_model, config, THREE)

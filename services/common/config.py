@@ -62,7 +62,7 @@ class SchedulerConfig:
     async_scheduling: bool = False
     max_inflight_batches: int = 2
     kv_admission: KVAdmission = KVAdmission.WATERMARK
-    kv_watermark: float = 0.5
+    kv_watermark: float = 0.25
 
     def __post_init__(self) -> None:
         for name in (
