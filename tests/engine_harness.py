@@ -11,6 +11,7 @@ from services.common.config import KVLayout, SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.oracle import SerialOracle
 from services.scheduler.batch import ScheduledBatch, TaskKind
+from services.scheduler.kv_admission import Commitment
 from services.worker.model.ouro import OuroModel
 
 # a comparison may stop where the oracle itself is this close to a tie
@@ -117,6 +118,8 @@ def run_workload(
     # KV fully reclaimed once everything ended
     engine.scheduler.kv.check_consistency()
     assert engine.scheduler.kv.num_free_blocks == config.num_blocks
+    # admission's bound on running footprints went back to nothing with them
+    assert engine.scheduler._running_footprints == Commitment()
     return record
 
 

@@ -101,6 +101,9 @@ class Scheduler:
         self._pending_new: list[Request] = []
         self._pending_finished: list[str] = []
         self._pending_preemptions: list[Preemption] = []
+        # the running requests' whole footprints: a bound on what they will still allocate
+        # that admission checks first, so the exact sum is only taken when KV is tight
+        self._running_footprints = Commitment()
         self._rng = random.Random(seed)
         self.stats = SchedulerStats()
         # async refill: a request whose decode row is in flight sends its next loop as a
@@ -228,20 +231,23 @@ class Scheduler:
 
     def _admit_waiting(self) -> None:
         by_kv = self.config.kv_admission is not KVAdmission.INCREMENTAL
-        committed = self._committed() if by_kv and self._waiting else Commitment()
+        committed: Commitment | None = None  # the exact sum, once KV is tight
         while self._waiting and len(self.running) < self.config.max_num_seqs:
             _, request = self._waiting[0]
             if request.is_finished:
                 heapq.heappop(self._waiting)
                 continue  # aborted while waiting
             made_room = False
-            if by_kv and not self._kv_admits(request, committed):
-                if not self._make_room_by_priority(request):
-                    return  # in queue order: a later, smaller request does not jump the head
-                made_room = True
+            if by_kv and not self._kv_admits(request, self._running_footprints):
+                committed = self._committed() if committed is None else committed
+                if not self._kv_admits(request, committed):
+                    if not self._make_room_by_priority(request):
+                        return  # in queue order: a later, smaller request never jumps the head
+                    made_room = True
             heapq.heappop(self._waiting)
             request.reset_prefill(origin=self._claim_cached_prefix(request))
-            if by_kv:
+            self._running_footprints += self._footprint(request)
+            if committed is not None:
                 committed += self._unallocated(request)
             if self.config.kv_admission is KVAdmission.RESERVE:
                 self.stats.num_reserved_blocks += self.kv.blocks_for(request.kv_footprint_tokens)
@@ -262,6 +268,13 @@ class Scheduler:
         prompt = max(0, self.kv.blocks_for(request.num_prompt_tokens) - held)
         total = max(0, self.kv.blocks_for(request.kv_footprint_tokens) - held)
         return Commitment(prompt=prompt, decode=total - prompt)
+
+    def _footprint(self, request: Request) -> Commitment:
+        """The request's whole footprint, split like ``_unallocated`` (its upper bound)."""
+        prompt = self.kv.blocks_for(request.num_prompt_tokens)
+        return Commitment(
+            prompt=prompt, decode=self.kv.blocks_for(request.kv_footprint_tokens) - prompt
+        )
 
     def _committed(self) -> Commitment:
         return sum((self._unallocated(r) for r in self.running), Commitment())
@@ -637,7 +650,9 @@ class Scheduler:
         )
 
     def _note_kv_release(self, request: Request) -> None:
-        """A running request gives its KV back: what its reservation never wrote is waste."""
+        """A running request gives its KV back (it leaves ``running``): what its reservation
+        never wrote is waste."""
+        self._running_footprints -= self._footprint(request)
         if self.config.kv_admission is KVAdmission.RESERVE:
             unused = self._unallocated(request)
             self.stats.num_reserved_unused_blocks += unused.prompt + unused.decode
