@@ -12,6 +12,7 @@ from services.common.config import KVLayout, SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.oracle import SerialOracle
 from services.scheduler.batch import ScheduledBatch
+from services.scheduler.kv_admission import Commitment
 from services.worker.model.ouro import OuroModel
 
 # a comparison may stop where the oracle itself is this close to a tie
@@ -84,6 +85,12 @@ def run_workload(
 
     def on_batch(batch: ScheduledBatch) -> None:
         check_batch_limits(batch, config)
+        # preemption never takes a request this batch selected: any row of a victim here
+        # was selected after its readmission (a newer generation)
+        restarted = {p.request_id: p.generation for p in batch.preemptions}
+        for t in batch.tasks:
+            rid = t.request.request_id
+            assert t.generation >= restarted.get(rid, 0), (batch.seq, batch.preemptions)
         record.batches.append(batch)
 
     engine = LLMEngine(model, config, on_batch=on_batch)
@@ -111,6 +118,8 @@ def run_workload(
     # KV fully reclaimed once everything ended
     engine.scheduler.kv.check_consistency()
     assert engine.scheduler.kv.num_free_blocks == config.num_blocks
+    # admission's bound on running footprints went back to nothing with them
+    assert engine.scheduler._running_footprints == Commitment()
     return record
 
 

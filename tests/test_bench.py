@@ -75,7 +75,9 @@ def _recompute(results: dict[str, Any]) -> None:
             for rep in range(repeats):
                 num = runs[(ratio["workload"], ratio["numerator"], rep)][ratio["metric"]]
                 den = runs[(ratio["workload"], ratio["denominator"], rep)][ratio["metric"]]
-                if ratio["kind"] == "difference":
+                if ratio["kind"] == "value":
+                    expected.append(num)
+                elif ratio["kind"] == "difference":
                     expected.append(num - den)
                 else:
                     expected.append(num / den)
@@ -156,6 +158,31 @@ def test_quick_bench_pipeline(
     assert runs["pipeline"]["mean_exit_depth"] == runs["in_process"]["mean_exit_depth"]
     assert runs["pipeline"]["core_passes"] > 0
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_quick_bench_kv_pressure(
+    toy_checkpoint: Path, tmp_path: Path, keep_global_state: None
+) -> None:
+    argv = ("--repeats", "1", "--only", "kv_pressure", "--no-plots")
+    results = _bench(toy_checkpoint, tmp_path, *argv)
+    (comp,) = results["comparisons"]
+    _recompute(results)
+    runs = {r["arm"]: r["metrics"] for r in comp["runs"]}
+    assert {"reserve", "incremental"} <= set(runs) and any(a.startswith("watermark") for a in runs)
+    # the same greedy tokens everywhere: short answers stop at the same stop id in every arm
+    assert len({m["output_tokens"] for m in runs.values()}) == 1
+    assert runs["reserve"]["output_tokens"] < comp["workloads"][0]["output_tokens"]["total"]
+    # the pool is tight: seats-only admission thrashes, reservation never preempts but
+    # holds KV the early stops never write
+    assert runs["incremental"]["preemptions"] > 0
+    assert runs["incremental"]["recomputed_prompt_tokens_per_output_token"] > 0
+    assert runs["reserve"]["preemptions"] == 0
+    assert 0 < runs["reserve"]["reserved_unused_share"] < 1
+    assert runs["incremental"]["reserved_unused_share"] is None  # it reserves nothing
+    value = next(r for r in comp["ratios"] if r["kind"] == "value")
+    default = value["numerator"]
+    assert value["per_repeat"] == [runs[default]["recomputed_prompt_core_share"]]
+    assert "core share recomputing prompts" in (tmp_path / "report.md").read_text()
 
 
 def test_cli_rejects_unknown_comparison() -> None:

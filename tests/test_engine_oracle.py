@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from messages.sampling import SamplingParams
-from services.common.config import KVLayout, SchedulerConfig
+from services.common.config import KVAdmission, KVLayout, SchedulerConfig
 from tests.engine_harness import Arrival, assert_matches_oracle, oracle_result, run_workload
 
 D = 4  # toy total_ut_steps
@@ -78,6 +78,8 @@ def configs(draw: st.DrawFn, arrivals: list[Arrival], layout: KVLayout) -> Sched
         enable_prefix_caching=layout == KVLayout.LAST_EXITED and draw(st.booleans()),
         async_scheduling=draw(st.booleans()),
         max_inflight_batches=draw(st.integers(2, 3)),
+        kv_admission=draw(st.sampled_from(list(KVAdmission))),
+        kv_watermark=draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])),
     )
 
 
@@ -125,8 +127,14 @@ def test_preemption_under_pressure_still_equals_oracle(toy_model, oracle) -> Non
     arrivals = [
         Arrival(f"p{i}", [10 + i, 20, 30 + i, 40, 50, 60 + i], params, step=i) for i in range(4)
     ]
+    # incremental admission, so that the pressure does preempt (reserve never would)
     config = SchedulerConfig(
-        block_size=2, num_blocks=40, max_num_seqs=4, prefill_chunk_size=4, max_num_batched_tokens=16
+        block_size=2,
+        num_blocks=40,
+        max_num_seqs=4,
+        prefill_chunk_size=4,
+        max_num_batched_tokens=16,
+        kv_admission=KVAdmission.INCREMENTAL,
     )
     record = run_workload(toy_model, config, arrivals)
     assert record.engine is not None

@@ -9,7 +9,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.config import KVLayout, SchedulerConfig
+from services.common.config import KVAdmission, KVLayout, SchedulerConfig
 from services.common.flags import add_engine_flags, engine_args, scheduler_config_from_args
 
 
@@ -28,6 +28,8 @@ def _configs() -> st.SearchStrategy[SchedulerConfig]:
         enable_prefix_caching=st.booleans(),
         async_scheduling=st.booleans(),
         max_inflight_batches=st.integers(1, 8),
+        kv_admission=st.sampled_from(list(KVAdmission)),
+        kv_watermark=st.floats(0.0, 1.0),
     )
 
 

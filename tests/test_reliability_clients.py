@@ -37,7 +37,9 @@ from tests.service_procs import StreamCollector, wait_for  # noqa: E402
 pytest_plugins = ["tests.conftest_nats"]
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-CONFIG = SchedulerConfig(max_num_seqs=8, block_size=16, num_blocks=512)
+# KV for four 700-token prompts at once (4 x 44 blocks x 4 planes): the max_payload test
+# needs them admitted together, which watermark admission only does when their prompts fit
+CONFIG = SchedulerConfig(max_num_seqs=8, block_size=16, num_blocks=768)
 
 
 def _reclaimed(services) -> bool:  # type: ignore[no-untyped-def]

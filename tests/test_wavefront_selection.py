@@ -8,7 +8,7 @@ import pytest
 from messages.api import FinishedEvent
 from messages.batch import BatchResult, Phase, RowKind, RowResult
 from messages.sampling import SamplingParams
-from services.common.config import ModelLimits, SchedulerConfig
+from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.scheduler import Scheduler, SchedulerInvariantError
 
@@ -236,8 +236,11 @@ def test_out_of_order_retirement_and_gapped_spans_raise() -> None:
 
 
 def decoding_low_priority_request(wavefront: bool) -> Scheduler:
-    """y (priority 0) has finished its prefill and decodes; its KV fills 8 of 16 blocks."""
+    """y (priority 0) has finished its prefill and decodes; its KV fills 8 of 16 blocks.
+    Incremental admission: x starts at once and its capacity check at selection is what
+    may preempt (reserve / watermark would preempt y for x at admission instead)."""
     config = SchedulerConfig(
+        kv_admission=KVAdmission.INCREMENTAL,
         wavefront_chunked_prefill=wavefront,
         prefill_chunk_size=4,
         max_num_batched_tokens=64,

@@ -34,7 +34,9 @@ def ratio_result(spec: RatioSpec, runs: Sequence[Run], repeats: int) -> dict[str
     for r in range(repeats):
         num = metric_value(runs, spec.workload, spec.numerator, r, spec.metric)
         den = metric_value(runs, spec.workload, spec.denominator, r, spec.metric)
-        if num is None or den is None:
+        if spec.value:
+            per_repeat.append(num)
+        elif num is None or den is None:
             per_repeat.append(None)
         elif spec.difference:
             per_repeat.append(num - den)
@@ -46,7 +48,7 @@ def ratio_result(spec: RatioSpec, runs: Sequence[Run], repeats: int) -> dict[str
         "metric": spec.metric,
         "numerator": spec.numerator,
         "denominator": spec.denominator,
-        "kind": "difference" if spec.difference else "ratio",
+        "kind": "value" if spec.value else "difference" if spec.difference else "ratio",
         "label": spec.label,
         "per_repeat": per_repeat,
         **spread,

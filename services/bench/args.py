@@ -7,7 +7,7 @@ import argparse
 from services.worker.model.sizes import CHECKPOINT_SIZES
 
 # kept here (not in comparisons.py) so building the parser imports nothing heavy
-COMPARISON_NAMES = ("depth_batching", "wcpb", "pipeline", "prefix_cache")
+COMPARISON_NAMES = ("depth_batching", "wcpb", "pipeline", "prefix_cache", "kv_pressure")
 
 
 def _names(text: str) -> list[str]:

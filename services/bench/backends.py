@@ -14,7 +14,7 @@ from typing import Protocol
 
 from messages.api import ErrorEvent, FinishedEvent, TokenEvent
 from messages.sampling import SamplingParams
-from services.bench.metrics import RequestRecord, RunRecord
+from services.bench.metrics import RequestRecord, RunRecord, WasteCounters
 from services.bench.probe import RunnerProbe
 from services.bench.workloads import LoopMode, RequestSpec, Workload
 from services.common.config import SchedulerConfig
@@ -35,13 +35,27 @@ class Backend(Protocol):
 
 
 def sampling_params(spec: RequestSpec, workload: Workload) -> SamplingParams:
-    # greedy and ignore_eos: every arm produces exactly the same number of tokens
+    # greedy and ignore_eos: every arm produces exactly the same tokens (a request with stop
+    # ids stops at the same one in every arm, the scheduler cannot know where in advance)
     return SamplingParams(
         max_tokens=spec.max_tokens,
         temperature=0.0,
         ignore_eos=True,
+        stop_token_ids=list(spec.stop_token_ids),
         min_loops=workload.exit.min_loops,
         exit_threshold=workload.exit.exit_threshold,
+    )
+
+
+def waste_counters(engine: LLMEngine) -> WasteCounters:
+    s = engine.scheduler.stats
+    return WasteCounters(
+        preemptions=s.num_preemptions,
+        recomputed_prompt_tokens=s.num_recomputed_prompt_tokens,
+        recomputed_prompt_token_loops=s.num_recomputed_prompt_token_loops,
+        recomputed_decode_loops=s.num_recomputed_decode_loops,
+        reserved_blocks=s.num_reserved_blocks,
+        reserved_unused_blocks=s.num_reserved_unused_blocks,
     )
 
 
@@ -102,7 +116,8 @@ class InProcessBackend:
                     elif isinstance(event, ErrorEvent):
                         raise BenchError(f"{event.request_id}: [{event.code}] {event.message}")
             end = time.perf_counter()
-        return RunRecord(start, end, [r for r in records if r is not None], probe.counters)
+        requests = [r for r in records if r is not None]
+        return RunRecord(start, end, requests, probe.counters, waste=waste_counters(engine))
 
 
 def finish_record(rec: RequestRecord, event: FinishedEvent, t: float) -> None:

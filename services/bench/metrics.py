@@ -37,12 +37,25 @@ class EngineCounters:
 
 
 @dataclass
+class WasteCounters:
+    """What KV pressure cost, from the scheduler's stats (``SchedulerStats``)."""
+
+    preemptions: int = 0
+    recomputed_prompt_tokens: int = 0
+    recomputed_prompt_token_loops: int = 0  # the same in core rows (token x loop)
+    recomputed_decode_loops: int = 0  # loops replayed to rebuild dropped generated tokens
+    reserved_blocks: int = 0
+    reserved_unused_blocks: int = 0  # reserved, never written (the request stopped early)
+
+
+@dataclass
 class RunRecord:
     start: float
     end: float
     requests: list[RequestRecord]
     counters: EngineCounters | None = None
     extra: Metrics = field(default_factory=dict)
+    waste: WasteCounters | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -96,8 +109,43 @@ def run_metrics(run: RunRecord) -> Metrics:
         m[f"ttft_ms_p{q}"] = _ms(percentile(ttft, q))
         m[f"itl_ms_p{q}"] = _ms(percentile(itl, q))
     m.update(_counter_metrics(run.counters, wall, out_tokens, len(reqs)))
+    m.update(_waste_metrics(run.waste, run.counters, out_tokens))
     m.update(run.extra)
     return m
+
+
+WASTE_METRICS = (
+    "preemptions",
+    "recomputed_prompt_tokens",
+    "recomputed_prompt_tokens_per_output_token",
+    "recomputed_prompt_core_share",
+    "recomputed_core_share",
+    "recomputed_decode_loops",
+    "reserved_unused_blocks",
+    "reserved_unused_share",
+)
+
+
+def _waste_metrics(w: WasteCounters | None, c: EngineCounters | None, out_tokens: int) -> Metrics:
+    if w is None:
+        return dict.fromkeys(WASTE_METRICS)
+    return {
+        "preemptions": w.preemptions,
+        "recomputed_prompt_tokens": w.recomputed_prompt_tokens,
+        "recomputed_prompt_tokens_per_output_token": _div(w.recomputed_prompt_tokens, out_tokens),
+        # shares of all core work (rows over every core pass) spent on prompt recompute, and
+        # on prompt recompute plus the decode loops replayed after a preemption
+        "recomputed_prompt_core_share": _div(
+            w.recomputed_prompt_token_loops, c.core_rows if c else None
+        ),
+        "recomputed_core_share": _div(
+            w.recomputed_prompt_token_loops + w.recomputed_decode_loops,
+            c.core_rows if c else None,
+        ),
+        "recomputed_decode_loops": w.recomputed_decode_loops,
+        "reserved_unused_blocks": w.reserved_unused_blocks,
+        "reserved_unused_share": _div(w.reserved_unused_blocks, w.reserved_blocks),
+    }
 
 
 def _counter_metrics(

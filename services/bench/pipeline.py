@@ -130,6 +130,7 @@ async def _drive(url: str, workload: Workload) -> RunRecord:
                 min_loops=p.min_loops,
                 exit_threshold=p.exit_threshold,
                 ignore_eos=p.ignore_eos,
+                stop_token_ids=p.stop_token_ids,
             )
             records[i] = RequestRecord(arrival=due, num_prompt_tokens=spec.num_prompt_tokens)
             await nc.publish(subjects.GENERATE, encode_json(req), reply=f"{prefix}.{i}")

@@ -29,7 +29,23 @@ METRIC_LABELS = {
     "prefix_hit_rate": "prefix hit rate",
     "host_us_per_batch": "host µs/batch",
     "wall_s": "wall s",
+    "preemptions": "preemptions",
+    "recomputed_prompt_tokens": "recomputed prompt tokens",
+    "recomputed_prompt_tokens_per_output_token": "recomputed prompt tok/output tok",
+    "recomputed_prompt_core_share": "core share recomputing prompts",
+    "recomputed_core_share": "core share recomputing (prompts + decode replays)",
+    "recomputed_decode_loops": "replayed decode loops",
+    "reserved_unused_blocks": "reserved unused blocks",
+    "reserved_unused_share": "reserved unused share",
 }
+# shown only where some arm has a nonzero value (KV pressure), not as columns of zeros
+WASTE_TABLE_METRICS = (
+    "preemptions",
+    "recomputed_prompt_tokens_per_output_token",
+    "recomputed_prompt_core_share",
+    "recomputed_core_share",
+    "reserved_unused_share",
+)
 TABLE_METRICS = (
     "output_tokens_per_s",
     "requests_per_s",
@@ -171,6 +187,11 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
         m
         for m in TABLE_METRICS
         if any(row["stats"][m]["median"] is not None for row in c["summary"])
+    ]
+    metrics += [
+        m
+        for m in WASTE_TABLE_METRICS
+        if any(row["stats"].get(m, {}).get("median") for row in c["summary"])
     ]
     lines += _table(
         ["workload", "arm", *(METRIC_LABELS[m] for m in metrics)],

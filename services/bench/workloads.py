@@ -39,6 +39,8 @@ class RequestSpec:
     prompt_token_ids: list[int]
     max_tokens: int
     arrival_s: float = 0.0  # open loop only: offset from the start of the run
+    # an answer that may end early, where the model emits one of these (same in every arm)
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,7 +74,7 @@ class Workload:
             raise ValueError(f"arrival rate must be a positive number, got {rate}")
         times = poisson_arrivals(len(self.requests), rate, _rng(self.seed, self.name, "arrivals"))
         reqs = [
-            RequestSpec(r.prompt_token_ids, r.max_tokens, t)
+            RequestSpec(r.prompt_token_ids, r.max_tokens, t, r.stop_token_ids)
             for r, t in zip(self.requests, times, strict=True)
         ]
         return Workload(
@@ -166,6 +168,10 @@ class Scale:
     prefix_suffix: tuple[int, int]
     prefix_output: tuple[int, int]
     prefix_requests: int
+    # KV pressure: every request asks for the same max_tokens; the short ones stop early
+    pressure_prompt: tuple[int, int] = (16, 48)
+    pressure_max_tokens: int = 64
+    pressure_short_fraction: float = 0.6
 
 
 FULL = Scale(
@@ -192,6 +198,8 @@ QUICK = Scale(
     prefix_suffix=(4, 8),
     prefix_output=(2, 4),
     prefix_requests=8,
+    pressure_prompt=(6, 12),
+    pressure_max_tokens=12,
 )
 
 
@@ -264,4 +272,39 @@ def shared_prefix(scale: Scale, vocab: TokenRange, concurrency: int, seed: int) 
         concurrency=concurrency,
         seed=seed,
         params={"prefix_groups": scale.prefix_groups, "prefix_tokens": scale.prefix_tokens},
+    )
+
+
+# a short answer stops at the first generated token in this share of the vocabulary: on the
+# small checkpoint's greedy outputs that ends half of them within ~5 tokens, a few run long
+STOP_FRACTION = 0.2
+
+
+def kv_pressure(scale: Scale, vocab: TokenRange, concurrency: int, seed: int) -> Workload:
+    """Chat prompts that all ask for ``pressure_max_tokens``: the long answers use them all,
+    the short ones stop early at a stop id, as a client's max_tokens cap usually goes."""
+    rng = _rng(seed, "kv_pressure")
+    stop = tuple(t for t in range(vocab.low, vocab.high) if rng.random() < STOP_FRACTION)
+    reqs = []
+    for _ in range(scale.chat_requests_per_client * concurrency):
+        prompt = vocab.tokens(rng, rng.randint(*scale.pressure_prompt))
+        short = rng.random() < scale.pressure_short_fraction
+        reqs.append(RequestSpec(prompt, scale.pressure_max_tokens, 0.0, stop if short else ()))
+    n_short = sum(1 for r in reqs if r.stop_token_ids)
+    return Workload(
+        name="kv_pressure",
+        description=(
+            f"chat, closed loop x{concurrency}, max_tokens {scale.pressure_max_tokens}: "
+            f"{n_short} short answers (stop ids), {len(reqs) - n_short} long, {EARLY_EXIT.label}"
+        ),
+        mode=LoopMode.CLOSED,
+        requests=reqs,
+        exit=EARLY_EXIT,
+        concurrency=concurrency,
+        seed=seed,
+        params={
+            "short_requests": n_short,
+            "stop_vocab_fraction": STOP_FRACTION,
+            "prompt_range": scale.pressure_prompt,
+        },
     )

@@ -14,6 +14,22 @@ class KVLayout(StrEnum):
     SHARED = "shared"  # one plane overwritten by every loop
 
 
+class KVAdmission(StrEnum):
+    """When a waiting request may start, given the KV it will need (docs/ARCHITECTURE.md).
+
+    Footprint = ceil((prompt + max_tokens - 1) / block_size) blocks in every plane.
+    """
+
+    # only when its whole footprint fits beside every running request's unwritten footprint:
+    # never preempts, but holds KV for tokens a request that stops early never writes
+    RESERVE = "reserve"
+    # on seats alone; KV is allocated task by task and a shortfall preempts (recompute)
+    INCREMENTAL = "incremental"
+    # when its prompt fits and the KV left still covers ``kv_watermark`` of what the
+    # running requests (and its own decode) may still write: 0 = prompt fits, 1 = reserve
+    WATERMARK = "watermark"
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     total_ut_steps: int
@@ -69,6 +85,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     async_scheduling: bool = False
     max_inflight_batches: int = 2
+    kv_admission: KVAdmission = KVAdmission.WATERMARK
+    kv_watermark: float = 0.25
 
     def __post_init__(self) -> None:
         for name in (
@@ -81,6 +99,15 @@ class SchedulerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        try:
+            object.__setattr__(self, "kv_admission", KVAdmission(self.kv_admission))
+        except ValueError:
+            choices = ", ".join(k.value for k in KVAdmission)
+            raise ValueError(
+                f"kv_admission must be one of {choices}, got {self.kv_admission!r}"
+            ) from None
+        if not 0.0 <= self.kv_watermark <= 1.0:
+            raise ValueError(f"kv_watermark must be in [0, 1], got {self.kv_watermark}")
         if self.wavefront_chunked_prefill and not self.split_prefill:
             # WCPB is a way of running split prefill; turning it on implies split.
             object.__setattr__(self, "split_prefill", True)

@@ -12,7 +12,7 @@ import os
 import torch
 
 from messages.sampling import SamplingParams
-from services.common.config import KVLayout, SchedulerConfig
+from services.common.config import KVAdmission, KVLayout, SchedulerConfig
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,6 +65,24 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=2,
         help="batches submitted before the oldest result is applied (async scheduling)",
     )
+    g.add_argument(
+        "--kv-admission",
+        choices=[k.value for k in KVAdmission],
+        default=SchedulerConfig.kv_admission.value,
+        help="when a waiting request may start: reserve (its whole KV footprint fits, never "
+        "preempts), incremental (seats only; a KV shortfall preempts and recomputes), "
+        "watermark (its prompt fits and free KV still covers --kv-watermark of what running "
+        "requests may write) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-watermark",
+        type=float,
+        default=SchedulerConfig.kv_watermark,
+        metavar="FRACTION",
+        help="watermark admission: share in [0, 1] of the running requests' unwritten "
+        "footprint kept free (0 = admit when the prompt fits, 1 = reserve) "
+        "(default: %(default)s)",
+    )
     add_device_flags(g)
 
 
@@ -104,6 +122,8 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
         max_inflight_batches=args.max_inflight_batches,
+        kv_admission=KVAdmission(args.kv_admission),
+        kv_watermark=args.kv_watermark,
     )
 
 
@@ -118,6 +138,8 @@ def engine_args(config: SchedulerConfig) -> list[str]:
         f"--num-blocks={config.num_blocks}",
         f"--kv-layout={config.kv_layout.value}",
         f"--max-inflight-batches={config.max_inflight_batches}",
+        f"--kv-admission={config.kv_admission.value}",
+        f"--kv-watermark={config.kv_watermark!r}",
     ]
     switches = {
         "--split-prefill": config.split_prefill,

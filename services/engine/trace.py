@@ -1,19 +1,23 @@
 """``rlt schedule-trace``: run offline and show every batch the scheduler built.
 
-Plain output prints one line per batch; ``--json`` one JSON object per batch; ``--diagram``
-adds, per request, a wavefront grid (depth rows x chunk columns) whose cells name the
-step(s) that ran that piece, so a maintainer sees the anti-diagonals at a glance.
+Plain output prints one line per batch, an indented line per request that the batch's
+selection preempted (with the tokens it will recompute), and the waste totals at the end;
+``--json`` one JSON object per batch, ``preemptions`` included; ``--diagram`` adds, per
+request, a wavefront grid (depth rows x chunk columns) whose cells name the step(s) that ran
+that piece, so a maintainer sees the anti-diagonals at a glance.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import string
 from collections import defaultdict
 
 from messages.batch import RowKind
 from services.common.flags import sampling_params_from_args
+from services.engine.engine import LLMEngine
 from services.engine.offline import build_offline_engine
 from services.scheduler.batch import ScheduledBatch, ScheduledTask
 
@@ -36,6 +40,7 @@ def batch_record(batch: ScheduledBatch) -> dict:
         "rows": [list(t.key()) for t in batch.tasks],
         "kinds": [str(t.kind) for t in batch.tasks],
         "loops": [t.num_loops for t in batch.tasks],
+        "preemptions": [dataclasses.asdict(p) for p in batch.preemptions],
     }
 
 
@@ -43,6 +48,17 @@ def prefill_origins(batch: ScheduledBatch) -> list[int]:
     """Each row's prefill origin (its prefix-cache hit) when the batch was built: chunks are
     counted from there, and a later preemption may move it."""
     return [t.request.prefill_window_origin for t in batch.tasks]
+
+
+def waste_summary(engine: LLMEngine) -> str:
+    """One line of what preemption and reservation cost over the run."""
+    s = engine.scheduler.stats
+    return (
+        f"kv_admission={engine.config.kv_admission} preemptions={s.num_preemptions} "
+        f"recomputed_prompt_tokens={s.num_recomputed_prompt_tokens} "
+        f"recomputed_decode_loops={s.num_recomputed_decode_loops} "
+        f"reserved_unused_blocks={s.num_reserved_unused_blocks}/{s.num_reserved_blocks}"
+    )
 
 
 def wavefront_diagram(
@@ -113,6 +129,10 @@ def run_schedule_trace(args: argparse.Namespace) -> int:
         else:
             rows = " ".join(row_text(t) for t in batch.tasks)
             print(f"seq={batch.seq:<4} {batch.phase!s:<19} {rows}")
+            for preemption in batch.preemptions:
+                print(f"{'':<28} {preemption.describe()}")
+    if not args.json:
+        print(waste_summary(engine))
     if args.diagram:
         lens = {name: len(p) for name, p in zip(names, prompts, strict=True)}
         print()

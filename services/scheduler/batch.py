@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
 from messages.batch import Batch, Phase, RowKind
+from services.scheduler.kv_admission import Preemption
 from services.scheduler.request import Request
 
 
@@ -46,6 +47,8 @@ class ScheduledBatch:
     submitted: bool = False
     progress_applied: bool = False
     outputs_applied: bool = False
+    # requests preempted while this batch was selected (or since the last batch)
+    preemptions: list[Preemption] = field(default_factory=list)
 
     def rows(self) -> list[tuple[str, int, int, int]]:
         return [t.key() for t in self.tasks]

@@ -64,6 +64,12 @@ class KVManager:
     def blocks_for(self, num_tokens: int) -> int:
         return self.blocks_per_plane(num_tokens) * self.num_planes
 
+    def blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+        """Blocks ``ensure(request_id, num_tokens)`` would allocate (off its hot path)."""
+        tables = self._tables.get(request_id)
+        have = len(tables[0]) if tables else 0
+        return max(0, self.blocks_per_plane(num_tokens) - have) * self.num_planes
+
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) <= self.num_blocks
 
@@ -144,6 +150,14 @@ class KVManager:
     ) -> int:
         """Leading hashes currently cached (pass only blocks before the last prompt token)."""
         return len(self._leading_groups(block_hashes, before_batch_seq))
+
+    def claimable_prefix(
+        self, block_hashes: Sequence[int], before_batch_seq: int | None = None
+    ) -> tuple[int, int]:
+        """(groups ``claim_prefix`` would attach now, how many of them are parked). A parked
+        group leaves the free count when claimed: admission checks weigh both, claiming nothing."""
+        groups = self._leading_groups(block_hashes, before_batch_seq)
+        return len(groups), sum(1 for g in groups if g.ref_count == 0)
 
     def claim_prefix(
         self,

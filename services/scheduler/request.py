@@ -44,6 +44,10 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     num_published_blocks: int = 0
 
+    # preemption accounting: per depth, the furthest prompt frontier whose KV a preemption
+    # dropped (empty until the first one), so recomputed prompt work can be counted
+    prefill_high_water: list[int] = field(default_factory=list)
+
     # decode: next position to compute, its loop cursor and survival so far
     num_computed_tokens: int = 0
     decode_depth: int = 0
@@ -72,6 +76,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.phase is _FINISHED
 
+    @property
+    def kv_footprint_tokens(self) -> int:
+        """Positions whose KV the request may write: the last sampled token is never fed back."""
+        return self.num_prompt_tokens + self.params.max_tokens - 1
+
     def prefill_right(self, depth: int) -> int:
         """Right end of depth ``depth``'s frontier (0-based depth)."""
         return self.prefill_depth_ranges[depth][1]
@@ -96,6 +105,21 @@ class Request:
         if index < len(self.output_token_ids):
             return self.output_exit_depths[index]
         return 0
+
+    def note_dropped_prefill(self) -> None:
+        """Before a preemption reset: remembers how far each depth's prompt KV had got."""
+        rights = [right for _, right in self.prefill_depth_ranges]
+        if self.prefill_high_water:
+            rights = [max(a, b) for a, b in zip(rights, self.prefill_high_water, strict=True)]
+        self.prefill_high_water = rights
+
+    def recomputed_prompt_work(self, depth: int, loops: int, start: int, end: int) -> int:
+        """Token-loops of the prompt task [start, end) at depths depth..depth+loops-1 that a
+        preemption had already computed once (0 for a request never preempted)."""
+        high = self.prefill_high_water
+        if not high:
+            return 0
+        return sum(max(0, min(end, high[d]) - start) for d in range(depth, depth + loops))
 
     def reset_prefill(self, origin: int) -> None:
         """Admission / preemption reset: the only writers of the frontiers besides progress."""

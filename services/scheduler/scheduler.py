@@ -23,8 +23,9 @@ from messages.prefix import (
     prompt_block_hashes,
 )
 from messages.sampling import SamplingParams
-from services.common.config import ModelLimits, SchedulerConfig
+from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
 from services.scheduler.batch import ScheduledBatch, ScheduledTask
+from services.scheduler.kv_admission import Commitment, Preemption, admits
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.prefix_events import PrefixEventLog
 from services.scheduler.request import PREFILL_PHASES, Request
@@ -59,6 +60,16 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_decode_rows: int = 0
     num_batches_with_mixed_depths: int = 0
+    # what preemption wastes: prompt positions prefilled again (counted at depth 0), the
+    # same in core work (token x loop, the unit of a core pass's rows), and decode loops
+    # replayed to rebuild dropped generated tokens
+    num_recomputed_prompt_tokens: int = 0
+    num_recomputed_prompt_token_loops: int = 0
+    num_recomputed_decode_loops: int = 0
+    # what reserve admission wastes: blocks reserved (whole footprints) and, of those, the
+    # ones never written because the request stopped early (EOS, stop ids, abort)
+    num_reserved_blocks: int = 0
+    num_reserved_unused_blocks: int = 0
 
 
 class Scheduler:
@@ -90,6 +101,10 @@ class Scheduler:
         self._last_phase: Phase | None = None
         self._pending_new: list[Request] = []
         self._pending_finished: list[str] = []
+        self._pending_preemptions: list[Preemption] = []
+        # the running requests' whole footprints: a bound on what they will still allocate
+        # that admission checks first, so the exact sum is only taken when KV is tight
+        self._running_footprints = Commitment()
         self._rng = random.Random(seed)
         self.stats = SchedulerStats()
         # async refill: a request whose decode row is in flight sends its next loop as a
@@ -217,14 +232,89 @@ class Scheduler:
         return None
 
     def _admit_waiting(self) -> None:
+        by_kv = self.config.kv_admission is not KVAdmission.INCREMENTAL
+        committed: Commitment | None = None  # the exact sum, once KV is tight
         while self._waiting and len(self.running) < self.config.max_num_seqs:
-            _, request = heapq.heappop(self._waiting)
+            _, request = self._waiting[0]
             if request.is_finished:
+                heapq.heappop(self._waiting)
                 continue  # aborted while waiting
+            made_room = False
+            if by_kv and not self._kv_admits(request, self._running_footprints):
+                committed = self._committed() if committed is None else committed
+                if not self._kv_admits(request, committed):
+                    if not self._make_room_by_priority(request):
+                        return  # in queue order: a later, smaller request never jumps the head
+                    made_room = True
+            heapq.heappop(self._waiting)
             request.reset_prefill(origin=self._claim_cached_prefix(request))
+            self._running_footprints += self._footprint(request)
+            if committed is not None:
+                committed += self._unallocated(request)
+            if self.config.kv_admission is KVAdmission.RESERVE:
+                self.stats.num_reserved_blocks += self.kv.blocks_for(request.kv_footprint_tokens)
             request.phase = Phase.PREFILLING_PRELUDE if self.config.split_prefill else Phase.PREFILL
             self._insert_running(request)
             self._pending_new.append(request)
+            if made_room:
+                return  # the requests it preempted do not come straight back in this batch
+
+    def _unallocated(self, request: Request, claimed: int = 0) -> Commitment:
+        """Blocks of the request's footprint it does not hold yet (nor would get from a
+        ``claimed`` prefix hit), split into its prompt's and its decode's."""
+        held = self.kv.num_held_blocks(request.request_id) + claimed
+        prompt = max(0, self.kv.blocks_for(request.num_prompt_tokens) - held)
+        total = max(0, self.kv.blocks_for(request.kv_footprint_tokens) - held)
+        return Commitment(prompt=prompt, decode=total - prompt)
+
+    def _footprint(self, request: Request) -> Commitment:
+        """The request's whole footprint, split like ``_unallocated`` (its upper bound)."""
+        prompt = self.kv.blocks_for(request.num_prompt_tokens)
+        return Commitment(
+            prompt=prompt, decode=self.kv.blocks_for(request.kv_footprint_tokens) - prompt
+        )
+
+    def _committed(self) -> Commitment:
+        return sum((self._unallocated(r) for r in self.running), Commitment())
+
+    def _kv_admits(self, request: Request, committed: Commitment, extra_free: int = 0) -> bool:
+        """The reserve / watermark test for the head of the queue (nothing is claimed);
+        ``extra_free``: blocks assumed freed (preemption candidates)."""
+        claimed = parked = 0
+        if self.config.enable_prefix_caching:
+            usable = cacheable_prefix_blocks(request.num_prompt_tokens, self.config.block_size)
+            claimed, parked = self.kv.claimable_prefix(
+                request.block_hashes[:usable], before_batch_seq=self._next_seq
+            )
+        planes = self.kv.num_planes
+        return admits(
+            self.config.kv_admission,
+            self.config.kv_watermark,
+            free_blocks=self.kv.num_free_blocks + extra_free - parked * planes,
+            committed=committed,
+            candidate=self._unallocated(request, claimed=claimed * planes),
+        )
+
+    def _make_room_by_priority(self, request: Request) -> bool:
+        """A waiting request of strictly higher priority may preempt running ones, lowest
+        first and none with work in flight, as it would once admitted under incremental
+        admission. Equal priorities never do: that is the thrash reserve/watermark avoid."""
+        victims = [
+            r
+            for r in reversed(self.running)
+            if r.params.priority > request.params.priority and r.inflight_batches == 0
+        ]
+        if not victims:
+            return False
+        held = sum(self.kv.num_held_blocks(r.request_id) for r in victims)
+        rest = self._committed() - sum((self._unallocated(r) for r in victims), Commitment())
+        if not self._kv_admits(request, rest, extra_free=held):
+            return False  # even all of them would not make room: preempt nobody
+        for victim in victims:
+            self._preempt(victim, for_request_id=request.request_id)
+            if self._kv_admits(request, self._committed()):
+                return True
+        return False
 
     def _claim_cached_prefix(self, request: Request) -> int:
         """Attaches the longest cached prefix (never the last prompt token) and returns the
@@ -457,7 +547,24 @@ class Scheduler:
         sel.budget_left = budget - count
         selected[request.request_id] = request
         sel.tasks.append(task)
+        if request.prefill_high_water:  # preempted before: part of this may be recompute
+            self._count_recompute(task)
         return task
+
+    def _count_recompute(self, task: ScheduledTask) -> None:
+        request, stats = task.request, self.stats
+        if task.kind is _DECODE:
+            if task.forced_exit_loops:  # rebuilding a dropped generated token's KV
+                stats.num_recomputed_decode_loops += 1
+            return
+        if task.kind is not _PREFILL:
+            return  # prelude spans are embeddings, not core work
+        start, end = task.token_start, task.token_end
+        stats.num_recomputed_prompt_token_loops += request.recomputed_prompt_work(
+            task.depth, task.num_loops, start, end
+        )
+        if task.depth == 0:
+            stats.num_recomputed_prompt_tokens += request.recomputed_prompt_work(0, 1, start, end)
 
     def _ensure_execution_capacity(
         self, request: Request, num_tokens: int, sel: _Selection
@@ -467,27 +574,42 @@ class Scheduler:
         Never preempts a request already selected in this batch, one with work in flight,
         or one ahead of ``request`` in queue order (that would thrash).
         """
+        if self.kv.ensure(request.request_id, num_tokens):
+            return True
+        shortfall = self.kv.blocks_to_grow(request.request_id, num_tokens)
+        reclaimable = sum(
+            self.kv.num_held_blocks(r.request_id) for r in self._victims(request, sel)
+        )
+        if reclaimable < shortfall - self.kv.num_free_blocks:
+            return False  # preempting them all would throw their work away and still not fit
         while not self.kv.ensure(request.request_id, num_tokens):
             victim = self._pick_victim(request, sel)
             if victim is None:
                 return False
-            self._preempt(victim)
+            self._preempt(victim, for_request_id=request.request_id)
         return True
 
     def _pick_victim(self, request: Request, sel: _Selection) -> Request | None:
+        return next(self._victims(request, sel), None)
+
+    def _victims(self, request: Request, sel: _Selection) -> Iterator[Request]:
+        """Who ``request`` may preempt, first victim first: behind it in queue order, not
+        selected in this batch, no work in flight, holding KV."""
         for candidate in reversed(self.running):
             if candidate.priority_key <= request.priority_key:
-                return None
+                return
             if (
                 candidate.request_id not in sel.selected
                 and candidate.inflight_batches == 0
                 and self.kv.num_held_blocks(candidate.request_id) > 0
             ):
-                return candidate
-        return None
+                yield candidate
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, for_request_id: str = "") -> None:
         """Recompute-style preemption: free KV, keep outputs, requeue at its old priority."""
+        self._record_preemption(request, for_request_id)
+        self._note_kv_release(request)
+        request.note_dropped_prefill()
         self.kv.free(request.request_id)
         self.running.remove(request)
         request.generation += 1
@@ -498,6 +620,30 @@ class Scheduler:
             self._pending_new.remove(request)
         heapq.heappush(self._waiting, (request.priority_key, request))
         self.stats.num_preemptions += 1
+
+    def _record_preemption(self, request: Request, for_request_id: str) -> None:
+        decoding = request.phase is _RECURRENT
+        prompt = request.num_prompt_tokens if decoding else request.prefill_right(0)
+        output = request.num_computed_tokens - request.num_prompt_tokens if decoding else 0
+        self._pending_preemptions.append(
+            Preemption(
+                seq=self._next_seq,
+                request_id=request.request_id,
+                for_request_id=for_request_id,
+                prompt_tokens=prompt,
+                output_tokens=max(0, output),
+                blocks=self.kv.num_held_blocks(request.request_id),
+                generation=request.generation + 1,  # _preempt bumps it next
+            )
+        )
+
+    def _note_kv_release(self, request: Request) -> None:
+        """A running request gives its KV back (it leaves ``running``): what its reservation
+        never wrote is waste."""
+        self._running_footprints -= self._footprint(request)
+        if self.config.kv_admission is KVAdmission.RESERVE:
+            unused = self._unallocated(request)
+            self.stats.num_reserved_unused_blocks += unused.prompt + unused.decode
 
     # ------------------------------------------------------------------ batch building
     def _build_batch(self, phase: Phase, tasks: list[ScheduledTask]) -> ScheduledBatch:
@@ -519,12 +665,15 @@ class Scheduler:
         )
         self._pending_new = []
         self._pending_finished = []
+        preemptions, self._pending_preemptions = self._pending_preemptions, []
         self._last_phase = phase
         self.stats.num_batches += 1
         self.stats.num_decode_rows += len(decode)
         if len({t.depth for t in ordered if t.kind is _DECODE or t.kind is _PREFILL}) >= 2:
             self.stats.num_batches_with_mixed_depths += 1
-        return ScheduledBatch(seq=seq, phase=phase, tasks=ordered, wire=wire)
+        return ScheduledBatch(
+            seq=seq, phase=phase, tasks=ordered, wire=wire, preemptions=preemptions
+        )
 
     def _wire_row(self, task: ScheduledTask) -> BatchRow:
         request = task.request
@@ -805,8 +954,11 @@ class Scheduler:
     def _finish(self, request: Request, reason: str, events: list[StreamEvent]) -> None:
         request.phase = Phase.FINISHED
         request.finish_reason = reason
+        running = request in self.running
+        if running:
+            self._note_kv_release(request)
         self.kv.free(request.request_id)
-        if request in self.running:
+        if running:
             self.running.remove(request)
             self._pending_finished.append(request.request_id)
         if request in self._pending_new:
