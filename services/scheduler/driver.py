@@ -25,7 +25,7 @@ from messages.internal import (
     RequestNotice,
     SchedulerLoad,
 )
-from messages.prefix import PrefixEventBatch, ReplayRequest
+from messages.prefix import PrefixEventBatch
 from services.common.config import ModelLimits, SchedulerConfig
 from services.runtime import subjects
 from services.runtime.logging import BATCH_SEQ, get_logger, log_content_enabled, request_fields
@@ -170,6 +170,14 @@ class SchedulerDriver:
             seen = self.last_admission_seq.get(req.admission_id, 0)
             self.last_admission_seq[req.admission_id] = max(seen, req.admission_seq)
         fields = request_fields(req.request_id, req.trace_id)
+        live = self.streams.get(req.request_id)
+        if live is not None:
+            # a client's retry of a live request (same request_id): no second generation;
+            # the stream goes on to the retry's reply subject and tracking subject
+            live.reply, live.track = req.reply_subject, track
+            self._notice(track, req.request_id, "accepted")
+            self.log.info("request re-attached", **fields)
+            return []
         if self.draining:
             self._notice(track, req.request_id, "done")
             return [
@@ -273,17 +281,22 @@ class SchedulerDriver:
         stream = self.streams.get(request_id)
         return subjects.stream_gone(self.instance, stream.no) if stream else ""
 
-    def _notice(self, track: str, request_id: str, state: str) -> None:
+    def _notice(
+        self, track: str, request_id: str, state: str, finished: FinishedEvent | None = None
+    ) -> None:
         if track:
-            notice = RequestNotice(request_id=request_id, scheduler_id=self.instance, state=state)
+            notice = RequestNotice(
+                request_id=request_id, scheduler_id=self.instance, state=state, finished=finished
+            )
             self.notices.append((track, notice))
 
-    def _ended(self, request_id: str) -> _Stream | None:
-        """Drops a stream whose terminal event is being delivered; admission hears "done"."""
+    def _ended(self, request_id: str, finished: FinishedEvent | None = None) -> _Stream | None:
+        """Drops a stream whose terminal event is being delivered; admission hears "done"
+        (with a copy of a ``finished`` event, which it keeps to answer a client's retry)."""
         stream = self.streams.pop(request_id, None)
         if stream is not None:
             self.by_no.pop(stream.no, None)
-            self._notice(stream.track, request_id, "done")
+            self._notice(stream.track, request_id, "done", finished)
         return stream
 
     def abort(self, request_id: str, requester_reply: str = "") -> list[Delivery]:
@@ -393,10 +406,6 @@ class SchedulerDriver:
             out.append(batch)
         return out
 
-    def answer_replay(self, request: ReplayRequest) -> list[PrefixEventBatch]:
-        """Re-sends what the prefix cache missed (or a snapshot rebase if it is too old)."""
-        return self.scheduler.prefix_log.answer(request, self.scheduler.kv.snapshot_prefix_events)
-
     def oldest_inflight_age(self, now: float) -> float:
         if not self.inflight:
             return 0.0
@@ -424,9 +433,9 @@ class SchedulerDriver:
                 if stream.detok is not None:
                     event.text = stream.detok.push(event.token_id)
             elif isinstance(event, FinishedEvent):
-                self._ended(event.request_id)
                 if self.tokenizer is not None:
                     event.text = self.tokenizer.decode(event.token_ids, skip_special_tokens=True)
+                self._ended(event.request_id, event)
                 extra: dict[str, Any] = {}
                 if log_content_enabled():
                     extra.update(token_ids=event.token_ids, text=event.text)
