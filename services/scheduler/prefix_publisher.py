@@ -29,9 +29,9 @@ from services.runtime import jetstream, subjects
 from services.runtime.bus import PAYLOAD_HEADROOM
 
 _ENCODER = msgspec.msgpack.Encoder()
-# msgpack spends at most 9 bytes on a 64-bit hash; room for the rest of an event
+# msgpack spends at most 9 bytes on a 64-bit hash; the rest of an event takes at most this
 _HASH_BYTES = 9
-_EVENT_OVERHEAD = 96
+_EVENT_OVERHEAD = 128
 
 
 # ---------------------------------------------------------------------- pure helpers
@@ -62,8 +62,16 @@ def split_envelope(batch: PrefixEventBatch, max_bytes: int) -> list[PrefixEventB
     """``batch`` as parts that each encode to at most ``max_bytes`` (usually one part)."""
     if len(_ENCODER.encode(batch)) <= max_bytes:
         return [batch]
-    budget = max_bytes - _EVENT_OVERHEAD - len(batch.producer_id) - len(batch.epoch)
-    max_hashes = max(budget // _HASH_BYTES, 1)
+    # what the envelope around the events takes (its part numbers at their widest)
+    shell = PrefixEventBatch(
+        producer_id=batch.producer_id,
+        epoch=batch.epoch,
+        event_seq=batch.event_seq,
+        part=2**32,
+        num_parts=2**32,
+    )
+    budget = max_bytes - len(_ENCODER.encode(shell))
+    max_hashes = max((budget - _EVENT_OVERHEAD) // _HASH_BYTES, 1)
     groups: list[list[PrefixEvent]] = [[]]
     used = 0
     for event in batch.events:
