@@ -108,9 +108,8 @@ class SchedulerDriver:
         # every new Scheduler starts a new prefix-log epoch, so the prefix cache drops what
         # the previous one published
         self.scheduler = Scheduler(self.config, self.limits, producer_id=self.producer_id)
-        self._prefix_out: list[PrefixEventBatch] = []
         if self.config.enable_prefix_caching:
-            self._prefix_out.append(self.scheduler.prefix_log.announce())
+            self.scheduler.prefix_log.announce()
         self.streams: dict[str, _Stream] = {}
         self.by_no: dict[int, str] = {}
         self._new_worker_epoch()
@@ -399,12 +398,10 @@ class SchedulerDriver:
         return out
 
     def take_prefix_events(self) -> list[PrefixEventBatch]:
-        """Prefix-event envelopes to publish, in event_seq order."""
-        out, self._prefix_out = self._prefix_out, []
-        batch = self.scheduler.take_prefix_events()
-        if batch is not None:
-            out.append(batch)
-        return out
+        """Prefix-event envelopes to publish, in event_seq order: every one the log emitted,
+        also those the core emits on its own (AllBlocksCleared after a worker loss)."""
+        self.scheduler.take_prefix_events()
+        return self.scheduler.prefix_log.take_emitted()
 
     def oldest_inflight_age(self, now: float) -> float:
         if not self.inflight:

@@ -6,9 +6,13 @@ producer process calls ``announce()`` once, so consumers drop what its previous 
 even before it caches anything. (A wall clock stepped back across a restart by more than the
 restart takes would make the new epoch look old; consumers then need ``drop_producer``.)
 
-The envelopes are kept and replayed by the JetStream event stream (``prefix_publisher.py``),
-not here. One case is left to the producer: when envelopes could not be published at all (the
-bus was gone longer than the publisher may buffer), ``rebase(snapshot)`` starts a NEW epoch
+Every emitted envelope also waits in a small outbox until ``take_emitted`` hands it to the
+publisher, so one emitted by the scheduler core on its own (``AllBlocksCleared`` after a worker
+loss) is published too: a seq that is emitted but never published is a gap, which costs the
+consumer the producer's blocks. Keeping and replaying envelopes is the JetStream event stream's
+job (``prefix_publisher.py``), not this log's. One case is left to the producer: when
+envelopes could not be published at all (the bus was gone longer than the publisher may
+buffer), ``rebase(snapshot)`` starts a NEW epoch
 whose seq 1 carries ``AllBlocksCleared`` + the full cache (the KV manager's
 ``snapshot_prefix_events``); consumers drop the old epoch on sight and converge on it.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import deque
 
 from messages.prefix import AllBlocksCleared, PrefixEvent, PrefixEventBatch
 
@@ -31,10 +36,14 @@ def new_epoch(after: str | None = None) -> str:
 
 
 class PrefixEventLog:
-    def __init__(self, producer_id: str, epoch: str | None = None) -> None:
+    def __init__(
+        self, producer_id: str, epoch: str | None = None, max_outbox: int = 1 << 16
+    ) -> None:
         self.producer_id = producer_id
         self.epoch = epoch if epoch is not None else new_epoch()
         self._last_seq = 0  # seqs start at 1 in every epoch
+        # bounded: a caller that never takes them (an in-process engine) holds no more
+        self._outbox: deque[PrefixEventBatch] = deque(maxlen=max_outbox)
 
     @property
     def last_seq(self) -> int:
@@ -45,12 +54,20 @@ class PrefixEventLog:
         if not events:
             return None
         self._last_seq += 1
-        return PrefixEventBatch(
+        batch = PrefixEventBatch(
             producer_id=self.producer_id,
             epoch=self.epoch,
             event_seq=self._last_seq,
             events=list(events),
         )
+        self._outbox.append(batch)
+        return batch
+
+    def take_emitted(self) -> list[PrefixEventBatch]:
+        """Every envelope emitted since the last call, in event_seq order."""
+        out = list(self._outbox)
+        self._outbox.clear()
+        return out
 
     def announce(self) -> PrefixEventBatch:
         """First envelope of a new producer process: nothing of its older epochs survives."""
@@ -69,4 +86,6 @@ class PrefixEventLog:
         head: list[PrefixEvent] = [AllBlocksCleared()]
         batch = self.emit(head + [e for e in snapshot if not isinstance(e, AllBlocksCleared)])
         assert batch is not None
+        # the caller publishes it at once; what waited in the outbox is of the old epoch
+        self._outbox.clear()
         return batch
