@@ -236,12 +236,13 @@ def test_rlt_up_binds_loopback_and_compose_ships_the_config(tmp_path: Path) -> N
         log = Path(server.log_path).read_text()
         assert f"Listening for client connections on 127.0.0.1:{server.port}" in log
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
-    nats_svc = compose["services"]["nats"]
-    assert "/etc/nats/nats.conf" in nats_svc["command"]
-    assert any(str(v).startswith("./deploy/nats.conf:") for v in nats_svc["volumes"])
-    assert all(str(p).startswith("127.0.0.1:") for p in nats_svc["ports"])
-    for user in USERS:
-        assert _password_var(user) in nats_svc["environment"], user
+    for node in ("nats-1", "nats-2", "nats-3"):
+        nats_svc = compose["services"][node]
+        assert "/etc/nats/nats.conf" in nats_svc["command"]
+        assert any(str(v).startswith("./deploy/nats.conf:") for v in nats_svc["volumes"])
+        assert all(str(p).startswith("127.0.0.1:") for p in nats_svc["ports"])
+        for user in USERS:
+            assert _password_var(user) in nats_svc["environment"], user
     for name in ("admission", "scheduler", "worker", "prefix-cache"):
         env = compose["services"][name]["environment"]
         assert env["RLT_NATS_USER"] == name

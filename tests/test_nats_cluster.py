@@ -162,6 +162,7 @@ def test_rlt_up_nats_cluster_3(tmp_path: Path, toy_checkpoint: Path) -> None:
         "OMP_NUM_THREADS": "1",
     }
     cli = [sys.executable, "-m", "services.cli"]
+    generate = ["generate", "--prompt-ids", "1,2,3", "--max-tokens", "3", "--ignore-eos", "--json"]
     up = subprocess.Popen(
         [
             *cli,
@@ -200,8 +201,7 @@ def test_rlt_up_nats_cluster_3(tmp_path: Path, toy_checkpoint: Path) -> None:
         replicas, peers = asyncio.run(cluster_facts())
         assert (replicas, peers) == (3, 3)
         gen = subprocess.run(
-            [*cli, "generate", "--nats-url", urls, "--prompt-ids", "1,2,3", "--max-tokens", "3"]
-            + ["--ignore-eos", "--json"],
+            [*cli, *generate, "--nats-url", urls],
             capture_output=True,
             text=True,
             env=env,
