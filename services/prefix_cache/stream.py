@@ -80,7 +80,9 @@ class EventReader:
             while True:
                 try:
                     msgs = await sub.fetch(_FETCH_BATCH, timeout=1.0)
-                except nats.errors.TimeoutError:
+                except (nats.errors.TimeoutError, TimeoutError):
+                    msgs = []
+                if not msgs:
                     self.caught_up.set()  # nothing more right now
                     continue
                 self._apply(msgs)
