@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from messages.api import FinishedEvent
 from messages.batch import Batch, BatchResult
 from messages.sampling import SamplingParams
 
@@ -93,3 +94,6 @@ class RequestNotice(msgspec.Struct, kw_only=True):
     request_id: str
     scheduler_id: str
     state: str  # "accepted" | "done"
+    # with "done" after a finished event: a copy of it, so admission can answer a client that
+    # retries the same request_id (it missed the event) without running it again
+    finished: FinishedEvent | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from hashlib import blake2b
 
 import msgspec
@@ -89,6 +89,15 @@ def cacheable_prefix_blocks(num_prompt_tokens: int, block_size: int) -> int:
     return (num_prompt_tokens - 1) // block_size
 
 
+def blocks_digest(block_hashes: Iterable[int]) -> str:
+    """A short fingerprint of a set of block hashes: a scheduler's own table and the prefix
+    index's view of it compare equal exactly when they hold the same blocks."""
+    packed = array("Q", sorted(block_hashes))
+    if _SWAP:
+        packed.byteswap()
+    return blake2b(packed.tobytes(), digest_size=8, person=_PERSON).hexdigest()
+
+
 # --------------------------------------------------------------------------------- events
 class BlockStored(msgspec.Struct, kw_only=True, tag="block_stored", tag_field="kind"):
     """Consecutive chained blocks became cached; ``parent_hash`` is the first one's parent.
@@ -115,12 +124,17 @@ PrefixEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 class PrefixEventBatch(msgspec.Struct, kw_only=True):
     """One envelope per ``event_seq``; seqs start at 1 in every epoch (a new process = a new
-    epoch), so a consumer that has applied nothing of an epoch expects seq 1 next."""
+    epoch), so a consumer that has applied nothing of an epoch expects seq 1 next.
+
+    An envelope too big for one bus message travels as ``num_parts`` consecutive parts of
+    the same ``event_seq`` (``part`` 0, 1, ...), each a valid run of events in order."""
 
     producer_id: str
     epoch: str
     event_seq: int
     events: list[PrefixEvent] = msgspec.field(default_factory=list)
+    part: int = 0
+    num_parts: int = 1
 
 
 class PrefixLookup(msgspec.Struct, kw_only=True):
@@ -137,9 +151,22 @@ class PrefixLookupReply(msgspec.Struct, kw_only=True):
     event_seq: int = 0
 
 
-class ReplayRequest(msgspec.Struct, kw_only=True):
-    """Consumer → producer: resend envelopes ``from_seq`` onwards of ``epoch``."""
+class ProducerSnapshot(msgspec.Struct, kw_only=True):
+    """One producer's state in an index snapshot: how far its log is applied and the hashes it
+    caches, packed as little-endian uint64."""
 
     producer_id: str
     epoch: str
-    from_seq: int
+    event_seq: int = 0  # the last envelope applied whole
+    next_part: int = 0  # parts of envelope event_seq + 1 applied already (a split envelope)
+    blocks: bytes = b""
+
+
+class PrefixIndexSnapshot(msgspec.Struct, kw_only=True):
+    """The prefix index as of stream sequence ``stream_seq`` of the event stream: a restarted
+    index loads it and replays the stream from ``stream_seq + 1``."""
+
+    version: int = 1
+    stream_seq: int = 0
+    producers: list[ProducerSnapshot] = msgspec.field(default_factory=list)
+    written_at: float = 0.0  # unix seconds

@@ -64,8 +64,9 @@ from messages.prefix import (  # noqa: E402
     BlockRemoved,
     BlockStored,
     PrefixEventBatch,
+    PrefixIndexSnapshot,
     PrefixLookup,
-    ReplayRequest,
+    ProducerSnapshot,
 )
 from messages.sampling import SamplingParams  # noqa: E402
 from services.runtime import subjects  # noqa: E402
@@ -268,11 +269,18 @@ def valid_messages(ids: dict[str, str]) -> list[tuple[str, Any, Callable[[Any], 
             ),
             _mp,
         ),
-        (subjects.PREFIX_EVENTS, _plain(prefix), _mp),
+        # the JetStream event stream stores what is published on its subjects: a list of
+        # envelopes per message (its consumer must skip whatever it cannot decode)
+        (subjects.prefix_events("fz"), [_plain(prefix)], _mp),
         (subjects.PREFIX_LOOKUP, _plain(PrefixLookup(block_hashes=[1, 2, 3])), _mp),
         (
-            subjects.prefix_replay("scheduler"),
-            _plain(ReplayRequest(producer_id="scheduler", epoch="0" * 32, from_seq=1)),
+            "$O.RLT_PREFIX_INDEX.snapshot",  # not a live subject: the snapshot decoder only
+            _plain(
+                PrefixIndexSnapshot(
+                    stream_seq=3,
+                    producers=[ProducerSnapshot(producer_id="p", epoch="e", blocks=b"\x01" * 8)],
+                )
+            ),
             _mp,
         ),
         (
@@ -303,6 +311,13 @@ class _Msg:
     def __init__(self, data: bytes, headers: dict[str, str] | None) -> None:
         self.data = data
         self.headers = headers
+
+
+def _load_snapshot(snapshot: PrefixIndexSnapshot) -> None:
+    from services.prefix_cache.core import PrefixIndex
+
+    with contextlib.suppress(ValueError):  # packed hashes of a bad length: refused by name
+        PrefixIndex.from_snapshot(snapshot)
 
 
 def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
@@ -347,9 +362,9 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
             (subjects.WORKER_HEARTBEAT, WorkerHeartbeat, _heartbeat(tracker, loss, driver)),
             (subjects.WORKER_BATCH, WorkerBatch, _worker_batch_checks),
             (subjects.WORKER_RESULT, WorkerResult, driver.on_result),
-            (subjects.PREFIX_EVENTS, PrefixEventBatch, index.apply),
+            (subjects.PREFIX_EVENTS, list[PrefixEventBatch], lambda m: [index.apply(b) for b in m]),
             (subjects.PREFIX_LOOKUP, PrefixLookup, lambda m: index.lookup(m.block_hashes)),
-            (subjects.PREFIX_REPLAY_PREFIX, ReplayRequest, driver.answer_replay),
+            ("$O.RLT_PREFIX_INDEX", PrefixIndexSnapshot, _load_snapshot),
             (subjects.ADMISSION_TRACK_PREFIX, RequestNotice, lambda m: table.notice(1, m, 0.0)),
         ):  # fmt: skip
             if subject.startswith(prefix):

@@ -94,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offline", action="store_true", help="run the in-process engine")
     p.add_argument("--json", action="store_true", help="print one finished event per request")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=4,
+        help="resend a request (same request_id: never a second generation) this many times "
+        "when no service answered, it was unavailable, or its stream went silent",
+    )
     add_request_flags(p)
     add_engine_flags(p)
     add_bus_flags(p)
@@ -108,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="embedded NATS + all four services")
     p.add_argument("--port", type=int, default=4222)
+    p.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N nats-server nodes routed into one cluster on ports PORT..PORT+N-1 "
+        "(3: the event stream is replicated R3 and survives losing a node)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     add_engine_flags(p)
     p.set_defaults(func=cmd_up)

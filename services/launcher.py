@@ -14,22 +14,20 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-import msgspec
 import nats
 import torch
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 
-from messages.api import AbortRequest, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
+from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.admission.core import AdmissionConfig
+from services.client import RetryPolicy, stream_requests
 from services.common.config import SchedulerConfig
 from services.common.flags import device_from_args, parse_prompt_ids, scheduler_config_from_args
 from services.runtime import subjects
-from services.runtime.bus import auth_options, encode_json, is_no_responders, json_decoder
+from services.runtime.bus import encode_json
 from services.runtime.service import Service, serve
 from services.worker.model.toy import ensure_checkpoint
 
@@ -56,7 +54,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class NatsServer:
-    """A nats-server child process with JetStream and a throwaway store directory."""
+    """A nats-server child process with JetStream and a throwaway store directory; with
+    ``cluster_port`` one node of a cluster (routes to the other nodes' cluster ports)."""
 
     def __init__(
         self,
@@ -67,11 +66,20 @@ class NatsServer:
         store_dir: str | None = None,
         config_file: str | Path | None = None,
         env: dict[str, str] | None = None,
+        server_name: str | None = None,
+        cluster_name: str | None = None,
+        cluster_port: int | None = None,
+        routes: Sequence[str] = (),
     ) -> None:
         self.host = host
         self.port = port
         self.monitor_port = monitor_port
         self._store_dir = store_dir
+        # JetStream in a cluster needs a name per server and a shared cluster name
+        self.server_name = server_name
+        self.cluster_name = cluster_name
+        self.cluster_port = cluster_port
+        self.routes = list(routes)
         # e.g. deploy/nats.conf (users, permissions, limits); host/port flags still win
         self.config_file = config_file
         self.env = env
@@ -92,6 +100,14 @@ class NatsServer:
             cmd += ["-c", str(self.config_file)]
         if self.monitor_port is not None:
             cmd += ["-m", str(self.monitor_port)]
+        if self.server_name is not None:
+            cmd += ["-n", self.server_name]
+        if self.cluster_port is not None:
+            loopback = "127.0.0.1" if _is_loopback(self.host) else self.host
+            cmd += ["--cluster_name", self.cluster_name or "rlt"]
+            cmd += ["--cluster", f"nats://{loopback}:{self.cluster_port}"]
+            if self.routes:
+                cmd += ["--routes", ",".join(self.routes)]
         log_path = os.path.join(self._tmp.name, "nats-server.log")
         self._log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
         # own session: a terminal Ctrl-C reaches us, and we stop NATS after draining
@@ -135,6 +151,71 @@ class NatsServer:
             self._tmp = None
 
     def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class NatsCluster:
+    """``size`` nats-server processes routed into one cluster (JetStream clustered: streams
+    can be replicated across nodes). Client ports ``ports`` (default: free ones); the cluster
+    (route) ports are free loopback ports. ``url`` lists every node, comma-separated, as
+    ``--nats-url`` takes it."""
+
+    def __init__(
+        self,
+        size: int = 3,
+        host: str = "127.0.0.1",
+        ports: Sequence[int] | None = None,
+        *,
+        name: str = "rlt",
+        config_file: str | Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"a cluster needs at least one node, got {size}")
+        ports = list(ports) if ports is not None else [free_port(host) for _ in range(size)]
+        cluster_ports = [free_port("127.0.0.1") for _ in range(size)]
+        self.servers = [
+            NatsServer(
+                host,
+                ports[i],
+                config_file=config_file,
+                env=env,
+                server_name=f"{name}-nats-{i + 1}",
+                cluster_name=name,
+                cluster_port=cluster_ports[i],
+                routes=[f"nats://127.0.0.1:{p}" for j, p in enumerate(cluster_ports) if j != i],
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(s.url for s in self.servers)
+
+    def start(self, timeout: float = 15.0) -> NatsCluster:
+        try:
+            for server in self.servers:
+                server.start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def kill(self, index: int) -> None:
+        """kill -9 one node (a crash, not a clean shutdown)."""
+        proc = self.servers[index].proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> NatsCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -202,8 +283,10 @@ def build_services(
 
 def _banner(url: str, checkpoint: Path) -> str:
     payload = '{"prompt":"hello","max_tokens":8}'
+    nodes = len(url.split(","))
+    what = f"JetStream, a {nodes}-node cluster" if nodes > 1 else "JetStream"
     return f"""\
-rlt is up: NATS {url} (JetStream), checkpoint {checkpoint}
+rlt is up: NATS {url} ({what}), checkpoint {checkpoint}
 services: worker, prefix-cache, scheduler, admission   (Ctrl-C stops everything)
 
   send a request with the nats CLI (--replies 0 keeps reading the whole stream):
@@ -214,7 +297,8 @@ services: worker, prefix-cache, scheduler, admission   (Ctrl-C stops everything)
   with Python (nats-py):
     python -c 'import asyncio,json,nats
 async def main():
-    nc = await nats.connect("{url}"); inbox = nc.new_inbox(); sub = await nc.subscribe(inbox)
+    nc = await nats.connect("{url}".split(","))
+    inbox = nc.new_inbox(); sub = await nc.subscribe(inbox)
     await nc.publish("rlt.v1.generate", json.dumps({payload}).encode(), reply=inbox)
     while (e := json.loads((await sub.next_msg(timeout=30)).data))["type"] == "token":
         print(e["text"], end="", flush=True)
@@ -234,10 +318,17 @@ def main_up(args: argparse.Namespace) -> int:
             "reach it can submit requests and read streams (use compose with deploy/nats.conf)",
             file=sys.stderr,
         )
-    server = NatsServer(host, args.port)
+    nodes = getattr(args, "nats_cluster", 1) or 1
+    server: NatsServer | NatsCluster
+    if nodes > 1:
+        # real routes between real nats-server processes; JetStream replicates the event
+        # stream over them (R3 with three nodes), so losing one node loses nothing
+        server = NatsCluster(nodes, host, [args.port + i for i in range(nodes)])
+    else:
+        server = NatsServer(host, args.port)
     try:
         server.start()
-    except (RuntimeError, FileNotFoundError) as exc:
+    except (RuntimeError, FileNotFoundError, OSError) as exc:
         print(f"rlt up: {exc}", file=sys.stderr)
         return 1
     try:
@@ -299,9 +390,6 @@ def _run_main(what: str, main: Coroutine[Any, Any, None]) -> int:
 
 
 # ---------------------------------------------------------------------- client
-_EVENT = TokenEvent | FinishedEvent | ErrorEvent
-
-
 def requests_from_args(args: argparse.Namespace) -> list[GenerateRequest]:
     """One request per positional text, --prompt and --prompt-ids, in that order."""
     common = {
@@ -332,91 +420,6 @@ def requests_from_args(args: argparse.Namespace) -> list[GenerateRequest]:
     return out
 
 
-EventCallback = Callable[[int, TokenEvent | FinishedEvent | ErrorEvent], None]
-
-
-async def stream_requests(
-    nats_url: str,
-    requests: Sequence[GenerateRequest],
-    *,
-    timeout: float,
-    on_event: EventCallback | None = None,
-) -> list[FinishedEvent | ErrorEvent]:
-    """Sends every request at once; returns each one's terminal event in input order.
-
-    ``on_event(index, event)`` sees the events of one request at a time, in input order, as
-    they arrive (the other requests' events wait in their queues until their turn), so a
-    caller can stream several requests to one terminal without interleaving them."""
-    nc = await nats.connect(nats_url, connect_timeout=5, allow_reconnect=False, **auth_options())
-    try:
-        prefix = nc.new_inbox()
-        queues: list[asyncio.Queue[Msg]] = [asyncio.Queue() for _ in requests]
-
-        async def on_msg(msg: Msg) -> None:
-            queues[int(msg.subject.rsplit(".", 1)[1])].put_nowait(msg)
-
-        await nc.subscribe(f"{prefix}.*", cb=on_msg)
-        for i, req in enumerate(requests):
-            await nc.publish(subjects.GENERATE, encode_json(req), reply=f"{prefix}.{i}")
-        await nc.flush()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        results: list[FinishedEvent | ErrorEvent] = []
-        for i, req in enumerate(requests):
-            terminal = await _read_stream(
-                nc,
-                queues[i],
-                req.request_id or "",
-                deadline,
-                timeout,
-                lambda e, i=i: on_event and on_event(i, e),
-            )
-            if on_event is not None:
-                on_event(i, terminal)
-            results.append(terminal)
-        return results
-    finally:
-        await nc.close()
-
-
-async def _read_stream(
-    nc: NATS,
-    queue: asyncio.Queue[Msg],
-    request_id: str,
-    deadline: float,
-    timeout: float,
-    on_token: Callable[[TokenEvent], object],
-) -> FinishedEvent | ErrorEvent:
-    loop = asyncio.get_running_loop()
-    decoder = json_decoder(_EVENT)  # type: ignore[arg-type]
-    while True:
-        try:
-            msg = await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0.0))
-        except TimeoutError:
-            # do not leave the request running for nobody
-            await nc.publish(subjects.ABORT, encode_json(AbortRequest(request_id=request_id)))
-            return ErrorEvent(
-                request_id=request_id,
-                code="timeout",
-                message=f"no terminal event within {timeout}s",
-            )
-        if is_no_responders(msg):
-            return ErrorEvent(
-                request_id=request_id,
-                code="unavailable",
-                message="no rlt service answered (is it running?)",
-            )
-        try:
-            event = decoder.decode(msg.data)
-        except msgspec.DecodeError as exc:
-            return ErrorEvent(
-                request_id=request_id, code="internal", message=f"undecodable reply: {exc}"
-            )
-        if not isinstance(event, TokenEvent):
-            return event
-        on_token(event)
-
-
 def main_generate_online(args: argparse.Namespace) -> int:
     requests = requests_from_args(args)
     if not requests:
@@ -436,10 +439,13 @@ def main_generate_online(args: argparse.Namespace) -> int:
             print(flush=True)  # end of this request's streamed text
 
     try:
+        retry = RetryPolicy(max_attempts=max(1, getattr(args, "retries", 4) + 1))
         results = asyncio.run(
-            stream_requests(args.nats_url, requests, timeout=args.timeout, on_event=on_event)
+            stream_requests(
+                args.nats_url, requests, timeout=args.timeout, on_event=on_event, retry=retry
+            )
         )
-    except (OSError, nats.errors.Error) as exc:
+    except (OSError, nats.errors.Error, ValueError) as exc:
         print(f"rlt generate: cannot reach NATS at {args.nats_url}: {exc!r}", file=sys.stderr)
         return 1
     return 1 if any(isinstance(e, ErrorEvent) for e in results) else 0

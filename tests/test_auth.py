@@ -80,19 +80,23 @@ async def test_unauthenticated_and_wrong_credentials_are_refused(
 
 # (user, subject) pairs that must be refused; each user's allowed subject proves it connected
 DENIED_PUBLISH = {
-    "client": ["rlt.v1.sched.submit", "rlt.v1.worker.batch.x", "rlt.v1.prefix.events",
-               "rlt.v1.adm.a.1", "_RLT_INBOX.rlt-admission.x"],
-    "admission": ["rlt.v1.worker.batch.x", "rlt.v1.prefix.events", "rlt.v1.worker.result.x"],
-    "scheduler": ["rlt.v1.generate", "rlt.v1.sched.submit", "rlt.v1.worker.result.x"],
-    "worker": ["rlt.v1.sched.submit", "rlt.v1.worker.batch.x", "rlt.v1.generate"],
-    "prefix-cache": ["rlt.v1.worker.batch.x", "rlt.v1.sched.submit", "rlt.v1.generate"],
+    "client": ["rlt.v1.sched.submit", "rlt.v1.worker.batch.x", "rlt.v1.prefix.events.x",
+               "rlt.v1.adm.a.1", "_RLT_INBOX.rlt-admission.x",
+               "$JS.API.STREAM.DELETE.RLT_PREFIX_EVENTS"],
+    "admission": ["rlt.v1.worker.batch.x", "rlt.v1.prefix.events.x", "rlt.v1.worker.result.x"],
+    "scheduler": ["rlt.v1.generate", "rlt.v1.sched.submit", "rlt.v1.worker.result.x",
+                  "$JS.API.STREAM.DELETE.RLT_PREFIX_EVENTS", "$O.RLT_PREFIX_INDEX.x"],
+    "worker": ["rlt.v1.sched.submit", "rlt.v1.worker.batch.x", "rlt.v1.generate",
+               "rlt.v1.prefix.events.x"],
+    "prefix-cache": ["rlt.v1.worker.batch.x", "rlt.v1.sched.submit", "rlt.v1.generate",
+                     "rlt.v1.prefix.events.x", "$JS.API.STREAM.DELETE.RLT_PREFIX_EVENTS"],
 }  # fmt: skip
 ALLOWED_PUBLISH = {
     "client": "rlt.v1.generate",
     "admission": "rlt.v1.sched.submit",
     "scheduler": "rlt.v1.worker.batch.x",
     "worker": "rlt.v1.worker.result.x",
-    "prefix-cache": "rlt.v1.prefix.replay.x",
+    "prefix-cache": "_RLT_INBOX.rlt-prefix-cache.x",
 }
 DENIED_SUBSCRIBE = {
     "client": ["rlt.v1.generate", "rlt.v1.worker.>", "rlt.v1.sched.>", ">", "_RLT_INBOX.>"],
@@ -232,12 +236,13 @@ def test_rlt_up_binds_loopback_and_compose_ships_the_config(tmp_path: Path) -> N
         log = Path(server.log_path).read_text()
         assert f"Listening for client connections on 127.0.0.1:{server.port}" in log
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
-    nats_svc = compose["services"]["nats"]
-    assert "/etc/nats/nats.conf" in nats_svc["command"]
-    assert any(str(v).startswith("./deploy/nats.conf:") for v in nats_svc["volumes"])
-    assert all(str(p).startswith("127.0.0.1:") for p in nats_svc["ports"])
-    for user in USERS:
-        assert _password_var(user) in nats_svc["environment"], user
+    for node in ("nats-1", "nats-2", "nats-3"):
+        nats_svc = compose["services"][node]
+        assert "/etc/nats/nats.conf" in nats_svc["command"]
+        assert any(str(v).startswith("./deploy/nats.conf:") for v in nats_svc["volumes"])
+        assert all(str(p).startswith("127.0.0.1:") for p in nats_svc["ports"])
+        for user in USERS:
+            assert _password_var(user) in nats_svc["environment"], user
     for name in ("admission", "scheduler", "worker", "prefix-cache"):
         env = compose["services"][name]["environment"]
         assert env["RLT_NATS_USER"] == name

@@ -25,7 +25,7 @@ from messages.internal import (
     WorkerHeartbeat,
     WorkerResult,
 )
-from messages.prefix import PrefixEventBatch, PrefixLookup, ReplayRequest
+from messages.prefix import PrefixEventBatch, PrefixIndexSnapshot, PrefixLookup
 from scripts.fuzz import fuzz_decoders, run_live
 from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError
 from services.common.checkpoint import load_model_limits
@@ -46,7 +46,7 @@ INTERNAL_TYPES = [
     RequestNotice,
     PrefixEventBatch,
     PrefixLookup,
-    ReplayRequest,
+    PrefixIndexSnapshot,
 ]
 
 

@@ -198,10 +198,10 @@ def test_prefix_index_agrees_with_the_kv_manager_after_every_step(toy_model) -> 
         envelope = engine.scheduler.take_prefix_events()
         if envelope is not None:
             outcome = index.apply(envelope)
-            assert outcome.replay is None  # in-order delivery: no gaps
+            assert outcome.applied and not outcome.gap  # in-order delivery: no gaps
             evicted |= any(isinstance(e, BlockRemoved) for e in envelope.events)
-        held = index.snapshot().get(producer, set())
+        held = index.cached_blocks().get(producer, set())
         assert held == engine.scheduler.kv.cached_block_hashes()
         if not prompts and not engine.has_unfinished_requests():
             break
-    assert evicted and index.snapshot()[producer]
+    assert evicted and index.cached_blocks()[producer]

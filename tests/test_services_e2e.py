@@ -316,7 +316,7 @@ async def test_logs_follow_one_request_and_services_are_discoverable(
             # is a hit in the scheduler's own KV
             index = services["prefix-cache"].index  # type: ignore[attr-defined]
             for _ in range(100):
-                if index.snapshot():
+                if index.cached_blocks():
                     break
                 await asyncio.sleep(0.01)
             again = await client.generate(

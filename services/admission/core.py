@@ -7,11 +7,12 @@ a code from ``messages.errors.ErrorCode`` and a message for the client.
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import jinja2
@@ -74,6 +75,10 @@ class AdmissionConfig:
     scheduler_lost_s: float = 10.0
     # an open-request entry older than this is forgotten (the scheduler ends it itself)
     max_request_s: float = 3600.0
+    # finished events kept to answer a client's retry of the same request_id (the window in
+    # which a retry never runs a request twice), and their total size
+    finished_record_s: float = 600.0
+    finished_record_bytes: int = 64 << 20
 
     @classmethod
     def from_env(cls) -> AdmissionConfig:
@@ -88,6 +93,7 @@ class AdmissionConfig:
             max_prompt_tokens=int(max_prompt) if max_prompt else None,
             scheduler_lost_s=float(env.get("RLT_SCHEDULER_LOST_S", base.scheduler_lost_s)),
             max_request_s=float(env.get("RLT_MAX_REQUEST_S", base.max_request_s)),
+            finished_record_s=float(env.get("RLT_FINISHED_RECORD_S", base.finished_record_s)),
         )
 
 
@@ -410,6 +416,7 @@ class OpenRequests:
         self.scheduler_lost_s = scheduler_lost_s
         self.max_request_s = max_request_s
         self._open: dict[int, OpenRequest] = {}
+        self._by_id: dict[str, int] = {}  # request id -> its newest seq
         self._heard: dict[str, float] = {}
 
     def __len__(self) -> int:
@@ -417,20 +424,33 @@ class OpenRequests:
 
     def opened(self, seq: int, request_id: str, reply: str, trace_id: str, now: float) -> None:
         self._open[seq] = OpenRequest(request_id, reply, trace_id, now)
+        self._by_id[request_id] = seq
 
-    def notice(self, seq: int, notice: RequestNotice, now: float) -> None:
+    def find(self, request_id: str) -> OpenRequest | None:
+        seq = self._by_id.get(request_id)
+        return self._open.get(seq) if seq is not None else None
+
+    def superseded(self, request_id: str) -> OpenRequest | None:
+        """A retry of this live request is forwarded under a new seq (the scheduler moves the
+        stream there): the old entry goes, so it can never end the stream a second time."""
+        seq = self._by_id.get(request_id)
+        return self._pop(seq) if seq is not None else None
+
+    def notice(self, seq: int, notice: RequestNotice, now: float) -> OpenRequest | None:
+        """Applies a notice; returns the entry a "done" closed."""
         self.heard_from(notice.scheduler_id, now)
         entry = self._open.get(seq)
         if entry is None or entry.request_id != notice.request_id:
-            return
+            return None
         if notice.state == "done":
-            del self._open[seq]
-        elif notice.state == "accepted":
+            return self._pop(seq)
+        if notice.state == "accepted":
             entry.owner = notice.scheduler_id
+        return None
 
     def unanswered(self, seq: int) -> OpenRequest | None:
         """nats-server says no scheduler received the submit: the request is ours to end."""
-        return self._open.pop(seq, None)
+        return self._pop(seq)
 
     def heard_from(self, scheduler_id: str, now: float) -> None:
         self._heard[scheduler_id] = now
@@ -441,12 +461,85 @@ class OpenRequests:
         out: list[OpenRequest] = []
         for seq, entry in list(self._open.items()):
             if now - entry.sent_at > self.max_request_s:
-                del self._open[seq]  # the scheduler ends it itself; just forget it
+                self._pop(seq)  # the scheduler ends it itself; just forget it
                 continue
             ref = entry.sent_at if entry.owner is None else self._heard.get(entry.owner, 0.0)
             if now - max(ref, entry.sent_at, connected_since) > self.scheduler_lost_s:
-                out.append(self._open.pop(seq))
+                out.append(self._pop(seq))  # type: ignore[arg-type]
         stale = now - 10 * self.scheduler_lost_s
         for sid in [sid for sid, at in self._heard.items() if at < stale]:
             del self._heard[sid]
         return out
+
+    def _pop(self, seq: int | None) -> OpenRequest | None:
+        entry = self._open.pop(seq, None) if seq is not None else None
+        if entry is not None and self._by_id.get(entry.request_id) == seq:
+            del self._by_id[entry.request_id]
+        return entry
+
+
+@dataclass
+class _Finished:
+    reply: str
+    data: bytes  # the finished event as the client got it (JSON)
+    at: float
+
+
+class FinishedRecord:
+    """The finished events of recent requests, by request_id, kept ``keep_s`` (and at most
+    ``max_bytes`` in all, oldest out first): a client that missed its finished event retries
+    the same request_id and gets this copy instead of a second generation. Pure."""
+
+    def __init__(self, keep_s: float = 600.0, max_bytes: int = 64 << 20) -> None:
+        self.keep_s = keep_s
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, _Finished] = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, request_id: str, reply: str, data: bytes, now: float) -> None:
+        self._drop(request_id)
+        self._items[request_id] = _Finished(reply, data, now)
+        self.bytes += len(data)
+        self.expire(now)
+
+    def get(self, request_id: str, now: float) -> _Finished | None:
+        self.expire(now)
+        return self._items.get(request_id)
+
+    def expire(self, now: float) -> None:
+        while self._items:
+            oldest = next(iter(self._items.values()))
+            if now - oldest.at <= self.keep_s and self.bytes <= self.max_bytes:
+                break
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, request_id: str) -> None:
+        item = self._items.pop(request_id, None)
+        if item is not None:
+            self.bytes -= len(item.data)
+
+
+class Retry(enum.Enum):
+    NEW = "new"  # never seen (or its last try ended in an error): run it
+    REATTACH = "reattach"  # live: forward, the scheduler moves the stream to this try
+    REPLAY = "replay"  # finished: answer with the recorded finished event
+    CONFLICT = "conflict"  # the id belongs to another client's stream: refuse
+
+
+def classify_retry(
+    request_id: str, reply: str, open_requests: OpenRequests, record: FinishedRecord, now: float
+) -> tuple[Retry, bytes | None]:
+    """What a generate with an id admission has seen before is. A retry is the same
+    request_id from the same reply subject (the rlt client keeps it across retries and
+    reconnects); another reply subject could be anyone's, so it gets neither the running
+    stream nor the recorded output."""
+    live = open_requests.find(request_id)
+    if live is not None:
+        return (Retry.REATTACH, None) if live.reply == reply else (Retry.CONFLICT, None)
+    done = record.get(request_id, now)
+    if done is not None:
+        return (Retry.REPLAY, done.data) if done.reply == reply else (Retry.CONFLICT, None)
+    return Retry.NEW, None

@@ -30,8 +30,11 @@ from services.admission.core import (
     AdmissionConfig,
     AdmissionCore,
     AdmissionError,
+    FinishedRecord,
     OpenRequest,
     OpenRequests,
+    Retry,
+    classify_retry,
 )
 from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
@@ -66,6 +69,10 @@ class AdmissionService(Service):
         self.scheduler_config = scheduler_config
         self.core: AdmissionCore | None = None
         self.open = OpenRequests(self.config.scheduler_lost_s, self.config.max_request_s)
+        self.finished = FinishedRecord(
+            self.config.finished_record_s, self.config.finished_record_bytes
+        )
+        self.num_retries = 0
         self.num_admitted = 0
         self.num_rejected = 0
         self.num_lost = 0
@@ -121,6 +128,8 @@ class AdmissionService(Service):
             "rejected": self.num_rejected,
             "open_requests": len(self.open),
             "lost_to_scheduler_failure": self.num_lost,
+            "retries": self.num_retries,
+            "finished_record": len(self.finished),
         }
         if self.core is not None:
             n, tokens = self.core.load.waiting(time.monotonic())
@@ -155,11 +164,28 @@ class AdmissionService(Service):
         if self.draining:
             raise AdmissionError("", ErrorCode.UNAVAILABLE, "admission is shutting down")
         prepared = self.core.prepare(data, trace_id)
-        if not await self._scheduler_alive():
+        rid = prepared.request_id
+        retry, recorded = classify_retry(rid, reply, self.open, self.finished, time.monotonic())
+        if retry is not Retry.NEW:
+            self.num_retries += 1
+            self.log.info("retried request", retry=retry.value, **request_fields(rid, ""))
+        if retry is Retry.REPLAY and recorded is not None:
+            await self.nc.publish(reply, recorded)  # it finished: the same event, no re-run
+            return
+        if retry is Retry.CONFLICT:
+            state = "live" if self.open.find(rid) is not None else "finished"
             raise AdmissionError(
-                prepared.request_id, ErrorCode.UNAVAILABLE, "no scheduler is running"
+                rid,
+                ErrorCode.INVALID_REQUEST,
+                f"request_id {rid!r} is already {state} on another reply subject (a retry "
+                "must come from the reply subject of the first try); choose another request_id",
             )
-        self.core.check_backpressure(prepared)
+        if not await self._scheduler_alive():
+            raise AdmissionError(rid, ErrorCode.UNAVAILABLE, "no scheduler is running")
+        if retry is Retry.REATTACH:
+            self.open.superseded(rid)  # the scheduler moves the stream to this try
+        else:
+            self.core.check_backpressure(prepared)
         admitted = self.core.admit(prepared, reply)
         body = encode_msgpack(admitted)
         seq = admitted.admission_seq
@@ -234,7 +260,11 @@ class AdmissionService(Service):
         except msgspec.DecodeError as exc:
             self.log.warning("bad request notice", error=str(exc)[:200])
             return
-        self.open.notice(seq, notice, time.monotonic())
+        now = time.monotonic()
+        closed = self.open.notice(seq, notice, now)
+        if closed is not None and notice.finished is not None:
+            # kept for a client that missed it and retries (RLT_FINISHED_RECORD_S)
+            self.finished.add(notice.request_id, closed.reply, encode_json(notice.finished), now)
 
     async def _watch_open_requests(self) -> None:
         while True:

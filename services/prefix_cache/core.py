@@ -1,15 +1,23 @@
 """Pure prefix index (no NATS): applies each producer's events strictly in event_seq order.
 
-Per producer: envelopes apply in seq order starting at 1 of the current epoch; later ones are
-buffered and the gap is reported as a ReplayRequest; already-applied (or already-buffered)
-seqs are ignored, so re-delivery is idempotent. Epochs sort in time order (see
-``services.scheduler.prefix_events.new_epoch``): a greater epoch drops the producer's blocks and
-buffer first; a smaller one is a late envelope of a dead epoch and is ignored, whichever of the
-two arrives first.
+The events come from one JetStream stream in publish order, so what a producer published
+arrives in seq order, and a seq that is missing when a later one arrives will never come: it
+aged out of the stream, or the producer could not publish it. The index then drops that
+producer's blocks and goes on from the later envelope. What it holds afterwards was stored by
+envelopes it saw, and any removal of such a block comes after them, so a gap costs misses,
+never a wrong hit. Seqs at or below the applied one are duplicates (a re-delivery) and ignored.
+
+Epochs sort in time order (``services.scheduler.prefix_events.new_epoch``): a greater epoch
+drops the producer's blocks first; a smaller one is a late envelope of a dead epoch and is
+ignored. ``forget_all`` drops every producer's blocks: for holes in the stream itself (which
+producers they hit is unknown). ``to_snapshot`` / ``from_snapshot`` persist the whole index.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,41 +26,40 @@ from messages.prefix import (
     BlockRemoved,
     BlockStored,
     PrefixEventBatch,
+    PrefixIndexSnapshot,
     PrefixLookupReply,
-    ReplayRequest,
+    ProducerSnapshot,
 )
+
+_SWAP = sys.byteorder != "little"
 
 
 @dataclass
 class ApplyOutcome:
-    applied_seqs: list[int] = field(default_factory=list)  # applied by this call, in order
-    duplicate: bool = False  # this envelope was applied or buffered before
+    applied: bool = False  # the envelope's events were applied
+    duplicate: bool = False  # applied before (a re-delivery); ignored
     stale_epoch: bool = False  # from an epoch older than the producer's current one; ignored
     new_epoch: bool = False  # the producer's old epoch was dropped
-    replay: ReplayRequest | None = None  # send this to the producer to fill a gap
+    gap: bool = False  # envelopes were missing: the producer's blocks were dropped first
 
 
 @dataclass
 class _Producer:
     epoch: str
-    applied_seq: int = 0
+    event_seq: int = 0  # the last envelope applied whole
+    next_part: int = 0  # parts of envelope event_seq + 1 applied already
     blocks: set[int] = field(default_factory=set)
-    buffer: dict[int, PrefixEventBatch] = field(default_factory=dict)
-    asked_from: int = 0  # last from_seq requested, so a burst of late envelopes asks once
 
-    def gap(self, producer_id: str) -> ReplayRequest | None:
-        if not self.buffer:
-            return None
-        return ReplayRequest(
-            producer_id=producer_id, epoch=self.epoch, from_seq=self.applied_seq + 1
-        )
+    def expects(self) -> tuple[int, int]:
+        return self.event_seq + 1, self.next_part
 
 
 class PrefixIndex:
-    def __init__(self, max_buffered: int = 4096) -> None:
-        self.max_buffered = max_buffered
+    def __init__(self) -> None:
         self._producers: dict[str, _Producer] = {}
         self._holders: dict[int, set[str]] = {}  # block hash -> producers caching it
+        self.stream_seq = 0  # the last stream message applied (kept by the NATS shell)
+        self.num_gaps = 0
 
     # ------------------------------------------------------------------ events in
     def apply(self, batch: PrefixEventBatch) -> ApplyOutcome:
@@ -65,35 +72,30 @@ class PrefixIndex:
             outcome.stale_epoch = True
             return outcome
         elif batch.epoch > state.epoch:
-            self._start_epoch(pid, state, batch.epoch)
+            self._clear_blocks(pid, state)
+            self._producers[pid] = state = _Producer(epoch=batch.epoch)
             outcome.new_epoch = True
-        seq = batch.event_seq
-        if seq <= state.applied_seq:
+        position, expected = (batch.event_seq, batch.part), state.expects()
+        if position < expected:
             outcome.duplicate = True
             return outcome
-        if seq in state.buffer:
-            # a re-sent envelope still stuck behind the gap: our replay request may be lost
-            outcome.duplicate = True
-            outcome.replay = state.gap(pid)
-            return outcome
-        if seq > state.applied_seq + 1:
-            self._buffer(state, batch)
+        if position > expected:
+            outcome.gap = True
+            self.num_gaps += 1
+            self._clear_blocks(pid, state)
+        self._apply_events(pid, state, batch)
+        if batch.part + 1 >= batch.num_parts:
+            state.event_seq, state.next_part = batch.event_seq, 0
         else:
-            self._apply_one(pid, state, batch)
-            outcome.applied_seqs.append(seq)
-            while (nxt := state.buffer.pop(state.applied_seq + 1, None)) is not None:
-                self._apply_one(pid, state, nxt)
-                outcome.applied_seqs.append(nxt.event_seq)
-        gap = state.gap(pid)
-        if gap is not None and gap.from_seq != state.asked_from:
-            state.asked_from = gap.from_seq
-            outcome.replay = gap
+            state.event_seq, state.next_part = batch.event_seq - 1, batch.part + 1
+        outcome.applied = True
         return outcome
 
-    def pending_replays(self) -> list[ReplayRequest]:
-        """Every open gap, for a timer to re-ask (a ReplayRequest or its answer can be lost)."""
-        gaps = (state.gap(pid) for pid, state in self._producers.items())
-        return [gap for gap in gaps if gap is not None]
+    def forget_all(self) -> None:
+        """Drops every producer's blocks (their epochs and positions stay): the stream lost
+        messages and nobody can tell whose."""
+        for pid, state in self._producers.items():
+            self._clear_blocks(pid, state)
 
     def drop_producer(self, producer_id: str) -> None:
         """Forgets a producer (e.g. it went away for good)."""
@@ -120,38 +122,56 @@ class PrefixIndex:
             return PrefixLookupReply()
         pid = min(candidates)
         return PrefixLookupReply(
-            producer_id=pid, num_blocks=matched, event_seq=self._producers[pid].applied_seq
+            producer_id=pid, num_blocks=matched, event_seq=self._producers[pid].event_seq
         )
 
     def applied_seq(self, producer_id: str) -> int:
         state = self._producers.get(producer_id)
-        return state.applied_seq if state else 0
+        return state.event_seq if state else 0
 
     def epoch(self, producer_id: str) -> str | None:
         state = self._producers.get(producer_id)
         return state.epoch if state else None
 
-    def snapshot(self) -> dict[str, set[int]]:
-        """{producer: cached hashes}, producers with nothing cached left out (for tests)."""
+    def cached_blocks(self) -> dict[str, set[int]]:
+        """{producer: cached hashes}, producers with nothing cached left out."""
         return {pid: set(st.blocks) for pid, st in self._producers.items() if st.blocks}
 
+    def num_blocks(self) -> int:
+        return sum(len(st.blocks) for st in self._producers.values())
+
+    # ------------------------------------------------------------------ persistence
+    def to_snapshot(self) -> PrefixIndexSnapshot:
+        return PrefixIndexSnapshot(
+            stream_seq=self.stream_seq,
+            producers=[
+                ProducerSnapshot(
+                    producer_id=pid,
+                    epoch=st.epoch,
+                    event_seq=st.event_seq,
+                    next_part=st.next_part,
+                    blocks=_pack(st.blocks),
+                )
+                for pid, st in self._producers.items()
+            ],
+            written_at=time.time(),
+        )
+
+    @classmethod
+    def from_snapshot(cls, snapshot: PrefixIndexSnapshot) -> PrefixIndex:
+        index = cls()
+        index.stream_seq = snapshot.stream_seq
+        for ps in snapshot.producers:
+            blocks = _unpack(ps.blocks)
+            index._producers[ps.producer_id] = _Producer(
+                epoch=ps.epoch, event_seq=ps.event_seq, next_part=ps.next_part, blocks=blocks
+            )
+            for block_hash in blocks:
+                index._holders.setdefault(block_hash, set()).add(ps.producer_id)
+        return index
+
     # ------------------------------------------------------------------ internals
-    def _start_epoch(self, pid: str, state: _Producer, epoch: str) -> None:
-        self._clear_blocks(pid, state)
-        state.epoch = epoch
-        state.applied_seq = 0
-        state.buffer.clear()
-        state.asked_from = 0
-
-    def _buffer(self, state: _Producer, batch: PrefixEventBatch) -> None:
-        if len(state.buffer) >= self.max_buffered:
-            furthest = max(state.buffer)
-            if batch.event_seq > furthest:
-                return  # the replay of the gap re-sends it
-            del state.buffer[furthest]
-        state.buffer[batch.event_seq] = batch
-
-    def _apply_one(self, pid: str, state: _Producer, batch: PrefixEventBatch) -> None:
+    def _apply_events(self, pid: str, state: _Producer, batch: PrefixEventBatch) -> None:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 for block_hash in event.block_hashes:
@@ -164,7 +184,6 @@ class PrefixIndex:
                         self._unhold(block_hash, pid)
             elif isinstance(event, AllBlocksCleared):
                 self._clear_blocks(pid, state)
-        state.applied_seq = batch.event_seq
 
     def _clear_blocks(self, pid: str, state: _Producer) -> None:
         for block_hash in state.blocks:
@@ -177,3 +196,20 @@ class PrefixIndex:
             holders.discard(pid)
             if not holders:
                 del self._holders[block_hash]
+
+
+def _pack(blocks: set[int]) -> bytes:
+    packed = array("Q", sorted(blocks))
+    if _SWAP:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack(data: bytes) -> set[int]:
+    if len(data) % 8:
+        raise ValueError(f"packed block hashes of {len(data)} bytes (not a multiple of 8)")
+    packed = array("Q")
+    packed.frombytes(data)
+    if _SWAP:
+        packed.byteswap()
+    return set(packed)

@@ -1,24 +1,30 @@
 """Prefix-cache actor: a thin shell around ``PrefixIndex``.
 
-In: ``rlt.v1.prefix.events`` (msgpack ``PrefixEventBatch`` from each scheduler, applied
-strictly in ``event_seq`` order by the index) and ``rlt.v1.prefix.lookup`` requests
-(msgpack ``PrefixLookup`` -> ``PrefixLookupReply``). Out: ``ReplayRequest`` to
-``rlt.v1.prefix.replay.<producer>`` when the index sees a gap, re-asked on a timer because
-the request or its answer can be lost. Lookups never fail: anything wrong answers "no hit".
+In: the JetStream stream ``RLT_PREFIX_EVENTS`` (msgpack lists of ``PrefixEventBatch``, one
+subject per scheduler), read in order by a durable consumer (``stream.py``), and
+``rlt.v1.prefix.lookup`` requests (msgpack ``PrefixLookup`` -> ``PrefixLookupReply``).
+Every ``RLT_PREFIX_SNAPSHOT_S`` (2 s) the index is written to the object store
+``RLT_PREFIX_INDEX`` if it moved; a restarted index loads that snapshot and replays only the
+stream after it, so it never asks a producer for anything. Lookups never fail: anything
+wrong answers "no hit".
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 from nats.aio.msg import Msg
 
-from services.runtime import subjects
+from messages.prefix import PrefixLookup, blocks_digest
+from services.prefix_cache.core import PrefixIndex
+from services.prefix_cache.stream import EventReader, SnapshotStore
+from services.runtime import jetstream, subjects
 from services.runtime.bus import HEADER_REQUEST_ID, HEADER_TRACE_ID, decode_msgpack, encode_msgpack
-from services.runtime.logging import EVENT_SEQ, request_fields
+from services.runtime.logging import request_fields
 from services.runtime.service import Endpoint, Service
 
 _NO_HIT = encode_msgpack({})  # decodes as a PrefixLookupReply with every default (no hit)
@@ -28,69 +34,108 @@ class PrefixCacheService(Service):
     name = "prefix-cache"
     description = "global prefix index: which producer caches which block hashes"
 
-    def __init__(self, nats_url: str, *, replay_interval_s: float = 1.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        *,
+        snapshot_interval_s: float | None = None,
+        index_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(nats_url, **kwargs)
-        self.replay_interval_s = replay_interval_s
-        self.index: Any = None  # PrefixIndex, or None when the core is not available
+        env = os.environ
+        self.snapshot_interval_s = snapshot_interval_s or float(
+            env.get("RLT_PREFIX_SNAPSHOT_S", "2.0")
+        )
+        # one name per index replica: it names the durable consumer and the snapshot object
+        self.index_name = index_name or env.get("RLT_PREFIX_CACHE_NAME") or "prefix-cache"
+        subjects.prefix_events(self.index_name)  # refuses a name that is no subject token
+        self.index = PrefixIndex()
+        self.reader: EventReader | None = None
+        self.snapshots: SnapshotStore | None = None
+        self.restored_seq = 0  # stream seq of the snapshot loaded at start (0: none)
+        self.load_s = 0.0
         self.num_lookups = 0
         self.num_hits = 0
 
     async def setup(self) -> None:
-        try:  # imported lazily: the service still answers "no hit" without the core
-            from services.prefix_cache.core import PrefixIndex
-        except ImportError as exc:
-            self.log.warning("prefix index unavailable; every lookup is a miss", error=repr(exc))
-            return
-        self.index = PrefixIndex()
+        started = time.monotonic()
+        self.snapshots = SnapshotStore(self.nc, self.index_name, self.log)
+        snapshot = await jetstream.retry_transient(self.snapshots.load, 60.0, self.log, "snapshot")
+        if snapshot is not None:
+            self.index = PrefixIndex.from_snapshot(snapshot)
+            self.restored_seq = snapshot.stream_seq
+        self.load_s = time.monotonic() - started
+        self.log.info(
+            "prefix index loaded",
+            snapshot_seq=self.restored_seq,
+            blocks=self.index.num_blocks(),
+            load_s=round(self.load_s, 3),
+        )
+        self.reader = EventReader(self.nc, self.index, self.index_name, self.log)
 
     def endpoints(self) -> Sequence[Endpoint]:
-        return (
-            Endpoint("events", subjects.PREFIX_EVENTS, self._on_events),
-            Endpoint("lookup", subjects.PREFIX_LOOKUP, self._on_lookup),
-        )
+        return (Endpoint("lookup", subjects.PREFIX_LOOKUP, self._on_lookup),)
 
     async def on_ready(self) -> None:
-        if self.index is not None:
-            self.spawn(self._reask_replays(), "replays")
+        assert self.reader is not None
+        self.spawn(self.reader.run(), "events")
+        self.spawn(self._snapshot_loop(), "snapshots")
+
+    async def drain(self, timeout: float) -> None:
+        await self._save_snapshot()
 
     def health_details(self) -> dict[str, Any]:
+        cached = self.index.cached_blocks()
         out: dict[str, Any] = {
-            "index": self.index is not None,
+            "index": True,
             "lookups": self.num_lookups,
             "hits": self.num_hits,
-        }
-        if self.index is not None:
             # {producer: cached blocks}: shows a restarted scheduler's old blocks are gone
-            out["cached_blocks"] = {pid: len(b) for pid, b in self.index.snapshot().items()}
+            "cached_blocks": {pid: len(b) for pid, b in cached.items()},
+            # {producer: fingerprint}: equal to that scheduler's own "prefix_digest"
+            "digests": {pid: blocks_digest(b) for pid, b in cached.items()},
+            "stream_seq": self.index.stream_seq,
+            "snapshot_loaded_seq": self.restored_seq,
+            "snapshot_load_s": round(self.load_s, 4),
+            "gaps": self.index.num_gaps,
+        }
+        if self.reader is not None:
+            r = self.reader
+            out.update(
+                caught_up=r.caught_up.is_set(),
+                replayed_messages=r.num_messages,
+                replayed_envelopes=r.num_envelopes,
+                undecodable=r.num_undecodable,
+                resyncs=r.num_resyncs,
+                lost=r.num_lost,
+            )
+        if self.snapshots is not None:
+            out["snapshots_written"] = self.snapshots.num_written
+            out["snapshot_seq"] = self.snapshots.written_seq
         return out
 
-    async def _on_events(self, msg: Msg) -> None:
-        if self.index is None:
-            return
-        from messages.prefix import PrefixEventBatch
+    # ------------------------------------------------------------------ snapshots
+    async def _snapshot_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.snapshot_interval_s)
+            await self._save_snapshot()
 
+    async def _save_snapshot(self) -> None:
+        if self.snapshots is None or not self.bus_connected:
+            return
         try:
-            batch = decode_msgpack(msg.data, PrefixEventBatch)
-        except msgspec.DecodeError as exc:
-            self.log.error("undecodable prefix events", error=str(exc))
-            return
-        outcome = self.index.apply(batch)
-        if getattr(outcome, "new_epoch", False):
-            self.log.info(
-                "producer epoch changed; its blocks dropped",
-                producer=batch.producer_id,
-                epoch=batch.epoch,
-            )
-        replay = getattr(outcome, "replay", None)
-        if replay is not None:
-            await self._ask_replay(replay)
-        self.log.debug(
-            "prefix events",
-            producer=batch.producer_id,
-            applied=getattr(outcome, "applied_seqs", None),
-            **{EVENT_SEQ: batch.event_seq},
-        )
+            started = time.monotonic()
+            if await self.snapshots.save(self.index):
+                self.log.debug(
+                    "index snapshot written",
+                    stream_seq=self.snapshots.written_seq,
+                    took_s=round(time.monotonic() - started, 4),
+                )
+        except Exception as exc:  # the next period tries again; the stream still has it all
+            self.log.warning("index snapshot failed", error=repr(exc)[:200])
 
+    # ------------------------------------------------------------------ lookups
     async def _on_lookup(self, msg: Msg) -> None:
         if not msg.reply:
             return
@@ -100,43 +145,23 @@ class PrefixCacheService(Service):
             headers.get(HEADER_REQUEST_ID, ""), headers.get(HEADER_TRACE_ID, "")
         )
         reply = _NO_HIT
-        if self.index is not None:
-            from messages.prefix import PrefixLookup
-
-            try:
-                lookup = decode_msgpack(msg.data, PrefixLookup)
-                fields = request_fields(
-                    lookup.request_id or fields["request_id"],
-                    lookup.trace_id or fields.get("trace_id", ""),
-                )
-                answer = self.index.lookup(lookup.block_hashes)
-                reply = encode_msgpack(answer)
-                if answer.num_blocks:
-                    self.num_hits += 1
-                self.log.info(
-                    "prefix lookup",
-                    num_blocks=len(lookup.block_hashes),
-                    hit_blocks=answer.num_blocks,
-                    producer=answer.producer_id,
-                    **fields,
-                )
-            except Exception as exc:  # a bad lookup is a miss, never an error
-                self.log.warning("prefix lookup failed", error=repr(exc), **fields)
-        else:
-            self.log.info("prefix lookup", hit_blocks=0, index=False, **fields)
+        try:
+            lookup = decode_msgpack(msg.data, PrefixLookup)
+            fields = request_fields(
+                lookup.request_id or fields["request_id"],
+                lookup.trace_id or fields.get("trace_id", ""),
+            )
+            answer = self.index.lookup(lookup.block_hashes)
+            reply = encode_msgpack(answer)
+            if answer.num_blocks:
+                self.num_hits += 1
+            self.log.info(
+                "prefix lookup",
+                num_blocks=len(lookup.block_hashes),
+                hit_blocks=answer.num_blocks,
+                producer=answer.producer_id,
+                **fields,
+            )
+        except Exception as exc:  # a bad lookup is a miss, never an error
+            self.log.warning("prefix lookup failed", error=repr(exc)[:200], **fields)
         await self.nc.publish(msg.reply, reply)
-
-    async def _ask_replay(self, replay: Any) -> None:
-        self.log.info(
-            "asking for replay",
-            producer=replay.producer_id,
-            epoch=replay.epoch,
-            from_seq=replay.from_seq,
-        )
-        await self.nc.publish(subjects.prefix_replay(replay.producer_id), encode_msgpack(replay))
-
-    async def _reask_replays(self) -> None:
-        while True:
-            await asyncio.sleep(self.replay_interval_s)
-            for replay in self.index.pending_replays():
-                await self._ask_replay(replay)

@@ -108,6 +108,15 @@ def auth_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return out
 
 
+def server_list(url: str) -> list[str]:
+    """``nats://a:4222,nats://b:4222`` (as ``--nats-url`` / ``RLT_NATS_URL`` take it) as the
+    list nats-py wants: the client connects to one and fails over to the others."""
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    if not servers:
+        raise ValueError(f"no NATS server URL in {url!r}")
+    return servers
+
+
 async def connect(
     url: str,
     name: str,
@@ -119,8 +128,9 @@ async def connect(
     on_reconnected: Callable[[], Awaitable[None]] | None = None,
 ) -> NATS:
     """Connects within ``connect_timeout_s`` (a service may start before NATS is up), then
-    reconnects forever with a short wait, so a NATS restart is survivable. Credentials come
-    from the environment (``auth_options``).
+    reconnects forever with a short wait, so a NATS restart is survivable. ``url`` may list
+    several servers (comma-separated, a cluster): a lost node fails over to another.
+    Credentials come from the environment (``auth_options``).
 
     nats-py retries the first connection itself (``max_reconnect_attempts=-1``); the
     timeout bounds that, and the failures are logged at most every few seconds. An
@@ -158,7 +168,7 @@ async def connect(
 
     connecting = asyncio.ensure_future(
         nats.connect(
-            url,
+            server_list(url),
             name=name,
             allow_reconnect=True,
             max_reconnect_attempts=-1,

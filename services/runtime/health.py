@@ -17,7 +17,7 @@ import sys
 import nats
 
 from services.runtime import subjects
-from services.runtime.bus import auth_options
+from services.runtime.bus import auth_options, server_list
 from services.runtime.service import health_file
 
 
@@ -35,7 +35,7 @@ async def check(name: str, nats_url: str, timeout: float) -> str | None:
     try:
         # the service's own credentials and inbox prefix (what its NATS user may subscribe)
         nc = await nats.connect(
-            nats_url,
+            server_list(nats_url),
             connect_timeout=timeout,
             allow_reconnect=False,
             inbox_prefix=subjects.service_inbox(subjects.micro_name(name)),

@@ -72,15 +72,18 @@ def admission_tracks_of(admission_id: str) -> str:
     return f"{ADMISSION_TRACK_PREFIX}.{admission_id}.*"
 
 
-# prefix cache (msgpack)
+# prefix cache (msgpack). Events go to the JetStream stream RLT_PREFIX_EVENTS (see
+# services/runtime/jetstream.py), one subject per producer; lookups are core request/reply
 PREFIX_EVENTS = f"{VERSION_PREFIX}.prefix.events"
+PREFIX_EVENTS_ALL = f"{PREFIX_EVENTS}.>"
 PREFIX_LOOKUP = f"{VERSION_PREFIX}.prefix.lookup"
-PREFIX_REPLAY_PREFIX = f"{VERSION_PREFIX}.prefix.replay"
 
 
-def prefix_replay(producer_id: str) -> str:
-    """Where the prefix cache asks one producer (a scheduler) to resend events."""
-    return f"{PREFIX_REPLAY_PREFIX}.{producer_id}"
+def prefix_events(producer_id: str) -> str:
+    """The stream subject of one producer's events (a scheduler's RLT_SCHEDULER_NAME)."""
+    if not producer_id or any(c in producer_id for c in ".*> \t\r\n"):
+        raise ValueError(f"producer id {producer_id!r} is not a NATS subject token")
+    return f"{PREFIX_EVENTS}.{producer_id}"
 
 
 # services' own request inboxes live outside _INBOX, which clients may subscribe to: a client

@@ -18,7 +18,7 @@ from messages.api import ErrorEvent, FinishedEvent, StreamEvent
 from messages.batch import Phase
 from messages.errors import ErrorCode, RequestError
 from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad, WorkerResult
-from messages.prefix import PrefixEventBatch, ReplayRequest
+from messages.prefix import PrefixEventBatch
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.tokenizer import TextCodec
 from services.runtime import subjects
@@ -82,9 +82,8 @@ class SchedulerDriver:
             codec=self.codec,
             log=self.log,
         )
-        self._prefix_out: list[PrefixEventBatch] = []
         if self.config.enable_prefix_caching:
-            self._prefix_out.append(self.scheduler.prefix_log.announce())
+            self.scheduler.prefix_log.announce()
         self.streams: dict[str, _Stream] = {}
         self.by_no: dict[int, str] = {}
 
@@ -147,6 +146,14 @@ class SchedulerDriver:
             seen = self.last_admission_seq.get(req.admission_id, 0)
             self.last_admission_seq[req.admission_id] = max(seen, req.admission_seq)
         fields = request_fields(req.request_id, req.trace_id)
+        live = self.streams.get(req.request_id)
+        if live is not None:
+            # a client's retry of a live request (same request_id): no second generation;
+            # the stream goes on to the retry's reply subject and tracking subject
+            live.reply, live.track = req.reply_subject, track
+            self._notice(track, req.request_id, "accepted")
+            self.log.info("request re-attached", **fields)
+            return []
         if self.draining:
             return self._refuse(req, track, ErrorCode.UNAVAILABLE, "scheduler is shutting down")
         try:
@@ -269,16 +276,10 @@ class SchedulerDriver:
         return out
 
     def take_prefix_events(self) -> list[PrefixEventBatch]:
-        """Prefix-event envelopes to publish, in event_seq order."""
-        out, self._prefix_out = self._prefix_out, []
-        batch = self.scheduler.take_prefix_events()
-        if batch is not None:
-            out.append(batch)
-        return out
-
-    def answer_replay(self, request: ReplayRequest) -> list[PrefixEventBatch]:
-        """Re-sends what the prefix cache missed (or a snapshot rebase if it is too old)."""
-        return self.scheduler.prefix_log.answer(request, self.scheduler.kv.snapshot_prefix_events)
+        """Prefix-event envelopes to publish, in event_seq order: every one the log emitted,
+        also those the core emits on its own (AllBlocksCleared after a worker loss)."""
+        self.scheduler.take_prefix_events()
+        return self.scheduler.prefix_log.take_emitted()
 
     def oldest_inflight_age(self, now: float) -> float:
         return self.executor.age_of(self.core.oldest_inflight_seq(), now)
@@ -300,17 +301,22 @@ class SchedulerDriver:
         return subjects.stream_gone(self.instance, stream.no) if stream else ""
 
     # ------------------------------------------------------------------ streams
-    def _notice(self, track: str, request_id: str, state: str) -> None:
+    def _notice(
+        self, track: str, request_id: str, state: str, finished: FinishedEvent | None = None
+    ) -> None:
         if track:
-            notice = RequestNotice(request_id=request_id, scheduler_id=self.instance, state=state)
+            notice = RequestNotice(
+                request_id=request_id, scheduler_id=self.instance, state=state, finished=finished
+            )
             self.notices.append((track, notice))
 
-    def _ended(self, request_id: str) -> _Stream | None:
-        """Drops a stream whose terminal event is being delivered; admission hears "done"."""
+    def _ended(self, request_id: str, finished: FinishedEvent | None = None) -> _Stream | None:
+        """Drops a stream whose terminal event is being delivered; admission hears "done"
+        (with a copy of a ``finished`` event, which it keeps to answer a client's retry)."""
         stream = self.streams.pop(request_id, None)
         if stream is not None:
             self.by_no.pop(stream.no, None)
-            self._notice(stream.track, request_id, "done")
+            self._notice(stream.track, request_id, "done", finished)
         return stream
 
     def _route(self, events: Iterable[StreamEvent]) -> list[Delivery]:
@@ -320,7 +326,7 @@ class SchedulerDriver:
             if stream is None:
                 continue
             if isinstance(event, FinishedEvent):
-                self._ended(event.request_id)
+                self._ended(event.request_id, event)
                 extra: dict[str, Any] = {}
                 if log_content_enabled():
                     extra.update(token_ids=event.token_ids, text=event.text)

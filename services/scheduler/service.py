@@ -34,7 +34,7 @@ from messages.internal import (
     WorkerHeartbeat,
     WorkerResult,
 )
-from messages.prefix import PrefixEventBatch, ReplayRequest
+from messages.prefix import PrefixEventBatch, blocks_digest
 from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
 from services.common.tokenizer import TextCodec
@@ -52,6 +52,7 @@ from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
 from services.scheduler.driver import Delivery, SchedulerDriver, error_event
 from services.scheduler.liveness import LossDetector, WorkerTracker
+from services.scheduler.prefix_publisher import PrefixPublisher
 from services.scheduler.scheduler import Scheduler
 
 
@@ -138,6 +139,7 @@ class SchedulerService(Service):
         self._results_in = Reassembler()
         self._wake = asyncio.Event()
         self._last_load = 0.0
+        self.prefix_publisher: PrefixPublisher | None = None
 
     async def setup(self) -> None:
         self.driver = SchedulerDriver(
@@ -160,7 +162,6 @@ class SchedulerService(Service):
             Endpoint("submit", subjects.SCHED_SUBMIT, self._on_submit),
             Endpoint("abort", subjects.SCHED_ABORT, self._on_abort),
             Endpoint("load", subjects.SCHED_LOAD_GET, self._on_load_get),
-            Endpoint("replay", subjects.prefix_replay(self.driver.producer_id), self._on_replay),
             # every scheduler needs every heartbeat: a queue group of its own
             Endpoint(
                 "heartbeat",
@@ -183,6 +184,12 @@ class SchedulerService(Service):
         )
 
     async def on_ready(self) -> None:
+        if self.config.enable_prefix_caching:
+            assert self.driver is not None
+            self.prefix_publisher = PrefixPublisher(
+                self.nc, self.driver.producer_id, rebase=self._rebase_prefix, log=self.log
+            )
+            self.spawn(self.prefix_publisher.run(), "prefix-events")
         self.spawn(self._loop(), "loop")
         self.spawn(self._housekeeping(), "housekeeping")
         await self.nc.publish(subjects.WORKER_DISCOVER, b"")  # workers: say hello now
@@ -202,6 +209,9 @@ class SchedulerService(Service):
         self._held.active = False  # shutting down: send what is held, best effort
         await self._flush_notices()
         await self._release_held()
+        if self.prefix_publisher is not None:
+            self.prefix_publisher.submit(self.driver.take_prefix_events())
+            await self.prefix_publisher.flush(5.0)
 
     async def on_bus_lost(self) -> None:
         # hold client events: published now they would reach nobody (the clients are
@@ -233,6 +243,12 @@ class SchedulerService(Service):
             "free_kv_blocks": s.kv.num_free_blocks,
             "num_kv_blocks": s.kv.num_blocks,
             "held_messages": len(self._held.messages),
+            # the scheduler's own prefix table, to compare with the prefix index's view
+            "prefix_producer": d.producer_id,
+            "prefix_epoch": s.prefix_log.epoch,
+            "prefix_blocks": len(s.kv.cached_block_hashes()),
+            "prefix_digest": blocks_digest(s.kv.cached_block_hashes()),
+            "prefix_events": self.prefix_publisher.stats() if self.prefix_publisher else {},
         }
 
     # ------------------------------------------------------------------ handlers
@@ -261,20 +277,15 @@ class SchedulerService(Service):
         await self._flush_notices()
         self._wake.set()
 
-    async def _on_replay(self, msg: Msg) -> None:
-        assert self.driver is not None
-        try:
-            request = decode_msgpack(msg.data, ReplayRequest)
-            batches = self.driver.answer_replay(request)
-        except Exception as exc:  # undecodable or nonsensical: the requester re-asks
-            self.log.error("bad replay request", error=repr(exc)[:200])
-            return
-        self.log.info("prefix replay", from_seq=request.from_seq, envelopes=len(batches))
-        await self._publish_prefix(batches)
-
     async def _publish_prefix(self, batches: list[PrefixEventBatch]) -> None:
-        for batch in batches:
-            await publish_chunked(self.nc, subjects.PREFIX_EVENTS, encode_msgpack(batch))
+        # queued for the JetStream publisher, which keeps event_seq order (prefix_publisher.py)
+        if self.prefix_publisher is not None:
+            self.prefix_publisher.submit(batches)
+
+    def _rebase_prefix(self) -> PrefixEventBatch:
+        """A new prefix epoch carrying the whole cache (the publisher lost envelopes)."""
+        s = self.scheduler
+        return s.prefix_log.rebase(s.kv.snapshot_prefix_events())
 
     async def _on_load_get(self, msg: Msg) -> None:
         assert self.driver is not None
@@ -443,7 +454,11 @@ class SchedulerService(Service):
     async def _flush_notices(self) -> None:
         assert self.driver is not None
         for subject, notice in self.driver.take_notices():
-            await self._send(subject, encode_msgpack(notice))
+            data = encode_msgpack(notice)
+            if notice.finished is not None and not fits(self.nc, len(data)):
+                # the copy of a huge finished event for admission's retry record: left out
+                data = encode_msgpack(replace(notice, finished=None))
+            await self._send(subject, data)
 
     async def _send(self, subject: str, data: bytes, reply: str = "") -> None:
         if self._held.active:
@@ -480,29 +495,22 @@ class SchedulerService(Service):
     async def _housekeeping(self) -> None:
         """Periodic load reports; the worker watchdogs; request deadlines."""
         assert self.driver is not None
-        last_repub = time.monotonic()
         while True:
             await asyncio.sleep(self.options.load_interval_s)
             try:
-                last_repub = await self._housekeep(last_repub)
+                await self._housekeep()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 self.log.exception("housekeeping failed")
 
-    async def _housekeep(self, last_repub: float) -> float:
+    async def _housekeep(self) -> None:
         d = self.driver
         assert d is not None
         if not self.bus_connected:
-            return last_repub  # nothing can be judged (or sent) while we are cut off
+            return  # nothing can be judged (or sent) while we are cut off
         await self._maybe_publish_load(force=True)
         now = time.monotonic()
-        if self.config.enable_prefix_caching and now - last_repub > 1.0:
-            last_repub = now
-            # re-publishing the newest envelope lets a consumer that missed the tail
-            # notice the gap (it drops it as a duplicate otherwise)
-            latest = d.scheduler.prefix_log.latest()
-            await self._publish_prefix([latest] if latest is not None else [])
         age = d.oldest_inflight_age(now)
         if age > self.options.batch_timeout_s and d.worker_id is not None:
             self.workers.mark_suspect(d.worker_id)
@@ -518,4 +526,3 @@ class SchedulerService(Service):
         await self._deliver(expired)
         await self._flush_notices()
         self._wake.set()
-        return last_repub

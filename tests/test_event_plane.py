@@ -1,0 +1,135 @@
+"""The prefix-event plane on JetStream with REAL processes on a real nats-server.
+
+- kill -9 the prefix-cache service mid-run and start it again: it loads its snapshot from the
+  object store and replays only the stream's tail, and within 5 s of its restart its index
+  equals the scheduler's own block table again; the scheduler is not restarted (same epoch,
+  no rebase) and nobody asks it to replay anything;
+- the stream's limits (age, size) and replicas are what the docs say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import pytest
+
+from services.launcher import NatsServer, free_port
+from services.runtime import jetstream
+
+pytest.register_assert_rewrite("tests.conftest_nats")
+
+from tests.service_procs import (  # noqa: E402
+    StreamCollector,
+    client,
+    health,
+    service_procs,
+    wait_for,
+)
+from tests.test_reliability_worker import ENGINE_ARGS, _cases, _request  # noqa: E402
+
+ENV = {
+    "RLT_WORKER_HEARTBEAT_TIMEOUT_S": "1.5",
+    "RLT_WORKER_HEARTBEAT_S": "0.25",
+    "RLT_PREFIX_SNAPSHOT_S": "0.5",
+}
+ARGS = [*ENGINE_ARGS, "--enable-prefix-caching"]
+
+
+def _prompt(i: int) -> list[int]:
+    # 4-token blocks: each prompt caches a few blocks of its own and shares one with others
+    return [1, 2, 3, 4, *[(7 * i + k) % 500 + 1 for k in range(14)]]
+
+
+async def index_matches_scheduler(nc: Any) -> bool:
+    """The prefix index's view of the scheduler equals the scheduler's own block table."""
+    try:
+        sched = await health(nc, "scheduler")
+        index = await health(nc, "prefix-cache")
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        return False  # a service still failing over to another node
+    producer = sched["prefix_producer"]
+    return index["digests"].get(producer, "") == sched["prefix_digest"] or (
+        sched["prefix_blocks"] == 0 and producer not in index["digests"]
+    )
+
+
+async def test_prefix_cache_killed_mid_run_rebuilds_from_snapshot_and_tail(
+    toy_checkpoint: Path, tmp_path: Path
+) -> None:
+    with (
+        NatsServer(port=free_port()) as server,
+        service_procs(server.url, toy_checkpoint, tmp_path, ARGS, ENV) as procs,
+    ):
+        await procs.start_all()
+        async with client(server.url) as nc:
+            replay_asks = await nc.subscribe("rlt.v1.prefix.replay.>")
+            col = await StreamCollector(nc).start()
+            first = _cases(11, 6, max_tokens=8)
+            for i, (_, p) in enumerate(first):
+                await col.send(i, _request(f"warm-{i}", _prompt(i), p))
+            await col.wait_done(range(6), 60)
+            await wait_for(lambda: index_matches_scheduler(nc), 10, "index == scheduler")
+            before = await health(nc, "scheduler")
+            assert before["prefix_blocks"] >= 6
+            await wait_for(
+                lambda: _snapshot_written(nc), 10, "a snapshot of the index in the object store"
+            )
+
+            # more requests; the index dies while they run
+            second = _cases(12, 6, max_tokens=60)
+            for i, (_, p) in enumerate(second):
+                await col.send(10 + i, _request(f"tail-{i}", _prompt(20 + i), p))
+            await wait_for(lambda: all(col.tokens(10 + i) for i in range(6)), 60, "tokens")
+            procs.kill("prefix-cache")  # SIGKILL: no final snapshot
+            await asyncio.sleep(0.3)  # blocks keep being stored while it is down
+            restarted_at = time.monotonic()
+            new = procs.start("prefix-cache", key="prefix-cache-2")
+            await procs.wait_ready(new)
+            await wait_for(lambda: index_matches_scheduler(nc), 10, "index rebuilt")
+            took = time.monotonic() - restarted_at
+            index = await health(nc, "prefix-cache")
+            await col.wait_done([10 + i for i in range(6)], 60)
+            await wait_for(lambda: index_matches_scheduler(nc), 5, "index follows the tail")
+            after = await health(nc, "scheduler")
+
+            # the producer was not restarted and never rebased or asked to replay
+            assert after["prefix_epoch"] == before["prefix_epoch"]
+            assert after["prefix_events"]["rebases"] == 0
+            with pytest.raises(asyncio.TimeoutError):
+                await replay_asks.next_msg(timeout=0.1)
+            # it loaded a snapshot and replayed only the stream after it
+            assert index["snapshot_loaded_seq"] > 0
+            assert index["replayed_messages"] < index["stream_seq"]
+            assert index["lost"] == 0 and index["gaps"] == 0
+        print(
+            f"\nindex restart: equal to the scheduler's table {took:.2f}s after the restart "
+            f"(snapshot at stream seq {index['snapshot_loaded_seq']}, "
+            f"{index['replayed_messages']} tail messages replayed, "
+            f"snapshot load {index['snapshot_load_s']}s)"
+        )
+        assert took < 5.0, took
+
+
+async def _snapshot_written(nc: Any) -> bool:
+    return (await health(nc, "prefix-cache")).get("snapshot_seq", -1) > 0
+
+
+async def test_event_stream_limits_and_replicas_on_a_single_server(
+    toy_checkpoint: Path, tmp_path: Path
+) -> None:
+    env = {**ENV, "RLT_PREFIX_STREAM_MAX_AGE_S": "120", "RLT_PREFIX_STREAM_MAX_BYTES": "1048576"}
+    with (
+        NatsServer(port=free_port()) as server,
+        service_procs(server.url, toy_checkpoint, tmp_path, ARGS, env) as procs,
+    ):
+        await procs.start_all(["prefix-cache"])
+        async with client(server.url) as nc:
+            info = await nc.jetstream().stream_info(jetstream.EVENT_STREAM)
+            assert info.config.num_replicas == 1  # one server: R1
+            assert info.config.max_age == 120 and info.config.max_bytes == 1 << 20
+            assert info.config.subjects == ["rlt.v1.prefix.events.>"]
+            assert info.config.duplicate_window == 120
