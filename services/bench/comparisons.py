@@ -21,7 +21,8 @@ from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
 
 class BackendKind(StrEnum):
     IN_PROCESS = "in-process"
-    PIPELINE = "pipeline"
+    PIPELINE = "pipeline"  # a process per service
+    PIPELINE_ONE_PROCESS = "pipeline-one-process"  # every service in the bench's process
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class BenchSettings:
     quick: bool = False
     rate: float | None = None
     block_size: int = 16
+    model_size: str | None = None  # toy / small / 1.4b; None: a checkpoint of the user's
 
     @property
     def vocab(self) -> TokenRange:
@@ -266,37 +268,49 @@ def wcpb(s: BenchSettings) -> Comparison:
 
 
 def pipeline(s: BenchSettings) -> Comparison:
-    # two requests per client (not the scale's default): four arms, and a lower share of
+    # two requests per client (not the scale's default): six arms, and a lower share of
     # steady state weighs on both backends alike
     workload = wl.chat_closed(
         s.scale, s.vocab, s.concurrency, wl.EARLY_EXIT, s.seed, requests_per_client=2
     )
-    target = Target("pipeline >= 0.75x in-process throughput", low=0.75)
+    # issue 14's bar: the bus must cost nothing the user can measure. A toy pass is a few
+    # ms, like a 1.4B decode pass on a GPU; `small`'s passes are longer, so less is hidden
+    small = s.model_size == "small"
+    async_low = 0.97 if small else 0.95
+    targets = {
+        ("output_tokens_per_s", "sync"): Target("pipeline >= 0.85x in-process tokens/s", 0.85),
+        ("output_tokens_per_s", "async"): Target(
+            f"pipeline >= {async_low}x in-process tokens/s", async_low
+        ),
+        ("ttft_ms_p50", "async"): Target("pipeline TTFT p50 <= 1.15x in-process", high=1.15),
+        ("host_us_per_batch", "async"): Target("bus overhead per step <= 150 µs", high=150.0),
+    }
     ratios: list[RatioSpec] = []
-    for suffix, tgt in (("", target), ("_async", None)):
-        n, d = f"pipeline{suffix}", f"in_process{suffix}"
-        mode = "async" if suffix else "sync"
-        ratios += [
-            RatioSpec(
-                workload.name,
-                "output_tokens_per_s",
-                n,
-                d,
-                f"tokens/s, pipeline / in-process ({mode})",
-                target=tgt,
-            ),
-            RatioSpec(
-                workload.name, "ttft_ms_p50", n, d, f"TTFT p50, pipeline / in-process ({mode})"
-            ),
-            RatioSpec(
-                workload.name,
-                "host_us_per_batch",
-                n,
-                d,
-                f"bus overhead per step, µs (pipeline - in-process, {mode})",
-                difference=True,
-            ),
-        ]
+    for n, d, mode in (
+        ("pipeline", "in_process", "sync"),
+        ("pipeline_async", "in_process_async", "async"),
+        ("pipeline_1proc", "in_process", "sync, one process"),
+        ("pipeline_1proc_async", "in_process_async", "async, one process"),
+    ):
+        for metric, label, difference in (
+            ("output_tokens_per_s", "tokens/s, pipeline / in-process", False),
+            ("ttft_ms_p50", "TTFT p50, pipeline / in-process", False),
+            ("host_us_per_batch", "bus overhead per step, µs (pipeline - in-process", True),
+        ):
+            text = f"{label}, {mode})" if difference else f"{label} ({mode})"
+            ratios.append(
+                RatioSpec(
+                    workload.name,
+                    metric,
+                    n,
+                    d,
+                    text,
+                    difference=difference,
+                    target=targets.get((metric, mode)),
+                )
+            )
+    asynchronous = {"async_scheduling": True}
+    one_process = BackendKind.PIPELINE_ONE_PROCESS
     return Comparison(
         name="pipeline",
         title="NATS pipeline vs in-process engine",
@@ -309,21 +323,36 @@ def pipeline(s: BenchSettings) -> Comparison:
         workloads=[workload],
         arms=[
             Arm("in_process", "in-process engine (sync)"),
-            Arm("pipeline", "NATS pipeline (sync)", backend=BackendKind.PIPELINE),
-            Arm("in_process_async", "in-process engine (async)", {"async_scheduling": True}),
+            Arm(
+                "pipeline", "NATS pipeline, a process per service (sync)", {}, BackendKind.PIPELINE
+            ),
+            Arm("in_process_async", "in-process engine (async)", asynchronous),
             Arm(
                 "pipeline_async",
-                "NATS pipeline (async)",
-                {"async_scheduling": True},
+                "NATS pipeline, a process per service (async)",
+                asynchronous,
                 BackendKind.PIPELINE,
+            ),
+            Arm("pipeline_1proc", "NATS pipeline, services in one process (sync)", {}, one_process),
+            Arm(
+                "pipeline_1proc_async",
+                "NATS pipeline, services in one process (async)",
+                asynchronous,
+                one_process,
             ),
         ],
         ratios=ratios,
         plot_metrics=["output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "host_us_per_batch"],
         notes=[
-            "Services run in this process (as `rlt up` does) against a real nats-server; "
-            "the client timestamps events as they arrive. Bus overhead per step = (wall time "
-            "not spent in ModelRunner.execute) / batches, pipeline minus in-process.",
+            "`pipeline` arms run one OS process per service (`rlt service NAME`, as compose "
+            "does) against a real nats-server, started fresh for every run and warmed up with "
+            "two requests before the clock starts; `pipeline_1proc` arms run the four "
+            "services in the bench's own process (an extra: torch and the bus then share one "
+            "interpreter). Every process runs on the same cores as the in-process arm (no "
+            "pinning: all of this machine's cores). The client timestamps events as they "
+            "arrive. Bus overhead per step = (wall time not spent in ModelRunner.execute) / "
+            "batches, pipeline minus in-process; with a process per service the scheduler "
+            "works while the worker computes, so this is the worker's idle time per step.",
         ],
     )
 

@@ -1,10 +1,14 @@
 """The NATS pipeline backend: a real nats-server and the four services, driven by a client.
 
-The services run in-process in the run's event loop, started and stopped per run exactly as
-the services' tests and ``rlt up`` do (so every run starts from an empty scheduler and prefix
-index); the nats-server child process lives as long as the backend. The client sends each
-request as JSON on ``rlt.v1.generate`` with its own reply subject and timestamps each
-streamed event as it arrives.
+Two ways to run the services, both started and stopped per run (so every run starts from
+an empty scheduler and prefix index):
+- ``processes=True``: one OS process per service (``rlt service NAME``), the deployment
+  compose runs; the worker's counters come from its health reply;
+- ``processes=False``: every service in this process's event loop (a reported extra: torch
+  compute and the bus then share one interpreter).
+The nats-server child process lives as long as the backend. The client sends each request
+as JSON on ``rlt.v1.generate`` with its own reply subject and timestamps each streamed event
+as it arrives.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from nats.aio.msg import Msg
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.bench.backends import BenchError, finish_record, sampling_params
-from services.bench.metrics import RequestRecord, RunRecord
+from services.bench.metrics import EngineCounters, RequestRecord, RunRecord
 from services.bench.probe import RunnerProbe
-from services.bench.workloads import LoopMode, Workload
+from services.bench.processes import ServiceProcesses, worker_runner_stats
+from services.bench.workloads import LoopMode, Workload, warmup_workload
 from services.common.config import SchedulerConfig
 from services.launcher import NatsServer, build_service, free_port
 from services.runtime import subjects
@@ -47,7 +52,9 @@ class PipelineBackend:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         run_timeout_s: float = 900.0,
+        processes: bool = True,
     ) -> None:
+        self.processes = processes
         self.checkpoint = Path(checkpoint)
         self.device = device
         self.dtype = dtype
@@ -79,7 +86,33 @@ class PipelineBackend:
 
     def run(self, workload: Workload, config: SchedulerConfig) -> RunRecord:
         server = self._ensure_server()
+        if self.processes:
+            return asyncio.run(self._run_processes(server.url, workload, config))
         return asyncio.run(self._run(server.url, workload, config))
+
+    async def _run_processes(
+        self, url: str, workload: Workload, config: SchedulerConfig
+    ) -> RunRecord:
+        procs = ServiceProcesses(url, self.checkpoint, config, device=self.device, dtype=self.dtype)
+        with procs:
+            nc = await nats.connect(url, connect_timeout=5, allow_reconnect=False)
+            try:
+                # a fresh worker's first batches pay one-off costs: outside the timed run
+                await asyncio.wait_for(_drive(url, warmup_workload(workload)), 120)
+                before = await worker_runner_stats(nc)
+                try:
+                    record = await asyncio.wait_for(
+                        _drive(url, workload), timeout=self.run_timeout_s
+                    )
+                except TimeoutError as exc:
+                    raise BenchError(
+                        f"pipeline run did not finish in {self.run_timeout_s:.0f}s"
+                    ) from exc
+                after = await worker_runner_stats(nc)
+            finally:
+                await nc.close()
+        record.counters = counters_between(before, after)
+        return record
 
     def _services(self, url: str, config: SchedulerConfig) -> list[Service]:
         worker = WorkerService(url, self.checkpoint, config, device=self.device, dtype=self.dtype)
@@ -105,6 +138,19 @@ class PipelineBackend:
         finally:
             for service in reversed(started):
                 await service.stop(drain_timeout=5.0)
+
+
+def counters_between(before: dict[str, float], after: dict[str, float]) -> EngineCounters:
+    """What a worker process did between two ``RunnerStats`` snapshots."""
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    return EngineCounters(
+        batches=int(delta.get("batches", 0)),
+        decode_batches=int(delta.get("decode_batches", 0)),
+        execute_s=float(delta.get("execute_s", 0.0)),
+        core_passes=int(delta.get("core_passes", 0)),
+        core_rows=int(delta.get("core_rows", 0)),
+        runner_core_passes=int(delta.get("core_passes", 0)),
+    )
 
 
 async def _drive(url: str, workload: Workload) -> RunRecord:

@@ -32,7 +32,7 @@ from services.bench.comparisons import (
 )
 from services.bench.metrics import WASTE_METRICS, run_metrics
 from services.bench.progress import Progress
-from services.bench.workloads import FULL, QUICK, LoopMode, RequestSpec, Workload
+from services.bench.workloads import FULL, QUICK, Workload, warmup_workload
 from services.common.config import SchedulerConfig
 from services.engine.engine import model_limits
 from services.worker.model.ouro import OuroModel
@@ -77,7 +77,10 @@ class Bench:
             from services.bench.pipeline import PipelineBackend  # nats only when needed
 
             self._backends[kind] = PipelineBackend(
-                self.checkpoint, device=self.device, dtype=self.dtype
+                self.checkpoint,
+                device=self.device,
+                dtype=self.dtype,
+                processes=kind is BackendKind.PIPELINE,
             )
         return self._backends[kind]
 
@@ -110,11 +113,6 @@ def resolve_checkpoint(args: argparse.Namespace) -> Path:
             file=sys.stderr,
         )
     return ensure_checkpoint(None, size=args.size)
-
-
-def _warmup_workload(workload: Workload) -> Workload:
-    reqs = [RequestSpec(r.prompt_token_ids, min(r.max_tokens, 2)) for r in workload.requests[:2]]
-    return Workload("warmup", "warm-up", LoopMode.CLOSED, reqs, workload.exit, concurrency=2)
 
 
 def _calibrate(bench: Bench, comparison: Comparison, progress: Progress) -> dict[str, Any]:
@@ -153,7 +151,7 @@ def run_comparison(
             workload = workloads[workload.name]
             config = comparison.config(arm)
             if arm.backend not in warmed:  # first use pays one-off costs outside the timing
-                bench.run(_warmup_workload(workload), config, arm)
+                bench.run(warmup_workload(workload), config, arm)
                 warmed.add(arm.backend)
             progress.describe(
                 f"{comparison.name} r{repeat + 1}/{repeats} {workload.name}:{arm.name}"
@@ -305,6 +303,7 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
         limits=model_limits(bench.model),
         quick=args.quick,
         rate=args.rate,
+        model_size=None if args.checkpoint else args.size,
     )
     comparisons = build_comparisons(list(args.only), settings)
     total = sum(

@@ -308,3 +308,9 @@ def kv_pressure(scale: Scale, vocab: TokenRange, concurrency: int, seed: int) ->
             "prompt_range": scale.pressure_prompt,
         },
     )
+
+
+def warmup_workload(workload: Workload) -> Workload:
+    """Two short requests of the workload's kind, so first-use costs stay off the clock."""
+    reqs = [RequestSpec(r.prompt_token_ids, min(r.max_tokens, 2)) for r in workload.requests[:2]]
+    return Workload("warmup", "warm-up", LoopMode.CLOSED, reqs, workload.exit, concurrency=2)
