@@ -17,7 +17,7 @@ from services.runtime import subjects
 from services.runtime.health import main as health_main
 
 ROOT = Path(__file__).resolve().parents[1]
-RLT_SERVICES = set(subjects.SERVICE_NAMES)  # admission, scheduler, worker, prefix-cache
+RLT_SERVICES = set(subjects.SERVICE_NAMES)  # admission, scheduler, worker, prefix-cache, gateway
 
 
 @pytest.fixture(scope="module")
