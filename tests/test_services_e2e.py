@@ -400,7 +400,8 @@ def test_rlt_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path, toy_checkpoi
     }
     cli = [sys.executable, "-m", "services.cli"]
     up = subprocess.Popen(
-        [*cli, "up", "--port", str(port), "--checkpoint", str(toy_checkpoint)],
+        [*cli, "up", "--port", str(port), "--checkpoint", str(toy_checkpoint)]
+        + ["--http-port", str(free_port())],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
