@@ -440,3 +440,18 @@ def test_cluster_metrics_label_and_keep_every_instance() -> None:
     assert value("rlt:time_to_first_token_seconds_bucket", "b", le="1.0") == 0
     # an instance that stopped publishing goes away
     assert cluster.instances(now=now + 6) == [("scheduler", "b")]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_text_frames_built_by_concatenation_equal_the_general_ones(
+    chat: bool, include_usage: bool
+) -> None:
+    opts = _opts(include_usage=include_usage, return_token_ids=False)
+    fast = SseEncoder(chat, "r", "toy", 1, opts)
+    fast.deltas([])  # past the chat role frame
+    text = 'quote " backslash \\ newline \n é \u2028'
+    got = _frames(fast.deltas(Answer("r", opts).on_event(_tok(0, text))))
+    general = SseEncoder(chat, "r", "toy", 1, opts)
+    want = _frames(general._frame({"content": text} if chat else text, None))
+    assert got == want

@@ -52,6 +52,8 @@ _JSON = msgspec.json.Encoder()
 class EventStream(Protocol):
     async def next(self, timeout: float) -> StreamEvent: ...
 
+    def next_nowait(self) -> StreamEvent | None: ...
+
     def close(self) -> None: ...
 
 
@@ -213,8 +215,11 @@ class _Call:
                 yield first
             answer = self.answer
             while not answer.done:
-                event = await self._next()
-                frames = encoder.deltas(answer.on_event(event))
+                deltas = answer.on_event(await self._next())
+                # events that are already here go out in the same write
+                while not answer.done and (more := self._next_nowait()) is not None:
+                    deltas += answer.on_event(more)
+                frames = encoder.deltas(deltas)
                 if frames:
                     yield frames
             self._abort_if_stopped()
@@ -243,6 +248,10 @@ class _Call:
                 code=str(ErrorCode.TIMEOUT),
                 message=f"no answer within {self.backend.request_timeout_s:.0f}s",
             )
+
+    def _next_nowait(self) -> StreamEvent | None:
+        assert self.stream is not None
+        return self.stream.next_nowait()
 
     async def _next_or_gone(self, gone: asyncio.Future[None]) -> StreamEvent | None:
         """The next event, or None when the client went away first."""

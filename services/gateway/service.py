@@ -96,7 +96,21 @@ class _Stream:
         self._rid = rid
 
     async def next(self, timeout: float) -> StreamEvent:
-        msg = await asyncio.wait_for(self._queue.get(), timeout)
+        try:
+            msg = self._queue.get_nowait()  # the common case under load: no timer, no task
+        except asyncio.QueueEmpty:
+            async with asyncio.timeout(timeout):
+                msg = await self._queue.get()
+        return self._decode(msg)
+
+    def next_nowait(self) -> StreamEvent | None:
+        """An event that already arrived, or None."""
+        try:
+            return self._decode(self._queue.get_nowait())
+        except asyncio.QueueEmpty:
+            return None
+
+    def _decode(self, msg: Msg) -> StreamEvent:
         if is_no_responders(msg):
             return ErrorEvent(
                 request_id=self._rid,

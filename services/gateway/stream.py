@@ -126,6 +126,14 @@ class SseEncoder:
         # tokens whose text the detokenizer still holds: they go out with the next frame
         self._ids: list[int] = []
         self._depths: list[int] = []
+        # a frame that only carries text is most frames: its bytes around the text are
+        # fixed, so it is built by concatenation (the same bytes the general path makes)
+        self._text_frame: tuple[bytes, bytes] | None = None
+        if not options.return_token_ids:
+            marker = "\x00"
+            probe = self._frame({"content": marker} if chat else marker, None)
+            before, after = probe.split(_JSON.encode(marker))
+            self._text_frame = (before, after)
 
     def deltas(self, deltas: list[Delta]) -> bytes:
         frames = []
@@ -138,6 +146,10 @@ class SseEncoder:
             self._depths += d.exit_depths
             if not d.text and d.finish_reason is None:
                 continue  # bytes held by the detokenizer: nothing to show yet
+            if self._text_frame is not None and d.finish_reason is None:
+                before, after = self._text_frame
+                frames.append(before + _JSON.encode(d.text) + after)
+                continue
             content = {"content": d.text} if self.chat and d.text else {}
             frames.append(self._frame(content if self.chat else d.text, d.finish_reason))
         return b"".join(frames)
