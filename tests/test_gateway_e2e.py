@@ -34,11 +34,8 @@ from services.common.config import SchedulerConfig
 from services.common.tokenizer import TextCodec
 from services.launcher import free_port
 from services.oracle import SerialOracle
-
-pytest.register_assert_rewrite("tests.engine_harness")
-
-from tests.engine_harness import assert_matches_oracle, oracle_result  # noqa: E402
-from tests.gateway_helpers import as_finished, metric_sums  # noqa: E402
+from tests.engine_harness import assert_matches_oracle, oracle_result
+from tests.gateway_helpers import as_finished, metric_sums
 
 MODEL = "toy-ckpt"
 

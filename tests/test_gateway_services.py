@@ -35,7 +35,7 @@ from services.runtime import subjects, tracing
 from services.runtime.logging import configure_logging
 from services.runtime.service import Endpoint, Service
 
-pytest.register_assert_rewrite("tests.conftest_nats", "tests.engine_harness")
+pytest.register_assert_rewrite("tests.conftest_nats")
 
 from tests.conftest_nats import services_up  # noqa: E402
 from tests.engine_harness import assert_matches_oracle, oracle_result  # noqa: E402
