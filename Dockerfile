@@ -26,4 +26,4 @@ USER rlt
 VOLUME ["/data"]
 
 # no ENTRYPOINT: compose gives each service its full `rlt service NAME ...` command
-CMD ["rlt", "up", "--host", "0.0.0.0"]
+CMD ["rlt", "up", "--host", "0.0.0.0", "--http-host", "0.0.0.0"]

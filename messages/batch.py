@@ -94,6 +94,9 @@ class Batch(msgspec.Struct, kw_only=True):
     block_deltas: list[BlockDelta] = msgspec.field(default_factory=list)
     finished_request_ids: list[str] = msgspec.field(default_factory=list)
     trace_ids: dict[str, str] = msgspec.field(default_factory=dict)
+    # W3C traceparent of the scheduler's span of each request loaded here, when spans are
+    # exported: the worker's span of the request is its child (services/runtime/tracing.py)
+    traceparents: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class RowResult(msgspec.Struct, kw_only=True):

@@ -69,6 +69,9 @@ class WorkerResult(msgspec.Struct, kw_only=True):
     result: BatchResult
     worker_id: str = ""
     execute_s: float = 0.0
+    # from the batch's arrival at the worker to its result being sent (waiting behind the
+    # batch before it included): the scheduler's round trip minus this is the bus's cost
+    worker_s: float = 0.0
 
 
 class WorkerHeartbeat(msgspec.Struct, kw_only=True):

@@ -10,6 +10,7 @@ from services.common.flags import (
     add_bus_flags,
     add_device_flags,
     add_engine_flags,
+    add_http_flags,
     add_request_flags,
 )
 from services.worker.model.sizes import CHECKPOINT_SIZES
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     p.set_defaults(func=cmd_schedule_trace)
 
-    p = sub.add_parser("up", help="embedded NATS + all four services")
+    p = sub.add_parser("up", help="embedded NATS + all services and the HTTP gateway")
     p.add_argument("--port", type=int, default=4222)
     p.add_argument(
         "--nats-cluster",
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     add_engine_flags(p)
+    add_http_flags(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("bench", help="benchmarks: engine comparisons side by side")
@@ -134,9 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("service", help="run one service (for compose)")
-    p.add_argument("name", choices=["admission", "scheduler", "worker", "prefix-cache"])
+    p.add_argument("name", choices=["admission", "scheduler", "worker", "prefix-cache", "gateway"])
     add_engine_flags(p)
     add_bus_flags(p)
+    add_http_flags(p)
     p.set_defaults(func=cmd_service)
     return parser
 

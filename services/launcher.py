@@ -32,6 +32,8 @@ from services.runtime.service import Service, serve
 from services.worker.model.toy import ensure_checkpoint
 
 SERVICE_ORDER = ("worker", "prefix-cache", "scheduler", "admission")  # start order
+# `rlt up` starts the HTTP gateway after these (the public entry points last)
+GATEWAY = "gateway"
 
 
 # ---------------------------------------------------------------------- nats-server
@@ -232,9 +234,11 @@ def build_service(
     *,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    http: argparse.Namespace | None = None,
 ) -> Service:
     """One service object (not started). ``checkpoint`` is needed by all but prefix-cache;
-    ``device`` and ``dtype`` are the worker's."""
+    ``device`` and ``dtype`` are the worker's; ``http`` (``--http-host``, ``--http-port``,
+    ``--served-model-name``) the gateway's."""
     if name == "prefix-cache":
         from services.prefix_cache.service import PrefixCacheService
 
@@ -260,6 +264,16 @@ def build_service(
         from services.admission.service import AdmissionService
 
         return AdmissionService(nats_url, checkpoint, admission_config, scheduler_config=config)
+    if name == GATEWAY:
+        from services.gateway.service import GatewayService
+
+        return GatewayService(
+            nats_url,
+            checkpoint,
+            host=getattr(http, "http_host", "127.0.0.1"),
+            port=getattr(http, "http_port", 8000),
+            served_model_name=getattr(http, "served_model_name", None),
+        )
     raise ValueError(f"unknown service {name!r}; choose one of {subjects.SERVICE_NAMES}")
 
 
@@ -281,13 +295,21 @@ def build_services(
     ]
 
 
-def _banner(url: str, checkpoint: Path) -> str:
+def _banner(url: str, checkpoint: Path, http_url: str, model: str) -> str:
     payload = '{"prompt":"hello","max_tokens":8}'
     nodes = len(url.split(","))
     what = f"JetStream, a {nodes}-node cluster" if nodes > 1 else "JetStream"
     return f"""\
-rlt is up: NATS {url} ({what}), checkpoint {checkpoint}
-services: worker, prefix-cache, scheduler, admission   (Ctrl-C stops everything)
+rlt is up: NATS {url} ({what}), HTTP {http_url}, checkpoint {checkpoint}
+services: worker, prefix-cache, scheduler, admission, gateway   (Ctrl-C stops everything)
+
+  with the OpenAI client (pip install openai):
+    python -c 'from openai import OpenAI
+c = OpenAI(base_url="{http_url}/v1", api_key="-")
+print(c.completions.create(model="{model}", prompt="hello", max_tokens=8).choices[0].text)'
+  with curl (server-sent events as tokens are made):
+    curl -N {http_url}/v1/completions -H "Content-Type: application/json" \\
+      -d '{{"model":"{model}","prompt":"hello","max_tokens":8,"stream":true}}'
 
   send a request with the nats CLI (--replies 0 keeps reading the whole stream):
     nats -s {url} req rlt.v1.generate '{payload}'
@@ -318,6 +340,12 @@ def main_up(args: argparse.Namespace) -> int:
             "reach it can submit requests and read streams (use compose with deploy/nats.conf)",
             file=sys.stderr,
         )
+    if not _is_loopback(args.http_host):
+        print(
+            f"rlt up: warning: the HTTP gateway listens on {args.http_host} without "
+            "authentication; put an authenticating proxy in front of it",
+            file=sys.stderr,
+        )
     nodes = getattr(args, "nats_cluster", 1) or 1
     server: NatsServer | NatsCluster
     if nodes > 1:
@@ -341,6 +369,8 @@ def main_up(args: argparse.Namespace) -> int:
             device=device,
             dtype=dtype,
         )
+        gateway = build_service(GATEWAY, server.url, checkpoint, config, http=args)
+        services.append(gateway)
 
         async def run() -> None:
             task = asyncio.ensure_future(serve(services))
@@ -348,12 +378,18 @@ def main_up(args: argparse.Namespace) -> int:
             while not task.done() and not all(s.state == "ready" for s in services):
                 await asyncio.sleep(0.05)
             if not task.done():
-                print(_banner(server.url, checkpoint), flush=True)
+                http_url = f"http://{_url_host(args.http_host)}:{gateway.port}"  # type: ignore[attr-defined]
+                model = gateway.model_name  # type: ignore[attr-defined]
+                print(_banner(server.url, checkpoint, http_url, model), flush=True)
             await task
 
         return _run_main("rlt up", run())
     finally:
         server.stop()
+
+
+def _url_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else (f"[{host}]" if ":" in host else host)
 
 
 def _is_loopback(host: str) -> bool:
@@ -372,6 +408,7 @@ def main_service(args: argparse.Namespace) -> int:
         AdmissionConfig.from_env(),
         device=device,
         dtype=dtype,
+        http=args,
     )
     return _run_main(f"rlt service {args.name}", serve([service]))
 

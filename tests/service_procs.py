@@ -59,15 +59,22 @@ class ServiceProcs:
     procs: dict[str, Proc] = field(default_factory=dict)
     _count: int = 0
 
-    def start(self, name: str, env: dict[str, str] | None = None, key: str | None = None) -> Proc:
-        """Starts one service; ``key`` names it here (e.g. "worker-2"; default: the name)."""
+    def start(
+        self,
+        name: str,
+        env: dict[str, str] | None = None,
+        key: str | None = None,
+        args: Sequence[str] = (),
+    ) -> Proc:
+        """Starts one service; ``key`` names it here (e.g. "worker-2"; default: the name);
+        ``args`` are its own extra flags (e.g. the gateway's ``--http-port``)."""
         self._count += 1
         key = key or name
         log_path = self.workdir / f"{key}-{self._count}.log"
         cmd = [sys.executable, "-m", "services.cli", "service", name, "--nats-url", self.nats_url]
         if name != "prefix-cache":
             cmd += ["--checkpoint", str(self.checkpoint)]
-        cmd += list(self.engine_args)
+        cmd += list(self.engine_args) + list(args)
         full_env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",

@@ -4,9 +4,10 @@
   clear message instead of retrying forever);
 - every user is held to its subject allow-lists (a client cannot touch internal subjects, a
   service cannot publish outside its own);
-- the four services, each as its own NATS user (RLT_NATS_USER / RLT_NATS_PASSWORD), serve a
-  client without a single permissions violation, and their health checks work with their
-  own credentials;
+- the four services and the HTTP gateway, each as its own NATS user (RLT_NATS_USER /
+  RLT_NATS_PASSWORD), serve a NATS client and an HTTP client without a single permissions
+  violation (the gateway's streams, health pings and metrics included), and their health
+  checks work with their own credentials;
 - prompts and outputs never reach the logs unless RLT_LOG_CONTENT=1.
 """
 
@@ -18,6 +19,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import nats
 import pytest
 
@@ -32,7 +34,7 @@ from tests.conftest_nats import check_stream  # noqa: E402
 from tests.service_procs import StreamCollector, service_procs, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-USERS = ("admission", "scheduler", "worker", "prefix-cache", "client", "operator")
+USERS = ("admission", "scheduler", "worker", "prefix-cache", "gateway", "client", "operator")
 
 
 def _password_var(user: str) -> str:
@@ -90,6 +92,8 @@ DENIED_PUBLISH = {
                "rlt.v1.prefix.events.x"],
     "prefix-cache": ["rlt.v1.worker.batch.x", "rlt.v1.sched.submit", "rlt.v1.generate",
                      "rlt.v1.prefix.events.x", "$JS.API.STREAM.DELETE.RLT_PREFIX_EVENTS"],
+    "gateway": ["rlt.v1.sched.submit", "rlt.v1.worker.batch.x", "_INBOX.x",
+                "rlt.v1.metrics.scheduler"],
 }  # fmt: skip
 ALLOWED_PUBLISH = {
     "client": "rlt.v1.generate",
@@ -97,9 +101,19 @@ ALLOWED_PUBLISH = {
     "scheduler": "rlt.v1.worker.batch.x",
     "worker": "rlt.v1.worker.result.x",
     "prefix-cache": "_RLT_INBOX.rlt-prefix-cache.x",
+    "gateway": "rlt.v1.abort",
 }
 DENIED_SUBSCRIBE = {
-    "client": ["rlt.v1.generate", "rlt.v1.worker.>", "rlt.v1.sched.>", ">", "_RLT_INBOX.>"],
+    "client": [
+        "rlt.v1.generate",
+        "rlt.v1.worker.>",
+        "rlt.v1.sched.>",
+        ">",
+        "_RLT_INBOX.>",
+        "_GW_INBOX.>",
+        "rlt.v1.metrics.>",
+    ],
+    "gateway": ["_INBOX.>", "rlt.v1.sched.>", "rlt.v1.generate"],
     "worker": ["rlt.v1.sched.submit", "rlt.v1.generate", "_INBOX.>"],
     "prefix-cache": ["rlt.v1.worker.batch.x", "_INBOX.>"],
 }
@@ -158,9 +172,11 @@ async def test_services_as_separate_users_serve_clients_without_violations(
     prompt = "The harbour lights were reflected in the calm water"
     with service_procs(url, toy_checkpoint, tmp_path, ["--enable-prefix-caching"]) as procs:
         started = []
-        for name in ("worker", "prefix-cache", "scheduler", "admission"):
+        http_port = free_port()
+        for name in ("worker", "prefix-cache", "scheduler", "admission", "gateway"):
             env = {"RLT_NATS_USER": name, "RLT_NATS_PASSWORD": PASSWORDS[name]}
-            started.append(procs.start(name, env=env))
+            args = ["--http-port", str(http_port)] if name == "gateway" else []
+            started.append(procs.start(name, env=env, args=args))
         for proc in started:
             await procs.wait_ready(proc)
         client = await _connect(url, "client")
@@ -179,9 +195,10 @@ async def test_services_as_separate_users_serve_clients_without_violations(
             assert finished[1].num_cached_tokens > 0  # type: ignore[union-attr]
         finally:
             await client.close()
+        await _through_the_gateway(http_port, prompt)
         # the container health check, with each service's own credentials
         monkeypatch.setenv("RLT_RUN_DIR", str(tmp_path))  # the services' identity files
-        for name in ("worker", "prefix-cache", "scheduler", "admission"):
+        for name in ("worker", "prefix-cache", "scheduler", "admission", "gateway"):
             monkeypatch.setenv("RLT_NATS_USER", name)
             monkeypatch.setenv("RLT_NATS_PASSWORD", PASSWORDS[name])
             assert await health_check(name, url, 5.0) is None, name
@@ -223,6 +240,29 @@ async def test_services_as_separate_users_serve_clients_without_violations(
         assert json.dumps(done.token_ids).replace(" ", "") in scheduler_log.replace(" ", "")
 
 
+async def _through_the_gateway(port: int, prompt: str) -> None:
+    """The gateway as its own NATS user: /health (pings), a streamed completion (its inbox,
+    admission's and the scheduler's replies there) and /metrics (every service's)."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+
+        async def ready() -> bool:
+            return (await http.get("/health")).status_code == 200
+
+        await wait_for(ready, 15, "gateway /health")
+        body = {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "stream": True}
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        # at least the finish frame and [DONE] (tokens whose text is held add none)
+        assert r.text.rstrip().endswith("data: [DONE]") and r.text.count("data: ") >= 3
+        assert '"finish_reason":"length"' in r.text
+
+        async def published() -> bool:
+            text = (await http.get("/metrics")).text
+            return 'service="worker"' in text and "rlt:request_success_total{" in text
+
+        await wait_for(published, 15, "every service's metrics on /metrics")
+
+
 def test_rlt_up_binds_loopback_and_compose_ships_the_config(tmp_path: Path) -> None:
     import yaml
 
@@ -243,7 +283,7 @@ def test_rlt_up_binds_loopback_and_compose_ships_the_config(tmp_path: Path) -> N
         assert all(str(p).startswith("127.0.0.1:") for p in nats_svc["ports"])
         for user in USERS:
             assert _password_var(user) in nats_svc["environment"], user
-    for name in ("admission", "scheduler", "worker", "prefix-cache"):
+    for name in ("admission", "scheduler", "worker", "prefix-cache", "gateway"):
         env = compose["services"][name]["environment"]
         assert env["RLT_NATS_USER"] == name
         assert _password_var(name) in env["RLT_NATS_PASSWORD"]

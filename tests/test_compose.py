@@ -17,7 +17,7 @@ from services.runtime import subjects
 from services.runtime.health import main as health_main
 
 ROOT = Path(__file__).resolve().parents[1]
-RLT_SERVICES = set(subjects.SERVICE_NAMES)  # admission, scheduler, worker, prefix-cache
+RLT_SERVICES = set(subjects.SERVICE_NAMES)  # ... and gateway
 NATS_NODES = ["nats-1", "nats-2", "nats-3"]
 NATS_URLS = "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"
 

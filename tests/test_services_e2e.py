@@ -399,8 +399,9 @@ def test_rlt_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path, toy_checkpoi
         "OMP_NUM_THREADS": "1",
     }
     cli = [sys.executable, "-m", "services.cli"]
+    http = ["--http-port", str(free_port())]
     up = subprocess.Popen(
-        [*cli, "up", "--port", str(port), "--checkpoint", str(toy_checkpoint)],
+        [*cli, "up", "--port", str(port), *http, "--checkpoint", str(toy_checkpoint)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -24,6 +24,7 @@ from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits
 from services.common.tokenizer import TextCodec
+from services.runtime.tracing import new_trace_id
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]+$")
 # a reply subject: printable tokens without wildcards, separated by single dots
@@ -178,9 +179,7 @@ class AdmissionCore:
             _check_encodable(params)
         except RequestError as exc:
             raise AdmissionError(request_id, exc.code, exc.message) from None
-        return Prepared(
-            request_id, prompt, params, trace_id or uuid.uuid4().hex[:16], request.prompt
-        )
+        return Prepared(request_id, prompt, params, trace_id or new_trace_id(), request.prompt)
 
     @staticmethod
     def check_reply_subject(reply: str) -> str | None:

@@ -33,6 +33,7 @@ from services.admission.core import (
     FinishedRecord,
     OpenRequest,
     OpenRequests,
+    Prepared,
     Retry,
     classify_retry,
 )
@@ -49,6 +50,13 @@ from services.runtime.bus import (
 )
 from services.runtime.logging import log_content_enabled, request_fields
 from services.runtime.service import Endpoint, Service
+from services.runtime.tracing import (
+    ATTR_REQUEST_ID,
+    TRACEPARENT,
+    TraceContext,
+    Tracer,
+    parse_traceparent,
+)
 
 
 class AdmissionService(Service):
@@ -76,6 +84,7 @@ class AdmissionService(Service):
         self.num_admitted = 0
         self.num_rejected = 0
         self.num_lost = 0
+        self.tracer = Tracer(self.name)
 
     async def setup(self) -> None:
         limits = load_model_limits(self.checkpoint)
@@ -148,9 +157,12 @@ class AdmissionService(Service):
             self.num_rejected += 1
             self.log.warning("generate request with a bad reply subject dropped", reason=why)
             return
-        trace_id = msg.headers.get(HEADER_TRACE_ID) if msg.headers else None
+        headers = msg.headers or {}
+        # a W3C traceparent joins the caller's trace; Rlt-Trace-Id names a trace id only
+        parent = parse_traceparent(headers.get(TRACEPARENT))
+        trace_id = parent.trace_id if parent is not None else headers.get(HEADER_TRACE_ID)
         try:
-            await self._admit(msg.data, reply, trace_id)
+            await self._admit(msg.data, reply, trace_id, parent)
         except AdmissionError as exc:
             await self._reject(reply, exc)
         except Exception as exc:  # a bug here must still answer the client, exactly once
@@ -159,11 +171,31 @@ class AdmissionService(Service):
                 reply, AdmissionError("", ErrorCode.INTERNAL, f"admission error: {exc!r}")
             )
 
-    async def _admit(self, data: bytes, reply: str, trace_id: str | None) -> None:
+    async def _admit(
+        self, data: bytes, reply: str, trace_id: str | None, parent: TraceContext | None = None
+    ) -> None:
         assert self.core is not None
         if self.draining:
             raise AdmissionError("", ErrorCode.UNAVAILABLE, "admission is shutting down")
         prepared = self.core.prepare(data, trace_id)
+        span = self.tracer.start(
+            "admission.admit",
+            parent,
+            trace_id=prepared.trace_id,
+            attributes={
+                ATTR_REQUEST_ID: prepared.request_id,
+                "rlt.num_prompt_tokens": len(prepared.prompt_token_ids),
+            },
+        )
+        try:
+            await self._forward(prepared, reply, span.traceparent)
+        except AdmissionError as exc:
+            span.end(error=f"{exc.code}: {exc.message[:200]}")
+            raise
+        span.end()
+
+    async def _forward(self, prepared: Prepared, reply: str, traceparent: str) -> None:
+        assert self.core is not None
         rid = prepared.request_id
         retry, recorded = classify_retry(rid, reply, self.open, self.finished, time.monotonic())
         if retry is not Retry.NEW:
@@ -192,7 +224,10 @@ class AdmissionService(Service):
         self.open.opened(seq, prepared.request_id, reply, prepared.trace_id, time.monotonic())
         # the tracking subject as reply: "accepted"/"done" notices, or "no responders"
         await self.nc.publish(
-            subjects.SCHED_SUBMIT, body, reply=subjects.admission_track(self.instance_id, seq)
+            subjects.SCHED_SUBMIT,
+            body,
+            reply=subjects.admission_track(self.instance_id, seq),
+            headers={TRACEPARENT: traceparent},
         )
         self.num_admitted += 1
         extra: dict[str, Any] = {}

@@ -108,6 +108,17 @@ def add_bus_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_http_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gateway (HTTP, OpenAI-compatible)")
+    g.add_argument("--http-port", type=int, default=8000, help="default: 8000")
+    g.add_argument("--http-host", default="127.0.0.1", help="default: 127.0.0.1 (loopback only)")
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: the checkpoint directory's name)",
+    )
+
+
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs,

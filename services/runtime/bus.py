@@ -289,7 +289,13 @@ class BoundedHandler:
     reading (messages wait in the client's bounded pending queue) instead of piling up tasks.
     """
 
-    def __init__(self, handler: Handler, max_concurrency: int = 1, log: Any = None) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        max_concurrency: int = 1,
+        log: Any = None,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
         self._handler = handler
@@ -297,6 +303,9 @@ class BoundedHandler:
         self._sem = asyncio.Semaphore(max_concurrency)
         self._tasks: set[asyncio.Task[None]] = set()
         self._log = log
+        # told of every exception the handler raised (the service counts it in micro stats)
+        self._on_error = on_error
+        self.num_errors = 0
 
     async def __call__(self, msg: Any) -> None:
         if self._limit == 1:
@@ -319,9 +328,12 @@ class BoundedHandler:
             await self._handler(msg)
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as exc:
+            self.num_errors += 1
             if self._log is not None:
                 self._log.exception("handler failed")
+            if self._on_error is not None:
+                self._on_error(exc)
 
     async def wait_idle(self, timeout: float | None = None) -> None:
         """Waits for the handlers in flight (graceful drain)."""

@@ -28,10 +28,12 @@ from nats.aio.subscription import Subscription
 from nats.micro import add_service
 from nats.micro.request import Request as MicroRequest
 from nats.micro.service import Service as MicroService
+from prometheus_client import CollectorRegistry
 
 from services.runtime import subjects
 from services.runtime.bus import BoundedHandler, connect, encode_json
 from services.runtime.logging import get_logger
+from services.runtime.metrics import MetricsPublisher
 
 
 def _version() -> str:
@@ -70,6 +72,9 @@ class Endpoint:
 class Service:
     name: ClassVar[str] = "service"
     description: ClassVar[str] = ""
+    # the engine shard this instance serves (None: unsharded); a label on its metrics and an
+    # attribute of its spans
+    shard: str | None = None
 
     def __init__(self, nats_url: str, *, connect_timeout_s: float = 60.0) -> None:
         self.nats_url = nats_url
@@ -84,6 +89,7 @@ class Service:
         self._handlers: list[BoundedHandler] = []
         self._plain_subs: list[Subscription] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._metrics: MetricsPublisher | None = None
         # bus state: liveness judgements (heartbeats, reports) only count time connected
         self.bus_connected = False
         self.bus_connected_since = 0.0
@@ -113,6 +119,11 @@ class Service:
     def health_details(self) -> dict[str, Any]:
         return {}
 
+    def metrics_registry(self) -> CollectorRegistry | None:
+        """Prometheus metrics this service publishes for the gateway's ``/metrics`` (every
+        ``RLT_METRICS_INTERVAL_S`` and once more when it stops); None publishes nothing."""
+        return None
+
     async def on_bus_lost(self) -> None:
         """The NATS connection dropped (nats-py reconnects by itself)."""
 
@@ -121,13 +132,17 @@ class Service:
 
     # ------------------------------------------------------------------ lifecycle
     def health(self) -> dict[str, Any]:
-        return {
+        out = {
             "service": self.name,
             "instance": self.instance_id,
             "status": "draining" if self.draining else self.state,
             "uptime_s": round(time.monotonic() - self.started_at, 3) if self.started_at else 0.0,
             **self.health_details(),
         }
+        errors = sum(h.num_errors for h in self._handlers)
+        if errors:
+            out["handler_errors"] = errors
+        return out
 
     def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         """A background task that is cancelled on stop and whose crash is logged."""
@@ -182,7 +197,10 @@ class Service:
             Endpoint("health", subjects.health(self.name), self._on_health),
         ]
         for ep in endpoints:
-            bounded = BoundedHandler(ep.handler, ep.max_concurrency, log=self.log)
+            counter = _MicroErrorCounter()
+            bounded = BoundedHandler(
+                ep.handler, ep.max_concurrency, log=self.log, on_error=counter.count
+            )
             self._handlers.append(bounded)
             if ep.micro:
                 await self._micro.add_endpoint(
@@ -191,12 +209,19 @@ class Service:
                     handler=_from_micro(bounded),
                     queue_group=ep.queue_group,
                 )
+                counter.endpoint = self._micro._endpoints[-1]
             else:
                 self._plain_subs.append(await self.nc.subscribe(ep.subject, cb=bounded.__call__))
         await self.nc.flush()
         self.started_at = time.monotonic()
         self.state = "ready"
         self._write_health_file()
+        registry = self.metrics_registry()
+        if registry is not None:
+            self._metrics = MetricsPublisher(
+                self.nc, self.name, self.instance_id, registry, shard=self.shard, log=self.log
+            )
+            self.spawn(self._metrics.run(), "metrics")
         await self.on_ready()
         self.log.info("service ready", micro_id=self._micro.id, nats_url=self.nats_url)
 
@@ -212,6 +237,8 @@ class Service:
             except Exception:
                 self.log.exception("drain failed")
         self.state = "stopping"
+        if self._metrics is not None:
+            await self._metrics.publish()  # the final counts, so nothing done goes unreported
         if self._micro is not None:
             await self._micro.stop()
         for sub in self._plain_subs:
@@ -259,6 +286,21 @@ class Service:
             )
         except OSError as exc:
             self.log.warning("could not write health file", error=repr(exc))
+
+
+class _MicroErrorCounter:
+    """Counts a handler's exceptions in its NATS micro endpoint's stats (``nats micro stats``
+    shows ``num_errors`` and ``last_error``). Our handlers never raise into micro: micro would
+    answer the message's reply subject with an error, and that reply subject is a client's
+    stream. nats-py's micro has no public way to count an error, hence its private fields."""
+
+    def __init__(self) -> None:
+        self.endpoint: Any = None
+
+    def count(self, exc: Exception) -> None:
+        if self.endpoint is not None:
+            self.endpoint._num_errors += 1
+            self.endpoint._last_error = repr(exc)
 
 
 def _from_micro(handler: BoundedHandler) -> Callable[[MicroRequest], Awaitable[None]]:

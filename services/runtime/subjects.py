@@ -86,6 +86,27 @@ def prefix_events(producer_id: str) -> str:
     return f"{PREFIX_EVENTS}.{producer_id}"
 
 
+# service -> gateway: each scheduler/worker instance's Prometheus metrics (exposition text,
+# headers Rlt-Service / Rlt-Instance), merged by the gateway into one /metrics
+METRICS_PREFIX = f"{VERSION_PREFIX}.metrics"
+
+
+def metrics(service: str) -> str:
+    return f"{METRICS_PREFIX}.{service}"
+
+
+METRICS_ALL = f"{METRICS_PREFIX}.>"
+
+# the gateway's stream inboxes (reply subjects of its generate requests): outside _INBOX, so
+# NATS clients, who share _INBOX.>, cannot read the streams of HTTP users
+GATEWAY_INBOX_PREFIX = "_GW_INBOX"
+
+
+def gateway_inbox(gateway_id: str) -> str:
+    """Prefix of one gateway instance's stream inboxes (``<prefix>.<stream no>``)."""
+    return f"{GATEWAY_INBOX_PREFIX}.{gateway_id}"
+
+
 # services' own request inboxes live outside _INBOX, which clients may subscribe to: a client
 # cannot read a service's replies, and the NATS config can scope each service to its own
 SERVICE_INBOX_PREFIX = "_RLT_INBOX"
@@ -102,7 +123,7 @@ def health(service: str) -> str:
 
 
 # service names as `rlt service NAME` takes them; the NATS micro name is "rlt-" + NAME
-SERVICE_NAMES = ("admission", "scheduler", "worker", "prefix-cache")
+SERVICE_NAMES = ("admission", "scheduler", "worker", "prefix-cache", "gateway")
 
 
 def micro_name(service: str) -> str:

@@ -27,6 +27,7 @@ from services.scheduler.batch import ScheduledBatch
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.telemetry import SchedulerTelemetry
 
 Delivery = tuple[str, StreamEvent]  # (client reply subject, event)
 Notice = tuple[str, RequestNotice]  # (admission tracking subject, notice)
@@ -52,6 +53,7 @@ class SchedulerDriver:
         *,
         instance: str = "local",
         producer_id: str | None = None,
+        shard: str | None = None,
         log: Any = None,
     ) -> None:
         self.config = config
@@ -70,6 +72,12 @@ class SchedulerDriver:
         self._stream_nos = 0
         self.executor = NatsExecutor(config, instance)
         self._new_core()
+        self.telemetry = SchedulerTelemetry(
+            lambda: self.scheduler,
+            total_ut_steps=limits.total_ut_steps,
+            prefix_caching=config.enable_prefix_caching,
+            shard=shard,
+        )
 
     def _new_core(self) -> None:
         # every new core starts a new prefix-log epoch, so the prefix cache drops what the
@@ -80,6 +88,7 @@ class SchedulerDriver:
             self.executor,
             producer_id=self.producer_id,
             codec=self.codec,
+            on_batch=self._on_batch,
             log=self.log,
         )
         if self.config.enable_prefix_caching:
@@ -139,9 +148,10 @@ class SchedulerDriver:
         return affected
 
     # ------------------------------------------------------------------ requests
-    def add(self, req: AdmittedRequest, track: str = "") -> list[Delivery]:
+    def add(self, req: AdmittedRequest, track: str = "", traceparent: str = "") -> list[Delivery]:
         """Queues an admitted request. ``track`` is admission's tracking subject: it hears
-        "accepted" now and "done" when the stream's terminal event is published."""
+        "accepted" now and "done" when the stream's terminal event is published.
+        ``traceparent`` is admission's span (the parent of ours)."""
         if req.admission_id:
             seen = self.last_admission_seq.get(req.admission_id, 0)
             self.last_admission_seq[req.admission_id] = max(seen, req.admission_seq)
@@ -171,6 +181,7 @@ class SchedulerDriver:
             req.reply_subject, req.trace_id, time.monotonic(), track, self._stream_nos
         )
         self.by_no[self._stream_nos] = req.request_id
+        self.telemetry.on_added(req, traceparent)
         self._notice(track, req.request_id, "accepted")
         extra: dict[str, Any] = {}
         if log_content_enabled():
@@ -258,7 +269,11 @@ class SchedulerDriver:
     def on_result(self, wr: WorkerResult) -> bool:
         """A worker result; False if it is not this epoch's, from the bound worker, for a
         batch in flight (stale, duplicate or foreign: ignored)."""
-        return self.core.is_inflight(wr.result.seq) and self.executor.deliver(wr)
+        sent_at = self.executor.sent_at.get(wr.result.seq)
+        if not (self.core.is_inflight(wr.result.seq) and self.executor.deliver(wr)):
+            return False
+        self.telemetry.on_result(wr, sent_at)
+        return True
 
     def reset(self, code: ErrorCode, message: str) -> list[Delivery]:
         """Gives up on everything (shutdown after the drain timeout): every stream ends with
@@ -266,6 +281,7 @@ class SchedulerDriver:
         out = [(s.reply, error_event(rid, code, message)) for rid, s in self.streams.items()]
         for rid in list(self.streams):
             self._ended(rid)
+        self.telemetry.on_events([e for _, e in out], self.core.inflight)
         self.log.error("scheduler reset", reason=message, failed=len(out), epoch=self.epoch)
         self.executor.new_epoch()
         self._new_core()
@@ -299,6 +315,9 @@ class SchedulerDriver:
         """Reply subject for this stream's events ("" if the stream is not live)."""
         stream = self.streams.get(request_id)
         return subjects.stream_gone(self.instance, stream.no) if stream else ""
+
+    def _on_batch(self, batch: ScheduledBatch) -> None:
+        self.telemetry.on_batch(batch, self.scheduler)
 
     # ------------------------------------------------------------------ streams
     def _notice(
@@ -347,6 +366,7 @@ class SchedulerDriver:
                     **request_fields(event.request_id, stream.trace_id),
                 )
             out.append((stream.reply, event))
+        self.telemetry.on_events((e for _, e in out), self.core.inflight)
         return out
 
     def _fail(self, request_ids: Iterable[str], code: ErrorCode, message: str) -> list[Delivery]:
@@ -357,7 +377,9 @@ class SchedulerDriver:
         for rid in ids:
             stream = self._ended(rid)
             if stream is not None:
-                out.append((stream.reply, error_event(rid, code, message)))
+                event = error_event(rid, code, message)
+                self.telemetry.on_events([event], self.core.inflight)
+                out.append((stream.reply, event))
         return out
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
+from prometheus_client import CollectorRegistry
 
 from messages.api import StreamEvent, TokenEvent
 from messages.errors import ErrorCode
@@ -50,6 +51,7 @@ from services.runtime.bus import (
 )
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
+from services.runtime.tracing import TRACEPARENT
 from services.scheduler.driver import Delivery, SchedulerDriver, error_event
 from services.scheduler.liveness import LossDetector, WorkerTracker
 from services.scheduler.prefix_publisher import PrefixPublisher
@@ -148,6 +150,7 @@ class SchedulerService(Service):
             TextCodec.from_checkpoint(self.checkpoint),
             instance=self.instance_id,
             producer_id=self.options.producer_name,
+            shard=self.shard,
             log=self.log,
         )
 
@@ -224,6 +227,9 @@ class SchedulerService(Service):
         await self.nc.publish(subjects.WORKER_DISCOVER, b"")
         self._wake.set()
 
+    def metrics_registry(self) -> CollectorRegistry | None:
+        return self.driver.telemetry.registry if self.driver is not None else None
+
     def health_details(self) -> dict[str, Any]:
         if self.driver is None:
             return {}
@@ -261,7 +267,8 @@ class SchedulerService(Service):
             return
         # only admission's tracking subjects get notices (never an arbitrary reply subject)
         track = msg.reply if (msg.reply or "").startswith(subjects.ADMISSION_TRACK_PREFIX) else ""
-        await self._deliver(self.driver.add(req, track=track))
+        traceparent = (msg.headers or {}).get(TRACEPARENT, "")
+        await self._deliver(self.driver.add(req, track=track, traceparent=traceparent))
         await self._flush_notices()
         self._wake.set()
 

@@ -105,6 +105,8 @@ class ModelRunner:
         self.requests: dict[str, _WorkerRequest] = {}
         self.last_seq = -1
         self.stats = RunnerStats()
+        # (rows, tokens) of each core pass of the last batch (the worker's metrics read it)
+        self.last_batch_passes: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ state mirroring
     def _apply_deltas(self, batch: Batch) -> None:
@@ -153,6 +155,7 @@ class ModelRunner:
             raise ValueError(f"batch {batch.seq} arrived after batch {self.last_seq}")
         self._apply_deltas(batch)
         self.last_seq = batch.seq
+        self.last_batch_passes = []
         states: list[_RowState] = []
         for i, row in enumerate(batch.rows):
             resolved = self._resolve_follow_on(row) if row.kind is RowKind.FOLLOW_ON else row
@@ -228,6 +231,7 @@ class ModelRunner:
             out, gates = self.model.core_loop(hidden, positions, self._attend(meta))
             self.stats.core_passes += 1
             self.stats.core_rows += hidden.shape[0]
+            self.last_batch_passes.append((len(active), hidden.shape[0]))
             self._scatter_outputs(active, out, gates, coda_rows)
         self._run_coda(coda_rows)
 

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import torch
 from nats.aio.msg import Msg
+from prometheus_client import CollectorRegistry
 
 from messages.batch import Batch, BatchResult
 from messages.internal import WorkerBatch, WorkerHeartbeat, WorkerResult
@@ -36,6 +37,7 @@ from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
+from services.worker.telemetry import WorkerTelemetry
 
 
 class WorkerService(Service):
@@ -73,6 +75,8 @@ class WorkerService(Service):
         self._busy = False
         self.num_batches = 0
         self.num_failed = 0
+        self.telemetry = WorkerTelemetry(self.shard)
+        self._arrived: dict[int, float] = {}  # batch seq -> perf_counter at arrival
 
     async def setup(self) -> None:
         loop = asyncio.get_running_loop()
@@ -114,6 +118,10 @@ class WorkerService(Service):
 
     async def teardown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.telemetry.end_all()
+
+    def metrics_registry(self) -> CollectorRegistry | None:
+        return self.telemetry.registry
 
     def health_details(self) -> dict[str, Any]:
         return {
@@ -182,12 +190,16 @@ class WorkerService(Service):
             self._epoch = wb.epoch
             self._expected = first
             self._pending.clear()
+            self._arrived.clear()
             self._needs_reset = True
+            self.telemetry.end_all()
         if batch.seq < self._expected or batch.seq in self._pending:
             self.log.warning("duplicate batch dropped", **{BATCH_SEQ: batch.seq})
             return
         self._pending[batch.seq] = (wb, msg.reply or subjects.WORKER_RESULT)
+        self._arrived[batch.seq] = time.perf_counter()
         self._log_requests(batch)
+        self.telemetry.on_batch(batch)
         self._wake.set()
 
     def _log_requests(self, batch: Batch) -> None:
@@ -233,8 +245,15 @@ class WorkerService(Service):
                     break  # the scheduler restarted while this ran; its result is moot
                 self._expected += 1
                 self.num_batches += 1
+                if result.error is None and self.runner is not None:
+                    self.telemetry.on_executed(self.runner.last_batch_passes, elapsed)
+                arrived = self._arrived.pop(wb.batch.seq, None)
                 out = WorkerResult(
-                    epoch=wb.epoch, result=result, worker_id=self.instance_id, execute_s=elapsed
+                    epoch=wb.epoch,
+                    result=result,
+                    worker_id=self.instance_id,
+                    execute_s=elapsed,
+                    worker_s=time.perf_counter() - arrived if arrived is not None else 0.0,
                 )
                 try:
                     await publish_chunked(self.nc, reply, encode_msgpack(out))

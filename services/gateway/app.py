@@ -1,0 +1,374 @@
+"""The HTTP side of the gateway: Starlette routes over a ``Backend`` (the NATS shell).
+
+Each generation request is translated (``protocol.py``), sent to ``rlt.v1.generate``, and
+answered from its stream (``stream.py``): as one JSON body, or as server-sent events
+written as each token event arrives. The first event is awaited before the HTTP status is
+chosen, so a refusal (invalid request, overloaded, unavailable) is a proper 4xx/5xx with
+OpenAI's error body rather than an error inside a 200 stream.
+
+A client that goes away (the connection closes) aborts its request at once, so its KV is
+freed; the disconnect is watched on the ASGI ``receive`` channel, also while the request
+waits for its first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+import msgspec
+import prometheus_client
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from messages.api import ErrorEvent, GenerateRequest, StreamEvent
+from messages.errors import ErrorCode
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    error_body,
+    models_body,
+    options,
+    parse_chat,
+    parse_completion,
+    to_generate,
+)
+from services.gateway.stream import DONE_FRAME, Answer, SseEncoder
+from services.runtime.logging import request_fields
+from services.runtime.tracing import ATTR_REQUEST_ID, TRACEPARENT, Tracer, parse_traceparent
+
+_JSON = msgspec.json.Encoder()
+
+
+class EventStream(Protocol):
+    async def next(self, timeout: float) -> StreamEvent: ...
+
+    def next_nowait(self) -> StreamEvent | None: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """What the HTTP side needs from the service."""
+
+    model_name: str
+    created: int
+    max_model_len: int
+    draining: bool
+    request_timeout_s: float
+    metrics: GatewayMetrics
+    tracer: Tracer
+    log: Any
+
+    async def open_stream(
+        self, request: GenerateRequest, traceparent: str, trace_id: str
+    ) -> EventStream: ...
+
+    def abort_soon(self, request_id: str, trace_id: str) -> None: ...
+
+    async def readiness(self) -> tuple[bool, dict[str, Any]]: ...
+
+
+def build_app(backend: Backend) -> Starlette:
+    async def completions(request: Request) -> Response:
+        return await _generate(backend, request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(backend, request, chat=True)
+
+    async def models(_request: Request) -> Response:
+        return _json(models_body(backend.model_name, backend.created, backend.max_model_len))
+
+    async def health(_request: Request) -> Response:
+        ready, details = await backend.readiness()
+        return _json(
+            {"status": "ready" if ready else "unavailable", **details}, 200 if ready else 503
+        )
+
+    async def metrics(_request: Request) -> Response:
+        text = prometheus_client.generate_latest(backend.metrics.registry)
+        return Response(text, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={Exception: _internal_error},
+    )
+
+
+async def _internal_error(_request: Request, exc: Exception) -> Response:
+    return _json(error_body(ErrorCode.INTERNAL, f"gateway error: {exc!r}"), 500)
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_JSON.encode(body), status, headers, media_type="application/json")
+
+
+# ---------------------------------------------------------------------- generation
+async def _generate(backend: Backend, request: Request, *, chat: bool) -> Response:
+    route = request.url.path
+    started = time.monotonic()
+    try:
+        req = parse_chat(await request.body()) if chat else parse_completion(await request.body())
+        if req.model is not None and req.model != backend.model_name:
+            raise ApiError(
+                f"The model `{req.model}` does not exist; this server serves "
+                f"`{backend.model_name}`",
+                ErrorCode.NOT_FOUND,
+                "model",
+            )
+        if backend.draining:
+            raise ApiError("the gateway is shutting down", ErrorCode.UNAVAILABLE)
+    except ApiError as exc:
+        backend.metrics.http_requests.labels(route, str(exc.status)).inc()
+        return _json(exc.body(), exc.status, exc.headers())
+    call = _Call(backend, req, chat, route, started, request.headers.get(TRACEPARENT))
+    return await call.run(request.receive)
+
+
+class _Call:
+    """One generation request, from the first NATS publish to the last byte."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        req: CompletionRequest | ChatRequest,
+        chat: bool,
+        route: str,
+        started: float,
+        traceparent: str | None,
+    ) -> None:
+        self.backend = backend
+        self.chat = chat
+        self.route = route
+        self.started = started
+        self.options = options(req)
+        self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.generate = to_generate(req, self.request_id)
+        self.created = int(time.time())
+        self.span = backend.tracer.start(
+            "gateway.request",
+            parse_traceparent(traceparent),
+            attributes={ATTR_REQUEST_ID: self.request_id, "http.route": route},
+        )
+        self.answer = Answer(self.request_id, self.options)
+        self.deadline = time.monotonic() + backend.request_timeout_s
+        self.stream: EventStream | None = None
+        self.status = 200
+        self.aborted = False
+
+    @property
+    def trace_id(self) -> str:
+        return self.span.trace_id
+
+    async def run(self, receive: Receive) -> Response:
+        self.stream = await self.backend.open_stream(
+            self.generate, self.span.traceparent, self.trace_id
+        )
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            first = await self._next_or_gone(gone)
+            if first is None:
+                return self._client_gone()
+            deltas = self.answer.on_event(first)
+            if self.answer.error is not None:
+                return self._error_response(self.answer.error)
+            if not self.options.stream:
+                while not self.answer.engine_done:
+                    self._abort_if_stopped()
+                    event = await self._next_or_gone(gone)
+                    if event is None:
+                        return self._client_gone()
+                    self.answer.on_event(event)
+                if self.answer.error is not None:
+                    return self._error_response(self.answer.error)
+                self._finish()
+                return _json(self.answer.body(self.chat, self.backend.model_name, self.created))
+        except BaseException:
+            self._end_early()
+            raise
+        finally:
+            gone.cancel()
+        encoder = SseEncoder(
+            self.chat, self.request_id, self.backend.model_name, self.created, self.options
+        )
+        first_frames = encoder.deltas(deltas)
+        return SseResponse(self._frames(encoder, first_frames), self._client_gone)
+
+    async def _frames(self, encoder: SseEncoder, first: bytes) -> AsyncIterator[bytes]:
+        try:
+            if first:
+                yield first
+            answer = self.answer
+            while not answer.done:
+                deltas = answer.on_event(await self._next())
+                # events that are already here go out in the same write
+                while not answer.done and (more := self._next_nowait()) is not None:
+                    deltas += answer.on_event(more)
+                frames = encoder.deltas(deltas)
+                if frames:
+                    yield frames
+            self._abort_if_stopped()
+            if answer.error is not None:
+                self.status = _status_of(answer.error.code)
+                yield encoder.error(answer.error.code, answer.error.message)
+            elif self.options.include_usage:
+                while not answer.engine_done:  # the prompt counts come with the last event
+                    answer.on_event(await self._next())
+                yield encoder.usage(answer.usage())
+            yield DONE_FRAME
+            self._finish()
+        except BaseException:
+            self._end_early()
+            raise
+
+    async def _next(self) -> StreamEvent:
+        assert self.stream is not None
+        remaining = self.deadline - time.monotonic()
+        try:
+            return await self.stream.next(max(remaining, 0.0))
+        except TimeoutError:
+            self._abort()
+            return ErrorEvent(
+                request_id=self.request_id,
+                code=str(ErrorCode.TIMEOUT),
+                message=f"no answer within {self.backend.request_timeout_s:.0f}s",
+            )
+
+    def _next_nowait(self) -> StreamEvent | None:
+        assert self.stream is not None
+        return self.stream.next_nowait()
+
+    async def _next_or_gone(self, gone: asyncio.Future[None]) -> StreamEvent | None:
+        """The next event, or None when the client went away first."""
+        nxt = asyncio.ensure_future(self._next())
+        done, _ = await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if nxt in done:
+            return nxt.result()
+        nxt.cancel()
+        return None
+
+    def _abort_if_stopped(self) -> None:
+        if self.answer.needs_abort:
+            self._abort()
+
+    def _abort(self) -> None:
+        if not self.aborted and not self.answer.engine_done:
+            self.aborted = True
+            self.backend.abort_soon(self.request_id, self.trace_id)
+
+    def _client_gone(self) -> Response:
+        if self.status != 499:
+            self._abort()
+            self.backend.metrics.client_disconnects.inc()
+            self.status = 499  # nginx's "client closed request": never sent, only logged
+            self._finish()
+        return Response(status_code=499)
+
+    def _end_early(self) -> None:
+        """Cancelled or failed mid-way: the engine must not run on for nobody."""
+        if not self.answer.engine_done:
+            self._abort()
+        if self.stream is not None:
+            self._finish()
+
+    def _error_response(self, event: ErrorEvent) -> Response:
+        exc = ApiError(event.message, event.code)
+        self.status = exc.status
+        self._finish()
+        return _json(exc.body(), exc.status, exc.headers())
+
+    def _finish(self) -> None:
+        if self.stream is None:
+            return
+        self.stream.close()
+        self.stream = None
+        backend, answer = self.backend, self.answer
+        backend.metrics.http_requests.labels(self.route, str(self.status)).inc()
+        error = answer.error
+        self.span.end(
+            error=f"{error.code}: {error.message[:200]}" if error is not None else None,
+            **{"http.status_code": self.status, "rlt.finish_reason": answer.finish_reason},
+        )
+        backend.log.info(
+            "http request",
+            route=self.route,
+            status=self.status,
+            stream=self.options.stream,
+            finish_reason=answer.finish_reason,
+            num_tokens=len(answer.token_ids),
+            latency_s=round(time.monotonic() - self.started, 4),
+            **request_fields(self.request_id, self.trace_id),
+        )
+
+
+def _status_of(code: str) -> int:
+    return ApiError("", code).status
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class SseResponse(Response):
+    """Server-sent events written as they are produced. The client going away (the ASGI
+    server's ``http.disconnect``, or a failed write) stops the stream and calls ``gone``."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, frames: AsyncIterator[bytes], gone: Callable[[], Any]) -> None:
+        self.frames = frames
+        self.gone = gone
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        pump = asyncio.ensure_future(self._pump(send))
+        listen = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({pump, listen}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            listen.cancel()
+            if not pump.done():
+                self.gone()  # first: the request is aborted before the stream unwinds
+                pump.cancel()
+                await _quietly(pump)
+        if not pump.cancelled() and pump.exception() is not None:
+            raise pump.exception()  # type: ignore[misc]
+
+    async def _pump(self, send: Send) -> None:
+        try:
+            async for frame in self.frames:
+                try:
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+                except OSError:  # the write failed: the client is gone
+                    self.gone()
+                    return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.frames.aclose()  # type: ignore[attr-defined]
+
+
+async def _quietly(task: Awaitable[Any]) -> None:
+    # a cancelled pump ends however it ends
+    with contextlib.suppress(BaseException):
+        await task

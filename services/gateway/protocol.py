@@ -1,0 +1,371 @@
+"""The OpenAI-compatible HTTP API, translated to rlt's NATS API. Pure: no HTTP, no NATS.
+
+``parse_completion`` / ``parse_chat`` decode and check a request body (``ApiError`` with an
+HTTP status for what rlt refuses), ``to_generate`` builds the ``GenerateRequest`` for
+``rlt.v1.generate``, and the builders below shape responses, usage and errors as the
+``openai`` client expects them.
+
+Accepted beyond OpenAI's fields (vLLM's extra body fields, the loop knobs):
+``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_loops``, ``max_loops``,
+``exit_threshold``, ``priority``, ``chat_template_kwargs``, ``include_stop_str_in_output``
+and ``return_token_ids`` (the choice carries ``token_ids`` and, rlt's own, ``exit_depths``).
+Unknown fields are ignored, as OpenAI-compatible servers do; known options rlt cannot honour
+(``n`` > 1, ``logprobs``, ``logit_bias``, penalties, ``echo``, ``suffix``, tools, ...) are
+refused with a 400 that names them, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from messages.api import GenerateRequest
+from messages.errors import ErrorCode
+
+# rlt error code -> (HTTP status, OpenAI error type)
+_STATUS: dict[str, tuple[int, str]] = {
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.NOT_FOUND: (404, "not_found_error"),
+    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
+    ErrorCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    ErrorCode.TIMEOUT: (504, "timeout_error"),
+    ErrorCode.INTERNAL: (500, "server_error"),
+}
+# how long a client told "overloaded" should wait before retrying (seconds)
+RETRY_AFTER_S = 1
+
+
+class ApiError(Exception):
+    """A request the gateway answers with an OpenAI error body."""
+
+    def __init__(
+        self, message: str, code: str = ErrorCode.INVALID_REQUEST, param: str | None = None
+    ):
+        super().__init__(message)
+        self.message = message
+        self.code = str(code)
+        self.param = param
+
+    @property
+    def status(self) -> int:
+        return _STATUS.get(self.code, (500, ""))[0]
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.code, self.message, self.param)
+
+    def headers(self) -> dict[str, str]:
+        if self.status in (429, 503):
+            return {"Retry-After": str(RETRY_AFTER_S)}
+        return {}
+
+
+def error_body(code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = _STATUS.get(code, (500, "server_error"))[1]
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------------- requests
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    """Fields the two endpoints share (OpenAI's, then the extra body fields)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    user: str | None = None
+    # vLLM's extra body fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    return_token_ids: bool | None = None
+    priority: int | None = None
+    # rlt's loop knobs
+    min_loops: int | None = None
+    max_loops: int | None = None
+    exit_threshold: float | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    # str | list[int] | list[str] | list[list[int]]: checked by hand (msgspec unions hold
+    # one array type at most)
+    prompt: Any = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: list[dict[str, Any]] | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+
+
+_COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
+_CHAT_DECODER = msgspec.json.Decoder(ChatRequest)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the gateway itself does with a request (everything else goes to the engine)."""
+
+    stream: bool
+    include_usage: bool
+    stops: tuple[str, ...]
+    include_stop_str: bool
+    return_token_ids: bool
+
+
+def parse_completion(body: bytes) -> CompletionRequest:
+    req = _decode(_COMPLETION_DECODER, body)
+    _check_common(req)
+    _refuse_if(req.echo, "echo")
+    _refuse_if(req.logprobs is not None, "logprobs")
+    _refuse_if(req.suffix is not None, "suffix")
+    _prompt_fields(req.prompt)  # shape check now, before anything is sent
+    return req
+
+
+def parse_chat(body: bytes) -> ChatRequest:
+    req = _decode(_CHAT_DECODER, body)
+    _check_common(req)
+    _refuse_if(req.logprobs, "logprobs")
+    _refuse_if(req.top_logprobs is not None, "top_logprobs")
+    _refuse_if(bool(req.tools), "tools")
+    _refuse_if(req.tool_choice not in (None, "none"), "tool_choice")
+    fmt = (req.response_format or {}).get("type", "text")
+    _refuse_if(fmt != "text", "response_format", f"response_format {fmt!r} is not supported")
+    _refuse_if(req.add_generation_prompt is False, "add_generation_prompt")
+    _refuse_if(req.continue_final_message, "continue_final_message")
+    if not req.messages:
+        raise ApiError("'messages' must be a non-empty list", param="messages")
+    _chat_messages(req.messages)
+    return req
+
+
+def options(req: CompletionRequest | ChatRequest) -> Options:
+    stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return Options(
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        stops=stops,
+        include_stop_str=bool(req.include_stop_str_in_output),
+        return_token_ids=bool(req.return_token_ids),
+    )
+
+
+def to_generate(req: CompletionRequest | ChatRequest, request_id: str) -> GenerateRequest:
+    """The NATS API request. Unset fields stay unset: the checkpoint's defaults apply."""
+    fields: dict[str, Any] = {
+        "request_id": request_id,
+        "max_tokens": req.max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "seed": req.seed,
+        "max_loops": req.max_loops,
+        "exit_threshold": req.exit_threshold,
+    }
+    for name in ("min_loops", "ignore_eos", "stop_token_ids", "priority"):
+        value = getattr(req, name)
+        if value is not None:
+            fields[name] = value
+    if isinstance(req, ChatRequest):
+        if req.max_completion_tokens is not None:
+            fields["max_tokens"] = req.max_completion_tokens
+        fields["messages"] = _chat_messages(req.messages or [])
+        if req.chat_template_kwargs:
+            fields["chat_template_kwargs"] = req.chat_template_kwargs
+    else:
+        fields.update(_prompt_fields(req.prompt))
+    return GenerateRequest(**fields)
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise ApiError(f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(f"invalid JSON: {exc}") from None
+
+
+def _check_common(req: _Common) -> None:
+    if req.n not in (None, 1):
+        raise ApiError(f"n={req.n} is not supported: rlt returns one choice (n=1)", param="n")
+    if req.best_of not in (None, 1):
+        raise ApiError(f"best_of={req.best_of} is not supported (only 1)", param="best_of")
+    _refuse_if(bool(req.logit_bias), "logit_bias")
+    _refuse_if(req.presence_penalty not in (None, 0, 0.0), "presence_penalty")
+    _refuse_if(req.frequency_penalty not in (None, 0, 0.0), "frequency_penalty")
+    _refuse_if(req.repetition_penalty not in (None, 1, 1.0), "repetition_penalty")
+    _refuse_if(req.min_p not in (None, 0, 0.0), "min_p")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError("stream_options is only allowed with stream=true", param="stream_options")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if any(not s for s in stops):
+        raise ApiError("stop strings must not be empty", param="stop")
+
+
+def _refuse_if(condition: Any, param: str, message: str | None = None) -> None:
+    if condition:
+        raise ApiError(message or f"{param} is not supported by rlt", param=param)
+
+
+def _prompt_fields(prompt: Any) -> dict[str, Any]:
+    """A completion prompt as the NATS API takes it: text, or token ids. OpenAI also allows
+    a list of prompts; one prompt per request here (a list of one is unwrapped)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return {"prompt_token_ids": prompt}
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(
+            f"a list of {len(prompt)} prompts is not supported: send one prompt per request",
+            param="prompt",
+        )
+    raise ApiError("'prompt' must be a string or a non-empty list of token ids", param="prompt")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for the chat template: content parts of type "text" are joined into the
+    string the template expects; other parts (images, audio) are refused."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError("each message needs a string 'role'", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ApiError(
+                        f"message content of type {kind!r} is not supported (text only)",
+                        param="messages",
+                    )
+                texts.append(str(part.get("text", "")))
+            message = {**message, "content": "".join(texts)}
+        elif content is None:
+            message = {**message, "content": ""}
+        elif not isinstance(content, str):
+            raise ApiError("message content must be a string or text parts", param="messages")
+        out.append(message)
+    return out
+
+
+# ---------------------------------------------------------------------- responses
+@dataclass
+class Usage:
+    """Token counts of one request; ``exit_depths`` are the loops of each completion token."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    exit_depths: list[int]
+
+    def body(self) -> dict[str, Any]:
+        completion = len(self.exit_depths)
+        loops = sum(self.exit_depths)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            # rlt's extension: loops of the shared core per completion token, and their sum
+            # (the decode's loops; the prefill of a prompt is full depth on top of this)
+            "mean_exit_depth": round(loops / completion, 6) if completion else None,
+            "core_loops": loops,
+        }
+
+
+def completion_body(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    usage: Usage,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, **extra}
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage.body(),
+    }
+
+
+def chat_body(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    usage: Usage,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        **extra,
+    }
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage.body(),
+    }
+
+
+def models_body(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "rlt",
+                "root": model,
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

@@ -1,0 +1,181 @@
+"""One request's answer, built from the NATS stream events. Pure: no HTTP, no NATS.
+
+``Answer.on_event`` takes the events of ``rlt.v1.generate``'s stream in order and returns
+the ``Delta``s to show (text after string stops, the tokens that made it, a finish
+reason). It counts usage as it goes. When a stop string matches, ``needs_abort`` turns
+true: the engine does not know about the string, so the shell aborts the request, and the
+answer ends there with ``finish_reason: stop`` whatever the engine's own ending says.
+
+``SseEncoder`` frames deltas as OpenAI's server-sent events for the completions and the
+chat endpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent
+from services.gateway.protocol import Options, Usage, chat_body, completion_body, error_body
+from services.gateway.stops import StopMatcher
+
+DONE_FRAME = b"data: [DONE]\n\n"
+_JSON = msgspec.json.Encoder()
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    exit_depths: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Answer:
+    request_id: str
+    options: Options
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: ErrorEvent | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    engine_done: bool = False  # the engine's terminal event arrived
+    _stops: StopMatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._stops = StopMatcher(self.options.stops, self.options.include_stop_str)
+
+    @property
+    def needs_abort(self) -> bool:
+        """A stop string ended the answer while the engine is still generating."""
+        return self._stops.matched is not None and not self.engine_done
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, self.num_cached_tokens, self.exit_depths)
+
+    def on_event(self, event: StreamEvent) -> list[Delta]:
+        if isinstance(event, TokenEvent):
+            return self._on_token(event)
+        self.engine_done = True
+        if isinstance(event, FinishedEvent):
+            self.num_prompt_tokens = event.num_prompt_tokens
+            self.num_cached_tokens = event.num_cached_tokens
+            if self.finish_reason is not None:  # a stop string ended it already
+                return []
+            self.finish_reason = event.finish_reason
+            tail = self._stops.flush()
+            self.text += tail
+            return [Delta(tail, [], [], event.finish_reason)]
+        if self.finish_reason is None:  # after a stop string matched, an engine error is moot
+            self.error = event  # type: ignore[assignment]
+        return []
+
+    def _on_token(self, event: TokenEvent) -> list[Delta]:
+        if self.finish_reason is not None or self.error is not None:
+            return []  # the engine ran on after a stop string matched: not shown
+        self.token_ids.append(event.token_id)
+        self.exit_depths.append(event.exit_depth)
+        shown = self._stops.push(event.text)
+        self.text += shown
+        if self._stops.matched is not None:
+            self.finish_reason = "stop"
+            return [Delta(shown, [event.token_id], [event.exit_depth], "stop")]
+        return [Delta(shown, [event.token_id], [event.exit_depth])]
+
+    def choice_extra(self) -> dict[str, Any]:
+        if not self.options.return_token_ids:
+            return {}
+        return {"token_ids": self.token_ids, "exit_depths": self.exit_depths}
+
+    def body(self, chat: bool, model: str, created: int) -> dict[str, Any]:
+        """The non-streaming response."""
+        build = chat_body if chat else completion_body
+        return build(
+            self.request_id,
+            model,
+            created,
+            self.text,
+            self.finish_reason,
+            self.usage(),
+            self.choice_extra(),
+        )
+
+
+class SseEncoder:
+    """OpenAI's streaming chunks, one ``data:`` frame each."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, created: int, options: Options):
+        self.chat = chat
+        self.options = options
+        self._head = {
+            "id": request_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": model,
+        }
+        self._started = False
+        # tokens whose text the detokenizer still holds: they go out with the next frame
+        self._ids: list[int] = []
+        self._depths: list[int] = []
+        # a frame that only carries text is most frames: its bytes around the text are
+        # fixed, so it is built by concatenation (the same bytes the general path makes)
+        self._text_frame: tuple[bytes, bytes] | None = None
+        if not options.return_token_ids:
+            marker = "\x00"
+            probe = self._frame({"content": marker} if chat else marker, None)
+            before, after = probe.split(_JSON.encode(marker))
+            self._text_frame = (before, after)
+
+    def deltas(self, deltas: list[Delta]) -> bytes:
+        frames = []
+        if self.chat and not self._started:
+            # the first chat chunk says who speaks (as OpenAI's does)
+            self._started = True
+            frames.append(self._frame({"role": "assistant", "content": ""}, None))
+        for d in deltas:
+            self._ids += d.token_ids
+            self._depths += d.exit_depths
+            if not d.text and d.finish_reason is None:
+                continue  # bytes held by the detokenizer: nothing to show yet
+            if self._text_frame is not None and d.finish_reason is None:
+                before, after = self._text_frame
+                frames.append(before + _JSON.encode(d.text) + after)
+                continue
+            content = {"content": d.text} if self.chat and d.text else {}
+            frames.append(self._frame(content if self.chat else d.text, d.finish_reason))
+        return b"".join(frames)
+
+    def usage(self, usage: Usage) -> bytes:
+        return _sse({**self._head, "choices": [], "usage": usage.body()})
+
+    def error(self, code: str, message: str) -> bytes:
+        return _sse(error_body(code, message))
+
+    def _frame(self, delta: Any, finish_reason: str | None) -> bytes:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
+        if self.options.return_token_ids:
+            choice["token_ids"], self._ids = self._ids, []
+            choice["exit_depths"], self._depths = self._depths, []
+        chunk: dict[str, Any] = {**self._head, "choices": [choice]}
+        if self.options.include_usage:
+            chunk["usage"] = None  # only the last chunk carries usage (OpenAI's rule)
+        return _sse(chunk)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _JSON.encode(obj) + b"\n\n"

@@ -1,0 +1,457 @@
+"""The gateway's pure parts: OpenAI request translation, string stops on a detokenized
+stream, the answer/usage built from stream events, SSE framing, W3C traceparent parsing,
+and the merge of every instance's metrics into one scrape. No NATS, no HTTP."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from messages.api import ErrorEvent, FinishedEvent, TokenEvent
+from services.gateway.metrics import ClusterMetrics
+from services.gateway.protocol import (
+    ApiError,
+    Options,
+    options,
+    parse_chat,
+    parse_completion,
+    to_generate,
+)
+from services.gateway.stops import StopMatcher
+from services.gateway.stream import DONE_FRAME, Answer, SseEncoder
+from services.runtime import tracing
+from services.runtime.tracing import TraceContext, Tracer, parse_traceparent
+
+
+def _body(**fields: object) -> bytes:
+    return json.dumps({"model": "toy", **fields}).encode()
+
+
+# ---------------------------------------------------------------------- requests
+def test_completion_prompt_forms() -> None:
+    assert to_generate(parse_completion(_body(prompt="hi")), "r").prompt == "hi"
+    ids = to_generate(parse_completion(_body(prompt=[5, 6, 7])), "r")
+    assert ids.prompt_token_ids == [5, 6, 7] and ids.prompt is None
+    # a list of one prompt, as the OpenAI API allows, is that prompt
+    assert to_generate(parse_completion(_body(prompt=[[5, 6]])), "r").prompt_token_ids == [5, 6]
+    assert to_generate(parse_completion(_body(prompt=["a b"])), "r").prompt == "a b"
+    for bad in (["a", "b"], [[1], [2]], [], None, 3, [1, "x"], [True, 2]):
+        with pytest.raises(ApiError) as err:
+            parse_completion(_body(prompt=bad))
+        assert err.value.status == 400 and err.value.param == "prompt"
+
+
+def test_fields_reach_the_nats_request_and_unset_ones_stay_unset() -> None:
+    req = parse_completion(
+        _body(
+            prompt="x",
+            max_tokens=7,
+            temperature=0,
+            top_p=0.5,
+            seed=3,
+            top_k=4,
+            ignore_eos=True,
+            stop_token_ids=[9],
+            min_loops=1,
+            max_loops=3,
+            exit_threshold=0.7,
+            priority=2,
+            user="someone",  # accepted and ignored
+            unknown_field=1,  # ignored, as OpenAI-compatible servers do
+        )
+    )
+    gen = to_generate(req, "cmpl-1")
+    assert (gen.request_id, gen.max_tokens, gen.temperature, gen.top_p, gen.seed) == (
+        "cmpl-1",
+        7,
+        0.0,
+        0.5,
+        3,
+    )
+    assert (gen.top_k, gen.ignore_eos, gen.stop_token_ids, gen.priority) == (4, True, [9], 2)
+    assert (gen.min_loops, gen.max_loops, gen.exit_threshold) == (1, 3, 0.7)
+    bare = to_generate(parse_completion(_body(prompt="x")), "r")
+    # the checkpoint's defaults apply in admission (ModelLimits.resolve)
+    assert bare.max_tokens is None and bare.temperature is None and bare.min_loops == 2
+
+
+def test_chat_translation() -> None:
+    req = parse_chat(
+        _body(
+            messages=[
+                {"role": "system", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+            ],
+            max_tokens=5,
+            max_completion_tokens=9,
+            chat_template_kwargs={"enable_thinking": False},
+        )
+    )
+    gen = to_generate(req, "chatcmpl-1")
+    assert gen.max_tokens == 9  # max_completion_tokens is the newer name and wins
+    assert gen.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+    ]
+    assert gen.chat_template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"best_of": 3}, "best_of"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stop": ""}, "stop"),
+        ({"stop": ["a", ""]}, "stop"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+    ],
+)
+def test_unsupported_completion_options_are_refused_by_name(
+    fields: dict[str, object], param: str
+) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_completion(_body(prompt="x", **fields))
+    assert err.value.status == 400
+    assert err.value.param == param
+    assert err.value.body()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"logprobs": True},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"response_format": {"type": "json_object"}},
+        {"messages": []},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        {"messages": [{"content": "no role"}]},
+    ],
+)
+def test_unsupported_chat_options_are_refused(fields: dict[str, object]) -> None:
+    base = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(ApiError) as err:
+        parse_chat(_body(**base))
+    assert err.value.status == 400
+
+
+def test_bad_json_and_wrong_types_are_400() -> None:
+    for body in (b"{not json", b'{"model": "toy", "prompt": "x", "max_tokens": "many"}'):
+        with pytest.raises(ApiError) as err:
+            parse_completion(body)
+        assert err.value.status == 400
+
+
+def test_error_codes_map_to_http_statuses() -> None:
+    cases = {
+        "invalid_request": (400, {}),
+        "not_found": (404, {}),
+        "overloaded": (429, {"Retry-After": "1"}),
+        "unavailable": (503, {"Retry-After": "1"}),
+        "timeout": (504, {}),
+        "internal": (500, {}),
+    }
+    for code, (status, headers) in cases.items():
+        exc = ApiError("m", code)
+        assert (exc.status, exc.headers()) == (status, headers), code
+        assert exc.body() == {
+            "error": {
+                "message": "m",
+                "type": exc.body()["error"]["type"],
+                "param": None,
+                "code": code,
+            }
+        }
+
+
+# ---------------------------------------------------------------------- string stops
+def test_stop_string_split_across_deltas() -> None:
+    m = StopMatcher(["</end>"])
+    assert m.push("hello </") == "hello "  # "</" may start the stop: held
+    assert m.push("en") == ""
+    assert m.push("d> more") == ""
+    assert m.matched == "</end>"
+    assert m.push("anything") == "" and m.flush() == ""
+
+
+def test_held_text_is_released_when_it_is_not_a_stop() -> None:
+    m = StopMatcher(["abc"])
+    assert m.push("xab") == "x"
+    assert m.push("d") == "abd"
+    assert m.push("a") == ""
+    assert m.flush() == "a"
+    assert m.matched is None
+
+
+def test_include_stop_str_and_the_earliest_stop_wins() -> None:
+    m = StopMatcher(["cd", "b"], include_stop_str=True)
+    assert m.push("abcd") == "ab"
+    assert m.matched == "b"
+
+
+def _reference(deltas: list[str], stops: list[str]) -> str:
+    """What OpenAI's rule shows: after each delta, the text so far is checked; the first
+    delta that completes a stop ends the text just before that stop's earliest start."""
+    text = ""
+    for delta in deltas:
+        text += delta
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return text[: min(hits)]
+    return text
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    deltas=st.lists(st.text(alphabet="abc ", max_size=4), max_size=12),
+    stops=st.lists(st.text(alphabet="abc ", min_size=1, max_size=3), min_size=1, max_size=3),
+)
+def test_stop_matcher_equals_the_reference(deltas: list[str], stops: list[str]) -> None:
+    m = StopMatcher(stops)
+    shown = ""
+    for delta in deltas:
+        out = m.push(delta)
+        shown += out
+        assert not any(s in shown for s in stops)  # a stop string is never shown
+    shown += m.flush()
+    assert shown == _reference(deltas, stops)
+
+
+# ---------------------------------------------------------------------- answers
+def _opts(**kw: object) -> Options:
+    base = {
+        "stream": True,
+        "include_usage": True,
+        "stops": (),
+        "include_stop_str": False,
+        "return_token_ids": True,
+    }
+    return Options(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _tok(i: int, text: str, depth: int = 4) -> TokenEvent:
+    return TokenEvent(request_id="r", index=i, token_id=100 + i, exit_depth=depth, text=text)
+
+
+def _fin(n: int, reason: str = "length", text: str = "") -> FinishedEvent:
+    return FinishedEvent(
+        request_id="r",
+        finish_reason=reason,
+        token_ids=[100 + i for i in range(n)],
+        exit_depths=[4] * n,
+        num_prompt_tokens=7,
+        num_cached_tokens=4,
+        text=text,
+    )
+
+
+def test_answer_counts_usage_with_loop_extensions() -> None:
+    a = Answer("r", _opts())
+    for i, (text, depth) in enumerate([("a", 2), ("b", 3), ("c", 4)]):
+        a.on_event(_tok(i, text, depth))
+    a.on_event(_fin(3, "length", "abc"))
+    assert (a.text, a.finish_reason, a.token_ids) == ("abc", "length", [100, 101, 102])
+    assert a.usage().body() == {
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 4},
+        "mean_exit_depth": 3.0,
+        "core_loops": 9,
+    }
+    body = a.body(chat=True, model="toy", created=1)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "abc"}
+    assert body["choices"][0]["token_ids"] == [100, 101, 102]
+
+
+def test_a_stop_string_ends_the_answer_and_asks_for_an_abort() -> None:
+    a = Answer("r", _opts(stops=("END",)))
+    a.on_event(_tok(0, "one E"))
+    assert not a.needs_abort
+    deltas = a.on_event(_tok(1, "ND two"))
+    assert deltas[-1].finish_reason == "stop" and a.needs_abort
+    assert a.text == "one "
+    assert a.on_event(_tok(2, "ignored")) == []  # the engine ran on: not shown, not counted
+    a.on_event(_fin(3, "abort"))
+    assert not a.needs_abort and a.finish_reason == "stop"
+    assert a.usage().body()["completion_tokens"] == 2  # up to the token that made the stop
+    assert a.usage().body()["prompt_tokens"] == 7
+
+
+def test_an_error_is_kept_unless_a_stop_string_ended_the_answer_first() -> None:
+    a = Answer("r", _opts())
+    a.on_event(ErrorEvent(request_id="r", code="overloaded", message="busy"))
+    assert a.error is not None and a.done
+    b = Answer("r", _opts(stops=("x",)))
+    b.on_event(_tok(0, "x"))
+    b.on_event(ErrorEvent(request_id="r", code="internal", message="late"))
+    assert b.error is None and b.finish_reason == "stop"
+
+
+def _frames(data: bytes) -> list[dict]:
+    parts = [p for p in data.split(b"\n\n") if p]
+    assert all(p.startswith(b"data: ") for p in parts)
+    return [json.loads(p[6:]) for p in parts if p != b"data: [DONE]"]
+
+
+def test_sse_frames_for_chat_and_completions() -> None:
+    a = Answer("r", _opts())
+    chat = SseEncoder(True, "r", "toy", 1, a.options)
+    out = chat.deltas(a.on_event(_tok(0, "")))  # text held by the detokenizer
+    out += chat.deltas(a.on_event(_tok(1, "hé")))
+    out += chat.deltas(a.on_event(_fin(2, "stop", "hé")))
+    frames = _frames(out)
+    assert frames[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert frames[1]["choices"][0]["delta"] == {"content": "hé"}
+    # the held token goes out with the next frame that shows text
+    assert frames[1]["choices"][0]["token_ids"] == [100, 101]
+    assert frames[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(f["object"] == "chat.completion.chunk" and f["usage"] is None for f in frames)
+    usage = _frames(chat.usage(a.usage()))[0]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
+
+    b = Answer("r", _opts(include_usage=False, return_token_ids=False))
+    comp = SseEncoder(False, "r", "toy", 1, b.options)
+    frames = _frames(comp.deltas(b.on_event(_tok(0, "x"))) + DONE_FRAME)
+    assert frames == [
+        {
+            "id": "r",
+            "object": "text_completion",
+            "created": 1,
+            "model": "toy",
+            "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": None}],
+        }
+    ]
+
+
+def test_options_from_requests() -> None:
+    o = options(parse_completion(_body(prompt="x", stop="a", stream=True)))
+    assert o.stops == ("a",) and o.stream and not o.include_usage
+    o = options(parse_chat(_body(messages=[{"role": "user", "content": "x"}], stop=["a", "b"])))
+    assert o.stops == ("a", "b") and not o.stream
+
+
+# ---------------------------------------------------------------------- tracing
+def test_traceparent_parsing() -> None:
+    good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    ctx = parse_traceparent(good)
+    assert ctx == TraceContext("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", True)
+    assert ctx.traceparent == good
+    assert parse_traceparent(good[:-2] + "00").sampled is False  # type: ignore[union-attr]
+    # a later version may carry more fields
+    assert parse_traceparent("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-xx")
+    for bad in (
+        None,
+        "",
+        "garbage",
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",  # upper case
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",  # zero trace id
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",  # zero span id
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",  # forbidden version
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+    ):
+        assert parse_traceparent(bad) is None, bad
+
+
+def test_without_an_exporter_spans_only_carry_the_context() -> None:
+    tracing.uninstall_exporters()
+    parent = parse_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    span = Tracer("gateway").start("x", parent)
+    assert span.context == parent and not span.recording
+    fresh = Tracer("gateway").start("x", None, trace_id="ab" * 16)
+    assert fresh.trace_id == "ab" * 16 and len(fresh.context.span_id) == 16
+    span.end()  # harmless
+
+
+def test_with_an_exporter_spans_form_one_trace() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing.install_exporter(exporter)
+    try:
+        caller = parse_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        first = Tracer("gateway").start("gateway.request", caller, attributes={"a": 1})
+        second = Tracer("admission").start("admission.admit", first.context)
+        second.end()
+        first.end(**{"http.status_code": 200})
+        spans = {s.name: s for s in exporter.get_finished_spans()}
+        assert set(spans) == {"gateway.request", "admission.admit"}
+        gw, adm = spans["gateway.request"], spans["admission.admit"]
+        assert {format(s.context.trace_id, "032x") for s in (gw, adm)} == {caller.trace_id}
+        assert format(gw.parent.span_id, "016x") == caller.span_id
+        assert adm.parent.span_id == gw.context.span_id
+        assert gw.resource.attributes["service.name"] == "rlt-gateway"
+        assert adm.resource.attributes["service.name"] == "rlt-admission"
+        assert gw.attributes["http.status_code"] == 200
+    finally:
+        tracing.uninstall_exporters()
+
+
+# ---------------------------------------------------------------------- metrics
+def _instance_text(running: int, successes: int, ttft: list[float]) -> str:
+    r = CollectorRegistry()
+    Gauge("rlt:num_requests_running", "running", registry=r).set(running)
+    c = Counter("rlt:request_success", "ok", ["finished_reason"], registry=r)
+    c.labels("length").inc(successes)
+    h = Histogram("rlt:time_to_first_token_seconds", "ttft", buckets=(0.1, 1.0), registry=r)
+    for v in ttft:
+        h.observe(v)
+    return generate_latest(r).decode()
+
+
+def test_cluster_metrics_label_and_keep_every_instance() -> None:
+    cluster = ClusterMetrics("toy", stale_after_s=10.0)
+    now = time.monotonic()
+    cluster.update("scheduler", "a", _instance_text(2, 3, [0.05, 0.5]), shard="0", now=now - 5)
+    cluster.update("scheduler", "b", _instance_text(1, 4, [2.0]), shard="1", now=now)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(cluster)
+    text = generate_latest(registry).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+    def value(name: str, instance: str, **labels: str) -> float:
+        shard = {"a": "0", "b": "1"}[instance]
+        key = {"service": "scheduler", "instance": instance, "shard": shard, "model_name": "toy"}
+        return samples[(name, tuple(sorted({**key, **labels}.items())))]
+
+    assert value("rlt:num_requests_running", "a") == 2
+    assert value("rlt:num_requests_running", "b") == 1
+    total = sum(value("rlt:request_success_total", i, finished_reason="length") for i in ("a", "b"))
+    assert total == 7  # what `sum(rlt:request_success_total)` gives
+    assert value("rlt:time_to_first_token_seconds_count", "a") == 2
+    assert value("rlt:time_to_first_token_seconds_bucket", "b", le="1.0") == 0
+    # an instance that stopped publishing goes away
+    assert cluster.instances(now=now + 6) == [("scheduler", "b")]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_text_frames_built_by_concatenation_equal_the_general_ones(
+    chat: bool, include_usage: bool
+) -> None:
+    opts = _opts(include_usage=include_usage, return_token_ids=False)
+    fast = SseEncoder(chat, "r", "toy", 1, opts)
+    fast.deltas([])  # past the chat role frame
+    text = 'quote " backslash \\ newline \n é \u2028'
+    got = _frames(fast.deltas(Answer("r", opts).on_event(_tok(0, text))))
+    general = SseEncoder(chat, "r", "toy", 1, opts)
+    want = _frames(general._frame({"content": text} if chat else text, None))
+    assert got == want

@@ -1,0 +1,295 @@
+"""The HTTP gateway of a real ``rlt up`` (one process: nats-server child, the four services
+and the gateway), driven by the official ``openai`` client, ``curl -N`` and httpx:
+
+- completions and chat completions, streamed and not: greedy tokens and exit depths equal
+  the serial oracle, usage numbers are right, string stops cut the text;
+- server-sent events leave as tokens are made: the first frame reaches curl before the
+  scheduler finished the request (its log says when);
+- a client that disconnects mid-stream has its request aborted and its KV freed, seen
+  through /metrics;
+- a caller's ``traceparent`` is the trace id in the log lines of every service.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from messages.sampling import SamplingParams
+from services.common.config import SchedulerConfig
+from services.common.tokenizer import TextCodec
+from services.launcher import free_port
+from services.oracle import SerialOracle
+from tests.engine_harness import assert_matches_oracle, oracle_result
+from tests.gateway_helpers import as_finished, metric_sums
+
+MODEL = "toy-ckpt"
+
+
+@dataclass
+class Up:
+    http_url: str
+    log: Path
+    proc: subprocess.Popen[str]
+
+    def log_lines(self) -> list[dict]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                out.append(json.loads(line))
+        return out
+
+
+@pytest.fixture(scope="module")
+def up(toy_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    workdir = tmp_path_factory.mktemp("rlt-up")
+    log = workdir / "rlt-up.log"
+    http_port = free_port()
+    env = {
+        **os.environ,
+        "RLT_RUN_DIR": str(workdir),
+        "OMP_NUM_THREADS": "1",
+        "RLT_METRICS_INTERVAL_S": "0.2",
+    }
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(free_port())]
+    cmd += ["--http-port", str(http_port), "--checkpoint", str(toy_checkpoint)]
+    cmd += ["--served-model-name", MODEL, "--async-scheduling"]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        deadline = time.monotonic() + 90
+        while "rlt is up" not in lines.get(timeout=max(deadline - time.monotonic(), 0.1)):
+            pass
+        yield Up(f"http://127.0.0.1:{http_port}", log, proc)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def codec(toy_checkpoint: Path) -> TextCodec:
+    out = TextCodec.from_checkpoint(toy_checkpoint)
+    assert out is not None
+    return out
+
+
+def _client(up: Up) -> OpenAI:
+    return OpenAI(base_url=f"{up.http_url}/v1", api_key="not-needed", max_retries=0)
+
+
+GREEDY = {"ignore_eos": True, "return_token_ids": True, "min_loops": 1, "exit_threshold": 0.7}
+PARAMS = SamplingParams(
+    max_tokens=9, temperature=0.0, ignore_eos=True, min_loops=1, exit_threshold=0.7
+)
+CONFIG = SchedulerConfig()  # rlt up's defaults: the oracle only needs the KV layout
+
+
+def _check_oracle(oracle: SerialOracle, prompt: list[int], token_ids, depths, reason) -> None:
+    got = as_finished(
+        {"finish_reason": reason, "token_ids": token_ids, "exit_depths": depths},
+        {"prompt_tokens": len(prompt), "prompt_tokens_details": {"cached_tokens": 0}},
+        "x",
+    )
+    assert assert_matches_oracle(got, oracle_result(oracle, prompt, PARAMS, CONFIG)) > 0
+
+
+def test_openai_client_completions_equal_the_oracle(
+    up: Up, oracle: SerialOracle, codec: TextCodec
+) -> None:
+    client = _client(up)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    prompt = [17, 42, 99, 5, 230, 8]
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=9, temperature=0, extra_body=GREEDY
+    )
+    choice = r.choices[0]
+    ids, depths = choice.model_extra["token_ids"], choice.model_extra["exit_depths"]
+    _check_oracle(oracle, prompt, ids, depths, choice.finish_reason)
+    assert choice.text == codec.decode(ids)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 9
+    assert r.usage.total_tokens == len(prompt) + 9
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert r.usage.model_extra["core_loops"] == sum(depths)
+    assert r.usage.model_extra["mean_exit_depth"] == pytest.approx(sum(depths) / 9)
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=9,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=GREEDY,
+        )
+    )
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 9
+    assert last.usage.model_extra["core_loops"] == sum(depths)
+    assert "".join(c.choices[0].text for c in body) == choice.text
+    assert [t for c in body for t in c.choices[0].model_extra["token_ids"]] == ids
+    assert body[-1].choices[0].finish_reason == "length"
+
+    # a stop string cuts the text where it first appears (it is not in the output)
+    text = choice.text
+    stop = text[3:5]
+    cut = text[: text.find(stop)]
+    for stream in (False, True):
+        resp = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=9,
+            temperature=0,
+            stop=[stop],
+            stream=stream,
+            extra_body=GREEDY,
+        )
+        if stream:
+            parts = list(resp)
+            got = "".join(c.choices[0].text for c in parts)
+            reason = parts[-1].choices[0].finish_reason
+        else:
+            got, reason = resp.choices[0].text, resp.choices[0].finish_reason
+        assert (got, reason) == (cut, "stop"), stream
+
+
+def test_openai_client_chat_equals_the_oracle(
+    up: Up, oracle: SerialOracle, codec: TextCodec
+) -> None:
+    client = _client(up)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a prime number."},
+    ]
+    prompt = codec.encode_chat(messages, add_generation_prompt=True)
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=9, temperature=0, extra_body=GREEDY
+    )
+    choice = r.choices[0]
+    ids, depths = choice.model_extra["token_ids"], choice.model_extra["exit_depths"]
+    _check_oracle(oracle, prompt, ids, depths, choice.finish_reason)
+    assert choice.message.role == "assistant" and choice.message.content == codec.decode(ids)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 9
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_completion_tokens=9,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=GREEDY,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].usage.prompt_tokens == len(prompt)
+    assert chunks[-1].usage.completion_tokens == 9
+
+
+def test_curl_sees_the_first_frame_before_the_last_token_exists(up: Up) -> None:
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True}
+    cmd = ["curl", "-sN", f"{up.http_url}/v1/completions", "-H", "Content-Type: application/json"]
+    cmd += ["-d", json.dumps({**body, "stream": True})]
+    curl = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    arrivals: list[tuple[float, str]] = []
+    assert curl.stdout is not None
+    for line in curl.stdout:
+        if line.startswith("data: "):
+            arrivals.append((time.time(), line[6:].strip()))
+    assert curl.wait(timeout=30) == 0
+    assert arrivals[-1][1] == "[DONE]"
+    first_at, first = arrivals[0]
+    rid = json.loads(first)["id"]
+    finished = [
+        e
+        for e in up.log_lines()
+        if e.get("request_id") == rid and e.get("event") == "request finished"
+    ]
+    assert len(finished) == 1
+    # the scheduler logged the request finished (its last token made) after curl had the
+    # first frame in hand
+    finished_at = datetime.fromisoformat(finished[0]["timestamp"]).timestamp()
+    assert first_at < finished_at, (first_at, finished_at)
+    frames = [json.loads(f) for _, f in arrivals[:-1]]
+    assert frames[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_client_that_disconnects_frees_its_kv(up: Up) -> None:
+    with httpx.Client(base_url=up.http_url, timeout=30) as http:
+
+        def metrics() -> dict[str, float]:
+            return metric_sums(http.get("/metrics").text)
+
+        aborted_before = metrics().get('rlt:request_success_total{finished_reason="abort"}', 0)
+        body = {"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 1800, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            rid = json.loads(next(line for line in lines if line.startswith("data: "))[6:])["id"]
+            # the request holds KV while it streams (what the scrape must show going away)
+            deadline = time.monotonic() + 10
+            while True:
+                m = metrics()
+                if m["rlt:num_requests_running"] == 1 and m["rlt:kv_cache_usage_perc"] > 0:
+                    break
+                assert time.monotonic() < deadline, m
+                next(lines)
+                time.sleep(0.05)
+        gone_at = time.monotonic()  # the connection is closed here
+        deadline = gone_at + 10
+        while True:
+            m = metrics()
+            abort = m.get('rlt:request_success_total{finished_reason="abort"}', 0)
+            if abort >= aborted_before + 1 and m["rlt:num_requests_running"] == 0:
+                break
+            assert time.monotonic() < deadline, m
+            time.sleep(0.1)
+    assert m["rlt:kv_cache_usage_perc"] == 0.0
+    assert m["rlt:http_client_disconnects_total"] >= 1
+    ended = [e for e in up.log_lines() if e.get("request_id") == rid]
+    assert any(
+        e.get("event") == "request finished" and e["finish_reason"] == "abort" for e in ended
+    )
+    # aborted, not finished: far fewer tokens than asked for
+    assert all(e.get("num_tokens", 0) < 1800 for e in ended)
+
+
+def test_a_traceparent_is_in_every_service_log(up: Up) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    client = _client(up)
+    r = client.completions.create(
+        model=MODEL,
+        prompt="hello there",
+        max_tokens=3,
+        extra_headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        mine = [e for e in up.log_lines() if e.get("request_id") == r.id]
+        services = {e["service"] for e in mine if e.get("trace_id") == trace_id}
+        if services >= {"gateway", "admission", "scheduler", "worker"}:
+            break
+        assert time.monotonic() < deadline, mine
+        time.sleep(0.1)
+    assert {e["trace_id"] for e in mine if "trace_id" in e} == {trace_id}
