@@ -2,9 +2,10 @@
 
 Batches arrive on ``rlt.v1.worker.batch.<this instance>`` (msgpack ``WorkerBatch``; a scheduler
 binds to one worker at a time, see ``services/scheduler/liveness.py``); a batch that arrives
-early waits in a buffer until its predecessors ran. Execution happens in a one-thread
-executor so the event loop stays free (heartbeats, health pings, buffering the next batch
-while this one runs). A batch that raises is answered with ``BatchResult(error=...)``, never a
+early waits in a buffer until its predecessors are queued. Batches run in seq order on one
+compute thread (``compute.py``) fed by a queue, so the event loop stays free: it receives and
+decodes the next batches while one computes, publishes results and heartbeats, and answers
+health pings. A batch that raises is answered with ``BatchResult(error=...)``, never a
 crash. The result goes to the batch's reply subject (the scheduler epoch's result subject).
 
 Heartbeats (``rlt.v1.worker.heartbeat``, every ``heartbeat_interval_s`` and on a scheduler's
@@ -19,7 +20,7 @@ import asyncio
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,28 @@ from services.runtime import subjects
 from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, publish_chunked
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
+from services.worker.compute import ComputeThread
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from services.worker.telemetry import WorkerTelemetry
+
+
+@dataclass
+class _Run:
+    """One batch on its way through the compute thread."""
+
+    wb: WorkerBatch
+    reply: str
+    arrived: float  # perf_counter when it was received
+    passes: list[tuple[int, int]] | None = None  # (rows, tokens) per core pass, once run
+
+
+@dataclass
+class _Reset:
+    """A fresh ModelRunner (new epoch or KV geometry) before the next batch runs."""
+
+    epoch: str | None
+    geometry: tuple[int, int, str]
 
 
 class WorkerService(Service):
@@ -58,7 +78,6 @@ class WorkerService(Service):
         super().__init__(nats_url, **kwargs)
         self.heartbeat_interval_s = heartbeat_interval_s
         self._batches_in = Reassembler()
-        self._busy_since = 0.0
         self.checkpoint = Path(checkpoint)
         self.config = config or SchedulerConfig()
         self.device = device
@@ -66,30 +85,29 @@ class WorkerService(Service):
         self.model: OuroModel | None = None
         self.runner: ModelRunner | None = None
         self._geometry: tuple[int, int, str] = (0, 0, "")
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlt-worker")
+        self.compute: ComputeThread | None = None
         self._epoch: str | None = None
-        self._expected = 0
+        self._next_submit = 0  # next seq to queue for the compute thread
+        self._next_done = 0  # every seq before this one ran and its result is published
         self._needs_reset = False
-        self._pending: dict[int, tuple[WorkerBatch, str]] = {}
-        self._wake = asyncio.Event()
-        self._busy = False
+        self._pending: dict[int, _Run] = {}  # arrived early: waits for its predecessors
+        self._results: asyncio.Queue[tuple[_Run, BatchResult, float]] = asyncio.Queue()
         self.num_batches = 0
         self.num_failed = 0
         self.telemetry = WorkerTelemetry(self.shard)
-        self._arrived: dict[int, float] = {}  # batch seq -> perf_counter at arrival
 
     async def setup(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.model = await loop.run_in_executor(
-            self._pool,
-            lambda: OuroModel.from_checkpoint(
-                self.checkpoint, dtype=self.dtype, device=self.device
-            ),
+        self.model = await asyncio.to_thread(
+            OuroModel.from_checkpoint, self.checkpoint, dtype=self.dtype, device=self.device
         )
         cfg = self.config
-        await loop.run_in_executor(
-            self._pool, self._make_runner, cfg.num_blocks, cfg.block_size, str(cfg.kv_layout)
+        await asyncio.to_thread(
+            self._make_runner, cfg.num_blocks, cfg.block_size, str(cfg.kv_layout)
         )
+        self.compute = ComputeThread(
+            asyncio.get_running_loop(), self._computed, name=f"rlt-compute-{self.instance_id}"
+        )
+        self.compute.start()
         self.log.info("model loaded", checkpoint=str(self.checkpoint), device=self.device)
 
     def endpoints(self) -> Sequence[Endpoint]:
@@ -105,19 +123,24 @@ class WorkerService(Service):
         )
 
     async def on_ready(self) -> None:
-        self.spawn(self._run(), "executor")
+        self.spawn(self._publish_results(), "results")
         self.spawn(self._heartbeats(), "heartbeats")
         await self._heartbeat()
+
+    @property
+    def _idle(self) -> bool:
+        return self.compute is None or self.compute.idle
 
     async def drain(self, timeout: float) -> None:
         # the scheduler stops sending and moves its requests once what is in flight is back
         await self._heartbeat()
         deadline = time.monotonic() + timeout
-        while (self._busy or self._expected in self._pending) and time.monotonic() < deadline:
+        while not (self._idle and self._results.empty()) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
     async def teardown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.compute is not None:
+            await asyncio.to_thread(self.compute.stop)
         self.telemetry.end_all()
 
     def metrics_registry(self) -> CollectorRegistry | None:
@@ -127,7 +150,8 @@ class WorkerService(Service):
         return {
             "worker_id": self.instance_id,
             "epoch": self._epoch,
-            "next_seq": self._expected,
+            "next_seq": self._next_done,
+            "queued": self.compute.queued if self.compute is not None else 0,
             "buffered": len(self._pending),
             "batches": self.num_batches,
             "failed_batches": self.num_failed,
@@ -138,14 +162,17 @@ class WorkerService(Service):
 
     # ------------------------------------------------------------------ heartbeats
     def heartbeat(self) -> WorkerHeartbeat:
-        idle = not self._busy
-        waiting = idle and self._epoch is not None and self._expected not in self._pending
+        """``next_seq``: every batch before it ran and its result went out; ``missing_seq``:
+        the batch this idle worker waits for (-1 when busy or waiting for nothing)."""
+        idle = self._idle
+        waiting = idle and self._epoch is not None and self._next_submit not in self._pending
+        started = self.compute.running_since if self.compute is not None else 0.0
         return WorkerHeartbeat(
             worker_id=self.instance_id,
             epoch=self._epoch or "",
-            next_seq=self._expected,
-            missing_seq=self._expected if waiting else -1,
-            busy_s=0.0 if idle else max(time.monotonic() - self._busy_since, 1e-6),
+            next_seq=self._next_done,
+            missing_seq=self._next_submit if waiting else -1,
+            busy_s=max(time.monotonic() - started, 1e-6) if started else 0.0,
             draining=self.draining,
             time=time.time(),
         )
@@ -187,20 +214,19 @@ class WorkerService(Service):
             # the device state starts over at the epoch's first seq (waited for if lost)
             first = wb.epoch_start_seq if 0 <= wb.epoch_start_seq <= batch.seq else batch.seq
             self.log.info("new scheduler epoch", epoch=wb.epoch, first_seq=first)
-            self._epoch = wb.epoch
-            self._expected = first
+            self._epoch = wb.epoch  # jobs of the old epoch still queued are skipped
+            self._next_submit = self._next_done = first
             self._pending.clear()
-            self._arrived.clear()
             self._needs_reset = True
             self.telemetry.end_all()
-        if batch.seq < self._expected or batch.seq in self._pending:
+        if batch.seq < self._next_submit or batch.seq in self._pending:
             self.log.warning("duplicate batch dropped", **{BATCH_SEQ: batch.seq})
             return
-        self._pending[batch.seq] = (wb, msg.reply or subjects.WORKER_RESULT)
-        self._arrived[batch.seq] = time.perf_counter()
+        reply = msg.reply or subjects.WORKER_RESULT
+        self._pending[batch.seq] = _Run(wb, reply, time.perf_counter())
         self._log_requests(batch)
         self.telemetry.on_batch(batch)
-        self._wake.set()
+        self._queue_ready()
 
     def _log_requests(self, batch: Batch) -> None:
         for new in batch.new_requests:
@@ -214,65 +240,83 @@ class WorkerService(Service):
             self.log.info("request released", request_id=rid, **{BATCH_SEQ: batch.seq})
 
     # ------------------------------------------------------------------ executing
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _queue_ready(self) -> None:
+        """Queues, in seq order, every batch whose predecessors are queued: the compute
+        thread then runs them back to back."""
+        assert self.compute is not None
+        while (run := self._pending.pop(self._next_submit, None)) is not None:
+            self._next_submit += 1
+            geometry = self._geometry_of(run.wb)
+            used = self.runner is not None and self.runner.last_seq >= 0
+            if (self._needs_reset and used) or geometry != self._geometry:
+                try:
+                    self._check_geometry(*geometry)
+                except Exception as exc:  # refused: this batch fails, the worker goes on
+                    self._results.put_nowait(
+                        (run, BatchResult(seq=run.wb.batch.seq, error=_describe(exc)), 0.0)
+                    )
+                    continue
+                self._geometry = geometry  # what the queued reset will build
+                reset = _Reset(self._epoch, geometry)
+                self.compute.submit(reset, lambda r=reset: self._make_runner(*r.geometry))
+            self._needs_reset = False
+            self.compute.submit(run, lambda r=run: self._execute(r))
+
+    def _execute(self, run: _Run) -> BatchResult | None:
+        """On the compute thread. None: the batch's epoch is over, nothing ran."""
+        if run.wb.epoch != self._epoch:
+            return None
+        assert self.runner is not None
+        try:
+            result = self.runner.execute(run.wb.batch)
+        except Exception as exc:
+            return BatchResult(seq=run.wb.batch.seq, error=_describe(exc))
+        run.passes = list(self.runner.last_batch_passes)
+        return result
+
+    def _computed(self, job: _Run | _Reset, outcome: Any, elapsed: float) -> None:
+        """On the event loop: a job of the compute thread ended."""
+        if isinstance(job, _Reset):
+            if isinstance(outcome, BaseException):
+                self.log.error("runner reset failed", error=_describe(outcome))
+            return
+        if isinstance(outcome, BaseException):  # not even an error result: a worker bug
+            outcome = BatchResult(seq=job.wb.batch.seq, error=_describe(outcome))
+        if outcome is None or job.wb.epoch != self._epoch:
+            return  # the scheduler restarted while this ran; its result is moot
+        self._results.put_nowait((job, outcome, elapsed))
+
+    async def _publish_results(self) -> None:
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._expected in self._pending:
-                epoch = self._epoch
-                wb, reply = self._pending.pop(self._expected)
-                self._busy = True
-                self._busy_since = time.monotonic()
-                t0 = time.perf_counter()
-                try:
-                    used = self.runner is not None and self.runner.last_seq >= 0
-                    if (self._needs_reset and used) or self._geometry_of(wb) != self._geometry:
-                        num_blocks, block_size, layout = self._geometry_of(wb)
-                        self._check_geometry(num_blocks, block_size, layout)
-                        await loop.run_in_executor(
-                            self._pool, self._make_runner, num_blocks, block_size, layout
-                        )
-                    self._needs_reset = False
-                    t0 = time.perf_counter()
-                    result = await loop.run_in_executor(self._pool, self._execute, wb.batch)
-                except Exception as exc:  # a bad batch never stops the executor loop
-                    result = BatchResult(seq=wb.batch.seq, error=f"{type(exc).__name__}: {exc}")
-                finally:
-                    self._busy = False
-                elapsed = time.perf_counter() - t0
-                if epoch != self._epoch:
-                    break  # the scheduler restarted while this ran; its result is moot
-                self._expected += 1
-                self.num_batches += 1
-                if result.error is None and self.runner is not None:
-                    self.telemetry.on_executed(self.runner.last_batch_passes, elapsed)
-                arrived = self._arrived.pop(wb.batch.seq, None)
-                out = WorkerResult(
-                    epoch=wb.epoch,
-                    result=result,
-                    worker_id=self.instance_id,
-                    execute_s=elapsed,
-                    worker_s=time.perf_counter() - arrived if arrived is not None else 0.0,
+            run, result, elapsed = await self._results.get()
+            seq = run.wb.batch.seq
+            if run.wb.epoch != self._epoch:
+                continue
+            self._next_done = seq + 1
+            self.num_batches += 1
+            if result.error is None and run.passes is not None:
+                self.telemetry.on_executed(run.passes, elapsed)
+            out = WorkerResult(
+                epoch=run.wb.epoch,
+                result=result,
+                worker_id=self.instance_id,
+                execute_s=elapsed,
+                worker_s=time.perf_counter() - run.arrived,
+            )
+            try:
+                await publish_chunked(self.nc, run.reply, encode_msgpack(out))
+            except Exception as exc:  # lost: the scheduler learns it from our heartbeat
+                self.log.warning("result not sent", error=repr(exc)[:200], **{BATCH_SEQ: seq})
+            if result.error is not None:
+                self.num_failed += 1
+                self.log.error("batch failed", error=result.error[:500], **{BATCH_SEQ: seq})
+            else:
+                self.log.debug(
+                    "batch done",
+                    rows=len(run.wb.batch.rows),
+                    execute_ms=round(elapsed * 1e3, 3),
+                    **{BATCH_SEQ: seq},
                 )
-                try:
-                    await publish_chunked(self.nc, reply, encode_msgpack(out))
-                except Exception as exc:  # lost: the scheduler learns it from our heartbeat
-                    self.log.warning(
-                        "result not sent", error=repr(exc)[:200], **{BATCH_SEQ: wb.batch.seq}
-                    )
-                if result.error is not None:
-                    self.num_failed += 1
-                    self.log.error(
-                        "batch failed", error=result.error[:500], **{BATCH_SEQ: wb.batch.seq}
-                    )
-                else:
-                    self.log.debug(
-                        "batch done",
-                        rows=len(wb.batch.rows),
-                        execute_ms=round(elapsed * 1e3, 3),
-                        **{BATCH_SEQ: wb.batch.seq},
-                    )
 
     def _geometry_of(self, wb: WorkerBatch) -> tuple[int, int, str]:
         if wb.num_blocks and wb.block_size and wb.kv_layout:
@@ -302,18 +346,15 @@ class WorkerService(Service):
         return 2 * self.runner.k_cache.numel() * self.runner.k_cache.element_size()
 
     def _make_runner(self, num_blocks: int, block_size: int, kv_layout: str) -> None:
-        # runs in the executor thread: allocating device KV can take a while
+        # on the compute thread (or at setup): allocating device KV can take a while
         assert self.model is not None
         self.runner = None  # free the old KV before allocating the new one
         self.runner = ModelRunner(self.model, num_blocks, block_size, KVLayout(kv_layout))
         self._geometry = (num_blocks, block_size, kv_layout)
 
-    def _execute(self, batch: Batch) -> BatchResult:
-        assert self.runner is not None
-        try:
-            return self.runner.execute(batch)
-        except Exception as exc:
-            return BatchResult(seq=batch.seq, error=f"{type(exc).__name__}: {exc}")
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _is_older_epoch(epoch: str, current: str | None) -> bool:
