@@ -30,7 +30,7 @@ class AbortRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_id: str
 
 
-class TokenEvent(msgspec.Struct, kw_only=True, tag="token", tag_field="type"):
+class TokenEvent(msgspec.Struct, gc=False, kw_only=True, tag="token", tag_field="type"):
     request_id: str
     index: int
     token_id: int
@@ -38,7 +38,7 @@ class TokenEvent(msgspec.Struct, kw_only=True, tag="token", tag_field="type"):
     text: str = ""
 
 
-class FinishedEvent(msgspec.Struct, kw_only=True, tag="finished", tag_field="type"):
+class FinishedEvent(msgspec.Struct, gc=False, kw_only=True, tag="finished", tag_field="type"):
     request_id: str
     finish_reason: str
     token_ids: list[int]
@@ -48,7 +48,7 @@ class FinishedEvent(msgspec.Struct, kw_only=True, tag="finished", tag_field="typ
     text: str = ""
 
 
-class ErrorEvent(msgspec.Struct, kw_only=True, tag="error", tag_field="type"):
+class ErrorEvent(msgspec.Struct, gc=False, kw_only=True, tag="error", tag_field="type"):
     request_id: str
     code: str
     message: str

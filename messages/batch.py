@@ -34,7 +34,7 @@ class RowKind(StrEnum):
     FOLLOW_ON = "follow_on"
 
 
-class WorkerSampling(msgspec.Struct, kw_only=True):
+class WorkerSampling(msgspec.Struct, gc=False, kw_only=True):
     """What the worker needs to decide exits and sample, sent once per request."""
 
     temperature: float
@@ -46,20 +46,20 @@ class WorkerSampling(msgspec.Struct, kw_only=True):
     exit_threshold: float
 
 
-class NewRequest(msgspec.Struct, kw_only=True):
+class NewRequest(msgspec.Struct, gc=False, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling: WorkerSampling
 
 
-class BlockDelta(msgspec.Struct, kw_only=True):
+class BlockDelta(msgspec.Struct, gc=False, kw_only=True):
     """Blocks appended to a request's tables since the previous batch, one list per plane."""
 
     request_id: str
     plane_blocks: list[list[int]]
 
 
-class BatchRow(msgspec.Struct, kw_only=True):
+class BatchRow(msgspec.Struct, gc=False, kw_only=True):
     """One task: tokens [token_start, token_start + token_count) of one request.
 
     The row runs ``num_loops`` loops starting at loop index ``depth`` (0-based).
@@ -86,7 +86,7 @@ class BatchRow(msgspec.Struct, kw_only=True):
     output_index: int = 0
 
 
-class Batch(msgspec.Struct, kw_only=True):
+class Batch(msgspec.Struct, gc=False, kw_only=True):
     seq: int
     phase: Phase
     rows: list[BatchRow]
@@ -99,7 +99,7 @@ class Batch(msgspec.Struct, kw_only=True):
     traceparents: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-class RowResult(msgspec.Struct, kw_only=True):
+class RowResult(msgspec.Struct, gc=False, kw_only=True):
     """Outcome of one row: decode rows report survival and exit; coda rows a token."""
 
     row_index: int
@@ -111,7 +111,7 @@ class RowResult(msgspec.Struct, kw_only=True):
     token_id: int = -1
 
 
-class BatchResult(msgspec.Struct, kw_only=True):
+class BatchResult(msgspec.Struct, gc=False, kw_only=True):
     seq: int
     rows: list[RowResult] = msgspec.field(default_factory=list)
     error: str | None = None

@@ -11,7 +11,7 @@ from services.scheduler.kv_admission import Preemption
 from services.scheduler.request import Request
 
 
-class ScheduledTask(msgspec.Struct, eq=False):
+class ScheduledTask(msgspec.Struct, gc=False, eq=False):
     """One row as the scheduler sees it. Never encoded: a Struct because one is built per
     row per step, and a Struct builds ~4x faster than a slotted dataclass.
 

@@ -94,7 +94,7 @@ class KVManager:
         """
         tables = self._tables.get(request_id)
         have = len(tables[0]) if tables else 0
-        want = self.blocks_per_plane(num_tokens)
+        want = -(-num_tokens // self.block_size)  # blocks_per_plane: called per row per step
         if want <= have:
             return True
         needed = (want - have) * self.num_planes

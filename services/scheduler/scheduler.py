@@ -8,13 +8,23 @@ both go through ``_apply_prefill_phase_progress`` so they cannot diverge.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent
-from messages.batch import Batch, BatchResult, BatchRow, NewRequest, Phase, RowKind, WorkerSampling
+from messages.batch import (
+    Batch,
+    BatchResult,
+    BatchRow,
+    NewRequest,
+    Phase,
+    RowKind,
+    RowResult,
+    WorkerSampling,
+)
 from messages.errors import ErrorCode, RequestError
 from messages.prefix import (
     AllBlocksCleared,
@@ -38,6 +48,11 @@ _ATOMIC, _RECURRENT = Phase.PREFILL, Phase.RECURRENT
 _SPLIT_PRELUDE, _SPLIT_RECURRENT = Phase.PREFILLING_PRELUDE, Phase.PREFILLING_RECURRENT
 _SPLIT_PREFILLING = (_SPLIT_PRELUDE, _SPLIT_RECURRENT)
 _DECODE_KINDS = (_DECODE, _FOLLOW_ON)  # rows of the token being generated
+_FINISHED = Phase.FINISHED
+
+
+def _priority_key(request: Request) -> tuple[int, int]:
+    return request.priority_key
 
 
 class SchedulerInvariantError(RuntimeError):
@@ -222,11 +237,13 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch | None:
         self._admit_waiting()
-        for phase in self._phase_preference():
+        # the requests with prompt work, in queue order (one scan of `running` per step)
+        prefilling = [r for r in self.running if r.phase in PREFILL_PHASES]
+        for phase in self._phase_preference(prefilling):
             selection = _Selection(self.config.max_num_batched_tokens, self.config.max_num_seqs)
             if phase == Phase.RECURRENT:
                 self._take_decode_rows(selection)
-            self._take_wavefront_phase(phase, selection)
+            self._take_wavefront_phase(phase, selection, prefilling)
             if selection.tasks:
                 return self._build_batch(phase, selection.tasks)
         return None
@@ -336,11 +353,10 @@ class Scheduler:
         return self.prefix_log.emit(self.kv.take_prefix_events())
 
     def _insert_running(self, request: Request) -> None:
-        keys = [r.priority_key for r in self.running]
-        index = next((i for i, k in enumerate(keys) if k > request.priority_key), len(keys))
-        self.running.insert(index, request)
+        # queue order; after equal keys (there are none: arrival_seq is unique)
+        bisect.insort_right(self.running, request, key=_priority_key)
 
-    def _phase_preference(self) -> list[Phase]:
+    def _phase_preference(self, prefilling: list[Request]) -> list[Phase]:
         if not self.config.split_prefill:
             # atomic prefill and decode cannot share a batch: alternate when both have work
             if self._last_phase == Phase.PREFILL:
@@ -350,7 +366,7 @@ class Scheduler:
         # up with its prelude (it would stall otherwise), else keep the core busy
         starved = any(
             r.phase is _SPLIT_PRELUDE and r.prefill_right(0) >= r.num_preluded_tokens
-            for r in self.running
+            for r in prefilling
         )
         if starved:
             return [Phase.PREFILLING_PRELUDE, Phase.RECURRENT]
@@ -367,26 +383,41 @@ class Scheduler:
                 continue
             if request.awaiting_output:
                 task = self._follow_on_task(request)
-                if task is None:
-                    continue
+                if task is not None:
+                    self._accept_task(task, sel)
             elif cohort_busy and request.decode_depth == 0:
                 continue  # no-refill baseline: wait for the whole cohort to exit
             else:
-                position = request.num_computed_tokens
-                forced = request.forced_exit_loops_at(position)
-                task = ScheduledTask(
-                    request=request,
-                    kind=_DECODE,
-                    token_start=position,
-                    token_count=1,
-                    depth=request.decode_depth,
-                    embed=request.decode_depth == 0,
-                    compute_logits=forced == 0,
-                    forced_exit_loops=forced,
-                )
-            self._accept_task(task, sel)
+                self._accept_decode_row(request, sel)
             if sel.budget_left <= 0:
                 return
+
+    def _accept_decode_row(self, request: Request, sel: _Selection) -> None:
+        """``_accept_task`` for a plain decode row (one token, one loop), without the
+        generic branches: it runs for every decoding request in every step. Its KV slot is
+        allocated with its depth-0 row."""
+        rid = request.request_id
+        selected = sel.selected
+        if sel.budget_left <= 0 or (len(selected) >= sel.max_seqs and rid not in selected):
+            return
+        position = request.num_computed_tokens
+        depth = request.decode_depth
+        if depth == 0 and not self._ensure_execution_capacity(request, position + 1, sel):
+            return
+        # Request.forced_exit_loops_at, inlined
+        index = position - request.num_prompt_tokens + 1
+        forced = request.output_exit_depths[index] if index < len(request.output_token_ids) else 0
+        # positional: (request, kind, token_start, token_count, depth, num_loops, embed,
+        # compute_logits, forced_exit_loops, generation)
+        task = ScheduledTask(
+            request, _DECODE, position, 1, depth, 1, depth == 0, forced == 0, forced,
+            request.generation,
+        )  # fmt: skip
+        sel.budget_left -= 1
+        selected[rid] = request
+        sel.tasks.append(task)
+        if request.prefill_high_water:  # preempted before: this may rebuild dropped KV
+            self._count_recompute(task)
 
     def _follow_on_task(self, request: Request) -> ScheduledTask | None:
         """The request's next decode loop while its previous row is still in flight.
@@ -407,14 +438,16 @@ class Scheduler:
         furthest = request.num_computed_tokens + request.pending_decode_loops
         return ScheduledTask(request=request, kind=_FOLLOW_ON, token_start=furthest, token_count=1)
 
-    def _take_wavefront_phase(self, phase: Phase, sel: _Selection) -> None:
+    def _take_wavefront_phase(
+        self, phase: Phase, sel: _Selection, candidates: list[Request]
+    ) -> None:
         """Depth-major selection shared by PRELUDE, split RECURRENT and atomic PREFILL.
 
         For each level (PRELUDE: chunk order; RECURRENT: depth 0..D-1; PREFILL: one level)
-        every candidate in queue order offers its ready task; ``_accept_task`` checks KV
-        capacity and charges (and truncates to) the budget as each task is accepted.
+        every candidate (a request with prompt work, in queue order) offers its ready task;
+        ``_accept_task`` checks KV capacity and charges (and truncates to) the budget as each
+        task is accepted.
         """
-        candidates = [r for r in self.running if r.phase in PREFILL_PHASES]
         if not candidates or sel.budget_left <= 0:
             return
         prelude_cursors: dict[str, int] | None = {} if phase == Phase.PREFILLING_PRELUDE else None
@@ -669,7 +702,7 @@ class Scheduler:
         self._last_phase = phase
         self.stats.num_batches += 1
         self.stats.num_decode_rows += len(decode)
-        if len({t.depth for t in ordered if t.kind is _DECODE or t.kind is _PREFILL}) >= 2:
+        if _mixed_depths(ordered):
             self.stats.num_batches_with_mixed_depths += 1
         return ScheduledBatch(
             seq=seq, phase=phase, tasks=ordered, wire=wire, preemptions=preemptions
@@ -765,7 +798,8 @@ class Scheduler:
             self._apply_prefill_phase_progress(batch)
         for task, row in zip(batch.tasks, result.rows, strict=True):
             request = task.request
-            if self._is_stale(task):
+            # _is_stale, inlined: this runs once per row per step
+            if request.phase is _FINISHED or task.generation != request.generation:
                 continue
             request.inflight_batches -= 1
             if row.skipped:
@@ -776,9 +810,7 @@ class Scheduler:
             if task.kind in _DECODE_KINDS:
                 request.pending_token_rows -= 1
                 request.pending_decode_loops -= 1
-                self._apply_decode_output(
-                    task, row.exited, row.exit_loops, row.remaining, row.token_id, events
-                )
+                self._apply_decode_output(task, row, events)
             elif task.compute_logits:
                 request.pending_token_rows -= 1
                 self._append_token(request, row.token_id, self.total_depths, events)
@@ -897,13 +929,7 @@ class Scheduler:
         request.num_published_blocks = max(request.num_published_blocks, complete)
 
     def _apply_decode_output(
-        self,
-        task: ScheduledTask,
-        exited: bool,
-        exit_loops: int,
-        remaining: float,
-        token_id: int,
-        events: list[StreamEvent],
+        self, task: ScheduledTask, row: RowResult, events: list[StreamEvent]
     ) -> None:
         request = task.request
         # results apply in batch order, so the request's cursor is where this row ran
@@ -913,10 +939,11 @@ class Scheduler:
             raise SchedulerInvariantError(
                 f"{request.request_id}: row scheduled at depth {task.depth}, cursor at {depth}"
             )
-        if not exited:
+        if not row.exited:
             request.decode_depth += 1
-            request.decode_remaining = remaining
+            request.decode_remaining = row.remaining
             return
+        exit_loops = row.exit_loops
         if exit_loops != depth + 1:
             raise SchedulerInvariantError(
                 f"{request.request_id}: row at depth {depth} reported an exit after "
@@ -927,7 +954,7 @@ class Scheduler:
         request.decode_remaining = 1.0
         if task.forced_exit_loops:
             return  # replayed position: its token is already known
-        self._append_token(request, token_id, exit_loops, events)
+        self._append_token(request, row.token_id, exit_loops, events)
 
     def _append_token(
         self, request: Request, token_id: int, exit_loops: int, events: list[StreamEvent]
@@ -974,6 +1001,19 @@ class Scheduler:
                 num_cached_tokens=request.num_cached_tokens,
             )
         )
+
+
+def _mixed_depths(tasks: list[ScheduledTask]) -> bool:
+    """Whether rows of at least two depths share this batch's core passes (a follow-on's
+    depth is not known here, a prelude span runs no loop)."""
+    first = -1
+    for task in tasks:
+        if task.kind is _DECODE or task.kind is _PREFILL:
+            if first < 0:
+                first = task.depth
+            elif task.depth != first:
+                return True
+    return False
 
 
 def _count_up() -> Iterator[int]:
