@@ -289,3 +289,16 @@ def test_a_failed_comparison_is_reported_not_fatal(
     assert failed["error"] == "RuntimeError: bus down" and not failed["runs"]
     assert "error" not in ok and ok["runs"]
     assert "bus down" in (tmp_path / "report.md").read_text()
+
+
+def test_quick_bench_scheduler_step(
+    toy_checkpoint: Path, tmp_path: Path, keep_global_state: None
+) -> None:
+    results = _bench(toy_checkpoint, tmp_path, "--repeats", "1", "--only", "scheduler")
+    (comp,) = results["comparisons"]
+    assert {r["concurrency"] for r in comp["runs"]} == {256, 1024}
+    assert all(r["steps"] == 200 and r["mean_us"] > 0 for r in comp["runs"])
+    targets = [t for t in results["targets"] if t["comparison"] == "scheduler"]
+    assert [t["metric"] for t in targets] == ["mean_us", "p99_us", "p99_over_mean"]
+    assert all(len(t["per_repeat"]) == 1 and t["reached"] in (True, False) for t in targets)
+    assert "## Scheduler step" in (tmp_path / "report.md").read_text()

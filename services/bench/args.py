@@ -7,7 +7,14 @@ import argparse
 from services.worker.model.sizes import CHECKPOINT_SIZES
 
 # kept here (not in comparisons.py) so building the parser imports nothing heavy
-COMPARISON_NAMES = ("depth_batching", "wcpb", "pipeline", "prefix_cache", "kv_pressure")
+COMPARISON_NAMES = (
+    "depth_batching",
+    "wcpb",
+    "pipeline",
+    "prefix_cache",
+    "kv_pressure",
+    "scheduler",  # the scheduler step alone (services/bench/scheduler_step.py)
+)
 
 
 def _names(text: str) -> list[str]:

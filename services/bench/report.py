@@ -135,6 +135,10 @@ def _workload_rows(workloads: list[dict[str, Any]]) -> list[list[str]]:
 
 
 def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> list[str]:
+    if c.get("kind") == "microbench":
+        from services.bench.scheduler_step import markdown
+
+        return markdown(c)
     lines = [f"## {c['title']}", "", c["question"], ""]
     if c.get("error"):
         return [*lines, f"**Failed**: `{c['error']}`", ""]
@@ -304,7 +308,7 @@ def write_report(results: dict[str, Any], out_dir: Path, plots: bool = True) -> 
     plot_names: dict[str, str] = {}
     if plots:
         for c in results["comparisons"]:
-            if c.get("error"):
+            if c.get("error") or c.get("kind") == "microbench":
                 continue
             path = out_dir / f"{c['name']}.png"
             if plot_comparison(c, path):

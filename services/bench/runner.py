@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from services.bench import scheduler_step
 from services.bench.analysis import arm_summary, ratio_result
 from services.bench.backends import Backend, InProcessBackend
 from services.bench.comparisons import (
@@ -305,7 +306,7 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
         rate=args.rate,
         model_size=None if args.checkpoint else args.size,
     )
-    comparisons = build_comparisons(list(args.only), settings)
+    comparisons = build_comparisons([n for n in args.only if n != "scheduler"], settings)
     total = sum(
         len(c.cases()) * args.repeats * max(1, len(c.loads))
         + (len(c.workloads) * len(c.arms) if c.loads else 0)
@@ -319,6 +320,9 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 results.append(run_comparison(bench, c, args.repeats, progress))
             except Exception as exc:  # one broken comparison must not discard the others
                 results.append(failed_comparison(c, exc))
+        if "scheduler" in args.only:
+            steps = 200 if args.quick else 2000
+            results.append(scheduler_step.run_comparison(args.repeats, steps=steps))
     finally:
         progress.close()
         bench.close()
