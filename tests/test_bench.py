@@ -248,7 +248,9 @@ def test_workloads_are_seeded() -> None:
 def test_probe_counts_passes_and_rows(toy_checkpoint: Path) -> None:
     from messages.sampling import SamplingParams
 
-    engine = LLMEngine.from_checkpoint(toy_checkpoint, SchedulerConfig(num_blocks=256))
+    engine = LLMEngine.from_checkpoint(
+        toy_checkpoint, SchedulerConfig(num_blocks=256, split_prefill=False, async_scheduling=False)
+    )
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     with RunnerProbe(engine.runner) as probe:
         engine.generate([[5, 6, 7], [8, 9]], params)
@@ -262,7 +264,7 @@ def test_probe_counts_passes_and_rows(toy_checkpoint: Path) -> None:
 
     # async: decode rows sent before the previous result (follow-ons) are decode rows too,
     # and they keep the same passes: prefill, then 4 decode batches per token
-    config = SchedulerConfig(num_blocks=256, async_scheduling=True)
+    config = SchedulerConfig(num_blocks=256, split_prefill=False, async_scheduling=True)
     engine = LLMEngine.from_checkpoint(toy_checkpoint, config)
     with RunnerProbe(engine.runner) as probe:
         engine.generate([[5, 6, 7], [8, 9]], params)

@@ -25,6 +25,9 @@ def decode_depth_sets(record) -> list[set[int]]:
 
 def run(toy_model, refill: bool, **overrides):
     arrivals = [Arrival(f"r{i}", [3 + i, 40 + 7 * i, 11, 200 + i], PARAMS) for i in range(8)]
+    # atomic prefill and sync scheduling unless a test says otherwise (the baseline the
+    # comparisons below are stated against)
+    overrides = {"split_prefill": False, "async_scheduling": False, **overrides}
     config = SchedulerConfig(
         refill=refill, block_size=4, num_blocks=256, max_num_seqs=8, **overrides
     )
@@ -94,7 +97,9 @@ def test_follow_ons_of_a_failed_batch_are_skipped_and_the_rest_go_on(toy_model) 
     # batch after it was already built with follow-on rows for r4..r7's first decode: the
     # worker skips those (their predecessor never ran) instead of failing that batch too,
     # and r0..r3 finish exactly as in a clean run.
-    config = SchedulerConfig(block_size=4, num_blocks=256, max_num_seqs=8, async_scheduling=True)
+    config = SchedulerConfig(
+        block_size=4, num_blocks=256, max_num_seqs=8, async_scheduling=True, split_prefill=False
+    )
     early = [Arrival(f"r{i}", [3 + i, 40 + 7 * i, 11, 200 + i], PARAMS) for i in range(4)]
     clean = run_workload(toy_model, config, early)
     engine = LLMEngine(toy_model, config)

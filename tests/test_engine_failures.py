@@ -40,6 +40,7 @@ def config(max_inflight: int, **kw: object) -> SchedulerConfig:
         num_blocks=128,
         enable_prefix_caching=True,
         async_scheduling=True,
+        split_prefill=False,  # batch 0 is a's whole prompt
         max_inflight_batches=max_inflight,
         **kw,  # type: ignore[arg-type]
     )
@@ -109,7 +110,13 @@ def test_a_request_that_claimed_blocks_of_a_failed_batch_is_recomputed(toy_model
 
 
 def test_sync_scheduling_publishes_nothing_for_a_failed_batch(toy_model):
-    cfg = SchedulerConfig(block_size=4, num_blocks=128, enable_prefix_caching=True)
+    cfg = SchedulerConfig(
+        block_size=4,
+        num_blocks=128,
+        enable_prefix_caching=True,
+        split_prefill=False,
+        async_scheduling=False,
+    )
     engine = LLMEngine(toy_model, cfg)
     fail_batches(engine.runner, {0})
     engine.add_request("a", PROMPT, PARAMS)

@@ -33,6 +33,8 @@ THREE = [
 
 
 def tight(policy: KVAdmission, **kw) -> SchedulerConfig:
+    # issue 20's case is stated for atomic prefill and sync scheduling
+    kw = {"split_prefill": False, "async_scheduling": False, **kw}
     return SchedulerConfig(block_size=2, num_blocks=8, kv_admission=policy, **kw)
 
 
@@ -84,7 +86,8 @@ def test_incremental_admits_on_seats_and_recomputes_the_thrown_away_prefills(
     [
         tight(KVAdmission.RESERVE),
         tight(KVAdmission.WATERMARK, kv_watermark=0.5),
-        SchedulerConfig(block_size=2, num_blocks=8),  # the default policy
+        # the default policy
+        SchedulerConfig(block_size=2, num_blocks=8, split_prefill=False, async_scheduling=False),
     ],
     ids=["reserve", "watermark-0.5", "default"],
 )
@@ -170,7 +173,13 @@ def step(s: Scheduler) -> ScheduledBatch:
 
 def decoding(policy: KVAdmission, newcomer_priority: int) -> Scheduler:
     """y decodes holding 8 of 16 blocks (footprint 12); x arrives needing 12 more."""
-    config = SchedulerConfig(block_size=2, num_blocks=16, kv_admission=policy)
+    config = SchedulerConfig(
+        block_size=2,
+        num_blocks=16,
+        kv_admission=policy,
+        split_prefill=False,
+        async_scheduling=False,
+    )
     s = Scheduler(config, LIMITS)
     s.add_request("y", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0))
     while s.requests["y"].phase != Phase.RECURRENT:
@@ -274,6 +283,7 @@ def test_schedule_trace_shows_preemptions(toy_checkpoint: Path, capsys) -> None:
     argv = ["--checkpoint", str(toy_checkpoint), "--prompt-ids", "2,3", "--prompt-ids", "2,3"]
     argv += ["--prompt-ids", "2,3", "--max-tokens", "3", "--ignore-eos"]
     argv += ["--block-size", "2", "--num-blocks", "8", "--kv-admission", "incremental"]
+    argv += ["--prefill", "atomic", "--no-async-scheduling"]
     args = trace_args(*argv)
     assert scheduler_config_from_args(args).kv_admission is KVAdmission.INCREMENTAL
     assert run_schedule_trace(args) == 0

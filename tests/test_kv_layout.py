@@ -18,7 +18,9 @@ def slot(table: list[int], position: int, block_size: int) -> int:
 
 
 def test_exit_copy_writes_only_the_exited_tokens_higher_planes(toy_model) -> None:
-    config = SchedulerConfig(block_size=4, num_blocks=64)
+    config = SchedulerConfig(
+        block_size=4, num_blocks=64, split_prefill=False, async_scheduling=False
+    )
     engine = LLMEngine(toy_model, config)
     runner = engine.runner
     engine.add_request(

@@ -188,7 +188,10 @@ def _admitted(rid: str, ids: list[int], max_tokens: int) -> AdmittedRequest:
 
 
 def test_scheduler_error_for_one_request_spares_the_others(toy_checkpoint: Path) -> None:
-    config = SchedulerConfig(block_size=16, num_blocks=256)  # atomic prefill: own batches
+    # atomic prefill, sync: the bad request's rows are in batches of their own
+    config = SchedulerConfig(
+        block_size=16, num_blocks=256, split_prefill=False, async_scheduling=False
+    )
     driver, runner = _driver_and_runner(toy_checkpoint, config)
     out: list = []
 

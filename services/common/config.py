@@ -72,18 +72,25 @@ def _first(value: Any, default: Any) -> Any:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The engine's settings. The defaults are the fast path, chosen by measurement
+    (docs/benchmarks/README.md, "Defaults"): wavefront chunked prefill, so prompt rows share
+    core passes with decode rows, and async scheduling, so the next batch is built while
+    the current one runs. Prefill: left unset (None), it is WCPB, or atomic where the KV
+    layout needs it (``shared``); ``split_prefill=False`` alone asks for atomic prefill,
+    ``split_prefill=True`` alone for depth-serial split prefill."""
+
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
-    split_prefill: bool = False
-    wavefront_chunked_prefill: bool = False
+    split_prefill: bool | None = None
+    wavefront_chunked_prefill: bool | None = None
     block_size: int = 16
     num_blocks: int = 4096
     kv_layout: KVLayout = KVLayout.LAST_EXITED
     # continuous depth batching: an exited row starts its next token in the next pass
     refill: bool = True
     enable_prefix_caching: bool = False
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     max_inflight_batches: int = 2
     kv_admission: KVAdmission = KVAdmission.WATERMARK
     kv_watermark: float = 0.25
@@ -108,9 +115,13 @@ class SchedulerConfig:
             ) from None
         if not 0.0 <= self.kv_watermark <= 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1], got {self.kv_watermark}")
-        if self.wavefront_chunked_prefill and not self.split_prefill:
-            # WCPB is a way of running split prefill; turning it on implies split.
-            object.__setattr__(self, "split_prefill", True)
+        wavefront = self.wavefront_chunked_prefill
+        if wavefront is None:
+            wavefront = self.split_prefill is None and self.kv_layout != KVLayout.SHARED
+        # WCPB is a way of running split prefill; turning it on implies split.
+        split = wavefront or bool(self.split_prefill)
+        object.__setattr__(self, "wavefront_chunked_prefill", wavefront)
+        object.__setattr__(self, "split_prefill", split)
         if self.kv_layout == KVLayout.SHARED and self.enable_prefix_caching:
             raise ValueError(
                 "kv_layout=shared cannot use prefix caching: a hit moves the chunk boundaries "

@@ -15,6 +15,7 @@ from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, KVLayout, SchedulerConfig
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+PREFILL_MODES = ("atomic", "split", "wavefront")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,8 +48,28 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--prefill-chunk-size", type=int, default=512)
-    g.add_argument("--split-prefill", action="store_true")
-    g.add_argument("--wavefront-chunked-prefill", action="store_true")
+    g.add_argument(
+        "--prefill",
+        choices=PREFILL_MODES,
+        default=None,
+        help="how prompts are prefilled: atomic (every depth of a chunk in one task), split "
+        "(a task per depth), wavefront (split into chunk x depth tasks on anti-diagonals, "
+        "sharing passes with decode rows). Default: wavefront (atomic with --kv-layout shared)",
+    )
+    g.add_argument(
+        "--split-prefill",
+        dest="prefill",
+        action="store_const",
+        const="split",
+        help="same as --prefill split",
+    )
+    g.add_argument(
+        "--wavefront-chunked-prefill",
+        dest="prefill",
+        action="store_const",
+        const="wavefront",
+        help="same as --prefill wavefront",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=4096)
     g.add_argument("--kv-layout", choices=[k.value for k in KVLayout], default="last_exited")
@@ -58,7 +79,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="cohort decode baseline instead of continuous depth batching",
     )
     g.add_argument("--enable-prefix-caching", action="store_true")
-    g.add_argument("--async-scheduling", action="store_true")
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="build the next batch while the current one runs (default: on; "
+        "--no-async-scheduling waits for each result)",
+    )
     g.add_argument(
         "--max-inflight-batches",
         type=int,
@@ -120,21 +147,23 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    mode = args.prefill
+    unset = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=args.prefill_chunk_size,
-        split_prefill=args.split_prefill,
-        wavefront_chunked_prefill=args.wavefront_chunked_prefill,
+        split_prefill=None if mode is None else mode != "atomic",
+        wavefront_chunked_prefill=None if mode is None else mode == "wavefront",
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_layout=KVLayout(args.kv_layout),
         refill=not args.no_refill,
         enable_prefix_caching=args.enable_prefix_caching,
-        async_scheduling=args.async_scheduling,
         max_inflight_batches=args.max_inflight_batches,
         kv_admission=KVAdmission(args.kv_admission),
         kv_watermark=args.kv_watermark,
+        **unset,
     )
 
 
@@ -152,14 +181,20 @@ def engine_args(config: SchedulerConfig) -> list[str]:
         f"--kv-admission={config.kv_admission.value}",
         f"--kv-watermark={config.kv_watermark!r}",
     ]
+    mode = prefill_mode(config)
+    args += [f"--prefill={mode}"]
+    args += ["--async-scheduling" if config.async_scheduling else "--no-async-scheduling"]
     switches = {
-        "--split-prefill": config.split_prefill,
-        "--wavefront-chunked-prefill": config.wavefront_chunked_prefill,
         "--no-refill": not config.refill,
         "--enable-prefix-caching": config.enable_prefix_caching,
-        "--async-scheduling": config.async_scheduling,
     }
     return args + [flag for flag, on in switches.items() if on]
+
+
+def prefill_mode(config: SchedulerConfig) -> str:
+    if config.wavefront_chunked_prefill:
+        return "wavefront"
+    return "split" if config.split_prefill else "atomic"
 
 
 def device_from_args(args: argparse.Namespace) -> tuple[str, torch.dtype]:
