@@ -114,6 +114,15 @@ def run_metrics(run: RunRecord) -> Metrics:
     return m
 
 
+# a process-per-service pipeline run: where each batch's time goes, µs per batch
+BREAKDOWN_METRICS = (
+    "sched_step_us",
+    "sched_encode_us",
+    "sched_publish_us",
+    "sched_deliver_us",
+    "worker_decode_us",
+    "nats_round_trip_us",
+)
 WASTE_METRICS = (
     "preemptions",
     "recomputed_prompt_tokens",

@@ -30,7 +30,7 @@ from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.bench.backends import BenchError, finish_record, sampling_params
 from services.bench.metrics import EngineCounters, RequestRecord, RunRecord
 from services.bench.probe import RunnerProbe
-from services.bench.processes import ServiceProcesses, worker_runner_stats
+from services.bench.processes import ServiceProcesses, step_timings, worker_runner_stats
 from services.bench.workloads import LoopMode, Workload, warmup_workload
 from services.common.config import SchedulerConfig
 from services.launcher import NatsServer, build_service, free_port
@@ -100,6 +100,7 @@ class PipelineBackend:
                 # a fresh worker's first batches pay one-off costs: outside the timed run
                 await asyncio.wait_for(_drive(url, warmup_workload(workload)), 120)
                 before = await worker_runner_stats(nc)
+                timings_before = await step_timings(nc)
                 try:
                     record = await asyncio.wait_for(
                         _drive(url, workload), timeout=self.run_timeout_s
@@ -109,9 +110,11 @@ class PipelineBackend:
                         f"pipeline run did not finish in {self.run_timeout_s:.0f}s"
                     ) from exc
                 after = await worker_runner_stats(nc)
+                timings_after = await step_timings(nc)
             finally:
                 await nc.close()
         record.counters = counters_between(before, after)
+        record.extra.update(step_breakdown(timings_before, timings_after, record.counters))
         return record
 
     def _services(self, url: str, config: SchedulerConfig) -> list[Service]:
@@ -151,6 +154,27 @@ def counters_between(before: dict[str, float], after: dict[str, float]) -> Engin
         core_rows=int(delta.get("core_rows", 0)),
         runner_core_passes=int(delta.get("core_passes", 0)),
     )
+
+
+def step_breakdown(
+    before: dict[str, float], after: dict[str, float], counters: EngineCounters
+) -> dict[str, float | None]:
+    """Per batch, µs: the scheduler's step, encoding and publishing the batch, delivering
+    the client events, the worker decoding it, and the NATS round trip (batch out, result
+    back, minus the time the worker held it). The worker's idle time is host_us_per_batch."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    batches = max(counters.batches, 1)
+    results = d.get("results", 0.0)
+    return {
+        "sched_step_us": d["step_s"] * 1e6 / batches,
+        "sched_encode_us": d["encode_s"] * 1e6 / batches,
+        "sched_publish_us": d["publish_s"] * 1e6 / batches,
+        "sched_deliver_us": d["deliver_s"] * 1e6 / batches,
+        "worker_decode_us": d["decode_s"] * 1e6 / batches,
+        "nats_round_trip_us": (
+            (d["round_trip_s"] - d["worker_s"]) * 1e6 / results if results else None
+        ),
+    }
 
 
 async def _drive(url: str, workload: Workload) -> RunRecord:

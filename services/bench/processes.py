@@ -124,3 +124,12 @@ async def worker_runner_stats(nc: NATS, timeout: float = 5.0) -> dict[str, float
     health reply: what the bench's in-process probe counts, for a worker in a process."""
     msg = await nc.request(subjects.health("worker"), b"", timeout=timeout)
     return dict(json.loads(msg.data).get("runner", {}))
+
+
+async def step_timings(nc: NATS, timeout: float = 5.0) -> dict[str, float]:
+    """The scheduler's ``StepTimings`` plus the worker's decode time, summed since start."""
+    sched = await nc.request(subjects.health("scheduler"), b"", timeout=timeout)
+    worker = await nc.request(subjects.health("worker"), b"", timeout=timeout)
+    timings = dict(json.loads(sched.data).get("timings", {}))
+    timings["decode_s"] = float(json.loads(worker.data).get("decode_s", 0.0))
+    return timings

@@ -38,6 +38,14 @@ METRIC_LABELS = {
     "reserved_unused_blocks": "reserved unused blocks",
     "reserved_unused_share": "reserved unused share",
 }
+BREAKDOWN_LABELS = {
+    "sched_step_us": "scheduler step",
+    "sched_encode_us": "encode batch",
+    "sched_publish_us": "publish batch",
+    "sched_deliver_us": "client events",
+    "worker_decode_us": "worker decode",
+    "nats_round_trip_us": "NATS round trip",
+}
 # shown only where some arm has a nonzero value (KV pressure), not as columns of zeros
 WASTE_TABLE_METRICS = (
     "preemptions",
@@ -204,6 +212,24 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
             for row in c["summary"]
         ],
     )
+    breakdown = [row for row in c["summary"] if row["stats"].get("sched_step_us", {}).get("median")]
+    if breakdown:
+        lines += [
+            "",
+            "Per batch, µs (a process per service): the scheduler's step (apply results, "
+            "schedule, submit), encoding and publishing the batch, delivering the client "
+            "events; the worker decoding it; the NATS round trip (batch out, result back, "
+            "minus the time the worker held it); the worker's idle time (host µs/batch).",
+            "",
+        ]
+        cols = [*BREAKDOWN_LABELS, "host_us_per_batch"]
+        lines += _table(
+            ["workload", "arm", *(BREAKDOWN_LABELS.get(m, METRIC_LABELS.get(m, m)) for m in cols)],
+            [
+                [row["workload"], row["arm"], *(_spread(row["stats"][m]) for m in cols)]
+                for row in breakdown
+            ],
+        )
     lines += ["", "Ratios (each repeat's pair of runs ran back to back):", ""]
     lines += _table(
         ["ratio", "workload", "per repeat", "min", "median", "max", "target", "reached"],

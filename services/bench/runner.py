@@ -31,7 +31,7 @@ from services.bench.comparisons import (
     Comparison,
     build_comparisons,
 )
-from services.bench.metrics import WASTE_METRICS, run_metrics
+from services.bench.metrics import BREAKDOWN_METRICS, WASTE_METRICS, run_metrics
 from services.bench.progress import Progress
 from services.bench.workloads import FULL, QUICK, Workload, warmup_workload
 from services.common.config import SchedulerConfig
@@ -58,6 +58,7 @@ SUMMARY_METRICS = (
     "host_us_per_batch",
     "wall_s",
     *WASTE_METRICS,
+    *BREAKDOWN_METRICS,
 )
 
 

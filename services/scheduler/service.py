@@ -101,6 +101,24 @@ class SchedulerOptions:
 
 
 @dataclass
+class StepTimings:
+    """Where the scheduler service's time goes per step, summed since start (seconds): the
+    bench reads them from the health reply to break the bus overhead down."""
+
+    steps: int = 0  # steps that built or applied something
+    step_s: float = 0.0  # EngineCore.step: apply results, schedule, submit
+    encode_s: float = 0.0  # msgpack of the batches for the worker
+    publish_s: float = 0.0  # handing the batches to the NATS client
+    deliver_s: float = 0.0  # client events: JSON encode + publish
+    results: int = 0
+    round_trip_s: float = 0.0  # batch sent -> its result received
+    worker_s: float = 0.0  # of which the worker held it (received -> result sent)
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+@dataclass
 class _Held:
     """Client events and notices held while the bus is down (sent in order afterwards)."""
 
@@ -141,6 +159,7 @@ class SchedulerService(Service):
         self._results_in = Reassembler()
         self._wake = asyncio.Event()
         self._last_load = 0.0
+        self.timings = StepTimings()
         self.prefix_publisher: PrefixPublisher | None = None
 
     async def setup(self) -> None:
@@ -255,6 +274,7 @@ class SchedulerService(Service):
             "prefix_blocks": len(s.kv.cached_block_hashes()),
             "prefix_digest": blocks_digest(s.kv.cached_block_hashes()),
             "prefix_events": self.prefix_publisher.stats() if self.prefix_publisher else {},
+            "timings": self.timings.snapshot(),
         }
 
     # ------------------------------------------------------------------ handlers
@@ -337,7 +357,12 @@ class SchedulerService(Service):
             self.log.error("undecodable worker result", error=str(exc)[:200])
             return
         # seq + epoch + worker instance: a result is applied once, from the bound worker
+        sent = self.driver.executor.sent_at.get(wr.result.seq)
         if self.driver.on_result(wr):
+            if sent is not None:
+                self.timings.results += 1
+                self.timings.round_trip_s += time.monotonic() - sent
+                self.timings.worker_s += wr.worker_s
             self._wake.set()
 
     async def _on_gone(self, msg: Msg) -> None:
@@ -372,15 +397,23 @@ class SchedulerService(Service):
         driver = self.driver
         assert driver is not None
         before = len(driver.inflight), driver.scheduler.stats.num_batches
+        t0 = time.perf_counter()
         out = driver.step(schedule=self.bus_connected and self._bind_worker())
+        t1 = time.perf_counter()
         batches = driver.executor.take_outbox()
         # batches first: the worker is the critical path, clients can wait a moment
         for wb in batches:
             await self._publish_batch(wb)
+        t2 = time.perf_counter()
         await self._deliver(out)
+        t3 = time.perf_counter()
         await self._flush_notices()
         await self._publish_prefix(driver.take_prefix_events())
         if out or batches or before != (len(driver.inflight), driver.scheduler.stats.num_batches):
+            timings = self.timings
+            timings.steps += 1
+            timings.step_s += t1 - t0
+            timings.deliver_s += t3 - t2
             await self._maybe_publish_load()
             return True
         return False
@@ -422,13 +455,18 @@ class SchedulerService(Service):
             "batch sent", phase=str(batch.phase), rows=len(batch.rows), **{BATCH_SEQ: batch.seq}
         )
         try:
+            t0 = time.perf_counter()
+            data = encode_msgpack(wb)
+            t1 = time.perf_counter()
             # a batch bigger than max_payload (many new prompts) travels in parts
             await publish_chunked(
                 self.nc,
                 subjects.worker_batch(wb.worker_id),
-                encode_msgpack(wb),
+                data,
                 reply=subjects.worker_result(wb.epoch),
             )
+            self.timings.encode_s += t1 - t0
+            self.timings.publish_s += time.perf_counter() - t1
         except Exception as exc:  # e.g. the bus dropped and the outbound buffer is full
             if wb.epoch == d.epoch:
                 d.worker_lost(f"batch {batch.seq} could not be sent: {exc!r}")

@@ -94,6 +94,7 @@ class WorkerService(Service):
         self._results: asyncio.Queue[tuple[_Run, BatchResult, float]] = asyncio.Queue()
         self.num_batches = 0
         self.num_failed = 0
+        self.decode_s = 0.0  # decoding the batches received (msgpack), summed
         self.telemetry = WorkerTelemetry(self.shard)
 
     async def setup(self) -> None:
@@ -158,6 +159,7 @@ class WorkerService(Service):
             # what the model runner did (passes, rows, time executing): for the bench and
             # for metrics; a new KV geometry starts a new runner, and these from zero
             "runner": self.runner.stats.snapshot() if self.runner is not None else {},
+            "decode_s": self.decode_s,
         }
 
     # ------------------------------------------------------------------ heartbeats
@@ -197,11 +199,13 @@ class WorkerService(Service):
         data = self._batches_in.feed(msg)
         if data is None:
             return  # a part of a bigger batch
+        t0 = time.perf_counter()
         try:
             wb = decode_msgpack(data, WorkerBatch)
         except msgspec.DecodeError as exc:
             self.log.error("undecodable batch dropped", error=str(exc)[:200])
             return
+        self.decode_s += time.perf_counter() - t0
         batch = wb.batch
         if wb.worker_id and wb.worker_id != self.instance_id:
             self.log.warning("batch for another worker dropped", worker=wb.worker_id)
