@@ -45,6 +45,7 @@ PASSWORDS = {user: f"test-{user}-secret" for user in USERS}
 @pytest.fixture(scope="module")
 def secure_server() -> Iterator[NatsServer]:
     env = {**os.environ, **{_password_var(u): p for u, p in PASSWORDS.items()}}
+    env[_password_var("route")] = "test-route-secret"
     conf = ROOT / "deploy" / "nats.conf"
     with NatsServer(port=free_port(), config_file=conf, env=env) as server:
         yield server
@@ -241,8 +242,12 @@ def test_rlt_up_binds_loopback_and_compose_ships_the_config(tmp_path: Path) -> N
         assert "/etc/nats/nats.conf" in nats_svc["command"]
         assert any(str(v).startswith("./deploy/nats.conf:") for v in nats_svc["volumes"])
         assert all(str(p).startswith("127.0.0.1:") for p in nats_svc["ports"])
-        for user in USERS:
+        for user in (*USERS, "route"):
             assert _password_var(user) in nats_svc["environment"], user
+        routes = nats_svc["command"][nats_svc["command"].index("--routes") + 1]
+        assert all(
+            r.startswith("nats://route:${RLT_NATS_ROUTE_PASSWORD}@") for r in routes.split(",")
+        )
     for name in ("admission", "scheduler", "worker", "prefix-cache"):
         env = compose["services"][name]["environment"]
         assert env["RLT_NATS_USER"] == name

@@ -27,6 +27,7 @@ from services.scheduler.batch import ScheduledBatch
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.tombstones import AbortTombstones
 
 Delivery = tuple[str, StreamEvent]  # (client reply subject, event)
 Notice = tuple[str, RequestNotice]  # (admission tracking subject, notice)
@@ -39,6 +40,8 @@ class _Stream:
     started: float
     track: str = ""  # admission's tracking subject ("" = nobody tracks it)
     no: int = 0  # names the stream in its "gone" reply subject
+    tenant: str = ""  # only this tenant may abort it or retry it
+    admission_id: str = ""  # the admission that may end it if we are lost (fencing)
 
 
 class SchedulerDriver:
@@ -53,6 +56,7 @@ class SchedulerDriver:
         instance: str = "local",
         producer_id: str | None = None,
         log: Any = None,
+        abort_keep_s: float = 10.0,
     ) -> None:
         self.config = config
         self.limits = limits
@@ -68,6 +72,7 @@ class SchedulerDriver:
         self.notices: list[Notice] = []
         self.num_worker_losses = 0
         self._stream_nos = 0
+        self.tombstones = AbortTombstones(abort_keep_s)
         self.executor = NatsExecutor(config, instance)
         self._new_core()
 
@@ -147,6 +152,10 @@ class SchedulerDriver:
             self.last_admission_seq[req.admission_id] = max(seen, req.admission_seq)
         fields = request_fields(req.request_id, req.trace_id)
         live = self.streams.get(req.request_id)
+        if live is not None and live.tenant != req.tenant:
+            return self._refuse(
+                req, track, ErrorCode.INVALID_REQUEST, f"request_id {req.request_id!r} is in use"
+            )
         if live is not None:
             # a client's retry of a live request (same request_id): no second generation;
             # the stream goes on to the retry's reply subject and tracking subject
@@ -156,6 +165,13 @@ class SchedulerDriver:
             return []
         if self.draining:
             return self._refuse(req, track, ErrorCode.UNAVAILABLE, "scheduler is shutting down")
+        if self.tombstones.take(req.tenant, req.request_id, time.monotonic()):
+            # its abort came first: it ends now, without running
+            self.log.info("request aborted before it arrived", **fields)
+            finished = _aborted(req.request_id, len(req.prompt_token_ids))
+            self._notice(track, req.request_id, "accepted")
+            self._notice(track, req.request_id, "done", finished)
+            return [(req.reply_subject, finished)]
         try:
             self.core.add_request(
                 req.request_id, req.prompt_token_ids, req.params, trace_id=req.trace_id
@@ -168,7 +184,13 @@ class SchedulerDriver:
             return self._refuse(req, track, ErrorCode.INTERNAL, f"scheduler error: {exc!r}")
         self._stream_nos += 1
         self.streams[req.request_id] = _Stream(
-            req.reply_subject, req.trace_id, time.monotonic(), track, self._stream_nos
+            req.reply_subject,
+            req.trace_id,
+            time.monotonic(),
+            track,
+            self._stream_nos,
+            req.tenant,
+            req.admission_id,
         )
         self.by_no[self._stream_nos] = req.request_id
         self._notice(track, req.request_id, "accepted")
@@ -236,7 +258,18 @@ class SchedulerDriver:
                 )
         return out
 
-    def abort(self, request_id: str, requester_reply: str = "") -> list[Delivery]:
+    def abort(self, request_id: str, requester_reply: str = "", tenant: str = "") -> list[Delivery]:
+        """Ends a live request of ``tenant`` with ``finish_reason: abort``. An abort for a
+        request that is not here (yet) is remembered for a few seconds (``tombstones``) and
+        honoured if the request arrives; the requester hears ``not_found`` now. The
+        requester's reply carries no outputs: those go to the request's own stream only."""
+        stream = self.streams.get(request_id)
+        if stream is None or stream.tenant != tenant:
+            self.tombstones.add(tenant, request_id, time.monotonic())
+            if not requester_reply:
+                return []
+            message = f"unknown request id {request_id!r}"
+            return [(requester_reply, error_event(request_id, ErrorCode.NOT_FOUND, message))]
         try:
             events = self.core.abort_request(request_id)
         except RequestError as exc:
@@ -245,9 +278,27 @@ class SchedulerDriver:
             return [(requester_reply, error_event(request_id, exc.code, exc.message))]
         out = self._route(events)
         if requester_reply:
-            # the abort requester gets the same terminal event as the stream
-            out += [(requester_reply, e) for _, e in out if isinstance(e, FinishedEvent)]
+            out.append((requester_reply, _aborted(request_id, 0)))
         return out
+
+    def drop_fenced(self, request_ids: Iterable[str]) -> list[str]:
+        """Admission ended these requests while we were cut off or stalled (fencing): they
+        end here without another event or notice (their clients already have their terminal
+        event). Returns the ids that were live."""
+        dropped = []
+        for rid in request_ids:
+            stream = self.streams.pop(rid, None)
+            if stream is None:
+                continue
+            self.by_no.pop(stream.no, None)
+            self.core.fail_requests([rid], ErrorCode.UNAVAILABLE, "fenced")  # events dropped
+            dropped.append(rid)
+            self.log.warning("request fenced: admission ended it", **request_fields(rid, ""))
+        return dropped
+
+    def admissions(self) -> set[str]:
+        """The admissions whose requests we hold streams for."""
+        return {s.admission_id for s in self.streams.values() if s.admission_id}
 
     # ------------------------------------------------------------------ the loop
     def step(self, *, schedule: bool = True) -> list[Delivery]:
@@ -359,6 +410,16 @@ class SchedulerDriver:
             if stream is not None:
                 out.append((stream.reply, error_event(rid, code, message)))
         return out
+
+
+def _aborted(request_id: str, num_prompt_tokens: int) -> FinishedEvent:
+    return FinishedEvent(
+        request_id=request_id,
+        finish_reason="abort",
+        token_ids=[],
+        exit_depths=[],
+        num_prompt_tokens=num_prompt_tokens,
+    )
 
 
 def error_event(request_id: str, code: ErrorCode | str, message: str) -> ErrorEvent:

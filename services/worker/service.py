@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import torch
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 
 from messages.batch import Batch, BatchResult
 from messages.internal import WorkerBatch, WorkerHeartbeat, WorkerResult
@@ -66,6 +67,10 @@ class WorkerService(Service):
         self._geometry: tuple[int, int, str] = (0, 0, "")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlt-worker")
         self._epoch: str | None = None
+        # the scheduler instance whose epochs we run: another one may take us over only
+        # once nats-server says that one's connection is gone (a stalled scheduler that
+        # resumes must not find its worker reset by someone else, nor reset it itself)
+        self._scheduler: str | None = None
         self._expected = 0
         self._needs_reset = False
         self._pending: dict[int, tuple[WorkerBatch, str]] = {}
@@ -175,6 +180,11 @@ class WorkerService(Service):
             if _is_older_epoch(wb.epoch, self._epoch):
                 self.log.warning("batch of an older epoch dropped", epoch=wb.epoch)
                 return
+            scheduler = wb.epoch.rpartition(".")[0]
+            if not await self._may_serve(scheduler):
+                await self._refuse(wb, msg.reply, f"bound to scheduler {self._scheduler}")
+                return
+            self._scheduler = scheduler
             # a new scheduler incarnation, or the scheduler recovering from a worker loss:
             # the device state starts over at the epoch's first seq (waited for if lost)
             first = wb.epoch_start_seq if 0 <= wb.epoch_start_seq <= batch.seq else batch.seq
@@ -189,6 +199,37 @@ class WorkerService(Service):
         self._pending[batch.seq] = (wb, msg.reply or subjects.WORKER_RESULT)
         self._log_requests(batch)
         self._wake.set()
+
+    async def _may_serve(self, scheduler: str) -> bool:
+        """Whether batches of ``scheduler`` may reset us: we serve nobody yet, we serve it
+        already, or the one we serve has no connection any more (nats-server answers its
+        alive subject with "no responders")."""
+        bound = self._scheduler
+        if bound is None or bound == scheduler:
+            return True
+        try:
+            await self.nc.request(subjects.sched_alive(bound), b"", timeout=0.5)
+        except NoRespondersError:
+            self.log.info("bound scheduler is gone; serving another", old=bound, new=scheduler)
+            return True
+        except Exception:  # connected but not answering (stalled): still ours
+            return False
+        return False
+
+    async def _refuse(self, wb: WorkerBatch, reply: str | None, why: str) -> None:
+        self.log.warning("batch of another scheduler refused", epoch=wb.epoch, reason=why)
+        if not reply:
+            return
+        out = WorkerResult(
+            epoch=wb.epoch,
+            result=BatchResult(seq=wb.batch.seq),
+            worker_id=self.instance_id,
+            refused=why,
+        )
+        try:
+            await self.nc.publish(reply, encode_msgpack(out))
+        except Exception as exc:
+            self.log.warning("refusal not sent", error=repr(exc)[:200])
 
     def _log_requests(self, batch: Batch) -> None:
         for new in batch.new_requests:
