@@ -119,5 +119,7 @@ class FenceUpdate(msgspec.Struct, kw_only=True):
     drops them without another word to their clients: each already has its terminal event."""
 
     admission_id: str
-    request_ids: list[str] = msgspec.field(default_factory=list)
+    # (request_id, admission_seq) of each: the seq names the try, so a client's retry of
+    # the same request_id (a new seq) is never dropped for its predecessor
+    fenced: list[tuple[str, int]] = msgspec.field(default_factory=list)
     scheduler_lost_s: float = 10.0

@@ -446,6 +446,7 @@ class OpenRequest:
     trace_id: str
     sent_at: float
     owner: str | None = None  # the scheduler that accepted it
+    seq: int = 0  # its admission seq
 
 
 class OpenRequests:
@@ -470,7 +471,7 @@ class OpenRequests:
         return len(self._open)
 
     def opened(self, seq: int, request_id: str, reply: str, trace_id: str, now: float) -> None:
-        self._open[seq] = OpenRequest(request_id, reply, trace_id, now)
+        self._open[seq] = OpenRequest(request_id, reply, trace_id, now, seq=seq)
         self._by_id[request_id] = seq
 
     def find(self, request_id: str) -> OpenRequest | None:
@@ -551,18 +552,19 @@ class FenceLog:
     def __init__(self, keep_s: float = 600.0, max_entries: int = 100_000) -> None:
         self.keep_s = keep_s
         self.max_entries = max_entries
-        self._items: deque[tuple[float, str | None, str]] = deque()
+        self._items: deque[tuple[float, str | None, str, int]] = deque()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, scheduler_id: str | None, request_id: str, now: float) -> None:
-        self._items.append((now, scheduler_id, request_id))
+    def add(self, scheduler_id: str | None, request_id: str, seq: int, now: float) -> None:
+        """``seq``: the admission seq of the try that was ended (a retry has another)."""
+        self._items.append((now, scheduler_id, request_id, seq))
         self.expire(now)
 
-    def for_scheduler(self, scheduler_id: str, now: float) -> list[str]:
+    def for_scheduler(self, scheduler_id: str, now: float) -> list[tuple[str, int]]:
         self.expire(now)
-        return [rid for _, sid, rid in self._items if sid is None or sid == scheduler_id]
+        return [(rid, seq) for _, sid, rid, seq in self._items if sid in (None, scheduler_id)]
 
     def expire(self, now: float) -> None:
         while self._items and (

@@ -352,7 +352,7 @@ class AdmissionService(Service):
             if (verdicts.get(e.owner) == "gone" if e.owner is not None else nobody_stalled)
         ]
         for entry in self.open.declare(ending):
-            self.fences.add(entry.owner, entry.request_id, time.monotonic())
+            self.fences.add(entry.owner, entry.request_id, entry.seq, time.monotonic())
             await self._end_open(
                 entry, "the scheduler holding this request stopped (crash or restart); retry it"
             )
@@ -382,7 +382,7 @@ class AdmissionService(Service):
         fenced = self.fences.for_scheduler(query.scheduler_id, time.monotonic())
         update = FenceUpdate(
             admission_id=self.instance_id,
-            request_ids=fenced,
+            fenced=fenced,
             scheduler_lost_s=self.config.scheduler_lost_s,
         )
         await self.nc.publish(msg.reply, encode_msgpack(update))

@@ -9,7 +9,7 @@ returns the deliveries to publish; the NATS shell is ``service.py``.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +30,8 @@ from services.scheduler.scheduler import Scheduler
 from services.scheduler.tombstones import AbortTombstones
 
 Delivery = tuple[str, StreamEvent]  # (client reply subject, event)
+# which try of a request a stream serves: (admission id, admission seq); fencing names it
+StreamKey = tuple[str, int]
 Notice = tuple[str, RequestNotice]  # (admission tracking subject, notice)
 
 
@@ -42,6 +44,11 @@ class _Stream:
     no: int = 0  # names the stream in its "gone" reply subject
     tenant: str = ""  # only this tenant may abort it or retry it
     admission_id: str = ""  # the admission that may end it if we are lost (fencing)
+    admission_seq: int = 0  # the try it serves (a retry re-attaching moves it)
+
+    @property
+    def key(self) -> StreamKey:
+        return (self.admission_id, self.admission_seq)
 
 
 class SchedulerDriver:
@@ -73,6 +80,8 @@ class SchedulerDriver:
         self.num_worker_losses = 0
         self._stream_nos = 0
         self.tombstones = AbortTombstones(abort_keep_s)
+        # streams that ended lately, by request id: what their held events belong to
+        self._ended_keys: OrderedDict[str, StreamKey] = OrderedDict()
         self.executor = NatsExecutor(config, instance)
         self._new_core()
 
@@ -160,6 +169,7 @@ class SchedulerDriver:
             # a client's retry of a live request (same request_id): no second generation;
             # the stream goes on to the retry's reply subject and tracking subject
             live.reply, live.track = req.reply_subject, track
+            live.admission_id, live.admission_seq = req.admission_id, req.admission_seq
             self._notice(track, req.request_id, "accepted")
             self.log.info("request re-attached", **fields)
             return []
@@ -191,6 +201,7 @@ class SchedulerDriver:
             self._stream_nos,
             req.tenant,
             req.admission_id,
+            req.admission_seq,
         )
         self.by_no[self._stream_nos] = req.request_id
         self._notice(track, req.request_id, "accepted")
@@ -281,15 +292,23 @@ class SchedulerDriver:
             out.append((requester_reply, _aborted(request_id, 0)))
         return out
 
-    def drop_fenced(self, request_ids: Iterable[str]) -> list[str]:
-        """Admission ended these requests while we were cut off or stalled (fencing): they
-        end here without another event or notice (their clients already have their terminal
-        event). Returns the ids that were live."""
+    def stream_key(self, request_id: str) -> StreamKey | None:
+        """The try a live or lately ended stream serves."""
+        stream = self.streams.get(request_id)
+        return stream.key if stream is not None else self._ended_keys.get(request_id)
+
+    def keys_of(self, admission_ids: set[str]) -> set[StreamKey]:
+        return {s.key for s in self.streams.values() if s.admission_id in admission_ids}
+
+    def drop_fenced(self, keys: set[StreamKey]) -> list[str]:
+        """Admission ended these tries while we were cut off or stalled (fencing): they end
+        here without another event or notice (their clients already have their terminal
+        event). Returns the request ids that were live."""
         dropped = []
-        for rid in request_ids:
-            stream = self.streams.pop(rid, None)
-            if stream is None:
+        for rid, stream in list(self.streams.items()):
+            if stream.key not in keys:
                 continue
+            del self.streams[rid]
             self.by_no.pop(stream.no, None)
             self.core.fail_requests([rid], ErrorCode.UNAVAILABLE, "fenced")  # events dropped
             dropped.append(rid)
@@ -368,6 +387,9 @@ class SchedulerDriver:
         if stream is not None:
             self.by_no.pop(stream.no, None)
             self._notice(stream.track, request_id, "done", finished)
+            self._ended_keys[request_id] = stream.key
+            while len(self._ended_keys) > 10_000:
+                self._ended_keys.popitem(last=False)
         return stream
 
     def _route(self, events: Iterable[StreamEvent]) -> list[Delivery]:

@@ -60,7 +60,7 @@ from services.runtime.bus import (
 )
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
-from services.scheduler.driver import Delivery, SchedulerDriver, error_event
+from services.scheduler.driver import Delivery, SchedulerDriver, StreamKey, error_event
 from services.scheduler.liveness import LossDetector, WorkerTracker
 from services.scheduler.prefix_publisher import PrefixPublisher
 from services.scheduler.scheduler import Scheduler
@@ -124,9 +124,9 @@ class SchedulerOptions:
 @dataclass
 class _Held:
     """Client events and notices held while the bus is down or a fence check is pending
-    (sent in order afterwards): (subject, data, reply, request id)."""
+    (sent in order afterwards): (subject, data, reply, the try they belong to)."""
 
-    messages: list[tuple[str, bytes, str, str]] = field(default_factory=list)
+    messages: list[tuple[str, bytes, str, StreamKey | None]] = field(default_factory=list)
     active: bool = False
 
 
@@ -495,7 +495,7 @@ class SchedulerService(Service):
             reply = ""
             if isinstance(event, TokenEvent):
                 reply = self.driver.gone_subject(event.request_id)
-            await self._send(subject, data, reply, event.request_id)
+            await self._send(subject, data, reply, self.driver.stream_key(event.request_id))
 
     def _too_large(self, subject: str, event: StreamEvent, size: int) -> bytes:
         """An event over NATS max_payload (a very long finished event): the client gets a
@@ -516,16 +516,18 @@ class SchedulerService(Service):
             if notice.finished is not None and not fits(self.nc, len(data)):
                 # the copy of a huge finished event for admission's retry record: left out
                 data = encode_msgpack(replace(notice, finished=None))
-            await self._send(subject, data, request_id=notice.request_id)
+            await self._send(subject, data, key=self.driver.stream_key(notice.request_id))
 
-    async def _send(self, subject: str, data: bytes, reply: str = "", request_id: str = "") -> None:
+    async def _send(
+        self, subject: str, data: bytes, reply: str = "", key: StreamKey | None = None
+    ) -> None:
         now = time.monotonic()
         if now - self._last_tick > _STALL_S:
             # our loop did not tick for a while: we may have been stalled past the point
             # where admission gave up on us, so nothing goes out until it says
             self._go_dark(self._last_tick, f"stalled {now - self._last_tick:.1f}s")
         if self._held.active or not self.nc.is_connected:
-            self._held.messages.append((subject, data, reply, request_id))
+            self._held.messages.append((subject, data, reply, key))
             return
         try:
             await self.nc.publish(subject, data, reply=reply)
@@ -577,12 +579,12 @@ class SchedulerService(Service):
                 return
             await asyncio.sleep(0.05)
 
-    async def _ask_admissions(self) -> tuple[set[str], set[str], float]:
+    async def _ask_admissions(self) -> tuple[set[StreamKey], set[str], float]:
         """Asks every admission we hold streams for which of them it ended. Returns the
-        fenced request ids, the admissions that never answered, and admission's lost time."""
+        fenced tries, the admissions that never answered, and admission's lost time."""
         assert self.driver is not None
         pending = self.driver.admissions()
-        fenced: set[str] = set()
+        fenced: set[StreamKey] = set()
         lost_s = self.options.scheduler_lost_s
         query = encode_msgpack(FenceQuery(scheduler_id=self.instance_id))
         deadline = time.monotonic() + _FENCE_WAIT_S
@@ -599,14 +601,14 @@ class SchedulerService(Service):
                     self.log.warning("fence query failed", admission=admission_id, error=repr(exc))
                     continue
                 pending.discard(admission_id)
-                fenced.update(update.request_ids)
+                fenced.update((admission_id, seq) for _, seq in update.fenced)
                 lost_s = min(lost_s, update.scheduler_lost_s)
             if pending:
                 await asyncio.sleep(0.25)
         return fenced, pending, lost_s
 
     async def _end_dark(
-        self, fenced: set[str], unanswered: set[str], dark_s: float, lost_s: float
+        self, fenced: set[StreamKey], unanswered: set[str], dark_s: float, lost_s: float
     ) -> None:
         d = self.driver
         assert d is not None
@@ -614,19 +616,22 @@ class SchedulerService(Service):
         if unanswered and dark_s >= lost_s:
             # an admission that is gone may have ended these before it went: nobody can
             # say, so they end here without a word (a double fault; docs/services.md)
-            drop |= {rid for rid, s in d.streams.items() if s.admission_id in unanswered}
+            drop |= d.keys_of(unanswered)
             self.log.error(
                 "admissions unreachable after a long dark spell; their requests dropped",
                 admissions=sorted(unanswered),
                 dark_s=round(dark_s, 1),
             )
-        dropped = set(d.drop_fenced(sorted(drop)))
-        self.num_fenced += len(dropped)
-        if dropped:
-            self._held.messages = [m for m in self._held.messages if m[3] not in dropped]
+        dropped = set(d.drop_fenced(drop))
+        self.num_fenced += len(drop)
+        # also what is held for fenced requests that ended here meanwhile (their finished
+        # event waits with the rest): admission already gave those clients their terminal
+        self._held.messages = [m for m in self._held.messages if m[3] not in drop]
         self._dark_since = None
         self._held.active = False
-        self.log.info("fence check done", fenced=len(dropped), held=len(self._held.messages))
+        self.log.info(
+            "fence check done", fenced=len(drop), live=len(dropped), held=len(self._held.messages)
+        )
         await self._release_held()
         self._wake.set()
 
@@ -634,8 +639,8 @@ class SchedulerService(Service):
         held, self._held.messages = self._held.messages, []
         if held:
             self.log.info("sending messages held during the outage", count=len(held))
-        for subject, data, reply, request_id in held:
-            await self._send(subject, data, reply, request_id)
+        for subject, data, reply, key in held:
+            await self._send(subject, data, reply, key)
 
     async def _maybe_publish_load(self, force: bool = False) -> None:
         now = time.monotonic()
