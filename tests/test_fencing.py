@@ -236,7 +236,7 @@ async def test_worker_refuses_another_scheduler_and_bad_messages_get_answers(
             deep = b'{"request_id": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
             await bad.send(0, deep, subjects.ABORT)
             await bad.send(1, deep, subjects.GENERATE)
-            await bad.send(2, b"\xff", "rlt.v1.tenant.acme.abort")
+            await bad.send(2, b"\xff", subjects.ABORT)
             await bad.wait_done([0, 1, 2], 10)
             for i in range(3):
                 (terminal,) = bad.terminals(i)
