@@ -352,6 +352,15 @@ async def test_tenants_cannot_touch_each_others_requests_or_streams(
                 assert any(wanted in e for e in beta_err), (wanted, beta_err)
             assert any('subscription to "_inbox.tenant.>"' in e for e in default_err)
 
+            assert terminal["request_id"] == "shared-id"  # its own id, as it sent it
+            # beta takes the request_id acme will use next: ids are per tenant, so acme's
+            # request still runs (and beta's ran as beta's)
+            squat = encode_json({"request_id": "acme-2", "prompt_token_ids": [1], "max_tokens": 1})
+            taken = json.loads(
+                (await beta.request(subjects.tenant_generate("beta"), squat, 10)).data
+            )
+            assert taken["type"] in ("token", "finished") and taken["request_id"] == "acme-2"
+
             # acme aborts its own request: the stream ends with abort; the abort reply is
             # an acknowledgement without the outputs
             long["request_id"] = "acme-2"
@@ -366,6 +375,7 @@ async def test_tenants_cannot_touch_each_others_requests_or_streams(
                 ).data
             )
             assert ack["finish_reason"] == "abort" and ack["token_ids"] == []
+            assert ack["request_id"] == "acme-2"
             ended = await _until_terminal(seen, stream2, 30)
             assert ended["finish_reason"] == "abort" and ended["token_ids"]
         finally:

@@ -192,7 +192,7 @@ class AdmissionCore:
     ) -> Prepared:
         """Decode + validate + tokenize + model checks. Raises AdmissionError."""
         request = self._decode(data)
-        request_id = self._request_id(request.request_id)
+        request_id = subjects.scoped_request_id(tenant, self._request_id(request.request_id))
         try:
             if request.priority < 0 and tenant not in self.config.priority_tenants:
                 raise RequestError(

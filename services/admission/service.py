@@ -212,7 +212,8 @@ class AdmissionService(Service):
             raise AdmissionError(
                 rid,
                 ErrorCode.INVALID_REQUEST,
-                f"request_id {rid!r} is already {state} on another reply subject (a retry "
+                f"request_id {subjects.public_request_id(rid)!r} is already {state} on another "
+                "reply subject (a retry "
                 "must come from the reply subject of the first try); choose another request_id",
             )
         if not await self._scheduler_alive():
@@ -262,7 +263,10 @@ class AdmissionService(Service):
             return
         trace_id = clean_trace_id((msg.headers or {}).get(HEADER_TRACE_ID)) or ""
         forward = AbortForward(
-            request_id=abort.request_id, reply_subject=reply, trace_id=trace_id, tenant=tenant
+            request_id=subjects.scoped_request_id(tenant, abort.request_id),
+            reply_subject=reply,
+            trace_id=trace_id,
+            tenant=tenant,
         )
         await self.nc.publish(subjects.SCHED_ABORT, encode_msgpack(forward))
         fields = request_fields(abort.request_id, trace_id)
@@ -310,7 +314,10 @@ class AdmissionService(Service):
         closed = self.open.notice(seq, notice, now)
         if closed is not None and notice.finished is not None:
             # kept for a client that missed it and retries (RLT_FINISHED_RECORD_S)
-            self.finished.add(notice.request_id, closed.reply, encode_json(notice.finished), now)
+            public = msgspec.structs.replace(
+                notice.finished, request_id=subjects.public_request_id(notice.request_id)
+            )
+            self.finished.add(notice.request_id, closed.reply, encode_json(public), now)
 
     async def _watch_open_requests(self) -> None:
         while True:
@@ -395,7 +402,9 @@ class AdmissionService(Service):
             "open request lost", reason=message, **request_fields(entry.request_id, entry.trace_id)
         )
         event = ErrorEvent(
-            request_id=entry.request_id, code=str(ErrorCode.UNAVAILABLE), message=message
+            request_id=subjects.public_request_id(entry.request_id),
+            code=str(ErrorCode.UNAVAILABLE),
+            message=message,
         )
         try:
             await self.nc.publish(entry.reply, encode_json(event))
@@ -410,5 +419,6 @@ class AdmissionService(Service):
             reason=exc.message[:200],
             request_id=exc.request_id,
         )
-        event = ErrorEvent(request_id=exc.request_id, code=str(exc.code), message=exc.message)
+        public = subjects.public_request_id(exc.request_id)
+        event = ErrorEvent(request_id=public, code=str(exc.code), message=exc.message)
         await self.nc.publish(reply, encode_json(event))

@@ -62,6 +62,18 @@ def tenant_inbox(tenant: str) -> str:
     return CLIENT_INBOX_ROOT if tenant == DEFAULT_TENANT else f"{TENANT_INBOX_ROOT}.{tenant}"
 
 
+def scoped_request_id(tenant: str, request_id: str) -> str:
+    """The id the services use inside: a named tenant's ids live in their own namespace
+    (``acme/req-1``; '/' is in no client id and no tenant name), so no tenant can take,
+    abort or replay another's id."""
+    return request_id if tenant == DEFAULT_TENANT else f"{tenant}/{request_id}"
+
+
+def public_request_id(request_id: str) -> str:
+    """The id the client sent (``scoped_request_id`` undone)."""
+    return request_id.rpartition("/")[2]
+
+
 def reply_allowed(tenant: str, reply: str) -> bool:
     """Whether a generate or abort from ``tenant`` may name ``reply`` for its answers."""
     if tenant != DEFAULT_TENANT:

@@ -72,6 +72,10 @@ _STALL_S = 1.0
 _FENCE_WAIT_S = 5.0
 
 
+def replace_id(event: StreamEvent, request_id: str) -> StreamEvent:
+    return msgspec.structs.replace(event, request_id=request_id)
+
+
 def _env_float(name: str, default: float) -> float:
     value = os.environ.get(name)
     return float(value) if value else default
@@ -487,15 +491,18 @@ class SchedulerService(Service):
     async def _deliver(self, deliveries: list[Delivery]) -> None:
         assert self.driver is not None
         for subject, event in deliveries:
-            data = encode_json(event)
+            rid = event.request_id
+            # a named tenant's ids are scoped inside ("acme/req-1"): the client sees its own
+            public = subjects.public_request_id(rid)
+            data = encode_json(event if public == rid else replace_id(event, public))
             if not fits(self.nc, len(data)):
                 data = self._too_large(subject, event, len(data))
             # token events carry a reply subject: nats-server answers it with "no responders"
             # when the client is gone, and the request is aborted (see _on_gone)
             reply = ""
             if isinstance(event, TokenEvent):
-                reply = self.driver.gone_subject(event.request_id)
-            await self._send(subject, data, reply, self.driver.stream_key(event.request_id))
+                reply = self.driver.gone_subject(rid)
+            await self._send(subject, data, reply, self.driver.stream_key(rid))
 
     def _too_large(self, subject: str, event: StreamEvent, size: int) -> bytes:
         """An event over NATS max_payload (a very long finished event): the client gets a
@@ -507,7 +514,8 @@ class SchedulerService(Service):
         )
         self.log.error("event too large", size=size, request_id=event.request_id)
         self.driver.fail_request(event.request_id, ErrorCode.INTERNAL, message)
-        return encode_json(error_event(event.request_id, ErrorCode.INTERNAL, message))
+        public = subjects.public_request_id(event.request_id)
+        return encode_json(error_event(public, ErrorCode.INTERNAL, message))
 
     async def _flush_notices(self) -> None:
         assert self.driver is not None
