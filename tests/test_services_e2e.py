@@ -460,15 +460,18 @@ async def _client_is_fenced_in(plain_url: str, client_url: str) -> None:
     nc = await nats.connect(client_url, allow_reconnect=False, error_cb=on_error)
     try:
         await nc.subscribe(">")
-        for subject in ("rlt.v1.worker.batch.x", "rlt.v1.sched.submit", "_INBOX.victim"):
+        # internal subjects, another client's inbox, a JetStream stream capturing inboxes
+        forged = ("rlt.v1.worker.batch.x", "rlt.v1.sched.submit", "_INBOX.victim",
+                  "$JS.API.STREAM.CREATE.EVIL")  # fmt: skip
+        for subject in forged:
             await nc.publish(subject, b"forged")
         await nc.flush()
         for _ in range(100):
-            if len(errors) >= 4:
+            if len(errors) >= 5:
                 break
             await asyncio.sleep(0.02)
         assert any('subscription to ">"' in e for e in errors), errors
-        for subject in ("rlt.v1.worker.batch.x", "rlt.v1.sched.submit", "_inbox.victim"):
+        for subject in (s.lower() for s in forged):
             assert any(f'publish to "{subject}"' in e for e in errors), (subject, errors)
     finally:
         await nc.close()
