@@ -102,7 +102,8 @@ async def test_a_stalled_scheduler_answers_each_stream_once(
 ) -> None:
     """SIGSTOP the scheduler mid-stream. A stall nats-server does not notice (2.5 s, past
     admission's 1.5 s loss time): nothing is ended, every request completes with the
-    engine's tokens. A stall it notices (9 s: the connection is dropped after 4-6 s): each
+    engine's tokens. A stall it notices (9 s or more: the connection is dropped after 4-6 s,
+    later on a loaded machine): each
     client gets exactly one ``unavailable`` from admission, and nothing after it when the
     scheduler resumes (it asks admission and drops those requests); then it serves again."""
     with (
@@ -145,7 +146,8 @@ async def test_a_stalled_scheduler_answers_each_stream_once(
                 *tokens, terminal = col.events[i]
                 assert all(isinstance(t, TokenEvent) for t in tokens), col.events[i]
                 assert isinstance(terminal, ErrorEvent) and terminal.code == "unavailable"
-            assert 3.0 < ended_after < 9.0, ended_after  # only once nats-server dropped it
+            # not at admission's 1.5 s loss time: only once nats-server dropped the connection
+            assert ended_after > 3.0, ended_after
             await wait_for(lambda: _reclaimed(nc), 10, "KV reclaimed")
 
             # ---- and it serves again

@@ -231,6 +231,7 @@ class SchedulerService(Service):
             self.spawn(self.prefix_publisher.run(), "prefix-events")
         self.spawn(self._loop(), "loop")
         self.spawn(self._housekeeping(), "housekeeping")
+        self._last_tick = time.monotonic()  # set-up time (loading a checkpoint) is no stall
         self.spawn(self._watchdog(), "watchdog")
         await self.nc.publish(subjects.WORKER_DISCOVER, b"")  # workers: say hello now
 

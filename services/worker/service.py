@@ -71,6 +71,7 @@ class WorkerService(Service):
         # once nats-server says that one's connection is gone (a stalled scheduler that
         # resumes must not find its worker reset by someone else, nor reset it itself)
         self._scheduler: str | None = None
+        self._scheduler_seen = 0.0  # when its last batch came
         self._expected = 0
         self._needs_reset = False
         self._pending: dict[int, tuple[WorkerBatch, str]] = {}
@@ -193,6 +194,7 @@ class WorkerService(Service):
             self._expected = first
             self._pending.clear()
             self._needs_reset = True
+        self._scheduler_seen = time.monotonic()
         if batch.seq < self._expected or batch.seq in self._pending:
             self.log.warning("duplicate batch dropped", **{BATCH_SEQ: batch.seq})
             return
@@ -206,6 +208,10 @@ class WorkerService(Service):
         alive subject with "no responders")."""
         bound = self._scheduler
         if bound is None or bound == scheduler:
+            return True
+        if time.monotonic() - self._scheduler_seen > _BOUND_IDLE_S:
+            # it left us (bound another worker): should it come back, it is refused now
+            self.log.info("bound scheduler idle; serving another", old=bound, new=scheduler)
             return True
         try:
             await self.nc.request(subjects.sched_alive(bound), b"", timeout=0.5)
@@ -336,6 +342,10 @@ class WorkerService(Service):
             return self.runner.execute(batch)
         except Exception as exc:
             return BatchResult(seq=batch.seq, error=f"{type(exc).__name__}: {exc}")
+
+
+# a scheduler that sent us nothing for this long has moved on: another may take us
+_BOUND_IDLE_S = 30.0
 
 
 def _is_older_epoch(epoch: str, current: str | None) -> bool:
