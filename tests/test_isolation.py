@@ -239,7 +239,7 @@ def test_driver_fences_a_try_never_its_retry(toy_checkpoint: Path) -> None:
     assert driver.add(_admitted("r", 2), track="rlt.v1.adm.a1.2") == []  # a retry re-attaches
     assert driver.drop_fenced({("a1", 1)}) == [] and "r" in driver.streams
     assert driver.stream_key("r") == ("a1", 2)
-    assert driver.drop_fenced({("a1", 2)}) == ["r"]
+    assert driver.drop_fenced({("a1", 2)}) == [("a1", 2)]
     assert not driver.streams and not driver.scheduler.requests
     # nothing more is said about a fenced try: admission already ended it
     assert [n.state for _, n in driver.take_notices()] == ["accepted", "accepted"]

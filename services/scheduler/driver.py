@@ -303,15 +303,15 @@ class SchedulerDriver:
     def drop_fenced(self, keys: set[StreamKey]) -> list[str]:
         """Admission ended these tries while we were cut off or stalled (fencing): they end
         here without another event or notice (their clients already have their terminal
-        event). Returns the request ids that were live."""
-        dropped = []
+        event). Returns the keys of those that were live."""
+        dropped: list[StreamKey] = []
         for rid, stream in list(self.streams.items()):
             if stream.key not in keys:
                 continue
             del self.streams[rid]
             self.by_no.pop(stream.no, None)
             self.core.fail_requests([rid], ErrorCode.UNAVAILABLE, "fenced")  # events dropped
-            dropped.append(rid)
+            dropped.append(stream.key)
             self.log.warning("request fenced: admission ended it", **request_fields(rid, ""))
         return dropped
 

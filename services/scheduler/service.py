@@ -172,6 +172,7 @@ class SchedulerService(Service):
         # counter of dark spells, the check that ends one, and the watchdog's last tick
         self._dark_since: float | None = None
         self._dark_spells = 0
+        self._dark_mark = 0.0
         self._fence_task: asyncio.Task[None] | None = None
         self._last_tick = time.monotonic()
         self.num_fenced = 0
@@ -556,7 +557,9 @@ class SchedulerService(Service):
         """We may have been unreachable since ``since``: hold client events until a fence
         check says which of our requests admission ended meanwhile."""
         self._held.active = True
-        self._dark_spells += 1
+        if since > self._dark_mark:  # a new cause (one stall is seen by many sends)
+            self._dark_mark = since
+            self._dark_spells += 1
         if self._dark_since is None:
             self._dark_since = since
             self.log.warning("holding client events until admission confirms them", reason=why)
@@ -631,11 +634,12 @@ class SchedulerService(Service):
                 admissions=sorted(unanswered),
                 dark_s=round(dark_s, 1),
             )
-        dropped = set(d.drop_fenced(drop))
-        self.num_fenced += len(drop)
+        dropped = d.drop_fenced(drop)
         # also what is held for fenced requests that ended here meanwhile (their finished
         # event waits with the rest): admission already gave those clients their terminal
+        ended = {m[3] for m in self._held.messages if m[3] in drop}
         self._held.messages = [m for m in self._held.messages if m[3] not in drop]
+        self.num_fenced += len(set(dropped) | ended)
         self._dark_since = None
         self._held.active = False
         self.log.info(
