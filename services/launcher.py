@@ -31,6 +31,7 @@ from services.runtime.bus import (
     default_client_url_file,
     encode_json,
     redact_url,
+    split_credentials,
     with_credentials,
     write_secret,
 )
@@ -404,8 +405,17 @@ def main_up(args: argparse.Namespace) -> int:
     finally:
         server.stop()
         for path in [*written.values(), *extra_files]:
-            path.unlink(missing_ok=True)  # the credentials die with this run
+            _remove_if_ours(path, server.url)  # the credentials die with this run
         shutil.rmtree(secrets_dir, ignore_errors=True)
+
+
+def _remove_if_ours(path: Path, url: str) -> None:
+    """Removes a URL file this run wrote, unless another ``rlt up`` has replaced it since."""
+    try:
+        if split_credentials(path.read_text().strip())[0] == url:
+            path.unlink()
+    except OSError:
+        pass
 
 
 def _write_client_urls(
