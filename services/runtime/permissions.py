@@ -161,9 +161,9 @@ def client_permissions(tenant: str = subjects.DEFAULT_TENANT) -> Permissions:
     The default tenant's clients may not read any named tenant's inboxes."""
     publish = (subjects.tenant_generate(tenant), subjects.tenant_abort(tenant))
     if tenant == subjects.DEFAULT_TENANT:
-        return Permissions(
+        return Permissions(  # _INBOX only: other inbox roots belong to front ends
             publish=publish,
-            subscribe=_CLIENT_INBOXES,
+            subscribe=(f"{subjects.CLIENT_INBOX_ROOT}.>",),
             subscribe_deny=(f"{subjects.TENANT_INBOX_ROOT}.>",),
         )
     return Permissions(publish=publish, subscribe=(f"{subjects.tenant_inbox(tenant)}.>",))
