@@ -109,6 +109,9 @@ class RowResult(msgspec.Struct, gc=False, kw_only=True):
     exited: bool = False
     exit_loops: int = 0  # the token exited after this many loops (1..total_ut_steps)
     token_id: int = -1
+    # this row alone failed (e.g. its sampling overflowed): its request ends with an error,
+    # the other rows of the batch are applied as usual
+    error: str | None = None
 
 
 class BatchResult(msgspec.Struct, gc=False, kw_only=True):

@@ -22,6 +22,9 @@ class AdmittedRequest(msgspec.Struct, kw_only=True):
     admission_id: str = ""
     admission_seq: int = 0
     admitted_at: float = 0.0  # unix seconds
+    # the tenant whose subject the request came on ("" = the default tenant): its aborts and
+    # retries must come from the same tenant
+    tenant: str = ""
 
 
 class AbortForward(msgspec.Struct, kw_only=True):
@@ -30,6 +33,7 @@ class AbortForward(msgspec.Struct, kw_only=True):
     request_id: str
     reply_subject: str = ""
     trace_id: str = ""
+    tenant: str = ""  # only a request of this tenant is aborted
 
 
 class SchedulerLoad(msgspec.Struct, kw_only=True):
@@ -72,6 +76,9 @@ class WorkerResult(msgspec.Struct, kw_only=True):
     # from the batch's arrival at the worker to its result being sent (waiting behind the
     # batch before it included): the scheduler's round trip minus this is the bus's cost
     worker_s: float = 0.0
+    # not run: the worker is bound to another scheduler that is still connected (a worker
+    # takes a new scheduler only once nats-server says the old one is gone)
+    refused: str = ""
 
 
 class WorkerHeartbeat(msgspec.Struct, kw_only=True):
@@ -100,3 +107,22 @@ class RequestNotice(msgspec.Struct, kw_only=True):
     # with "done" after a finished event: a copy of it, so admission can answer a client that
     # retries the same request_id (it missed the event) without running it again
     finished: FinishedEvent | None = None
+
+
+class FenceQuery(msgspec.Struct, kw_only=True):
+    """scheduler -> admission, after the scheduler was cut off from NATS or stalled: "which
+    of my requests did you end meanwhile?" It holds their stream events until it knows."""
+
+    scheduler_id: str
+
+
+class FenceUpdate(msgspec.Struct, kw_only=True):
+    """admission -> scheduler: the requests admission ended with ``unavailable`` because the
+    scheduler holding them was gone (nats-server had dropped its connection). The scheduler
+    drops them without another word to their clients: each already has its terminal event."""
+
+    admission_id: str
+    # (request_id, admission_seq) of each: the seq names the try, so a client's retry of
+    # the same request_id (a new seq) is never dropped for its predecessor
+    fenced: list[tuple[str, int]] = msgspec.field(default_factory=list)
+    scheduler_lost_s: float = 10.0

@@ -22,6 +22,13 @@ class RequestDefaults(msgspec.Struct, frozen=True, kw_only=True):
 
 API_DEFAULTS = RequestDefaults()
 
+# Sampling runs in float32 (services/common/sampling.py). Below these, a value cannot be
+# computed there: logits / temperature overflows to inf once |logit| > 3.4e38 * temperature
+# (NaN probabilities), and a top_p under float32's smallest normal number rounds to 0, which
+# would drop every token. Both only ever mean "greedy": use temperature 0 for that.
+MIN_TEMPERATURE = 1e-4
+MIN_TOP_P = 1.2e-38
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM-like sampling knobs plus the looped-model exit policy.
@@ -51,8 +58,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             not math.isfinite(self.temperature) or self.temperature < 0
         ):
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature is not None and 0 < self.temperature < MIN_TEMPERATURE:
+            raise RequestError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got "
+                f"{self.temperature} (smaller values overflow float32 sampling)"
+            )
+        if self.top_p is not None and not (MIN_TOP_P <= self.top_p <= 1.0):
+            raise RequestError(
+                f"top_p must be in [{MIN_TOP_P}, 1] (float32 sampling), got {self.top_p}"
+            )
         if self.top_k is not None:
             _check_int("top_k", self.top_k, lo=0, hi=2**31 - 1)
         if self.seed is not None:

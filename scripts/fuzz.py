@@ -53,6 +53,7 @@ from messages.batch import (  # noqa: E402
 from messages.internal import (  # noqa: E402
     AbortForward,
     AdmittedRequest,
+    FenceQuery,
     RequestNotice,
     SchedulerLoad,
     WorkerBatch,
@@ -217,6 +218,16 @@ def valid_messages(ids: dict[str, str]) -> list[tuple[str, Any, Callable[[Any], 
             _js,
         ),
         (subjects.ABORT, _plain(AbortRequest(request_id="fuzz-x")), _js),
+        # a tenant's subjects (its replies must be in its own inbox: the sink is not, so
+        # admission answers nothing there)
+        (subjects.tenant_generate("fuzz"), _plain(text_request), _js),
+        (subjects.tenant_abort("fuzz"), _plain(AbortRequest(request_id="fuzz-x")), _js),
+        (
+            subjects.admission_fence(ids["admission"]),
+            _plain(FenceQuery(scheduler_id=ids["scheduler"])),
+            _mp,
+        ),
+        (subjects.sched_alive(ids["scheduler"]), b"", lambda _o: b""),
         (
             subjects.SCHED_SUBMIT,
             _plain(

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 touch .env
 chmod 600 .env
-for who in ADMISSION SCHEDULER WORKER PREFIX_CACHE GATEWAY CLIENT OPERATOR; do
+for who in ADMISSION SCHEDULER WORKER PREFIX_CACHE GATEWAY CLIENT OPERATOR ROUTE; do
   var="RLT_NATS_${who}_PASSWORD"
   if ! grep -q "^${var}=" .env; then
     echo "${var}=$(head -c 24 /dev/urandom | base64 | tr -d '/+=')" >> .env

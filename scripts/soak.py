@@ -6,14 +6,26 @@ Checks: every request that was sent with a reply subject gets exactly one termin
 the end (asked from the scheduler's health endpoint), and the services' RSS stays flat
 (growth from after warm-up to the end is reported).
 
+``--adversary``: NATS runs with the permission model (every service its own user, random
+passwords, as ``rlt up`` does), the honest clients are the default tenant, and an attacker
+(tenant ``mallory``, knowing the honest clients' request ids and inbox subjects) mixes in
+everything a compromised client can try: poison sampling values, priority it may not have,
+aborts of honest ids, honest ids taken first, streams pointed into honest inboxes, deep JSON,
+huge trace ids, forged internal messages, subscribing to ``>``. Then also: every honest
+request's output equals the in-process engine's (a truncated prefix of it if aborted), no
+honest stream got a foreign event, every attacker probe got exactly the refusal it should,
+and the attacker never received anything that was not its own.
+
     python scripts/soak.py --duration 600 --clients 8      # the long variant
-    tests/test_soak.py runs about half a minute of it in CI.
+    python scripts/soak.py --duration 300 --adversary      # with an attacker mixed in
+    tests/test_soak.py runs about half a minute of each in CI.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -26,9 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from messages.api import ErrorEvent, FinishedEvent  # noqa: E402
+from messages.api import ErrorEvent, FinishedEvent, TokenEvent  # noqa: E402
+from messages.batch import Batch, Phase  # noqa: E402
+from messages.internal import AdmittedRequest, WorkerBatch  # noqa: E402
+from messages.sampling import SamplingParams  # noqa: E402
 from services.runtime import subjects  # noqa: E402
-from services.runtime.bus import encode_json  # noqa: E402
+from services.runtime.bus import HEADER_TRACE_ID, encode_json, encode_msgpack  # noqa: E402
 from tests.service_procs import (  # noqa: E402
     ServiceProcs,
     StreamCollector,
@@ -36,6 +51,8 @@ from tests.service_procs import (  # noqa: E402
     health,
     wait_for,
 )
+
+ATTACKER = "mallory"
 
 ENGINE_ARGS = [
     "--async-scheduling",
@@ -79,6 +96,18 @@ class SoakReport:
     wrong_malformed: int = 0
     kv_reclaimed: bool = False
     open_requests_left: int = -1
+    # with outputs verified (--adversary): honest outputs unlike the engine's, or streams
+    # with a foreign or inconsistent event
+    verified: int = 0
+    altered: int = 0
+    # the attacker: probes sent, probes not answered with exactly the refusal expected,
+    # messages it received that were not its own, permission errors NATS gave it
+    adversary_probes: int = 0
+    adversary_wrong: int = 0
+    adversary_leaks: int = 0
+    adversary_denied: int = 0
+    adversary_wrong_examples: list[str] = field(default_factory=list)
+    scheduler_at_end: dict[str, object] = field(default_factory=dict)
     rss_growth_mib: dict[str, float] = field(default_factory=dict)
     rss_mib: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
@@ -90,6 +119,9 @@ class SoakReport:
             and self.wrong_malformed == 0
             and self.kv_reclaimed
             and self.open_requests_left == 0
+            and self.altered == 0
+            and self.adversary_wrong == 0
+            and self.adversary_leaks == 0
         )
 
 
@@ -104,19 +136,28 @@ async def run_soak(
     malformed_fraction: float = 0.1,
     seed: int = 0,
     warmup_fraction: float = 0.25,
+    control_url: str | None = None,
+    adversary_url: str | None = None,
+    verify_outputs: bool = False,
 ) -> SoakReport:
+    """``url``: the honest clients' (with their credentials); ``control_url``: for health
+    requests (an operator's); ``adversary_url``: tenant ``mallory``'s, to mix in the attacker;
+    ``verify_outputs``: compare every honest output with the in-process engine's."""
     report = SoakReport()
     rng = random.Random(seed)
     t0 = time.monotonic()
     stop_at = t0 + duration_s
     rss_start: dict[str, int] = {}
-    async with client(url) as control:
+    honest_inboxes: list[str] = []
+    async with client(control_url or url) as control:
 
         async def one_client(cid: int) -> StreamCollector:
             crng = random.Random(rng.getrandbits(64))
             async with client(url) as nc:
                 col = await StreamCollector(nc).start()
+                honest_inboxes.append(col.prefix)
                 col.kinds = {}  # type: ignore[attr-defined]
+                col.bodies = {}  # type: ignore[attr-defined]
                 n = 0
                 sem = asyncio.Semaphore(concurrency)
 
@@ -141,6 +182,7 @@ async def run_soak(
                             "ignore_eos": crng.random() < 0.5,
                         }
                         col.kinds[i] = "valid"  # type: ignore[attr-defined]
+                        col.bodies[i] = body  # type: ignore[attr-defined]
                         await col.send(i, body)
                         if crng.random() < abort_fraction:
                             await asyncio.sleep(crng.random() * 0.3)
@@ -169,8 +211,15 @@ async def run_soak(
                     rss_start[key] = procs.rss_kib(key)
 
         sampler = asyncio.ensure_future(sample_rss())
+        attacker = None
+        if adversary_url is not None:
+            attacker = asyncio.ensure_future(
+                run_adversary(adversary_url, report, stop_at, seed, clients, honest_inboxes)
+            )
         cols = await asyncio.gather(*(one_client(c) for c in range(clients)))
         await sampler
+        if attacker is not None:
+            await attacker
 
         for col in cols:
             for i, kind in col.kinds.items():  # type: ignore[attr-defined]
@@ -198,7 +247,12 @@ async def run_soak(
             report.kv_reclaimed = True
         except TimeoutError:
             report.kv_reclaimed = False
+            h = await health(control, "scheduler")
+            keys = ("live_requests", "streams", "free_kv_blocks", "num_kv_blocks", "running")
+            report.scheduler_at_end = {k: h.get(k) for k in keys}
         report.open_requests_left = (await health(control, "admission"))["open_requests"]
+        if verify_outputs and procs is not None:  # in a thread: our connections stay alive
+            await asyncio.to_thread(verify_honest_outputs, cols, procs.checkpoint, report)
     if procs is not None:
         for key, start in rss_start.items():
             end = procs.rss_kib(key)
@@ -208,6 +262,185 @@ async def run_soak(
     return report
 
 
+def verify_honest_outputs(
+    cols: list[StreamCollector], checkpoint: Path, report: SoakReport
+) -> None:
+    """Every honest stream is consistent (tokens in order, then its own terminal, nothing
+    foreign) and its output equals the in-process engine's for the same request (a prefix
+    of it when the request was aborted): no attacker changed or added anything."""
+    from services.cli import build_parser
+    from services.common.flags import scheduler_config_from_args
+    from services.engine.engine import LLMEngine
+
+    todo: list[tuple[FinishedEvent, dict]] = []
+    for col in cols:
+        for i, body in col.bodies.items():  # type: ignore[attr-defined]
+            events = col.events.get(i, [])
+            terminals = [e for e in events if not isinstance(e, TokenEvent)]
+            if not terminals:
+                continue  # counted as missing
+            ids = {e.request_id for e in events}
+            tokens = [e for e in events if isinstance(e, TokenEvent)]
+            if ids != {body["request_id"]} or [t.index for t in tokens] != sorted(
+                {t.index for t in tokens}
+            ):
+                report.altered += 1  # a foreign or duplicated event in this stream
+                continue
+            if isinstance(terminals[0], FinishedEvent):
+                todo.append((terminals[0], body))
+    if not todo:
+        return
+    config = scheduler_config_from_args(
+        build_parser().parse_args(["service", "worker", *ENGINE_ARGS])
+    )
+    params = [
+        SamplingParams(
+            max_tokens=b["max_tokens"],
+            temperature=b["temperature"],
+            seed=b["seed"],
+            min_loops=b["min_loops"],
+            exit_threshold=b["exit_threshold"],
+            ignore_eos=b["ignore_eos"],
+        )
+        for _, b in todo
+    ]
+    expected = LLMEngine.from_checkpoint(checkpoint, config).generate(
+        [b["prompt_token_ids"] for _, b in todo], params
+    )
+    for (got, _), want in zip(todo, expected, strict=True):
+        n = len(got.token_ids)
+        full = got.finish_reason != "abort"
+        same = (got.token_ids, got.exit_depths) == (want.token_ids[:n], want.exit_depths[:n])
+        report.verified += 1
+        if not same or (full and n != len(want.token_ids)):
+            report.altered += 1
+
+
+async def run_adversary(
+    url: str,
+    report: SoakReport,
+    stop_at: float,
+    seed: int,
+    clients: int,
+    honest_inboxes: list[str],
+) -> None:
+    """Tenant ``mallory`` tries what a compromised client can, for the whole soak. It knows
+    the honest request ids and inbox subjects (as if they leaked). Every probe with a reply
+    has one expected answer; streams it points elsewhere must reach nobody."""
+    rng = random.Random(seed ^ 0x5EED)
+    denied: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        denied.append(str(exc))
+
+    inbox = subjects.tenant_inbox(ATTACKER)
+    generate, abort = subjects.tenant_generate(ATTACKER), subjects.tenant_abort(ATTACKER)
+    async with client(url, inbox_prefix=inbox, error_cb=on_error) as nc:
+        col = await StreamCollector(nc).start()
+        expect: dict[int, str] = {}
+        actions: dict[int, str] = {}
+        squatted: set[str] = set()
+        leaks: list[str] = []
+
+        async def spy(msg) -> None:  # type: ignore[no-untyped-def]
+            leaks.append(msg.subject)
+
+        for wide in (">", "_INBOX.>", "rlt.v1.>"):  # refused by NATS: nothing arrives
+            await nc.subscribe(wide, cb=spy)
+        honest_id = lambda: f"soak-{seed}-{rng.randrange(clients)}-{rng.randrange(200)}"  # noqa: E731
+        deep = b'{"request_id": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+        n = 0
+        while time.monotonic() < stop_at:
+            action = rng.choice(
+                ["poison", "priority", "abort", "squat", "deep", "trace", "inject", "forge"]
+            )
+            small = {"prompt_token_ids": [rng.randrange(1, 500)], "max_tokens": 1}
+            if action == "poison":
+                bad = rng.choice([{"temperature": 1e-300}, {"top_p": 1e-46, "temperature": 1.0}])
+                expect[n] = "error:invalid_request"
+                await col.send(n, {**small, **bad}, generate)
+            elif action == "priority":
+                expect[n] = "error:invalid_request"
+                await col.send(n, {**small, "priority": -1000}, generate)
+            elif action == "abort":
+                expect[n] = "error:not_found"
+                await col.send(n, {"request_id": honest_id()}, abort)
+            elif action == "squat":  # an honest id, maybe before the honest client uses it
+                rid = honest_id()
+                # (its own second try of one id from another reply subject is a conflict)
+                expect[n] = "error:invalid_request" if rid in squatted else "finished"
+                squatted.add(rid)
+                await col.send(n, {**small, "request_id": rid}, generate)
+            elif action == "deep":
+                expect[n] = "error:invalid_request"
+                await col.send(n, deep, rng.choice([abort, generate]))
+            elif action == "trace":
+                expect[n] = "finished"
+                col.events.setdefault(n, [])
+                await nc.publish(
+                    generate,
+                    encode_json(small),
+                    reply=col.reply(n),
+                    headers={HEADER_TRACE_ID: "x" * 200_000},
+                )
+            elif action == "inject" and honest_inboxes:
+                target = f"{rng.choice(honest_inboxes)}.{rng.randrange(200)}"
+                await nc.publish(generate, encode_json(small), reply=target)
+                await nc.publish(abort, encode_json({"request_id": honest_id()}), reply=target)
+                n -= 1  # no answer expected anywhere
+            else:  # forged internal messages: NATS refuses each publish
+                await _forge(nc, rng, honest_inboxes)
+                n -= 1
+            if n in expect:
+                actions[n] = action
+            n += 1
+            report.adversary_probes += 1
+            await asyncio.sleep(0.03)
+        with contextlib.suppress(TimeoutError):  # counted below
+            await col.wait_done(list(expect), 60)
+        await asyncio.sleep(0.5)
+        for i, want in expect.items():
+            terminals = col.terminals(i)
+            got = [
+                t.finish_reason and "finished"
+                if isinstance(t, FinishedEvent)
+                else f"error:{t.code}"
+                for t in terminals
+            ]
+            if got != [want]:
+                report.adversary_wrong += 1
+                if len(report.adversary_wrong_examples) < 5:
+                    report.adversary_wrong_examples.append(f"{actions[i]}: {want} -> {got}")
+        report.adversary_leaks += len(leaks)
+        report.adversary_denied += len(denied)
+
+
+async def _forge(nc, rng: random.Random, honest_inboxes: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """Internal messages a client is not allowed to publish (each is a permission error)."""
+    target = f"{rng.choice(honest_inboxes)}.0" if honest_inboxes else "_INBOX.x"
+    forged = AdmittedRequest(
+        request_id="forged",
+        prompt_token_ids=[1],
+        params=SamplingParams(max_tokens=1),
+        reply_subject=target,
+    )
+    batch = WorkerBatch(
+        epoch="mallory.999999999", batch=Batch(seq=0, phase=Phase.RECURRENT, rows=[])
+    )
+    subject, body = rng.choice(
+        [
+            (subjects.SCHED_SUBMIT, encode_msgpack(forged)),
+            (subjects.worker_batch("any"), encode_msgpack(batch)),
+            (f"{subjects.WORKER_RESULT}.any.0", b"\x80"),
+            (subjects.prefix_events("scheduler"), b"\x80"),
+            (target, encode_json({"type": "finished", "request_id": "x", "finish_reason": "stop",
+                                  "token_ids": [], "exit_depths": [], "num_prompt_tokens": 1})),
+            ("$JS.API.STREAM.CREATE.EVIL", encode_json({"subjects": ["_INBOX.>"]})),
+        ]
+    )  # fmt: skip
+    await nc.publish(subject, body)
+
+
 async def _main(args: argparse.Namespace) -> int:
     from services.launcher import NatsServer, free_port
     from services.worker.model.toy import write_toy_checkpoint
@@ -215,22 +448,71 @@ async def _main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="rlt-soak-") as tmp:
         work = Path(tmp)
         ckpt = write_toy_checkpoint(work / "ckpt", seed=0, size="toy")
-        with NatsServer(port=free_port()) as server:
-            procs = ServiceProcs(server.url, ckpt, work, ENGINE_ARGS)
-            try:
-                await procs.start_all()
-                report = await run_soak(
-                    server.url,
-                    procs,
-                    duration_s=args.duration,
-                    clients=args.clients,
-                    concurrency=args.concurrency,
-                    seed=args.seed,
-                )
-            finally:
-                procs.stop_all()
+        if not args.adversary:
+            with NatsServer(port=free_port()) as server:
+                procs = ServiceProcs(server.url, ckpt, work, ENGINE_ARGS)
+                try:
+                    await procs.start_all()
+                    report = await run_soak(
+                        server.url,
+                        procs,
+                        duration_s=args.duration,
+                        clients=args.clients,
+                        concurrency=args.concurrency,
+                        seed=args.seed,
+                    )
+                finally:
+                    procs.stop_all()
+        else:
+            report = await run_adversary_soak(
+                ckpt,
+                work,
+                duration_s=args.duration,
+                clients=args.clients,
+                concurrency=args.concurrency,
+                seed=args.seed,
+            )
     print(json.dumps(report.__dict__, indent=2))
     return 0 if report.ok() else 1
+
+
+async def run_adversary_soak(
+    checkpoint: Path,
+    work: Path,
+    *,
+    duration_s: float,
+    clients: int = 4,
+    concurrency: int = 4,
+    seed: int = 0,
+) -> SoakReport:
+    """The soak on NATS secured as ``rlt up`` secures it, with the attacker mixed in."""
+    from services.launcher import NatsServer, free_port
+    from services.runtime.permissions import LocalAuth
+
+    auth = LocalAuth.generate([ATTACKER])
+    conf = work / "nats.conf"
+    conf.write_text(auth.config())
+    with NatsServer(port=free_port(), config_file=conf) as server:
+        procs = ServiceProcs(server.url, checkpoint, work, ENGINE_ARGS)
+        envs = {
+            name: {"RLT_NATS_USER": name, "RLT_NATS_PASSWORD": auth.passwords[name]}
+            for name in ("worker", "prefix-cache", "scheduler", "admission")
+        }
+        try:
+            await procs.start_all(envs=envs)
+            return await run_soak(
+                auth.url("client", server.url),
+                procs,
+                duration_s=duration_s,
+                clients=clients,
+                concurrency=concurrency,
+                seed=seed,
+                control_url=auth.url("operator", server.url),
+                adversary_url=auth.url(f"tenant-{ATTACKER}", server.url),
+                verify_outputs=True,
+            )
+        finally:
+            procs.stop_all()
 
 
 def main() -> int:
@@ -239,6 +521,11 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight per client")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--adversary",
+        action="store_true",
+        help="secured NATS, and an attacker tenant mixed in (see above)",
+    )
     return asyncio.run(_main(p.parse_args()))
 
 

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_request_flags(p)
     add_engine_flags(p)
-    add_bus_flags(p)
+    add_bus_flags(p, client=True)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("schedule-trace", help="offline run printing every batch")
@@ -125,6 +125,31 @@ def build_parser() -> argparse.ArgumentParser:
         "(3: the event stream is replicated R3 and survives losing a node)",
     )
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--client-url-file",
+        metavar="PATH",
+        help="write the client URL (with the client credentials) here, readable by you only "
+        "(default: $RLT_CLIENT_URL_FILE, else ~/.rlt/client-url); `rlt generate` reads it",
+    )
+    p.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a tenant with its own NATS user, subjects rlt.v1.tenant.NAME.* and inboxes "
+        "_INBOX.tenant.NAME.> (its URL goes to the client URL file + .NAME); repeatable",
+    )
+    p.add_argument(
+        "--operator-url-file",
+        metavar="PATH",
+        help="also write the operator URL (every permission: nats micro ls, debugging) here",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run NATS without authentication (every local process can read every stream and "
+        "publish into the services' subjects)",
+    )
     add_engine_flags(p)
     add_http_flags(p)
     p.set_defaults(func=cmd_up)

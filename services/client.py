@@ -14,12 +14,18 @@ finished from its record of finished events (docs/services.md, "Failure modes"),
 scheduler re-attaches a retry of a live request to the running one. Token events are passed on
 once per index (a re-run after an ``unavailable`` starts again at index 0); the ``finished``
 event carries the whole output, whatever token events were lost.
+
+Where: ``resolve_client_url`` picks the server (an explicit URL, ``$RLT_NATS_URL``, else the
+client URL file a secured ``rlt up`` wrote, else ``nats://127.0.0.1:4222``). A ``tenant``
+sends on ``rlt.v1.tenant.<tenant>.*`` and reads its streams in ``_INBOX.tenant.<tenant>``.
+Events after a request's terminal event are never passed on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +37,33 @@ from nats.aio.msg import Msg
 
 from messages.api import AbortRequest, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.runtime import subjects
-from services.runtime.bus import auth_options, encode_json, is_no_responders, server_list
+from services.runtime.bus import (
+    auth_options,
+    default_client_url_file,
+    encode_json,
+    is_no_responders,
+    server_list,
+    split_credentials,
+)
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+def resolve_client_url(url: str | None, tenant: str = subjects.DEFAULT_TENANT) -> str:
+    """The server a client talks to: ``url`` if given, else ``$RLT_NATS_URL``, else the URL
+    in the client URL file ``rlt up`` wrote (``default_client_url_file``), else the local
+    default."""
+    if url:
+        return url
+    if os.environ.get("RLT_NATS_URL"):
+        return os.environ["RLT_NATS_URL"]
+    path = default_client_url_file(tenant)
+    try:
+        written = path.read_text().strip()
+    except OSError:
+        return DEFAULT_NATS_URL
+    return written or DEFAULT_NATS_URL
+
 
 Event = TokenEvent | FinishedEvent | ErrorEvent
 Terminal = FinishedEvent | ErrorEvent
@@ -106,36 +138,45 @@ def with_request_id(request: GenerateRequest, run: str = "") -> GenerateRequest:
     return msgspec.structs.replace(request, request_id=request_id)
 
 
-async def connect_client(nats_url: str, timeout: float = 5.0, on_reconnect=None) -> NATS:  # type: ignore[no-untyped-def]
-    """A client connection to one of the listed servers, failing over to the others."""
+async def connect_client(  # type: ignore[no-untyped-def]
+    nats_url: str | None,
+    timeout: float = 5.0,
+    on_reconnect=None,
+    tenant: str = subjects.DEFAULT_TENANT,
+) -> NATS:
+    """A client connection to one of the listed servers, failing over to the others, with
+    the tenant's inbox prefix (the only inboxes its NATS user may read)."""
 
     async def quiet(_exc: Exception) -> None:  # failed attempts while failing over
         return None
 
+    plain, creds = split_credentials(resolve_client_url(nats_url, tenant))
     connecting = asyncio.ensure_future(
         nats.connect(
-            server_list(nats_url),
+            server_list(plain),
             connect_timeout=2,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.25,
             error_cb=quiet,
             reconnected_cb=on_reconnect,
-            **auth_options(),
+            inbox_prefix=subjects.tenant_inbox(tenant),
+            **(creds or auth_options()),
         )
     )
     try:
         return await asyncio.wait_for(connecting, timeout)
     except TimeoutError as exc:
-        raise ConnectionError(f"no NATS server answered at {nats_url} within {timeout}s") from exc
+        raise ConnectionError(f"no NATS server answered at {plain} within {timeout}s") from exc
 
 
 async def stream_requests(
-    nats_url: str,
+    nats_url: str | None,
     requests: Sequence[GenerateRequest],
     *,
     timeout: float,
     on_event: EventCallback | None = None,
     retry: RetryPolicy | None = None,
+    tenant: str = subjects.DEFAULT_TENANT,
 ) -> list[Terminal]:
     """Sends every request at once; returns each one's terminal event in input order.
 
@@ -156,8 +197,9 @@ async def stream_requests(
             call.reconnected(loop.time())
         wake.set()
 
-    nc = await connect_client(nats_url, on_reconnect=on_reconnect)
+    nc = await connect_client(nats_url, on_reconnect=on_reconnect, tenant=tenant)
     prefix = nc.new_inbox()
+    generate, abort = subjects.tenant_generate(tenant), subjects.tenant_abort(tenant)
 
     async def on_msg(msg: Msg) -> None:
         i = int(msg.subject.rsplit(".", 1)[1])
@@ -196,7 +238,7 @@ async def stream_requests(
                 if call.due(now):
                     call.sent(now)
                     body = encode_json(requests[i])
-                    await nc.publish(subjects.GENERATE, body, reply=f"{prefix}.{i}")
+                    await nc.publish(generate, body, reply=f"{prefix}.{i}")
             wake.clear()
             with_waits = [c.next_send for c in calls if c.next_send is not None and not c.done]
             pause = min([max(t - now, 0.0) for t in with_waits] + [0.25])
@@ -211,7 +253,7 @@ async def stream_requests(
         try:
             for i, request in enumerate(requests):
                 rid = request.request_id or ""
-                terminal = await _read(nc, out[i], rid, deadline, timeout, i, on_event)
+                terminal = await _read(nc, abort, out[i], rid, deadline, timeout, i, on_event)
                 calls[i].finish()
                 results.append(terminal)
         finally:
@@ -224,6 +266,7 @@ async def stream_requests(
 
 async def _read(
     nc: NATS,
+    abort_subject: str,
     queue: asyncio.Queue[Event],
     request_id: str,
     deadline: float,
@@ -237,7 +280,7 @@ async def _read(
             event = await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0.0))
         except TimeoutError:
             # do not leave the request running for nobody
-            await nc.publish(subjects.ABORT, encode_json(AbortRequest(request_id=request_id)))
+            await nc.publish(abort_subject, encode_json(AbortRequest(request_id=request_id)))
             event = ErrorEvent(
                 request_id=request_id,
                 code="timeout",

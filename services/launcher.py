@@ -23,11 +23,19 @@ import torch
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.admission.core import AdmissionConfig
-from services.client import RetryPolicy, stream_requests
+from services.client import RetryPolicy, resolve_client_url, stream_requests
 from services.common.config import SchedulerConfig
 from services.common.flags import device_from_args, parse_prompt_ids, scheduler_config_from_args
 from services.runtime import subjects
-from services.runtime.bus import encode_json
+from services.runtime.bus import (
+    default_client_url_file,
+    encode_json,
+    redact_url,
+    split_credentials,
+    with_credentials,
+    write_secret,
+)
+from services.runtime.permissions import LocalAuth
 from services.runtime.service import Service, serve
 from services.worker.model.toy import ensure_checkpoint
 
@@ -72,6 +80,7 @@ class NatsServer:
         cluster_name: str | None = None,
         cluster_port: int | None = None,
         routes: Sequence[str] = (),
+        route_auth: tuple[str, str] | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -81,7 +90,10 @@ class NatsServer:
         self.server_name = server_name
         self.cluster_name = cluster_name
         self.cluster_port = cluster_port
-        self.routes = list(routes)
+        # routes present these credentials when the config asks routes to authenticate
+        self.routes = (
+            [with_credentials(r, *route_auth) for r in routes] if route_auth else list(routes)
+        )
         # e.g. deploy/nats.conf (users, permissions, limits); host/port flags still win
         self.config_file = config_file
         self.env = env
@@ -174,6 +186,7 @@ class NatsCluster:
         name: str = "rlt",
         config_file: str | Path | None = None,
         env: dict[str, str] | None = None,
+        route_auth: tuple[str, str] | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"a cluster needs at least one node, got {size}")
@@ -189,6 +202,7 @@ class NatsCluster:
                 cluster_name=name,
                 cluster_port=cluster_ports[i],
                 routes=[f"nats://127.0.0.1:{p}" for j, p in enumerate(cluster_ports) if j != i],
+                route_auth=route_auth,
             )
             for i in range(size)
         ]
@@ -295,11 +309,17 @@ def build_services(
     ]
 
 
-def _banner(url: str, checkpoint: Path, http_url: str, model: str) -> str:
+def _banner(
+    url: str,
+    checkpoint: Path,
+    client_files: dict[str, Path] | None,
+    http_url: str,
+    model: str,
+) -> str:
     payload = '{"prompt":"hello","max_tokens":8}'
     nodes = len(url.split(","))
     what = f"JetStream, a {nodes}-node cluster" if nodes > 1 else "JetStream"
-    return f"""\
+    head = f"""\
 rlt is up: NATS {url} ({what}), HTTP {http_url}, checkpoint {checkpoint}
 services: worker, prefix-cache, scheduler, admission, gateway   (Ctrl-C stops everything)
 
@@ -310,34 +330,47 @@ print(c.completions.create(model="{model}", prompt="hello", max_tokens=8).choice
   with curl (server-sent events as tokens are made):
     curl -N {http_url}/v1/completions -H "Content-Type: application/json" \\
       -d '{{"model":"{model}","prompt":"hello","max_tokens":8,"stream":true}}'
-
-  send a request with the nats CLI (--replies 0 keeps reading the whole stream):
-    nats -s {url} req rlt.v1.generate '{payload}'
-    nats -s {url} req --replies 0 --timeout 5s rlt.v1.generate '{payload}'
-  with the rlt client:
-    rlt generate --nats-url {url} --max-tokens 8 "hello"
-  with Python (nats-py):
-    python -c 'import asyncio,json,nats
-async def main():
-    nc = await nats.connect("{url}".split(","))
-    inbox = nc.new_inbox(); sub = await nc.subscribe(inbox)
-    await nc.publish("rlt.v1.generate", json.dumps({payload}).encode(), reply=inbox)
-    while (e := json.loads((await sub.next_msg(timeout=30)).data))["type"] == "token":
-        print(e["text"], end="", flush=True)
-    print(); print(e)
-asyncio.run(main())'
 """
+    if client_files is None:
+        return (
+            head
+            + f"""
+  NO AUTHENTICATION (--insecure): every local process can read every stream.
+    nats -s {url} req --replies 0 --timeout 5s rlt.v1.generate '{payload}'
+    rlt generate --nats-url {url} --max-tokens 8 "hello"
+"""
+        )
+    path = client_files[""]
+    tenants = "".join(f"\n    tenant {t}: {p}" for t, p in client_files.items() if t)
+    return (
+        head
+        + f"""
+  NATS requires credentials: each service has its own user, and the client URL (with the
+  client credentials, readable by you only) is in {path}{tenants}
+  with the rlt client (it reads that file by itself):
+    rlt generate --max-tokens 8 "hello"
+  with the nats CLI (--replies 0 keeps reading the whole stream):
+    nats -s "$(cat {path})" req --replies 0 --timeout 5s rlt.v1.generate '{payload}'
+  with Python (nats-py): services.client.stream_requests(None, ...) reads it too
+"""
+    )
 
 
 def main_up(args: argparse.Namespace) -> int:
     config = scheduler_config_from_args(args)
     checkpoint = ensure_checkpoint(args.checkpoint)
     host = getattr(args, "host", "127.0.0.1")
-    if not _is_loopback(host):
-        # the embedded server has no authentication: say so when it is reachable from outside
+    insecure = bool(getattr(args, "insecure", False))
+    try:
+        tenants = [subjects.check_tenant(t) for t in getattr(args, "tenant", None) or []]
+    except ValueError as exc:
+        print(f"rlt up: {exc}", file=sys.stderr)
+        return 2
+    if insecure:
+        reach = "every local process" if _is_loopback(host) else f"anyone who can reach {host}"
         print(
-            f"rlt up: warning: NATS listens on {host} without authentication; anyone who can "
-            "reach it can submit requests and read streams (use compose with deploy/nats.conf)",
+            f"rlt up: warning: --insecure: NATS has no authentication; {reach} can submit "
+            "requests, read every stream and publish into the services' internal subjects",
             file=sys.stderr,
         )
     if not _is_loopback(args.http_host):
@@ -346,31 +379,54 @@ def main_up(args: argparse.Namespace) -> int:
             "authentication; put an authenticating proxy in front of it",
             file=sys.stderr,
         )
+    auth = None if insecure else LocalAuth.generate(tenants)
     nodes = getattr(args, "nats_cluster", 1) or 1
+    secrets_dir = Path(tempfile.mkdtemp(prefix="rlt-up-"))  # 0700
+    conf = secrets_dir / "nats.conf"
+    if auth is not None:
+        write_secret(conf, auth.config(cluster=nodes > 1))
     server: NatsServer | NatsCluster
     if nodes > 1:
         # real routes between real nats-server processes; JetStream replicates the event
         # stream over them (R3 with three nodes), so losing one node loses nothing
-        server = NatsCluster(nodes, host, [args.port + i for i in range(nodes)])
+        ports = [args.port + i for i in range(nodes)]
+        if auth is not None:
+            server = NatsCluster(nodes, host, ports, config_file=conf, route_auth=auth.route)
+        else:
+            server = NatsCluster(nodes, host, ports)
     else:
-        server = NatsServer(host, args.port)
+        server = NatsServer(host, args.port, config_file=conf if auth is not None else None)
     try:
         server.start()
     except (RuntimeError, FileNotFoundError, OSError) as exc:
         print(f"rlt up: {exc}", file=sys.stderr)
+        shutil.rmtree(secrets_dir, ignore_errors=True)
         return 1
+    written: dict[str, Path] = {}
+    extra_files: list[Path] = []
     try:
         device, dtype = device_from_args(args)
-        services = build_services(
-            server.url,
-            checkpoint,
-            config,
-            AdmissionConfig.from_env(),
-            device=device,
-            dtype=dtype,
-        )
-        gateway = build_service(GATEWAY, server.url, checkpoint, config, http=args)
+        services = [
+            build_service(
+                name,
+                auth.url(name, server.url) if auth is not None else server.url,
+                checkpoint,
+                config,
+                AdmissionConfig.from_env(),
+                device=device,
+                dtype=dtype,
+            )
+            for name in SERVICE_ORDER
+        ]
+        gateway_url = auth.url(GATEWAY, server.url) if auth is not None else server.url
+        gateway = build_service(GATEWAY, gateway_url, checkpoint, config, http=args)
         services.append(gateway)
+        if auth is not None:
+            written = _write_client_urls(args, auth, server.url, tenants)
+            operator_file = getattr(args, "operator_url_file", None)
+            if operator_file:  # everything: for `nats micro ls` and debugging
+                write_secret(Path(operator_file), auth.url("operator", server.url) + "\n")
+                extra_files.append(Path(operator_file))
 
         async def run() -> None:
             task = asyncio.ensure_future(serve(services))
@@ -380,12 +436,41 @@ def main_up(args: argparse.Namespace) -> int:
             if not task.done():
                 http_url = f"http://{_url_host(args.http_host)}:{gateway.port}"  # type: ignore[attr-defined]
                 model = gateway.model_name  # type: ignore[attr-defined]
-                print(_banner(server.url, checkpoint, http_url, model), flush=True)
+                files = written if auth is not None else None
+                print(_banner(server.url, checkpoint, files, http_url, model), flush=True)
             await task
 
         return _run_main("rlt up", run())
     finally:
         server.stop()
+        for path in [*written.values(), *extra_files]:
+            _remove_if_ours(path, server.url)  # the credentials die with this run
+        shutil.rmtree(secrets_dir, ignore_errors=True)
+
+
+def _remove_if_ours(path: Path, url: str) -> None:
+    """Removes a URL file this run wrote, unless another ``rlt up`` has replaced it since."""
+    try:
+        if split_credentials(path.read_text().strip())[0] == url:
+            path.unlink()
+    except OSError:
+        pass
+
+
+def _write_client_urls(
+    args: argparse.Namespace, auth: LocalAuth, url: str, tenants: Sequence[str]
+) -> dict[str, Path]:
+    """The client URL (client credentials in it) for each tenant, readable by this OS user
+    only: only clients get client credentials, and no client gets a service's."""
+    given = getattr(args, "client_url_file", None)
+    base = Path(given) if given else default_client_url_file()
+    written: dict[str, Path] = {}
+    for tenant in (subjects.DEFAULT_TENANT, *tenants):
+        path = base if not tenant else base.with_name(f"{base.name}.{tenant}")
+        user = "client" if not tenant else f"tenant-{tenant}"
+        write_secret(path, auth.url(user, url) + "\n")
+        written[tenant] = path
+    return written
 
 
 def _url_host(host: str) -> str:
@@ -475,14 +560,21 @@ def main_generate_online(args: argparse.Namespace) -> int:
         else:
             print(flush=True)  # end of this request's streamed text
 
+    tenant = getattr(args, "tenant", "") or ""
+    url = resolve_client_url(args.nats_url, tenant)
     try:
         retry = RetryPolicy(max_attempts=max(1, getattr(args, "retries", 4) + 1))
         results = asyncio.run(
             stream_requests(
-                args.nats_url, requests, timeout=args.timeout, on_event=on_event, retry=retry
+                url,
+                requests,
+                timeout=args.timeout,
+                on_event=on_event,
+                retry=retry,
+                tenant=tenant,
             )
         )
     except (OSError, nats.errors.Error, ValueError) as exc:
-        print(f"rlt generate: cannot reach NATS at {args.nats_url}: {exc!r}", file=sys.stderr)
+        print(f"rlt generate: cannot reach NATS at {redact_url(url)}: {exc!r}", file=sys.stderr)
         return 1
     return 1 if any(isinstance(e, ErrorEvent) for e in results) else 0

@@ -101,8 +101,12 @@ class ServiceProcs:
             await asyncio.sleep(0.05)
         raise TimeoutError(f"{proc.name} not ready in {timeout}s:\n{self.logs(proc)[-3000:]}")
 
-    async def start_all(self, names: Sequence[str] = SERVICES) -> None:
-        started = [self.start(n) for n in names]  # all at once: the imports overlap
+    async def start_all(
+        self, names: Sequence[str] = SERVICES, envs: dict[str, dict[str, str]] | None = None
+    ) -> None:
+        """``envs``: extra environment per service (e.g. its own NATS credentials)."""
+        envs = envs or {}
+        started = [self.start(n, env=envs.get(n)) for n in names]  # at once: imports overlap
         for proc in started:
             await self.wait_ready(proc)
 

@@ -25,7 +25,8 @@ import pytest
 
 from messages.api import FinishedEvent
 from services.launcher import NatsServer, free_port
-from services.runtime import bus
+from services.runtime import bus, permissions, subjects
+from services.runtime.bus import encode_json
 from services.runtime.health import check as health_check
 
 pytest.register_assert_rewrite("tests.conftest_nats")
@@ -47,6 +48,7 @@ PASSWORDS = {user: f"test-{user}-secret" for user in USERS}
 @pytest.fixture(scope="module")
 def secure_server() -> Iterator[NatsServer]:
     env = {**os.environ, **{_password_var(u): p for u, p in PASSWORDS.items()}}
+    env[_password_var("route")] = "test-route-secret"
     conf = ROOT / "deploy" / "nats.conf"
     with NatsServer(port=free_port(), config_file=conf, env=env) as server:
         yield server
@@ -281,9 +283,166 @@ def test_rlt_up_binds_loopback_and_compose_ships_the_config(tmp_path: Path) -> N
         assert "/etc/nats/nats.conf" in nats_svc["command"]
         assert any(str(v).startswith("./deploy/nats.conf:") for v in nats_svc["volumes"])
         assert all(str(p).startswith("127.0.0.1:") for p in nats_svc["ports"])
-        for user in USERS:
+        for user in (*USERS, "route"):
             assert _password_var(user) in nats_svc["environment"], user
+        routes = nats_svc["command"][nats_svc["command"].index("--routes") + 1]
+        assert all(
+            r.startswith("nats://route:${RLT_NATS_ROUTE_PASSWORD}@") for r in routes.split(",")
+        )
     for name in ("admission", "scheduler", "worker", "prefix-cache", "gateway"):
         env = compose["services"][name]["environment"]
         assert env["RLT_NATS_USER"] == name
         assert _password_var(name) in env["RLT_NATS_PASSWORD"]
+
+
+TENANTS = ("acme", "beta")
+
+
+async def _tenant_client(url: str, user: str, password: str, errors: list[str]) -> nats.NATS:
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    tenant = user.removeprefix("tenant-") if user.startswith("tenant-") else ""
+    return await nats.connect(
+        url,
+        user=user,
+        password=password,
+        error_cb=on_error,
+        allow_reconnect=False,
+        inbox_prefix=subjects.tenant_inbox(tenant),
+    )
+
+
+async def test_tenants_cannot_touch_each_others_requests_or_streams(
+    toy_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Two tenants and the default one, each its own NATS user (generated config), services
+    as their own users. A tenant cannot abort another's request (same request_id: not
+    found, it runs on), point a stream into another's inbox, publish another's subjects,
+    read another's inboxes, or raise priority unless allowed; an abort reply carries no
+    outputs."""
+    names = permissions.all_user_names(TENANTS)
+    passwords = {name: f"pw-{name}" for name in [*names, "route"]}
+    conf = tmp_path / "nats.conf"
+    conf.write_text(permissions.deploy_config(TENANTS))
+    env = {**os.environ, **{permissions.password_var(n): p for n, p in passwords.items()}}
+    with (
+        NatsServer(port=free_port(), config_file=conf, env=env) as server,
+        service_procs(server.url, toy_checkpoint, tmp_path, env={"RLT_PRIORITY_TENANTS": "acme"})
+        as procs,
+    ):  # fmt: skip
+        started = [
+            procs.start(n, env={"RLT_NATS_USER": n, "RLT_NATS_PASSWORD": passwords[n]})
+            for n in ("worker", "prefix-cache", "scheduler", "admission")
+        ]
+        for proc in started:
+            await procs.wait_ready(proc)
+        url = server.url
+        acme_err: list[str] = []
+        beta_err: list[str] = []
+        default_err: list[str] = []
+        acme = await _tenant_client(url, "tenant-acme", passwords["tenant-acme"], acme_err)
+        beta = await _tenant_client(url, "tenant-beta", passwords["tenant-beta"], beta_err)
+        default = await _tenant_client(url, "client", passwords["client"], default_err)
+        try:
+            seen: list[nats.aio.msg.Msg] = []
+            await acme.subscribe(f"{subjects.tenant_inbox('acme')}.>", cb=_collect(seen))
+            long = {"request_id": "shared-id", "prompt_token_ids": [5, 6, 7], "max_tokens": 300,
+                    "ignore_eos": True, "temperature": 0.0}  # fmt: skip
+            stream = acme.new_inbox()
+            await acme.publish(subjects.tenant_generate("acme"), encode_json(long), reply=stream)
+            await wait_for(lambda: _on(seen, stream) >= 3, 30, "acme's tokens")
+            # beta aborts acme's request id on its own subject: not found, nothing stops
+            answer = await beta.request(
+                subjects.tenant_abort("beta"), encode_json({"request_id": "shared-id"}), 5
+            )
+            assert json.loads(answer.data)["code"] == "not_found"
+            # beta and the default tenant point streams into acme's inbox: dropped
+            hijack = f"{subjects.tenant_inbox('acme')}.hijacked"
+            body = encode_json({"prompt_token_ids": [1], "max_tokens": 2})
+            await beta.publish(subjects.tenant_generate("beta"), body, reply=hijack)
+            await default.publish(subjects.GENERATE, body, reply=hijack)
+            # beta publishes acme's subjects and reads others' inboxes: refused by NATS
+            await beta.publish(subjects.tenant_generate("acme"), body, reply=hijack)
+            await beta.publish(subjects.GENERATE, body)
+            await beta.subscribe(f"{subjects.tenant_inbox('acme')}.>")
+            await beta.subscribe("_INBOX.>")
+            await default.subscribe(f"{subjects.TENANT_INBOX_ROOT}.>")
+            await beta.flush()
+            await default.flush()
+            # priority: acme may ask for more urgent than the default, beta may not
+            urgent = encode_json({"prompt_token_ids": [9, 9], "max_tokens": 2, "priority": -5})
+            refused = json.loads(
+                (await beta.request(subjects.tenant_generate("beta"), urgent, 10)).data
+            )
+            assert refused["code"] == "invalid_request" and "priority" in refused["message"]
+            allowed = await acme.request(subjects.tenant_generate("acme"), urgent, 10)
+            assert json.loads(allowed.data)["type"] in ("token", "finished")
+
+            terminal = await _until_terminal(seen, stream, 60)
+            assert terminal["type"] == "finished" and terminal["finish_reason"] == "length"
+            assert not [m for m in seen if m.subject == hijack]
+            await wait_for(lambda: len(beta_err) >= 4 and len(default_err) >= 1, 5, "refusals")
+            for wanted in (
+                'publish to "rlt.v1.tenant.acme.generate"',
+                'publish to "rlt.v1.generate"',
+                'subscription to "_inbox.tenant.acme.>"',
+                'subscription to "_inbox.>"',
+            ):
+                assert any(wanted in e for e in beta_err), (wanted, beta_err)
+            assert any('subscription to "_inbox.tenant.>"' in e for e in default_err)
+
+            assert terminal["request_id"] == "shared-id"  # its own id, as it sent it
+            # beta takes the request_id acme will use next: ids are per tenant, so acme's
+            # request still runs (and beta's ran as beta's)
+            squat = encode_json({"request_id": "acme-2", "prompt_token_ids": [1], "max_tokens": 1})
+            taken = json.loads(
+                (await beta.request(subjects.tenant_generate("beta"), squat, 10)).data
+            )
+            assert taken["type"] in ("token", "finished") and taken["request_id"] == "acme-2"
+
+            # acme aborts its own request: the stream ends with abort; the abort reply is
+            # an acknowledgement without the outputs
+            long["request_id"] = "acme-2"
+            stream2 = acme.new_inbox()
+            await acme.publish(subjects.tenant_generate("acme"), encode_json(long), reply=stream2)
+            await wait_for(lambda: _on(seen, stream2) >= 2, 30, "acme's second stream")
+            ack = json.loads(
+                (
+                    await acme.request(
+                        subjects.tenant_abort("acme"), encode_json({"request_id": "acme-2"}), 5
+                    )
+                ).data
+            )
+            assert ack["finish_reason"] == "abort" and ack["token_ids"] == []
+            assert ack["request_id"] == "acme-2"
+            ended = await _until_terminal(seen, stream2, 30)
+            assert ended["finish_reason"] == "abort" and ended["token_ids"]
+        finally:
+            for nc in (acme, beta, default):
+                await nc.close()
+        assert all(p.alive() for p in procs.procs.values())
+
+
+def _collect(into: list):  # type: ignore[no-untyped-def,type-arg]
+    async def cb(msg) -> None:  # type: ignore[no-untyped-def]
+        into.append(msg)
+
+    return cb
+
+
+def _on(seen: list, subject: str) -> int:  # type: ignore[type-arg]
+    return sum(1 for m in seen if m.subject == subject)
+
+
+async def _until_terminal(seen: list, subject: str, timeout: float) -> dict:  # type: ignore[type-arg]
+    def terminal() -> dict | None:  # type: ignore[type-arg]
+        for m in seen:
+            if m.subject == subject and json.loads(m.data)["type"] != "token":
+                return json.loads(m.data)
+        return None
+
+    await wait_for(lambda: terminal() is not None, timeout, f"terminal on {subject}")
+    out = terminal()
+    assert out is not None
+    return out

@@ -106,7 +106,9 @@ def test_three_nats_nodes_form_one_jetstream_cluster(compose: dict[str, Any]) ->
     for node, command in commands.items():
         assert _flag(command, "--cluster") == "nats://0.0.0.0:6222"
         routes = set(_flag(command, "--routes").split(","))
-        assert routes == {f"nats://{other}:6222" for other in NATS_NODES if other != node}
+        # routes authenticate (deploy/nats.conf's cluster block) with the route password
+        creds = "route:${RLT_NATS_ROUTE_PASSWORD}@"
+        assert routes == {f"nats://{creds}{other}:6222" for other in NATS_NODES if other != node}
         assert "/etc/nats/nats.conf" in command  # users and permissions on every node
     stores = [
         next(v for v in services[n]["volumes"] if str(v).endswith(":/jetstream"))

@@ -150,8 +150,9 @@ def _established(port: int) -> int:
 
 
 def test_rlt_up_nats_cluster_3(tmp_path: Path, toy_checkpoint: Path) -> None:
-    """``rlt up --nats-cluster 3``: three routed nodes, the event stream R3, ``rlt generate``
-    with every URL, then Ctrl-C stops the services and all three servers."""
+    """``rlt up --nats-cluster 3``: three routed nodes (the routes authenticate), the event
+    stream R3, ``rlt generate`` with every URL, then Ctrl-C stops the services and all three
+    servers. Secured: the client and operator URLs come from the files rlt up writes."""
     port = free_port()
     while any(_port_taken(port + i) for i in range(3)):
         port = free_port()
@@ -174,6 +175,10 @@ def test_rlt_up_nats_cluster_3(tmp_path: Path, toy_checkpoint: Path) -> None:
             "--checkpoint",
             str(toy_checkpoint),
             "--enable-prefix-caching",
+            "--client-url-file",
+            str(tmp_path / "client-url"),
+            "--operator-url-file",
+            str(tmp_path / "operator-url"),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -189,8 +194,12 @@ def test_rlt_up_nats_cluster_3(tmp_path: Path, toy_checkpoint: Path) -> None:
             banner = lines.get(timeout=90)
         assert urls in banner and "3-node cluster" in banner
 
+        operator = (tmp_path / "operator-url").read_text().strip().split(",")[1]
+        client_urls = (tmp_path / "client-url").read_text().strip()
+        assert client_urls.count("@127.0.0.1:") == 3  # every node, with credentials
+
         async def cluster_facts() -> tuple[int, int]:
-            nc = await nats.connect(f"nats://127.0.0.1:{port + 1}")
+            nc = await nats.connect(operator)
             try:
                 info = await nc.jetstream().stream_info(jetstream.EVENT_STREAM)
                 peers = len(set(nc._server_info.get("connect_urls") or []))
@@ -201,7 +210,7 @@ def test_rlt_up_nats_cluster_3(tmp_path: Path, toy_checkpoint: Path) -> None:
         replicas, peers = asyncio.run(cluster_facts())
         assert (replicas, peers) == (3, 3)
         gen = subprocess.run(
-            [*cli, *generate, "--nats-url", urls],
+            [*cli, *generate, "--nats-url", client_urls],
             capture_output=True,
             text=True,
             env=env,
@@ -218,6 +227,7 @@ def test_rlt_up_nats_cluster_3(tmp_path: Path, toy_checkpoint: Path) -> None:
             up.wait()
     for i in range(3):
         assert not _port_taken(port + i)
+    assert not (tmp_path / "client-url").exists() and not (tmp_path / "operator-url").exists()
 
 
 def _port_taken(port: int) -> bool:

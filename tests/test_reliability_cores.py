@@ -225,21 +225,28 @@ def test_reassembler() -> None:
 
 
 @pytest.mark.parametrize(
-    ("reply", "ok"),
+    ("tenant", "reply", "ok"),
     [
-        ("_INBOX.abc.1", True),
-        ("my.inbox", True),
-        ("rlt.v1.worker.batch.x", False),
-        ("$SRV.PING", False),
-        ("_RLT_INBOX.rlt-admission.x", False),
-        ("a b", False),
-        ("a.*", False),
-        ("a..b", False),
-        ("", False),
+        ("", "_INBOX.abc.1", True),
+        # outside every inbox the services may publish to: every event would be refused
+        ("", "my.inbox", False),
+        ("", "rlt.v1.worker.batch.x", False),
+        ("", "$SRV.PING", False),
+        ("", "_RLT_INBOX.rlt-admission.x", False),
+        ("", "a b", False),
+        ("", "a.*", False),
+        ("", "a..b", False),
+        ("", "", False),
+        # a tenant's inboxes are its own: nobody else may point a stream there
+        ("", "_INBOX.tenant.acme.x", False),
+        ("acme", "_INBOX.tenant.acme.x.1", True),
+        ("acme", "_INBOX.tenant.beta.x", False),
+        ("acme", "_INBOX.abc.1", False),
+        ("acme", "_INBOX.tenant.acme", False),
     ],
 )
-def test_reply_subject_check(reply: str, ok: bool) -> None:
-    assert (AdmissionCore.check_reply_subject(reply) is None) == ok
+def test_reply_subject_check(tenant: str, reply: str, ok: bool) -> None:
+    assert (AdmissionCore.check_reply_subject(reply, tenant) is None) == ok
 
 
 @pytest.mark.usefixtures("torch_single_thread")

@@ -20,6 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
+import nats
 import pytest
 
 from messages.api import AbortRequest, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
@@ -390,14 +391,22 @@ async def test_client_streams_json_lines(
 
 def test_rlt_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path, toy_checkpoint: Path) -> None:
     """The real commands: ``rlt up`` (own nats-server + 4 services), ``rlt generate`` against
-    it, then Ctrl-C: everything drains and exits 0, and the nats-server is gone."""
+    it, then Ctrl-C: everything drains and exits 0, and the nats-server is gone.
+
+    Secure by default: NATS refuses a connection without credentials; the client URL (the
+    client user's credentials) is in a file only this OS user can read, which ``rlt
+    generate`` finds by itself; that user can neither read ``>`` nor publish into the
+    services' subjects; and the file is gone when ``rlt up`` exits."""
     port = free_port()
+    url_file = tmp_path / "secrets" / "client-url"
     env = {
         **os.environ,
         "RLT_RUN_DIR": str(tmp_path),
         "RLT_LOG_LEVEL": "warning",
         "OMP_NUM_THREADS": "1",
+        "RLT_CLIENT_URL_FILE": str(url_file),
     }
+    env.pop("RLT_NATS_URL", None)
     cli = [sys.executable, "-m", "services.cli"]
     http = ["--http-port", str(free_port())]
     up = subprocess.Popen(
@@ -413,25 +422,19 @@ def test_rlt_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path, toy_checkpoi
         banner = ""
         while "rlt is up" not in banner:
             banner = lines.get(timeout=60)
-        url = f"nats://127.0.0.1:{port}"
-        gen = subprocess.run(
-            [
-                *cli,
-                "generate",
-                "--nats-url",
-                url,
-                "--prompt-ids",
-                "1,2,3",
-                "--max-tokens",
-                "3",
-                "--ignore-eos",
-                "--json",
-            ],
+        assert url_file.stat().st_mode & 0o777 == 0o600
+        client_url = url_file.read_text().strip()
+        assert client_url.startswith("nats://client:") and "@127.0.0.1:" in client_url
+        assert client_url.split("@")[0].split(":")[-1] not in banner  # no password printed
+        asyncio.run(_client_is_fenced_in(f"nats://127.0.0.1:{port}", client_url))
+        gen = subprocess.run(  # no --nats-url: the client URL file
+            [*cli, "generate", "--prompt-ids", "1,2,3", "--max-tokens", "3", "--ignore-eos",
+             "--json"],
             capture_output=True,
             text=True,
             env=env,
             timeout=60,
-        )
+        )  # fmt: skip
         assert gen.returncode == 0, gen.stderr
         (line,) = gen.stdout.splitlines()
         event = json.loads(line)
@@ -444,6 +447,35 @@ def test_rlt_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path, toy_checkpoi
             up.wait()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    assert not url_file.exists()
+
+
+async def _client_is_fenced_in(plain_url: str, client_url: str) -> None:
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(plain_url, allow_reconnect=False)
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    nc = await nats.connect(client_url, allow_reconnect=False, error_cb=on_error)
+    try:
+        await nc.subscribe(">")
+        # internal subjects, another client's inbox, a JetStream stream capturing inboxes
+        forged = ("rlt.v1.worker.batch.x", "rlt.v1.sched.submit", "_INBOX.victim",
+                  "$JS.API.STREAM.CREATE.EVIL")  # fmt: skip
+        for subject in forged:
+            await nc.publish(subject, b"forged")
+        await nc.flush()
+        for _ in range(100):
+            if len(errors) >= 5:
+                break
+            await asyncio.sleep(0.02)
+        assert any('subscription to ">"' in e for e in errors), errors
+        for subject in (s.lower() for s in forged):
+            assert any(f'publish to "{subject}"' in e for e in errors), (subject, errors)
+    finally:
+        await nc.close()
 
 
 async def test_text_prompts_give_the_same_ids_and_text_offline_and_over_nats(

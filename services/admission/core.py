@@ -13,6 +13,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import jinja2
@@ -24,9 +25,12 @@ from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits
 from services.common.tokenizer import TextCodec
+from services.runtime import subjects
 from services.runtime.tracing import new_trace_id
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]+$")
+# a client's Rlt-Trace-Id header: copied into logs and internal messages, so bounded
+_TRACE_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,64}$")
 # a reply subject: printable tokens without wildcards, separated by single dots
 _SUBJECT_RE = re.compile(r"^[^.\s*>]+(\.[^.\s*>]+)*$")
 # internal subjects a client must never make a service publish to (reply-subject injection)
@@ -80,6 +84,13 @@ class AdmissionConfig:
     # which a retry never runs a request twice), and their total size
     finished_record_s: float = 600.0
     finished_record_bytes: int = 64 << 20
+    # tenants whose requests may ask for a priority more urgent than the default (< 0);
+    # DEFAULT_TENANT ("") names the default tenant (RLT_PRIORITY_TENANTS: "default,acme")
+    priority_tenants: frozenset[str] = frozenset()
+    # how long the requests a lost scheduler held are remembered for its fence query
+    fence_keep_s: float = 600.0
+    # "is that scheduler still there?": no answer in this long means connected but stalled
+    probe_timeout_s: float = 1.0
 
     @classmethod
     def from_env(cls) -> AdmissionConfig:
@@ -95,7 +106,17 @@ class AdmissionConfig:
             scheduler_lost_s=float(env.get("RLT_SCHEDULER_LOST_S", base.scheduler_lost_s)),
             max_request_s=float(env.get("RLT_MAX_REQUEST_S", base.max_request_s)),
             finished_record_s=float(env.get("RLT_FINISHED_RECORD_S", base.finished_record_s)),
+            priority_tenants=parse_priority_tenants(env.get("RLT_PRIORITY_TENANTS", "")),
         )
+
+
+def parse_priority_tenants(value: str) -> frozenset[str]:
+    """``"default,acme"`` -> {"", "acme"}: the tenants that may raise a request's priority."""
+    names = [part.strip() for part in value.split(",") if part.strip()]
+    return frozenset(
+        subjects.DEFAULT_TENANT if name == "default" else subjects.check_tenant(name)
+        for name in names
+    )
 
 
 @dataclass
@@ -107,6 +128,7 @@ class Prepared:
     params: SamplingParams
     trace_id: str
     prompt_text: str | None = None  # only for RLT_LOG_CONTENT=1 logging
+    tenant: str = subjects.DEFAULT_TENANT
 
 
 class LoadTracker:
@@ -166,11 +188,18 @@ class AdmissionCore:
         self.load = LoadTracker(self.admission_id, self.config.unseen_expiry_s)
 
     # ------------------------------------------------------------------ generate
-    def prepare(self, data: bytes, trace_id: str | None = None) -> Prepared:
+    def prepare(
+        self, data: bytes, trace_id: str | None = None, tenant: str = subjects.DEFAULT_TENANT
+    ) -> Prepared:
         """Decode + validate + tokenize + model checks. Raises AdmissionError."""
         request = self._decode(data)
-        request_id = self._request_id(request.request_id)
+        request_id = subjects.scoped_request_id(tenant, self._request_id(request.request_id))
         try:
+            if request.priority < 0 and tenant not in self.config.priority_tenants:
+                raise RequestError(
+                    f"priority {request.priority} is more urgent than the default (0), which "
+                    "this tenant may not ask for (RLT_PRIORITY_TENANTS)"
+                )
             prompt = self._prompt_ids(request)
             # the scheduler gets the request with the model's defaults filled in
             params = self.limits.resolve(request.sampling_params())
@@ -179,16 +208,27 @@ class AdmissionCore:
             _check_encodable(params)
         except RequestError as exc:
             raise AdmissionError(request_id, exc.code, exc.message) from None
-        return Prepared(request_id, prompt, params, trace_id or new_trace_id(), request.prompt)
+        return Prepared(
+            request_id,
+            prompt,
+            params,
+            clean_trace_id(trace_id) or new_trace_id(),
+            request.prompt,
+            tenant,
+        )
 
     @staticmethod
-    def check_reply_subject(reply: str) -> str | None:
+    def check_reply_subject(reply: str, tenant: str = subjects.DEFAULT_TENANT) -> str | None:
         """Why ``reply`` cannot receive a stream (None: it can). A client naming an internal
-        subject as its reply would make the services publish there."""
+        subject, or another tenant's inbox, as its reply would make the services publish
+        there; one the services may not publish to would fail every event."""
         if len(reply) > 1024 or not _SUBJECT_RE.match(reply):
             return "not a valid NATS subject"
         if reply.startswith(_RESERVED_REPLY_PREFIXES):
             return "reply subjects under rlt., $ and _RLT_INBOX are reserved"
+        if not subjects.reply_allowed(tenant, reply):
+            inbox = subjects.tenant_inbox(tenant)
+            return f"the reply subject must be inside this tenant's inbox prefix {inbox}."
         return None
 
     def check_backpressure(self, prepared: Prepared, now: float | None = None) -> None:
@@ -231,13 +271,14 @@ class AdmissionCore:
             admission_id=self.admission_id,
             admission_seq=seq,
             admitted_at=time.time(),
+            tenant=prepared.tenant,
         )
 
     # ------------------------------------------------------------------ abort
     def parse_abort(self, data: bytes) -> AbortRequest:
         try:
             abort = _ABORT_DECODER.decode(data)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise AdmissionError(
                 _salvage_request_id(data), ErrorCode.INVALID_REQUEST, _decode_message(exc)
             ) from None
@@ -248,7 +289,7 @@ class AdmissionCore:
     def _decode(self, data: bytes) -> GenerateRequest:
         try:
             return _GENERATE_DECODER.decode(data)
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
             raise AdmissionError(
                 _salvage_request_id(data), ErrorCode.INVALID_REQUEST, _decode_message(exc)
             ) from None
@@ -363,6 +404,12 @@ class AdmissionCore:
                 )
 
 
+def clean_trace_id(value: str | None) -> str | None:
+    """A client's trace id if it is short and plain (it is copied into logs and messages),
+    else None (a fresh one is made)."""
+    return value if value is not None and _TRACE_ID_RE.match(value) else None
+
+
 def _check_encodable(params: SamplingParams) -> None:
     """JSON carries integers msgpack cannot (e.g. a top_k of 2**70): refuse them here, not
     with a failure on the way to the scheduler."""
@@ -372,7 +419,9 @@ def _check_encodable(params: SamplingParams) -> None:
         raise RequestError("a number in the request is out of range (64-bit integers)") from None
 
 
-def _decode_message(exc: msgspec.DecodeError) -> str:
+def _decode_message(exc: msgspec.DecodeError | RecursionError) -> str:
+    if isinstance(exc, RecursionError):
+        return "invalid JSON: nested too deeply"
     if isinstance(exc, msgspec.ValidationError):
         return f"invalid request: {exc}"
     return f"invalid JSON: {exc}"
@@ -382,7 +431,7 @@ def _salvage_request_id(data: bytes) -> str:
     """Best effort: the request id of a request that failed validation, for the error event."""
     try:
         obj = _ANY_DECODER.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # deeply nested JSON ends in RecursionError
         return ""
     if isinstance(obj, dict):
         rid = obj.get("request_id")
@@ -398,6 +447,7 @@ class OpenRequest:
     trace_id: str
     sent_at: float
     owner: str | None = None  # the scheduler that accepted it
+    seq: int = 0  # its admission seq
 
 
 class OpenRequests:
@@ -422,7 +472,7 @@ class OpenRequests:
         return len(self._open)
 
     def opened(self, seq: int, request_id: str, reply: str, trace_id: str, now: float) -> None:
-        self._open[seq] = OpenRequest(request_id, reply, trace_id, now)
+        self._open[seq] = OpenRequest(request_id, reply, trace_id, now, seq=seq)
         self._by_id[request_id] = seq
 
     def find(self, request_id: str) -> OpenRequest | None:
@@ -454,27 +504,74 @@ class OpenRequests:
     def heard_from(self, scheduler_id: str, now: float) -> None:
         self._heard[scheduler_id] = now
 
-    def lost(self, now: float, connected_since: float) -> list[OpenRequest]:
-        """Removes and returns the requests whose scheduler is gone (or that no scheduler
-        accepted in time). Our own time off the bus does not count against anyone."""
-        out: list[OpenRequest] = []
+    def suspects(self, now: float, connected_since: float) -> dict[int, OpenRequest]:
+        """The requests whose scheduler has been silent for ``scheduler_lost_s`` of our
+        connected time (or that no scheduler accepted in time), by seq, left in the table:
+        the service ends them only once nats-server confirms their scheduler is gone (a
+        stalled scheduler may still publish; see ``declare``). Forgets entries older than
+        ``max_request_s`` (the scheduler ends those itself)."""
+        out: dict[int, OpenRequest] = {}
         for seq, entry in list(self._open.items()):
             if now - entry.sent_at > self.max_request_s:
-                self._pop(seq)  # the scheduler ends it itself; just forget it
+                self._pop(seq)
                 continue
             ref = entry.sent_at if entry.owner is None else self._heard.get(entry.owner, 0.0)
             if now - max(ref, entry.sent_at, connected_since) > self.scheduler_lost_s:
-                out.append(self._pop(seq))  # type: ignore[arg-type]
+                out[seq] = entry
         stale = now - 10 * self.scheduler_lost_s
         for sid in [sid for sid, at in self._heard.items() if at < stale]:
             del self._heard[sid]
         return out
+
+    def declare(self, seqs: Iterable[int]) -> list[OpenRequest]:
+        """Removes and returns these entries: their scheduler is confirmed gone."""
+        return [e for e in (self._pop(seq) for seq in seqs) if e is not None]
+
+    def lost(self, now: float, connected_since: float) -> list[OpenRequest]:
+        """Every suspect, removed (no confirmation): ``suspects`` then ``declare``."""
+        return self.declare(list(self.suspects(now, connected_since)))
+
+    def schedulers(self) -> list[str]:
+        """The schedulers heard from recently (those that may hold an unaccepted request)."""
+        return list(self._heard)
 
     def _pop(self, seq: int | None) -> OpenRequest | None:
         entry = self._open.pop(seq, None) if seq is not None else None
         if entry is not None and self._by_id.get(entry.request_id) == seq:
             del self._by_id[entry.request_id]
         return entry
+
+
+class FenceLog:
+    """The requests this admission ended with ``unavailable`` because their scheduler was
+    gone, by scheduler, for ``keep_s``: a scheduler that comes back (it was cut off, or
+    stalled until nats-server dropped it) asks for them and drops them without sending
+    anything more, so no client hears from two sides. ``None`` as the scheduler: a request
+    no scheduler had accepted (any scheduler may still hold its submit). Bounded: at most
+    ``max_entries`` (oldest out). Pure."""
+
+    def __init__(self, keep_s: float = 600.0, max_entries: int = 100_000) -> None:
+        self.keep_s = keep_s
+        self.max_entries = max_entries
+        self._items: deque[tuple[float, str | None, str, int]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, scheduler_id: str | None, request_id: str, seq: int, now: float) -> None:
+        """``seq``: the admission seq of the try that was ended (a retry has another)."""
+        self._items.append((now, scheduler_id, request_id, seq))
+        self.expire(now)
+
+    def for_scheduler(self, scheduler_id: str, now: float) -> list[tuple[str, int]]:
+        self.expire(now)
+        return [(rid, seq) for _, sid, rid, seq in self._items if sid in (None, scheduler_id)]
+
+    def expire(self, now: float) -> None:
+        while self._items and (
+            now - self._items[0][0] > self.keep_s or len(self._items) > self.max_entries
+        ):
+            self._items.popleft()
 
 
 @dataclass

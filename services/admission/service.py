@@ -8,6 +8,12 @@ Admission also keeps the table of open requests (``OpenRequests``): each submit 
 tracking subject ``rlt.v1.adm.<admission>.<seq>`` on which the scheduler says "accepted" and
 "done". When no scheduler receives a submit, or the scheduler holding a request goes silent
 (crash, restart), admission ends the request with ``unavailable``, so no client waits forever.
+
+Fencing: a scheduler that is only stalled (SIGSTOP, a long pause) still holds its NATS
+connection and would go on streaming when it resumes, so admission ends a silent
+scheduler's requests only once nats-server confirms that scheduler's connection is gone (its
+``rlt.v1.sched.alive.<id>`` has no responders). It remembers what it ended (``FenceLog``); a
+scheduler that comes back asks (``FenceQuery``) and drops those requests without a word.
 """
 
 from __future__ import annotations
@@ -22,20 +28,29 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 
 from messages.api import ErrorEvent
 from messages.errors import ErrorCode
-from messages.internal import AbortForward, RequestNotice, SchedulerLoad
+from messages.internal import (
+    AbortForward,
+    FenceQuery,
+    FenceUpdate,
+    RequestNotice,
+    SchedulerLoad,
+)
 from services.admission.core import (
     AdmissionConfig,
     AdmissionCore,
     AdmissionError,
+    FenceLog,
     FinishedRecord,
     OpenRequest,
     OpenRequests,
     Prepared,
     Retry,
     classify_retry,
+    clean_trace_id,
 )
 from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
@@ -57,6 +72,9 @@ from services.runtime.tracing import (
     Tracer,
     parse_traceparent,
 )
+
+# a gap this long in our own 0.25 s watch loop means we were stalled ourselves
+_OWN_STALL_S = 2.0
 
 
 class AdmissionService(Service):
@@ -80,11 +98,15 @@ class AdmissionService(Service):
         self.finished = FinishedRecord(
             self.config.finished_record_s, self.config.finished_record_bytes
         )
+        self.fences = FenceLog(self.config.fence_keep_s)
         self.num_retries = 0
         self.num_admitted = 0
         self.num_rejected = 0
         self.num_lost = 0
         self.tracer = Tracer(self.name)
+        # silence before this (a stall of our own: we could not hear anyone) judges nobody
+        self._judge_from = 0.0
+        self._stalled_noted: set[str] = set()
 
     async def setup(self) -> None:
         limits = load_model_limits(self.checkpoint)
@@ -112,6 +134,9 @@ class AdmissionService(Service):
         return (
             Endpoint("generate", subjects.GENERATE, self._on_generate),
             Endpoint("abort", subjects.ABORT, self._on_abort),
+            # tenants: the tenant is the subject's, which its NATS user alone may publish
+            Endpoint("tenant-generate", subjects.TENANT_GENERATE_ALL, self._on_generate),
+            Endpoint("tenant-abort", subjects.TENANT_ABORT_ALL, self._on_abort),
             # every admission replica needs every load report: a queue group of its own
             Endpoint(
                 "load",
@@ -126,6 +151,9 @@ class AdmissionService(Service):
                 self._on_track,
                 micro=False,
             ),
+            Endpoint(
+                "fence", subjects.admission_fence(self.instance_id), self._on_fence, micro=False
+            ),
         )
 
     async def on_ready(self) -> None:
@@ -139,6 +167,7 @@ class AdmissionService(Service):
             "lost_to_scheduler_failure": self.num_lost,
             "retries": self.num_retries,
             "finished_record": len(self.finished),
+            "fenced": len(self.fences),
         }
         if self.core is not None:
             n, tokens = self.core.load.waiting(time.monotonic())
@@ -152,17 +181,23 @@ class AdmissionService(Service):
         if not reply:
             self.log.warning("generate request without a reply subject dropped")
             return
-        why = self.core.check_reply_subject(reply)
+        tenant = subjects.tenant_of(msg.subject)
+        if tenant is None:
+            self.log.warning("generate on an unknown subject dropped", subject=msg.subject[:100])
+            return
+        why = self.core.check_reply_subject(reply, tenant)
         if why is not None:  # answering there could itself be the attack: drop it
             self.num_rejected += 1
-            self.log.warning("generate request with a bad reply subject dropped", reason=why)
+            self.log.warning(
+                "generate request with a bad reply subject dropped", reason=why, tenant=tenant
+            )
             return
         headers = msg.headers or {}
         # a W3C traceparent joins the caller's trace; Rlt-Trace-Id names a trace id only
         parent = parse_traceparent(headers.get(TRACEPARENT))
         trace_id = parent.trace_id if parent is not None else headers.get(HEADER_TRACE_ID)
         try:
-            await self._admit(msg.data, reply, trace_id, parent)
+            await self._admit(msg.data, reply, trace_id, tenant, parent)
         except AdmissionError as exc:
             await self._reject(reply, exc)
         except Exception as exc:  # a bug here must still answer the client, exactly once
@@ -172,12 +207,17 @@ class AdmissionService(Service):
             )
 
     async def _admit(
-        self, data: bytes, reply: str, trace_id: str | None, parent: TraceContext | None = None
+        self,
+        data: bytes,
+        reply: str,
+        trace_id: str | None,
+        tenant: str,
+        parent: TraceContext | None = None,
     ) -> None:
         assert self.core is not None
         if self.draining:
             raise AdmissionError("", ErrorCode.UNAVAILABLE, "admission is shutting down")
-        prepared = self.core.prepare(data, trace_id)
+        prepared = self.core.prepare(data, trace_id, tenant)
         span = self.tracer.start(
             "admission.admit",
             parent,
@@ -209,7 +249,8 @@ class AdmissionService(Service):
             raise AdmissionError(
                 rid,
                 ErrorCode.INVALID_REQUEST,
-                f"request_id {rid!r} is already {state} on another reply subject (a retry "
+                f"request_id {subjects.public_request_id(rid)!r} is already {state} on another "
+                "reply subject (a retry "
                 "must come from the reply subject of the first try); choose another request_id",
             )
         if not await self._scheduler_alive():
@@ -243,19 +284,33 @@ class AdmissionService(Service):
 
     async def _on_abort(self, msg: Msg) -> None:
         assert self.core is not None
+        tenant = subjects.tenant_of(msg.subject)
+        reply = msg.reply or ""
+        if tenant is None or (reply and self.core.check_reply_subject(reply, tenant) is not None):
+            reply = ""  # never answer into the system's own subjects or another tenant's
+        if tenant is None:
+            return
         try:
             abort = self.core.parse_abort(msg.data)
         except AdmissionError as exc:
-            if msg.reply:
-                await self._reject(msg.reply, exc)
+            if reply:
+                await self._reject(reply, exc)
             return
-        trace_id = (msg.headers or {}).get(HEADER_TRACE_ID, "")
-        reply = msg.reply or ""
-        if reply and self.core.check_reply_subject(reply) is not None:
-            reply = ""  # never answer into the system's own subjects
-        forward = AbortForward(request_id=abort.request_id, reply_subject=reply, trace_id=trace_id)
+        except Exception as exc:  # a bug here must still answer, and never end the handler
+            self.log.exception("abort failed")
+            if reply:
+                await self._reject(reply, AdmissionError("", ErrorCode.INTERNAL, repr(exc)[:200]))
+            return
+        trace_id = clean_trace_id((msg.headers or {}).get(HEADER_TRACE_ID)) or ""
+        forward = AbortForward(
+            request_id=subjects.scoped_request_id(tenant, abort.request_id),
+            reply_subject=reply,
+            trace_id=trace_id,
+            tenant=tenant,
+        )
         await self.nc.publish(subjects.SCHED_ABORT, encode_msgpack(forward))
-        self.log.info("abort forwarded", **request_fields(abort.request_id, trace_id))
+        fields = request_fields(abort.request_id, trace_id)
+        self.log.info("abort forwarded", tenant=tenant, **fields)
 
     async def _scheduler_alive(self) -> bool:
         """Load reports arrive every fraction of a second; only when they stopped, ask."""
@@ -299,19 +354,87 @@ class AdmissionService(Service):
         closed = self.open.notice(seq, notice, now)
         if closed is not None and notice.finished is not None:
             # kept for a client that missed it and retries (RLT_FINISHED_RECORD_S)
-            self.finished.add(notice.request_id, closed.reply, encode_json(notice.finished), now)
+            public = msgspec.structs.replace(
+                notice.finished, request_id=subjects.public_request_id(notice.request_id)
+            )
+            self.finished.add(notice.request_id, closed.reply, encode_json(public), now)
 
     async def _watch_open_requests(self) -> None:
         while True:
+            before = time.monotonic()
             await asyncio.sleep(0.25)
+            now = time.monotonic()
+            if now - before > _OWN_STALL_S:
+                self._judge_from = now  # we were stalled: we could not hear anyone either
             if not self.bus_connected:
                 continue  # silence while we are cut off says nothing about the scheduler
-            lost = self.open.lost(time.monotonic(), self.bus_connected_since)
-            for entry in lost:
-                await self._end_open(
-                    entry,
-                    "the scheduler holding this request stopped (crash or restart); retry it",
+            await self._end_lost_requests(now)
+
+    async def _end_lost_requests(self, now: float) -> None:
+        """Ends the open requests of schedulers that went silent, once nats-server confirms
+        each one's connection is gone: a scheduler that is merely stalled keeps its
+        connection and would resume streaming, so its requests wait for it."""
+        since = max(self.bus_connected_since, self._judge_from)
+        suspects = self.open.suspects(now, since)
+        if not suspects:
+            return
+        owners = {e.owner for e in suspects.values() if e.owner is not None}
+        known = sorted(owners | set(self.open.schedulers()))
+        verdicts = dict(zip(known, await asyncio.gather(*map(self._probe, known)), strict=True))
+        for sid, verdict in verdicts.items():
+            if verdict == "alive":
+                self.open.heard_from(sid, time.monotonic())
+            elif verdict == "stalled" and sid not in self._stalled_noted:
+                self._stalled_noted.add(sid)
+                self.log.warning(
+                    "scheduler silent but still connected; its requests wait", scheduler=sid
                 )
+            if verdict != "stalled":
+                self._stalled_noted.discard(sid)
+        # a request no scheduler accepted may sit in any stalled scheduler's inbound queue
+        nobody_stalled = all(v != "stalled" for v in verdicts.values())
+        ending = [
+            seq
+            for seq, e in suspects.items()
+            if (verdicts.get(e.owner) == "gone" if e.owner is not None else nobody_stalled)
+        ]
+        for entry in self.open.declare(ending):
+            self.fences.add(entry.owner, entry.request_id, entry.seq, time.monotonic())
+            await self._end_open(
+                entry, "the scheduler holding this request stopped (crash or restart); retry it"
+            )
+
+    async def _probe(self, scheduler_id: str) -> str:
+        """ "gone": nats-server has no subscriber for that scheduler any more (its connection
+        was closed: nothing more can come from it); "stalled": connected but not answering;
+        "alive": it answered."""
+        try:
+            await self.nc.request(
+                subjects.sched_alive(scheduler_id), b"", timeout=self.config.probe_timeout_s
+            )
+        except NoRespondersError:
+            return "gone"
+        except (TimeoutError, NatsError):
+            return "stalled"
+        return "alive"
+
+    async def _on_fence(self, msg: Msg) -> None:
+        if not msg.reply:
+            return
+        try:
+            query = decode_msgpack(msg.data, FenceQuery)
+        except msgspec.DecodeError as exc:
+            self.log.warning("bad fence query", error=str(exc)[:200])
+            return
+        fenced = self.fences.for_scheduler(query.scheduler_id, time.monotonic())
+        update = FenceUpdate(
+            admission_id=self.instance_id,
+            fenced=fenced,
+            scheduler_lost_s=self.config.scheduler_lost_s,
+        )
+        await self.nc.publish(msg.reply, encode_msgpack(update))
+        if fenced:
+            self.log.info("fence sent", scheduler=query.scheduler_id, requests=len(fenced))
 
     async def _end_open(self, entry: OpenRequest, message: str) -> None:
         self.num_lost += 1
@@ -319,7 +442,9 @@ class AdmissionService(Service):
             "open request lost", reason=message, **request_fields(entry.request_id, entry.trace_id)
         )
         event = ErrorEvent(
-            request_id=entry.request_id, code=str(ErrorCode.UNAVAILABLE), message=message
+            request_id=subjects.public_request_id(entry.request_id),
+            code=str(ErrorCode.UNAVAILABLE),
+            message=message,
         )
         try:
             await self.nc.publish(entry.reply, encode_json(event))
@@ -334,5 +459,6 @@ class AdmissionService(Service):
             reason=exc.message[:200],
             request_id=exc.request_id,
         )
-        event = ErrorEvent(request_id=exc.request_id, code=str(exc.code), message=exc.message)
+        public = subjects.public_request_id(exc.request_id)
+        event = ErrorEvent(request_id=public, code=str(exc.code), message=exc.message)
         await self.nc.publish(reply, encode_json(event))

@@ -127,7 +127,21 @@ def add_device_flags(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
     )
 
 
-def add_bus_flags(p: argparse.ArgumentParser) -> None:
+def add_bus_flags(p: argparse.ArgumentParser, client: bool = False) -> None:
+    if client:  # resolved later: $RLT_NATS_URL, else the file `rlt up` wrote, else local
+        p.add_argument(
+            "--nats-url",
+            default=None,
+            help="NATS server URL, or a comma-separated list for a cluster (default: "
+            "$RLT_NATS_URL, else the client URL file of `rlt up`, else " + DEFAULT_NATS_URL + ")",
+        )
+        p.add_argument(
+            "--tenant",
+            default="",
+            help="send as this tenant (rlt.v1.tenant.TENANT.*; its URL file is the client URL "
+            "file + .TENANT)",
+        )
+        return
     p.add_argument(
         "--nats-url",
         default=os.environ.get("RLT_NATS_URL", DEFAULT_NATS_URL),

@@ -141,15 +141,15 @@ class PrefixCacheService(Service):
             return
         self.num_lookups += 1
         headers = msg.headers or {}
-        fields = request_fields(
-            headers.get(HEADER_REQUEST_ID, ""), headers.get(HEADER_TRACE_ID, "")
+        fields = request_fields(  # copied into logs: bounded
+            headers.get(HEADER_REQUEST_ID, "")[:256], headers.get(HEADER_TRACE_ID, "")[:64]
         )
         reply = _NO_HIT
         try:
             lookup = decode_msgpack(msg.data, PrefixLookup)
             fields = request_fields(
-                lookup.request_id or fields["request_id"],
-                lookup.trace_id or fields.get("trace_id", ""),
+                lookup.request_id[:256] or fields["request_id"],
+                lookup.trace_id[:64] or fields.get("trace_id", ""),
             )
             answer = self.index.lookup(lookup.block_hashes)
             reply = encode_msgpack(answer)

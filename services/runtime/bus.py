@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import msgspec
 import nats
@@ -108,6 +109,62 @@ def auth_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return out
 
 
+def with_credentials(url: str, user: str, password: str) -> str:
+    """``nats://host:port[,...]`` with ``user:password@`` in every listed server."""
+    out = []
+    for server in server_list(url):
+        parts = urlsplit(server)
+        host = parts.netloc.rsplit("@", 1)[-1]
+        netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"
+        out.append(urlunsplit(parts._replace(netloc=netloc)))
+    return ",".join(out)
+
+
+def redact_url(url: str) -> str:
+    """A server URL (list) fit for logs and banners: any password replaced by ``***``."""
+    out = []
+    for server in url.split(","):
+        parts = urlsplit(server.strip())
+        if parts.password is None:
+            out.append(server.strip())
+            continue
+        host = parts.netloc.rsplit("@", 1)[-1]
+        out.append(urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}")))
+    return ",".join(out)
+
+
+def split_credentials(url: str) -> tuple[str, dict[str, str]]:
+    """``nats://user:pass@host:port[,...]`` -> the URLs without credentials, and the
+    credentials as nats-py options (``{}`` if none). Passed as options they hold for every
+    server, also those nats-server announces in a cluster (which nats-py would otherwise
+    try without credentials)."""
+    plain, creds = [], {}
+    for server in server_list(url):
+        parts = urlsplit(server)
+        if parts.username is not None:
+            user, password = unquote(parts.username), unquote(parts.password or "")
+            creds = {"user": user, "password": password} if password else {"token": user}
+        plain.append(urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1])))
+    return ",".join(plain), creds
+
+
+def default_client_url_file(tenant: str = subjects.DEFAULT_TENANT) -> Path:
+    """Where ``rlt up`` leaves the client URL (with the client credentials) and where the
+    ``rlt`` client looks for it: ``$RLT_CLIENT_URL_FILE``, else ``~/.rlt/client-url``; a
+    named tenant's is the same path with ``.<tenant>`` appended."""
+    base = Path(os.environ.get("RLT_CLIENT_URL_FILE") or Path.home() / ".rlt" / "client-url")
+    return base if tenant == subjects.DEFAULT_TENANT else base.with_name(f"{base.name}.{tenant}")
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Writes ``text`` readable by this OS user only (the directory is made 0700 if new)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
 def server_list(url: str) -> list[str]:
     """``nats://a:4222,nats://b:4222`` (as ``--nats-url`` / ``RLT_NATS_URL`` take it) as the
     list nats-py wants: the client connects to one and fails over to the others."""
@@ -136,7 +193,8 @@ async def connect(
     timeout bounds that, and the failures are logged at most every few seconds. An
     authorization failure is not retried: it will not fix itself."""
     connected = False
-    auth = auth_options()
+    url, url_auth = split_credentials(url)
+    auth = url_auth or auth_options()
     auth_failed: list[Exception] = []
     last_waiting_log = float("-inf")
 
@@ -150,7 +208,7 @@ async def connect(
             log.warning("nats error", error=repr(exc))
         elif time.monotonic() - last_waiting_log > 5.0:
             last_waiting_log = time.monotonic()
-            log.info("waiting for nats", url=url, error=repr(exc))
+            log.info("waiting for nats", url=redact_url(url), error=repr(exc))
 
     async def disconnected_cb() -> None:
         if closing():  # quiet on our own drain/close
@@ -189,7 +247,7 @@ async def connect(
         while not connecting.done():
             if auth_failed:
                 raise ConnectionError(
-                    f"NATS at {url} refused our credentials: {auth_failed[0]!r} "
+                    f"NATS at {redact_url(url)} refused our credentials: {auth_failed[0]!r} "
                     "(check RLT_NATS_USER / RLT_NATS_PASSWORD / RLT_NATS_CREDS)"
                 )
             if time.monotonic() > deadline:
@@ -197,7 +255,7 @@ async def connect(
             await asyncio.wait({connecting}, timeout=0.1)
         nc = connecting.result()
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise ConnectionError(f"could not connect to NATS at {url}: {exc!r}") from exc
+        raise ConnectionError(f"could not connect to NATS at {redact_url(url)}: {exc!r}") from exc
     finally:
         if not connecting.done():
             connecting.cancel()
@@ -237,14 +295,21 @@ async def publish_chunked(
 class Reassembler:
     """Joins messages split by ``publish_chunked``; whole messages pass straight through.
 
-    Bounded: at most ``max_partial`` messages are assembled at once (the oldest incomplete
-    one is dropped: its sender times out or re-sends) and a message may have at most
-    ``max_parts`` parts. A malformed chunk header drops that part, never raises."""
+    Bounded: at most ``max_partial`` messages are assembled at once and ``max_bytes`` held
+    in their parts (the oldest incomplete one is dropped: its sender times out or re-sends),
+    and a message may have at most ``max_parts`` parts. NATS core does not say who sent a
+    message, so the bound is per receiver; only the scheduler and the worker may publish
+    where a reassembler listens (services/runtime/permissions.py). A malformed chunk header
+    drops that part, never raises."""
 
-    def __init__(self, max_partial: int = 8, max_parts: int = 4096) -> None:
+    def __init__(
+        self, max_partial: int = 8, max_parts: int = 1024, max_bytes: int = 128 << 20
+    ) -> None:
         self.max_partial = max_partial
         self.max_parts = max_parts
+        self.max_bytes = max_bytes
         self._partial: OrderedDict[str, list[bytes | None]] = OrderedDict()
+        self.bytes = 0  # held in parts of incomplete messages
         self.dropped = 0
         self.joined = 0  # messages put back together from parts
 
@@ -258,24 +323,42 @@ class Reassembler:
         except ValueError:
             self.dropped += 1
             return None
-        if not (0 <= index < count <= self.max_parts) or not mid:
+        if not (0 <= index < count <= self.max_parts) or not mid or len(mid) > 64:
             self.dropped += 1
             return None
         parts = self._partial.get(mid)
         if parts is None:
             parts = self._partial[mid] = [None] * count
-            while len(self._partial) > self.max_partial:
-                self._partial.popitem(last=False)
-                self.dropped += 1
         elif len(parts) != count:
             self.dropped += 1
             return None
+        if parts[index] is not None:
+            self.bytes -= len(parts[index])  # type: ignore[arg-type]
         parts[index] = msg.data
-        if any(p is None for p in parts):
+        self.bytes += len(msg.data)
+        self._bound(keep=mid)
+        if mid not in self._partial or any(p is None for p in parts):
             return None
-        del self._partial[mid]
+        self._drop(mid)
+        self.dropped -= 1  # complete, not dropped
         self.joined += 1
         return b"".join(p for p in parts if p is not None)
+
+    def _bound(self, keep: str) -> None:
+        """Drops the oldest incomplete messages (``keep`` last) until within the bounds."""
+        while self._partial and (
+            len(self._partial) > self.max_partial or self.bytes > self.max_bytes
+        ):
+            oldest = next(iter(self._partial))
+            if oldest == keep and len(self._partial) > 1:
+                self._partial.move_to_end(keep)
+                continue
+            self._drop(oldest)
+
+    def _drop(self, mid: str) -> None:
+        parts = self._partial.pop(mid)
+        self.bytes -= sum(len(p) for p in parts if p is not None)
+        self.dropped += 1
 
 
 Handler = Callable[[Any], Awaitable[None]]

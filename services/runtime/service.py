@@ -31,7 +31,7 @@ from nats.micro.service import Service as MicroService
 from prometheus_client import CollectorRegistry
 
 from services.runtime import subjects
-from services.runtime.bus import BoundedHandler, connect, encode_json
+from services.runtime.bus import BoundedHandler, connect, encode_json, redact_url
 from services.runtime.logging import get_logger
 from services.runtime.metrics import MetricsPublisher
 
@@ -223,7 +223,7 @@ class Service:
             )
             self.spawn(self._metrics.run(), "metrics")
         await self.on_ready()
-        self.log.info("service ready", micro_id=self._micro.id, nats_url=self.nats_url)
+        self.log.info("service ready", micro_id=self._micro.id, nats_url=redact_url(self.nats_url))
 
     async def stop(self, drain_timeout: float = 30.0) -> None:
         """Graceful: refuse new work, finish what is in flight, then unsubscribe and close."""

@@ -6,11 +6,86 @@ subjects carry msgpack (smaller and faster to encode for batches and results).
 
 from __future__ import annotations
 
+import re
+
 VERSION_PREFIX = "rlt.v1"
 
-# public (JSON)
+# public (JSON): the default tenant's
 GENERATE = f"{VERSION_PREFIX}.generate"
 ABORT = f"{VERSION_PREFIX}.abort"
+
+# Tenants (docs/services.md, "Security model"). The tenant comes from the subject a request
+# was published on (NATS permissions let a tenant's user publish only its own), never from
+# the body. A tenant's stream replies must be inside its own inbox prefix, which only its
+# user may subscribe to; the default tenant's replies must be outside every tenant's.
+DEFAULT_TENANT = ""
+TENANT_PREFIX = f"{VERSION_PREFIX}.tenant"
+TENANT_GENERATE_ALL = f"{TENANT_PREFIX}.*.generate"
+TENANT_ABORT_ALL = f"{TENANT_PREFIX}.*.abort"
+# the inbox roots client streams may use (the services' users may publish there, clients'
+# users may only subscribe); a reply subject elsewhere is refused
+CLIENT_INBOX_ROOT = "_INBOX"
+TENANT_INBOX_ROOT = f"{CLIENT_INBOX_ROOT}.tenant"
+# the HTTP gateway's stream inboxes (reply subjects of its generate requests): outside _INBOX,
+# so NATS clients, who share _INBOX.>, cannot read the streams of HTTP users (and cannot
+# write into one without guessing its random 64-bit key)
+GATEWAY_INBOX_PREFIX = "_GW_INBOX"
+# where the default tenant's streams may go (a front end with its own inbox root adds it here;
+# services/runtime/permissions.py lets the services publish to each)
+DEFAULT_INBOX_ROOTS: tuple[str, ...] = (CLIENT_INBOX_ROOT, GATEWAY_INBOX_PREFIX)
+_TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+
+
+def check_tenant(tenant: str) -> str:
+    """A tenant name: 1-32 of [a-z0-9_-], starting with a letter or digit (a subject token)."""
+    if not _TENANT_NAME.match(tenant):
+        raise ValueError(f"tenant name {tenant!r} must be 1-32 characters of [a-z0-9_-]")
+    return tenant
+
+
+def tenant_generate(tenant: str) -> str:
+    return GENERATE if tenant == DEFAULT_TENANT else f"{TENANT_PREFIX}.{tenant}.generate"
+
+
+def tenant_abort(tenant: str) -> str:
+    return ABORT if tenant == DEFAULT_TENANT else f"{TENANT_PREFIX}.{tenant}.abort"
+
+
+def tenant_of(subject: str) -> str | None:
+    """The tenant a public subject belongs to; None if it is not a public request subject."""
+    if subject in (GENERATE, ABORT):
+        return DEFAULT_TENANT
+    parts = subject.split(".")
+    if len(parts) == 5 and subject.startswith(TENANT_PREFIX + ".") and _TENANT_NAME.match(parts[3]):
+        return parts[3]
+    return None
+
+
+def tenant_inbox(tenant: str) -> str:
+    """A tenant's clients' inbox prefix (nats-py ``inbox_prefix``, ``nats --inbox-prefix``)."""
+    return CLIENT_INBOX_ROOT if tenant == DEFAULT_TENANT else f"{TENANT_INBOX_ROOT}.{tenant}"
+
+
+def scoped_request_id(tenant: str, request_id: str) -> str:
+    """The id the services use inside: a named tenant's ids live in their own namespace
+    (``acme/req-1``; '/' is in no client id and no tenant name), so no tenant can take,
+    abort or replay another's id."""
+    return request_id if tenant == DEFAULT_TENANT else f"{tenant}/{request_id}"
+
+
+def public_request_id(request_id: str) -> str:
+    """The id the client sent (``scoped_request_id`` undone)."""
+    return request_id.rpartition("/")[2]
+
+
+def reply_allowed(tenant: str, reply: str) -> bool:
+    """Whether a generate or abort from ``tenant`` may name ``reply`` for its answers."""
+    if tenant != DEFAULT_TENANT:
+        return reply.startswith(tenant_inbox(tenant) + ".")
+    if reply.startswith(TENANT_INBOX_ROOT + "."):
+        return False
+    return any(reply.startswith(root + ".") for root in DEFAULT_INBOX_ROOTS)
+
 
 # admission -> scheduler (msgpack)
 SCHED_SUBMIT = f"{VERSION_PREFIX}.sched.submit"
@@ -19,6 +94,16 @@ SCHED_ABORT = f"{VERSION_PREFIX}.sched.abort"
 SCHED_LOAD = f"{VERSION_PREFIX}.sched.load"
 # admission -> scheduler request/reply: "are you there, and how loaded?" (when reports stop)
 SCHED_LOAD_GET = f"{VERSION_PREFIX}.sched.load.get"
+# one scheduler instance's own subject: admission and workers ask it "are you there?". Its
+# "no responders" proves nats-server dropped that scheduler's connection (it can publish
+# nothing more there), which is what makes it safe to end its requests elsewhere (fencing)
+SCHED_ALIVE = f"{VERSION_PREFIX}.sched.alive"
+SCHED_ALIVE_ALL = f"{SCHED_ALIVE}.*"
+
+
+def sched_alive(instance: str) -> str:
+    return f"{SCHED_ALIVE}.{instance}"
+
 
 # scheduler <-> worker (msgpack)
 WORKER_BATCH = f"{VERSION_PREFIX}.worker.batch"
@@ -72,6 +157,12 @@ def admission_tracks_of(admission_id: str) -> str:
     return f"{ADMISSION_TRACK_PREFIX}.{admission_id}.*"
 
 
+# scheduler -> admission request/reply: "which of my requests did you end while I was cut
+# off or stalled?" (a FenceQuery; the answer is a FenceUpdate)
+def admission_fence(admission_id: str) -> str:
+    return f"{ADMISSION_TRACK_PREFIX}.fence.{admission_id}"
+
+
 # prefix cache (msgpack). Events go to the JetStream stream RLT_PREFIX_EVENTS (see
 # services/runtime/jetstream.py), one subject per producer; lookups are core request/reply
 PREFIX_EVENTS = f"{VERSION_PREFIX}.prefix.events"
@@ -96,10 +187,6 @@ def metrics(service: str) -> str:
 
 
 METRICS_ALL = f"{METRICS_PREFIX}.>"
-
-# the gateway's stream inboxes (reply subjects of its generate requests): outside _INBOX, so
-# NATS clients, who share _INBOX.>, cannot read the streams of HTTP users
-GATEWAY_INBOX_PREFIX = "_GW_INBOX"
 
 
 def gateway_inbox(gateway_id: str) -> str:

@@ -9,7 +9,7 @@ returns the deliveries to publish; the NATS shell is ``service.py``.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +28,11 @@ from services.scheduler.engine_core import EngineCore
 from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.telemetry import SchedulerTelemetry
+from services.scheduler.tombstones import AbortTombstones
 
 Delivery = tuple[str, StreamEvent]  # (client reply subject, event)
+# which try of a request a stream serves: (admission id, admission seq); fencing names it
+StreamKey = tuple[str, int]
 Notice = tuple[str, RequestNotice]  # (admission tracking subject, notice)
 
 
@@ -40,6 +43,13 @@ class _Stream:
     started: float
     track: str = ""  # admission's tracking subject ("" = nobody tracks it)
     no: int = 0  # names the stream in its "gone" reply subject
+    tenant: str = ""  # only this tenant may abort it or retry it
+    admission_id: str = ""  # the admission that may end it if we are lost (fencing)
+    admission_seq: int = 0  # the try it serves (a retry re-attaching moves it)
+
+    @property
+    def key(self) -> StreamKey:
+        return (self.admission_id, self.admission_seq)
 
 
 class SchedulerDriver:
@@ -55,6 +65,7 @@ class SchedulerDriver:
         producer_id: str | None = None,
         shard: str | None = None,
         log: Any = None,
+        abort_keep_s: float = 10.0,
     ) -> None:
         self.config = config
         self.limits = limits
@@ -70,6 +81,9 @@ class SchedulerDriver:
         self.notices: list[Notice] = []
         self.num_worker_losses = 0
         self._stream_nos = 0
+        self.tombstones = AbortTombstones(abort_keep_s)
+        # streams that ended lately, by request id: what their held events belong to
+        self._ended_keys: OrderedDict[str, StreamKey] = OrderedDict()
         self.executor = NatsExecutor(config, instance)
         self._new_core()
         self.telemetry = SchedulerTelemetry(
@@ -157,15 +171,27 @@ class SchedulerDriver:
             self.last_admission_seq[req.admission_id] = max(seen, req.admission_seq)
         fields = request_fields(req.request_id, req.trace_id)
         live = self.streams.get(req.request_id)
+        if live is not None and live.tenant != req.tenant:
+            return self._refuse(
+                req, track, ErrorCode.INVALID_REQUEST, f"request_id {req.request_id!r} is in use"
+            )
         if live is not None:
             # a client's retry of a live request (same request_id): no second generation;
             # the stream goes on to the retry's reply subject and tracking subject
             live.reply, live.track = req.reply_subject, track
+            live.admission_id, live.admission_seq = req.admission_id, req.admission_seq
             self._notice(track, req.request_id, "accepted")
             self.log.info("request re-attached", **fields)
             return []
         if self.draining:
             return self._refuse(req, track, ErrorCode.UNAVAILABLE, "scheduler is shutting down")
+        if self.tombstones.take(req.tenant, req.request_id, time.monotonic()):
+            # its abort came first: it ends now, without running
+            self.log.info("request aborted before it arrived", **fields)
+            finished = _aborted(req.request_id, len(req.prompt_token_ids))
+            self._notice(track, req.request_id, "accepted")
+            self._notice(track, req.request_id, "done", finished)
+            return [(req.reply_subject, finished)]
         try:
             self.core.add_request(
                 req.request_id, req.prompt_token_ids, req.params, trace_id=req.trace_id
@@ -178,7 +204,14 @@ class SchedulerDriver:
             return self._refuse(req, track, ErrorCode.INTERNAL, f"scheduler error: {exc!r}")
         self._stream_nos += 1
         self.streams[req.request_id] = _Stream(
-            req.reply_subject, req.trace_id, time.monotonic(), track, self._stream_nos
+            req.reply_subject,
+            req.trace_id,
+            time.monotonic(),
+            track,
+            self._stream_nos,
+            req.tenant,
+            req.admission_id,
+            req.admission_seq,
         )
         self.by_no[self._stream_nos] = req.request_id
         self.telemetry.on_added(req, traceparent)
@@ -247,7 +280,18 @@ class SchedulerDriver:
                 )
         return out
 
-    def abort(self, request_id: str, requester_reply: str = "") -> list[Delivery]:
+    def abort(self, request_id: str, requester_reply: str = "", tenant: str = "") -> list[Delivery]:
+        """Ends a live request of ``tenant`` with ``finish_reason: abort``. An abort for a
+        request that is not here (yet) is remembered for a few seconds (``tombstones``) and
+        honoured if the request arrives; the requester hears ``not_found`` now. The
+        requester's reply carries no outputs: those go to the request's own stream only."""
+        stream = self.streams.get(request_id)
+        if stream is None or stream.tenant != tenant:
+            self.tombstones.add(tenant, request_id, time.monotonic())
+            if not requester_reply:
+                return []
+            message = f"unknown request id {request_id!r}"
+            return [(requester_reply, error_event(request_id, ErrorCode.NOT_FOUND, message))]
         try:
             events = self.core.abort_request(request_id)
         except RequestError as exc:
@@ -256,9 +300,35 @@ class SchedulerDriver:
             return [(requester_reply, error_event(request_id, exc.code, exc.message))]
         out = self._route(events)
         if requester_reply:
-            # the abort requester gets the same terminal event as the stream
-            out += [(requester_reply, e) for _, e in out if isinstance(e, FinishedEvent)]
+            out.append((requester_reply, _aborted(request_id, 0)))
         return out
+
+    def stream_key(self, request_id: str) -> StreamKey | None:
+        """The try a live or lately ended stream serves."""
+        stream = self.streams.get(request_id)
+        return stream.key if stream is not None else self._ended_keys.get(request_id)
+
+    def keys_of(self, admission_ids: set[str]) -> set[StreamKey]:
+        return {s.key for s in self.streams.values() if s.admission_id in admission_ids}
+
+    def drop_fenced(self, keys: set[StreamKey]) -> list[str]:
+        """Admission ended these tries while we were cut off or stalled (fencing): they end
+        here without another event or notice (their clients already have their terminal
+        event). Returns the keys of those that were live."""
+        dropped: list[StreamKey] = []
+        for rid, stream in list(self.streams.items()):
+            if stream.key not in keys:
+                continue
+            del self.streams[rid]
+            self.by_no.pop(stream.no, None)
+            self.core.fail_requests([rid], ErrorCode.UNAVAILABLE, "fenced")  # events dropped
+            dropped.append(stream.key)
+            self.log.warning("request fenced: admission ended it", **request_fields(rid, ""))
+        return dropped
+
+    def admissions(self) -> set[str]:
+        """The admissions whose requests we hold streams for."""
+        return {s.admission_id for s in self.streams.values() if s.admission_id}
 
     # ------------------------------------------------------------------ the loop
     def step(self, *, schedule: bool = True) -> list[Delivery]:
@@ -336,6 +406,9 @@ class SchedulerDriver:
         if stream is not None:
             self.by_no.pop(stream.no, None)
             self._notice(stream.track, request_id, "done", finished)
+            self._ended_keys[request_id] = stream.key
+            while len(self._ended_keys) > 10_000:
+                self._ended_keys.popitem(last=False)
         return stream
 
     def _route(self, events: Iterable[StreamEvent]) -> list[Delivery]:
@@ -381,6 +454,16 @@ class SchedulerDriver:
                 self.telemetry.on_events([event], self.core.inflight)
                 out.append((stream.reply, event))
         return out
+
+
+def _aborted(request_id: str, num_prompt_tokens: int) -> FinishedEvent:
+    return FinishedEvent(
+        request_id=request_id,
+        finish_reason="abort",
+        token_ids=[],
+        exit_depths=[],
+        num_prompt_tokens=num_prompt_tokens,
+    )
 
 
 def error_event(request_id: str, code: ErrorCode | str, message: str) -> ErrorEvent:

@@ -31,6 +31,7 @@ class WorkerInfo:
     last_seen: float
     heartbeat: WorkerHeartbeat
     suspect: bool = False  # declared hung: not picked until it reports itself idle
+    taken_until: float = 0.0  # it refused us (bound to another live scheduler) until then
 
 
 @dataclass
@@ -61,6 +62,7 @@ class WorkerTracker:
             info is not None
             and not info.suspect
             and not info.heartbeat.draining
+            and now >= info.taken_until
             and not self.is_dead(worker_id, now, connected_since)
         )
 
@@ -83,6 +85,11 @@ class WorkerTracker:
         info = self.workers.get(worker_id)
         if info is not None:
             info.suspect = True
+
+    def mark_taken(self, worker_id: str, until: float) -> None:
+        info = self.workers.get(worker_id)
+        if info is not None:
+            info.taken_until = until
 
     def prune(self, now: float, connected_since: float) -> None:
         for wid in [w for w in self.workers if self.is_dead(w, now, connected_since)]:

@@ -807,6 +807,9 @@ class Scheduler:
                     f"{request.request_id}: the worker skipped a row of batch {batch.seq} "
                     "for a live request"
                 )
+            if row.error is not None:  # this row alone failed: only its request ends
+                events.extend(self.fail_request(request.request_id, row.error))
+                continue
             if task.kind in _DECODE_KINDS:
                 request.pending_token_rows -= 1
                 request.pending_decode_loops -= 1

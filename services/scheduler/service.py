@@ -10,6 +10,12 @@ from heartbeats (``liveness.py``); a lost worker, batch or result starts a new e
 the next worker, clients only see a delay); while no worker is up requests wait up to
 ``worker_wait_s``; stream events carry a reply subject so a vanished client is noticed and
 its request aborted; deliveries are held while the bus is down and sent after a grace period.
+
+Fencing (docs/services.md, "Fencing"): admission ends a lost scheduler's requests with
+``unavailable`` only once nats-server dropped that scheduler's connection. So after any time
+cut off from NATS, or any stall of our own (the loop stopped ticking), client events are held
+until every admission we hold streams for answered a ``FenceQuery``: the requests it ended
+meanwhile are dropped without another event, the rest go on. No client hears from two sides.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from prometheus_client import CollectorRegistry
 
 from messages.api import StreamEvent, TokenEvent
@@ -31,6 +39,8 @@ from messages.errors import ErrorCode
 from messages.internal import (
     AbortForward,
     AdmittedRequest,
+    FenceQuery,
+    FenceUpdate,
     WorkerBatch,
     WorkerHeartbeat,
     WorkerResult,
@@ -52,10 +62,20 @@ from services.runtime.bus import (
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
 from services.runtime.tracing import TRACEPARENT
-from services.scheduler.driver import Delivery, SchedulerDriver, error_event
+from services.scheduler.driver import Delivery, SchedulerDriver, StreamKey, error_event
 from services.scheduler.liveness import LossDetector, WorkerTracker
 from services.scheduler.prefix_publisher import PrefixPublisher
 from services.scheduler.scheduler import Scheduler
+
+# a gap this long in our own 0.1 s watchdog tick means we were stalled (or starved): what we
+# publish next may come after admission gave up on us, so we check first (fencing)
+_STALL_S = 1.0
+# how long the fence check keeps asking an admission that does not answer
+_FENCE_WAIT_S = 5.0
+
+
+def replace_id(event: StreamEvent, request_id: str) -> StreamEvent:
+    return msgspec.structs.replace(event, request_id=request_id)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -82,6 +102,11 @@ class SchedulerOptions:
     load_interval_s: float = 0.25
     # prefix-event producer name, stable across restarts (one per scheduler replica)
     producer_name: str = "scheduler"
+    # admission's RLT_SCHEDULER_LOST_S: after a dark spell shorter than this, no admission
+    # can have ended our requests (used when an admission does not answer a fence query)
+    scheduler_lost_s: float = 10.0
+    # how long an abort that came before its request is remembered
+    abort_keep_s: float = 10.0
 
     @classmethod
     def from_env(cls, **overrides: Any) -> SchedulerOptions:
@@ -97,6 +122,8 @@ class SchedulerOptions:
             loss_grace_s=base.loss_grace_s,
             load_interval_s=base.load_interval_s,
             producer_name=os.environ.get("RLT_SCHEDULER_NAME") or base.producer_name,
+            scheduler_lost_s=_env_float("RLT_SCHEDULER_LOST_S", base.scheduler_lost_s),
+            abort_keep_s=_env_float("RLT_ABORT_TOMBSTONE_S", base.abort_keep_s),
         )
 
 
@@ -120,9 +147,10 @@ class StepTimings:
 
 @dataclass
 class _Held:
-    """Client events and notices held while the bus is down (sent in order afterwards)."""
+    """Client events and notices held while the bus is down or a fence check is pending
+    (sent in order afterwards): (subject, data, reply, the try they belong to)."""
 
-    messages: list[tuple[str, bytes, str]] = field(default_factory=list)
+    messages: list[tuple[str, bytes, str, StreamKey | None]] = field(default_factory=list)
     active: bool = False
 
 
@@ -161,6 +189,14 @@ class SchedulerService(Service):
         self._last_load = 0.0
         self.timings = StepTimings()
         self.prefix_publisher: PrefixPublisher | None = None
+        # fencing: since when we may have been unreachable or stalled (None: not dark), a
+        # counter of dark spells, the check that ends one, and the watchdog's last tick
+        self._dark_since: float | None = None
+        self._dark_spells = 0
+        self._dark_mark = 0.0
+        self._fence_task: asyncio.Task[None] | None = None
+        self._last_tick = time.monotonic()
+        self.num_fenced = 0
 
     async def setup(self) -> None:
         self.driver = SchedulerDriver(
@@ -171,6 +207,7 @@ class SchedulerService(Service):
             producer_id=self.options.producer_name,
             shard=self.shard,
             log=self.log,
+            abort_keep_s=self.options.abort_keep_s,
         )
 
     @property
@@ -203,6 +240,9 @@ class SchedulerService(Service):
             Endpoint(
                 "gone", subjects.streams_gone_of(self.instance_id), self._on_gone, micro=False
             ),
+            # "are you there?": nats-server answers "no responders" once our connection is
+            # gone, which is what lets admission and workers give up on us (fencing)
+            Endpoint("alive", subjects.sched_alive(self.instance_id), self._on_alive, micro=False),
         )
 
     async def on_ready(self) -> None:
@@ -214,6 +254,8 @@ class SchedulerService(Service):
             self.spawn(self.prefix_publisher.run(), "prefix-events")
         self.spawn(self._loop(), "loop")
         self.spawn(self._housekeeping(), "housekeeping")
+        self._last_tick = time.monotonic()  # set-up time (loading a checkpoint) is no stall
+        self.spawn(self._watchdog(), "watchdog")
         await self.nc.publish(subjects.WORKER_DISCOVER, b"")  # workers: say hello now
 
     async def drain(self, timeout: float) -> None:
@@ -228,7 +270,8 @@ class SchedulerService(Service):
                     ErrorCode.UNAVAILABLE, "scheduler shut down before the request finished"
                 )
             )
-        self._held.active = False  # shutting down: send what is held, best effort
+        if self._dark_since is None:
+            self._held.active = False  # shutting down: send what is held, best effort
         await self._flush_notices()
         await self._release_held()
         if self.prefix_publisher is not None:
@@ -237,11 +280,11 @@ class SchedulerService(Service):
 
     async def on_bus_lost(self) -> None:
         # hold client events: published now they would reach nobody (the clients are
-        # reconnecting too) and be silently dropped
-        self._held.active = True
+        # reconnecting too) and be silently dropped; and admission may end our requests
+        # while we are away, so they wait for its word (fencing)
+        self._go_dark(time.monotonic(), "cut off from NATS")
 
     async def on_bus_back(self) -> None:
-        self.spawn(self._release_after_grace(), "release-held")
         # the pause says nothing about the workers: judge them from fresh heartbeats
         await self.nc.publish(subjects.WORKER_DISCOVER, b"")
         self._wake.set()
@@ -268,6 +311,9 @@ class SchedulerService(Service):
             "free_kv_blocks": s.kv.num_free_blocks,
             "num_kv_blocks": s.kv.num_blocks,
             "held_messages": len(self._held.messages),
+            "dark": self._dark_since is not None,
+            "fenced_requests": self.num_fenced,
+            "abort_tombstones": len(d.tombstones),
             # the scheduler's own prefix table, to compare with the prefix index's view
             "prefix_producer": d.producer_id,
             "prefix_epoch": s.prefix_log.epoch,
@@ -300,7 +346,7 @@ class SchedulerService(Service):
             self.log.error("undecodable abort", error=str(exc)[:200])
             return
         self.log.info("abort received", **request_fields(abort.request_id, abort.trace_id))
-        await self._deliver(self.driver.abort(abort.request_id, abort.reply_subject))
+        await self._deliver(self.driver.abort(abort.request_id, abort.reply_subject, abort.tenant))
         await self._flush_notices()
         self._wake.set()
 
@@ -356,6 +402,9 @@ class SchedulerService(Service):
         except msgspec.DecodeError as exc:
             self.log.error("undecodable worker result", error=str(exc)[:200])
             return
+        if wr.refused:
+            self._on_refused(wr)
+            return
         # seq + epoch + worker instance: a result is applied once, from the bound worker
         sent = self.driver.executor.sent_at.get(wr.result.seq)
         if self.driver.on_result(wr):
@@ -364,6 +413,21 @@ class SchedulerService(Service):
                 self.timings.round_trip_s += time.monotonic() - sent
                 self.timings.worker_s += wr.worker_s
             self._wake.set()
+
+    def _on_refused(self, wr: WorkerResult) -> None:
+        """The worker serves another scheduler that is still connected: try another (or
+        this one again once it is free)."""
+        d = self.driver
+        assert d is not None
+        if wr.epoch != d.epoch or wr.worker_id != d.worker_id:
+            return
+        self.workers.mark_taken(wr.worker_id, time.monotonic() + 2.0)
+        d.worker_lost(f"worker {wr.worker_id} refused our batches: {wr.refused}")
+        self._wake.set()
+
+    async def _on_alive(self, msg: Msg) -> None:
+        if msg.reply:
+            await self.nc.publish(msg.reply, b"")
 
     async def _on_gone(self, msg: Msg) -> None:
         assert self.driver is not None
@@ -474,15 +538,18 @@ class SchedulerService(Service):
     async def _deliver(self, deliveries: list[Delivery]) -> None:
         assert self.driver is not None
         for subject, event in deliveries:
-            data = encode_json(event)
+            rid = event.request_id
+            # a named tenant's ids are scoped inside ("acme/req-1"): the client sees its own
+            public = subjects.public_request_id(rid)
+            data = encode_json(event if public == rid else replace_id(event, public))
             if not fits(self.nc, len(data)):
                 data = self._too_large(subject, event, len(data))
             # token events carry a reply subject: nats-server answers it with "no responders"
             # when the client is gone, and the request is aborted (see _on_gone)
             reply = ""
             if isinstance(event, TokenEvent):
-                reply = self.driver.gone_subject(event.request_id)
-            await self._send(subject, data, reply)
+                reply = self.driver.gone_subject(rid)
+            await self._send(subject, data, reply, self.driver.stream_key(rid))
 
     def _too_large(self, subject: str, event: StreamEvent, size: int) -> bytes:
         """An event over NATS max_payload (a very long finished event): the client gets a
@@ -494,7 +561,8 @@ class SchedulerService(Service):
         )
         self.log.error("event too large", size=size, request_id=event.request_id)
         self.driver.fail_request(event.request_id, ErrorCode.INTERNAL, message)
-        return encode_json(error_event(event.request_id, ErrorCode.INTERNAL, message))
+        public = subjects.public_request_id(event.request_id)
+        return encode_json(error_event(public, ErrorCode.INTERNAL, message))
 
     async def _flush_notices(self) -> None:
         assert self.driver is not None
@@ -503,31 +571,134 @@ class SchedulerService(Service):
             if notice.finished is not None and not fits(self.nc, len(data)):
                 # the copy of a huge finished event for admission's retry record: left out
                 data = encode_msgpack(replace(notice, finished=None))
-            await self._send(subject, data)
+            await self._send(subject, data, key=self.driver.stream_key(notice.request_id))
 
-    async def _send(self, subject: str, data: bytes, reply: str = "") -> None:
-        if self._held.active:
-            self._held.messages.append((subject, data, reply))
+    async def _send(
+        self, subject: str, data: bytes, reply: str = "", key: StreamKey | None = None
+    ) -> None:
+        now = time.monotonic()
+        if now - self._last_tick > _STALL_S:
+            # our loop did not tick for a while: we may have been stalled past the point
+            # where admission gave up on us, so nothing goes out until it says
+            self._go_dark(self._last_tick, f"stalled {now - self._last_tick:.1f}s")
+        if self._held.active or not self.nc.is_connected:
+            self._held.messages.append((subject, data, reply, key))
             return
         try:
             await self.nc.publish(subject, data, reply=reply)
         except Exception as exc:  # e.g. a bad client reply subject: only that stream suffers
             self.log.warning("delivery failed", error=repr(exc)[:200], subject=subject[:100])
 
-    async def _release_after_grace(self) -> None:
-        await asyncio.sleep(self.options.reconnect_grace_s)
-        # only once the connection held for the whole grace period
-        stable = time.monotonic() - self.bus_connected_since >= self.options.reconnect_grace_s
-        if self.bus_connected and stable:
-            self._held.active = False
-            await self._release_held()
+    # ------------------------------------------------------------------ fencing
+    async def _watchdog(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.1)
+            now = self._last_tick = time.monotonic()
+            if now - before > _STALL_S:
+                self._go_dark(before, f"stalled {now - before:.1f}s")
+
+    def _go_dark(self, since: float, why: str) -> None:
+        """We may have been unreachable since ``since``: hold client events until a fence
+        check says which of our requests admission ended meanwhile."""
+        self._held.active = True
+        if since > self._dark_mark:  # a new cause (one stall is seen by many sends)
+            self._dark_mark = since
+            self._dark_spells += 1
+        if self._dark_since is None:
+            self._dark_since = since
+            self.log.warning("holding client events until admission confirms them", reason=why)
+        if self._fence_task is None or self._fence_task.done():
+            self._fence_task = self.spawn(self._fence_check(), "fence-check")
+
+    async def _fence_check(self) -> None:
+        while True:
+            spell = self._dark_spells
+            await self._wait_back()
+            dark_since = self._dark_since if self._dark_since is not None else time.monotonic()
+            dark_s = time.monotonic() - dark_since
+            fenced, unanswered, lost_s = await self._ask_admissions()
+            if spell != self._dark_spells:
+                continue  # dark again meanwhile: ask again
+            await self._end_dark(fenced, unanswered, dark_s, lost_s)
+            return
+
+    async def _wait_back(self) -> None:
+        """Until we are on the bus and, after a reconnect, the clients had the grace period
+        to reconnect too."""
+        grace = self.options.reconnect_grace_s
+        while True:
+            now = time.monotonic()
+            reconnected = (
+                self._dark_since is not None and self.bus_connected_since > self._dark_since
+            )
+            if self.bus_connected and (not reconnected or now - self.bus_connected_since >= grace):
+                return
+            await asyncio.sleep(0.05)
+
+    async def _ask_admissions(self) -> tuple[set[StreamKey], set[str], float]:
+        """Asks every admission we hold streams for which of them it ended. Returns the
+        fenced tries, the admissions that never answered, and admission's lost time."""
+        assert self.driver is not None
+        pending = self.driver.admissions()
+        fenced: set[StreamKey] = set()
+        lost_s = self.options.scheduler_lost_s
+        query = encode_msgpack(FenceQuery(scheduler_id=self.instance_id))
+        deadline = time.monotonic() + _FENCE_WAIT_S
+        while pending and time.monotonic() < deadline:
+            for admission_id in list(pending):
+                try:
+                    msg = await self.nc.request(
+                        subjects.admission_fence(admission_id), query, timeout=1.0
+                    )
+                    update = decode_msgpack(msg.data, FenceUpdate)
+                except NoRespondersError:
+                    continue  # not on the bus (now): ask again shortly
+                except (TimeoutError, NatsError, msgspec.DecodeError) as exc:
+                    self.log.warning("fence query failed", admission=admission_id, error=repr(exc))
+                    continue
+                pending.discard(admission_id)
+                fenced.update((admission_id, seq) for _, seq in update.fenced)
+                lost_s = min(lost_s, update.scheduler_lost_s)
+            if pending:
+                await asyncio.sleep(0.25)
+        return fenced, pending, lost_s
+
+    async def _end_dark(
+        self, fenced: set[StreamKey], unanswered: set[str], dark_s: float, lost_s: float
+    ) -> None:
+        d = self.driver
+        assert d is not None
+        drop = set(fenced)
+        if unanswered and dark_s >= lost_s:
+            # an admission that is gone may have ended these before it went: nobody can
+            # say, so they end here without a word (a double fault; docs/services.md)
+            drop |= d.keys_of(unanswered)
+            self.log.error(
+                "admissions unreachable after a long dark spell; their requests dropped",
+                admissions=sorted(unanswered),
+                dark_s=round(dark_s, 1),
+            )
+        dropped = d.drop_fenced(drop)
+        # also what is held for fenced requests that ended here meanwhile (their finished
+        # event waits with the rest): admission already gave those clients their terminal
+        ended = {m[3] for m in self._held.messages if m[3] in drop}
+        self._held.messages = [m for m in self._held.messages if m[3] not in drop]
+        self.num_fenced += len(set(dropped) | ended)
+        self._dark_since = None
+        self._held.active = False
+        self.log.info(
+            "fence check done", fenced=len(drop), live=len(dropped), held=len(self._held.messages)
+        )
+        await self._release_held()
+        self._wake.set()
 
     async def _release_held(self) -> None:
         held, self._held.messages = self._held.messages, []
         if held:
             self.log.info("sending messages held during the outage", count=len(held))
-        for subject, data, reply in held:
-            await self._send(subject, data, reply)
+        for subject, data, reply, key in held:
+            await self._send(subject, data, reply, key)
 
     async def _maybe_publish_load(self, force: bool = False) -> None:
         now = time.monotonic()

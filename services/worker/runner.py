@@ -26,7 +26,7 @@ from kernels import (
 from messages.batch import Batch, BatchResult, BatchRow, Phase, RowKind, RowResult, WorkerSampling
 from services.common.config import KVLayout
 from services.common.exit_policy import should_exit, update_survival
-from services.common.sampling import sample_token
+from services.common.sampling import SamplingError, sample_token
 from services.worker.model.ouro import OuroModel
 
 
@@ -401,6 +401,11 @@ class ModelRunner:
         tokens = self._sample(logits, samplings, [state.row for state, _ in coda_rows])
         for (state, _), token in zip(coda_rows, tokens, strict=True):
             r = state.row
+            if isinstance(token, str):
+                # this row alone failed: its request ends, the batch's other rows go on
+                state.result.error = token
+                self.requests[r.request_id].next_decode = None
+                continue
             state.result.token_id = token
             # the token is fed back at the next position, from depth 0
             self.requests[r.request_id].next_decode = BatchRow(
@@ -417,30 +422,37 @@ class ModelRunner:
 
     def _sample(
         self, logits: torch.Tensor, samplings: list[WorkerSampling], rows: list[BatchRow]
-    ) -> list[int]:
-        """One token per row. Greedy rows take one batched argmax where the logits are, so
-        only their ids leave the device (argmax keeps the first maximum on CPU and CUDA
-        alike, and the float32 upcast keeps the order). Sampled rows go to the host sampler,
-        seeded per (request, token index)."""
-        tokens = [0] * len(rows)
+    ) -> list[int | str]:
+        """One token per row, or the reason that row could not be sampled (a str). Greedy
+        rows take one batched argmax where the logits are, so only their ids (and a NaN flag
+        each) leave the device (argmax keeps the first maximum on CPU and CUDA alike, and the
+        float32 upcast keeps the order). Sampled rows go to the host sampler, seeded per
+        (request, token index)."""
+        tokens: list[int | str] = [0] * len(rows)
         greedy = [i for i, s in enumerate(samplings) if s.temperature == 0.0]
         if greedy:
             index = torch.tensor(greedy, device=logits.device)
-            ids = torch.argmax(logits.index_select(0, index).float(), dim=-1).tolist()
-            for i, token in zip(greedy, ids, strict=True):
-                tokens[i] = int(token)
+            chosen = logits.index_select(0, index).float()
+            ids = torch.argmax(chosen, dim=-1)
+            nan = torch.isnan(chosen).any(dim=-1).to(ids.dtype)
+            picked, bad = torch.stack([ids, nan]).tolist()
+            for i, token, is_nan in zip(greedy, picked, bad, strict=True):
+                tokens[i] = "the model produced NaN logits" if is_nan else int(token)
         sampled = [i for i, s in enumerate(samplings) if s.temperature != 0.0]
         if sampled:
             index = torch.tensor(sampled, device=logits.device)
             host = logits.index_select(0, index).cpu()
             for i, row_logits in zip(sampled, host, strict=True):
                 s = samplings[i]
-                tokens[i] = sample_token(
-                    row_logits,
-                    temperature=s.temperature,
-                    top_k=s.top_k,
-                    top_p=s.top_p,
-                    seed=s.seed,
-                    output_index=rows[i].output_index,
-                )
+                try:
+                    tokens[i] = sample_token(
+                        row_logits,
+                        temperature=s.temperature,
+                        top_k=s.top_k,
+                        top_p=s.top_p,
+                        seed=s.seed,
+                        output_index=rows[i].output_index,
+                    )
+                except (SamplingError, RuntimeError) as exc:  # torch's own sampling errors
+                    tokens[i] = f"sampling failed: {exc}"
         return tokens

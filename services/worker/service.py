@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 import torch
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from prometheus_client import CollectorRegistry
 
 from messages.batch import Batch, BatchResult
@@ -89,6 +90,11 @@ class WorkerService(Service):
         self._epoch: str | None = None
         self._next_submit = 0  # next seq to queue for the compute thread
         self._next_done = 0  # every seq before this one ran and its result is published
+        # the scheduler instance whose epochs we run: another one may take us over only
+        # once nats-server says that one's connection is gone (a stalled scheduler that
+        # resumes must not find its worker reset by someone else, nor reset it itself)
+        self._scheduler: str | None = None
+        self._scheduler_seen = 0.0  # when its last batch came
         self._needs_reset = False
         self._pending: dict[int, _Run] = {}  # arrived early: waits for its predecessors
         self._results: asyncio.Queue[tuple[_Run, BatchResult, float]] = asyncio.Queue()
@@ -214,6 +220,11 @@ class WorkerService(Service):
             if _is_older_epoch(wb.epoch, self._epoch):
                 self.log.warning("batch of an older epoch dropped", epoch=wb.epoch)
                 return
+            scheduler = wb.epoch.rpartition(".")[0]
+            if not await self._may_serve(scheduler):
+                await self._refuse(wb, msg.reply, f"bound to scheduler {self._scheduler}")
+                return
+            self._scheduler = scheduler
             # a new scheduler incarnation, or the scheduler recovering from a worker loss:
             # the device state starts over at the epoch's first seq (waited for if lost)
             first = wb.epoch_start_seq if 0 <= wb.epoch_start_seq <= batch.seq else batch.seq
@@ -223,6 +234,7 @@ class WorkerService(Service):
             self._pending.clear()
             self._needs_reset = True
             self.telemetry.end_all()
+        self._scheduler_seen = time.monotonic()
         if batch.seq < self._next_submit or batch.seq in self._pending:
             self.log.warning("duplicate batch dropped", **{BATCH_SEQ: batch.seq})
             return
@@ -231,6 +243,41 @@ class WorkerService(Service):
         self._log_requests(batch)
         self.telemetry.on_batch(batch)
         self._queue_ready()
+
+    async def _may_serve(self, scheduler: str) -> bool:
+        """Whether batches of ``scheduler`` may reset us: we serve nobody yet, we serve it
+        already, or the one we serve has no connection any more (nats-server answers its
+        alive subject with "no responders")."""
+        bound = self._scheduler
+        if bound is None or bound == scheduler:
+            return True
+        if time.monotonic() - self._scheduler_seen > _BOUND_IDLE_S:
+            # it left us (bound another worker): should it come back, it is refused now
+            self.log.info("bound scheduler idle; serving another", old=bound, new=scheduler)
+            return True
+        try:
+            await self.nc.request(subjects.sched_alive(bound), b"", timeout=0.5)
+        except NoRespondersError:
+            self.log.info("bound scheduler is gone; serving another", old=bound, new=scheduler)
+            return True
+        except Exception:  # connected but not answering (stalled): still ours
+            return False
+        return False
+
+    async def _refuse(self, wb: WorkerBatch, reply: str | None, why: str) -> None:
+        self.log.warning("batch of another scheduler refused", epoch=wb.epoch, reason=why)
+        if not reply:
+            return
+        out = WorkerResult(
+            epoch=wb.epoch,
+            result=BatchResult(seq=wb.batch.seq),
+            worker_id=self.instance_id,
+            refused=why,
+        )
+        try:
+            await self.nc.publish(reply, encode_msgpack(out))
+        except Exception as exc:
+            self.log.warning("refusal not sent", error=repr(exc)[:200])
 
     def _log_requests(self, batch: Batch) -> None:
         for new in batch.new_requests:
@@ -359,6 +406,10 @@ class WorkerService(Service):
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+# a scheduler that sent us nothing for this long has moved on: another may take us
+_BOUND_IDLE_S = 30.0
 
 
 def _is_older_epoch(epoch: str, current: str | None) -> bool:
