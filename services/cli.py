@@ -11,6 +11,7 @@ from services.common.flags import (
     add_device_flags,
     add_engine_flags,
     add_request_flags,
+    add_shard_flags,
 )
 from services.worker.model.sizes import CHECKPOINT_SIZES
 
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     add_engine_flags(p)
+    add_shard_flags(p, many=True)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("bench", help="benchmarks: engine comparisons side by side")
@@ -136,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("service", help="run one service (for compose)")
     p.add_argument("name", choices=["admission", "scheduler", "worker", "prefix-cache"])
     add_engine_flags(p)
+    add_shard_flags(p, many=False)
     add_bus_flags(p)
     p.set_defaults(func=cmd_service)
     return parser

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shutil
 import socket
@@ -232,9 +233,11 @@ def build_service(
     *,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    shard_id: str = subjects.DEFAULT_SHARD,
 ) -> Service:
     """One service object (not started). ``checkpoint`` is needed by all but prefix-cache;
-    ``device`` and ``dtype`` are the worker's."""
+    ``device`` and ``dtype`` are the worker's; ``shard_id`` is the scheduler's and the
+    worker's (admission's routing policy is ``admission_config.router``)."""
     if name == "prefix-cache":
         from services.prefix_cache.service import PrefixCacheService
 
@@ -251,11 +254,13 @@ def build_service(
             device=device,
             dtype=dtype,
             heartbeat_interval_s=float(os.environ.get("RLT_WORKER_HEARTBEAT_S", "0.5")),
+            shard_id=shard_id,
         )
     if name == "scheduler":
         from services.scheduler.service import SchedulerOptions, SchedulerService
 
-        return SchedulerService(nats_url, checkpoint, config, options=SchedulerOptions.from_env())
+        options = SchedulerOptions.from_env(shard_id=shard_id)
+        return SchedulerService(nats_url, checkpoint, config, options=options)
     if name == "admission":
         from services.admission.service import AdmissionService
 
@@ -272,22 +277,39 @@ def build_services(
     *,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    shards: int = 1,
 ) -> list[Service]:
-    """Services in start order: the pipeline's back end first, the public entry point last."""
-    ordered = [n for n in SERVICE_ORDER if n in names]
-    return [
-        build_service(n, nats_url, checkpoint, config, admission_config, device=device, dtype=dtype)
-        for n in ordered
-    ]
+    """Services in start order: the pipeline's back end first, the public entry point last;
+    a worker and a scheduler per shard (ids 0..shards-1)."""
+    if shards < 1:
+        raise ValueError(f"--shards must be >= 1, got {shards}")
+    out: list[Service] = []
+    for name in (n for n in SERVICE_ORDER if n in names):
+        per_shard = name in ("worker", "scheduler")
+        for i in range(shards if per_shard else 1):
+            out.append(
+                build_service(
+                    name,
+                    nats_url,
+                    checkpoint,
+                    config,
+                    admission_config,
+                    device=device,
+                    dtype=dtype,
+                    shard_id=str(i),
+                )
+            )
+    return out
 
 
-def _banner(url: str, checkpoint: Path) -> str:
+def _banner(url: str, checkpoint: Path, shards: int = 1, router: str = "prefix") -> str:
     payload = '{"prompt":"hello","max_tokens":8}'
     nodes = len(url.split(","))
     what = f"JetStream, a {nodes}-node cluster" if nodes > 1 else "JetStream"
+    layout = "" if shards == 1 else f"   {shards} shards (ids 0..{shards - 1}), router {router}"
     return f"""\
 rlt is up: NATS {url} ({what}), checkpoint {checkpoint}
-services: worker, prefix-cache, scheduler, admission   (Ctrl-C stops everything)
+services: worker, prefix-cache, scheduler, admission{layout}   (Ctrl-C stops everything)
 
   send a request with the nats CLI (--replies 0 keeps reading the whole stream):
     nats -s {url} req rlt.v1.generate '{payload}'
@@ -333,13 +355,15 @@ def main_up(args: argparse.Namespace) -> int:
         return 1
     try:
         device, dtype = device_from_args(args)
+        shards = getattr(args, "shards", 1)
         services = build_services(
             server.url,
             checkpoint,
             config,
-            AdmissionConfig.from_env(),
+            _admission_config(args),
             device=device,
             dtype=dtype,
+            shards=shards,
         )
 
         async def run() -> None:
@@ -348,7 +372,8 @@ def main_up(args: argparse.Namespace) -> int:
             while not task.done() and not all(s.state == "ready" for s in services):
                 await asyncio.sleep(0.05)
             if not task.done():
-                print(_banner(server.url, checkpoint), flush=True)
+                router = getattr(args, "router", "prefix")
+                print(_banner(server.url, checkpoint, shards, router), flush=True)
             await task
 
         return _run_main("rlt up", run())
@@ -364,16 +389,26 @@ def main_service(args: argparse.Namespace) -> int:
     config = scheduler_config_from_args(args)
     checkpoint = None if args.name == "prefix-cache" else ensure_checkpoint(args.checkpoint)
     device, dtype = device_from_args(args)
+    try:
+        shard = subjects.check_shard_id(getattr(args, "shard", subjects.DEFAULT_SHARD))
+    except ValueError as exc:
+        print(f"rlt service {args.name}: {exc}", file=sys.stderr)
+        return 2
     service = build_service(
         args.name,
         args.nats_url,
         checkpoint,
         config,
-        AdmissionConfig.from_env(),
+        _admission_config(args),
         device=device,
         dtype=dtype,
+        shard_id=shard,
     )
     return _run_main(f"rlt service {args.name}", serve([service]))
+
+
+def _admission_config(args: argparse.Namespace) -> AdmissionConfig:
+    return dataclasses.replace(AdmissionConfig.from_env(), router=getattr(args, "router", "prefix"))
 
 
 def _run_main(what: str, main: Coroutine[Any, Any, None]) -> int:

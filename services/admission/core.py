@@ -13,14 +13,22 @@ import re
 import time
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from hashlib import blake2b
 
 import jinja2
 import msgspec
 
-from messages.api import AbortRequest, ErrorEvent, GenerateRequest
+from messages.api import (
+    AbortRequest,
+    ErrorEvent,
+    FinishedEvent,
+    GenerateRequest,
+    StreamEvent,
+    TokenEvent,
+)
 from messages.errors import ErrorCode, RequestError
-from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad
+from messages.internal import AdmittedRequest, RelayedEvent, RequestNotice, SchedulerLoad
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits
 from services.common.tokenizer import TextCodec
@@ -79,6 +87,13 @@ class AdmissionConfig:
     # which a retry never runs a request twice), and their total size
     finished_record_s: float = 600.0
     finished_record_bytes: int = 64 << 20
+    # routing over shards (services/admission/router.py): policy, the prefix index lookup's
+    # timeout, and how long a failed index is left alone before it is asked again
+    router: str = "prefix"
+    prefix_lookup_timeout_s: float = 0.05
+    prefix_index_retry_s: float = 1.0
+    # a request moved this many times (shard after shard lost) ends with "unavailable"
+    max_moves: int = 8
 
     @classmethod
     def from_env(cls) -> AdmissionConfig:
@@ -94,6 +109,9 @@ class AdmissionConfig:
             scheduler_lost_s=float(env.get("RLT_SCHEDULER_LOST_S", base.scheduler_lost_s)),
             max_request_s=float(env.get("RLT_MAX_REQUEST_S", base.max_request_s)),
             finished_record_s=float(env.get("RLT_FINISHED_RECORD_S", base.finished_record_s)),
+            prefix_lookup_timeout_s=float(
+                env.get("RLT_PREFIX_LOOKUP_TIMEOUT_S", base.prefix_lookup_timeout_s)
+            ),
         )
 
 
@@ -173,6 +191,10 @@ class AdmissionCore:
             prompt = self._prompt_ids(request)
             # the scheduler gets the request with the model's defaults filled in
             params = self.limits.resolve(request.sampling_params())
+            if params.seed is None:
+                # fixed here, from the id: a request resumed on another shard, or retried
+                # through another admission, samples exactly the same tokens
+                params = msgspec.structs.replace(params, seed=seed_from_request_id(request_id))
             assert params.max_tokens is not None
             self._check_fits(len(prompt), params.max_tokens)
             _check_encodable(params)
@@ -195,21 +217,27 @@ class AdmissionCore:
     def check_backpressure(self, prepared: Prepared, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         n, tokens = self.load.waiting(now)
+        why = self.over_limit(n, tokens, len(prepared.prompt_token_ids))
+        if why is not None:
+            raise AdmissionError(
+                prepared.request_id, ErrorCode.OVERLOADED, f"server overloaded: {why}"
+            )
+
+    def over_limit(self, num_waiting: int, waiting_tokens: int, num_prompt: int) -> str | None:
+        """Why one more request of ``num_prompt`` tokens may not join a queue this long
+        (None: it may). The limits hold per scheduler (per shard)."""
         cfg = self.config
-        if n + 1 > cfg.max_waiting_requests:
-            raise AdmissionError(
-                prepared.request_id,
-                ErrorCode.OVERLOADED,
-                f"server overloaded: {n} requests are waiting (limit "
-                f"{cfg.max_waiting_requests}); retry later",
+        if num_waiting + 1 > cfg.max_waiting_requests:
+            return (
+                f"{num_waiting} requests are waiting (limit {cfg.max_waiting_requests}); "
+                "retry later"
             )
-        if tokens + len(prepared.prompt_token_ids) > cfg.max_waiting_tokens:
-            raise AdmissionError(
-                prepared.request_id,
-                ErrorCode.OVERLOADED,
-                f"server overloaded: {tokens} prompt tokens are waiting (limit "
-                f"{cfg.max_waiting_tokens}); retry later",
+        if waiting_tokens + num_prompt > cfg.max_waiting_tokens:
+            return (
+                f"{waiting_tokens} prompt tokens are waiting (limit {cfg.max_waiting_tokens}); "
+                "retry later"
             )
+        return None
 
     def admit(
         self,
@@ -217,6 +245,8 @@ class AdmissionCore:
         reply_subject: str,
         *,
         now: float | None = None,
+        shard_id: str = "",
+        relay_subject: str = "",
     ) -> AdmittedRequest:
         """Builds the message for the scheduler and counts it as waiting."""
         seq = self.load.next_seq()
@@ -232,6 +262,8 @@ class AdmissionCore:
             admission_id=self.admission_id,
             admission_seq=seq,
             admitted_at=time.time(),
+            shard_id=shard_id,
+            relay_subject=relay_subject,
         )
 
     # ------------------------------------------------------------------ abort
@@ -364,6 +396,12 @@ class AdmissionCore:
                 )
 
 
+def seed_from_request_id(request_id: str) -> int:
+    """A request's sampling seed when it gives none: a function of its id (63 bits)."""
+    digest = blake2b(request_id.encode(), digest_size=8, person=b"rlt-seed-v1").digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def _check_encodable(params: SamplingParams) -> None:
     """JSON carries integers msgpack cannot (e.g. a top_k of 2**70): refuse them here, not
     with a failure on the way to the scheduler."""
@@ -399,6 +437,14 @@ class OpenRequest:
     trace_id: str
     sent_at: float
     owner: str | None = None  # the scheduler that accepted it
+    shard: str = ""  # the shard it was routed to ("" = not routed by this admission)
+    seq: int = 0  # the admission seq it is open under (new on every move)
+    # what it needs to resume elsewhere if its shard is lost: the request as admitted, and
+    # the outputs relayed to the client so far (exactly what the client was sent)
+    admitted: AdmittedRequest | None = None
+    token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    moves: int = 0
 
 
 class OpenRequests:
@@ -422,9 +468,78 @@ class OpenRequests:
     def __len__(self) -> int:
         return len(self._open)
 
-    def opened(self, seq: int, request_id: str, reply: str, trace_id: str, now: float) -> None:
-        self._open[seq] = OpenRequest(request_id, reply, trace_id, now)
+    def opened(
+        self,
+        seq: int,
+        request_id: str,
+        reply: str,
+        trace_id: str,
+        now: float,
+        *,
+        shard: str = "",
+        admitted: AdmittedRequest | None = None,
+    ) -> OpenRequest:
+        entry = OpenRequest(
+            request_id, reply, trace_id, now, shard=shard, seq=seq, admitted=admitted
+        )
+        self._open[seq] = entry
         self._by_id[request_id] = seq
+        return entry
+
+    def get(self, seq: int) -> OpenRequest | None:
+        return self._open.get(seq)
+
+    def entries(self) -> list[OpenRequest]:
+        return list(self._open.values())
+
+    def on_shard(self, shard: str, owner: str | None = None) -> list[OpenRequest]:
+        """Open requests routed to ``shard`` (and accepted by ``owner``, if given)."""
+        return [
+            e
+            for e in self._open.values()
+            if e.shard == shard and (owner is None or e.owner in (None, owner))
+        ]
+
+    def moved(self, entry: OpenRequest, new_seq: int, shard: str, now: float) -> None:
+        """``entry`` is resubmitted to ``shard`` under ``new_seq``: anything still arriving
+        for its old seq (its old shard's copy) no longer reaches it."""
+        self._open.pop(entry.seq, None)
+        entry.seq, entry.shard, entry.owner, entry.sent_at = new_seq, shard, None, now
+        entry.moves += 1
+        self._open[new_seq] = entry
+        self._by_id[entry.request_id] = new_seq
+
+    def relayed(
+        self, shard: str, item: RelayedEvent
+    ) -> tuple[OpenRequest | None, StreamEvent | None]:
+        """A relayed event from ``shard``: returns the open request it belongs to and the
+        event to pass on to the client (None: nothing to send). Events of a seq that is not
+        open (the request moved, or ended) or from another shard than the request's are
+        dropped, and so is a token index the client already has: each index reaches it
+        once. A terminal event closes the entry."""
+        entry = self._open.get(item.seq)
+        if entry is None or (entry.shard and entry.shard != shard):
+            return None, None
+        event = item.event
+        if event is None:  # a resync: the stream's outputs so far
+            entry.token_ids = list(item.known_token_ids)
+            entry.exit_depths = list(item.known_exit_depths)
+            return entry, None
+        if isinstance(event, TokenEvent):
+            if event.index != len(entry.token_ids):
+                return entry, None  # a duplicate (or, never expected, a gap)
+            entry.token_ids.append(event.token_id)
+            entry.exit_depths.append(event.exit_depth)
+            return entry, event
+        if isinstance(event, ErrorEvent) and event.code == ErrorCode.UNAVAILABLE:
+            return entry, event  # the shard gave up on it: the caller may move it, or close
+        self._pop(item.seq)
+        if isinstance(event, FinishedEvent):
+            entry.token_ids, entry.exit_depths = list(event.token_ids), list(event.exit_depths)
+        return entry, event
+
+    def close(self, seq: int) -> OpenRequest | None:
+        return self._pop(seq)
 
     def find(self, request_id: str) -> OpenRequest | None:
         seq = self._by_id.get(request_id)

@@ -17,7 +17,13 @@ from typing import Any
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent
 from messages.batch import Phase
 from messages.errors import ErrorCode, RequestError
-from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad, WorkerResult
+from messages.internal import (
+    AdmittedRequest,
+    RelayedEvent,
+    RequestNotice,
+    SchedulerLoad,
+    WorkerResult,
+)
 from messages.prefix import PrefixEventBatch
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.tokenizer import TextCodec
@@ -30,6 +36,8 @@ from services.scheduler.scheduler import Scheduler
 
 Delivery = tuple[str, StreamEvent]  # (client reply subject, event)
 Notice = tuple[str, RequestNotice]  # (admission tracking subject, notice)
+# recent batch round trips (submit -> result) weigh this much in the load report's step time
+_STEP_TIME_WEIGHT = 0.2
 
 
 @dataclass
@@ -39,6 +47,9 @@ class _Stream:
     started: float
     track: str = ""  # admission's tracking subject ("" = nobody tracks it)
     no: int = 0  # names the stream in its "gone" reply subject
+    # admission's relay subject: events go there (admission passes them on to the client)
+    relay: str = ""
+    seq: int = 0  # the admission seq it was (re)submitted under: tags its relayed events
 
 
 class SchedulerDriver:
@@ -52,12 +63,14 @@ class SchedulerDriver:
         *,
         instance: str = "local",
         producer_id: str | None = None,
+        shard_id: str = subjects.DEFAULT_SHARD,
         log: Any = None,
     ) -> None:
         self.config = config
         self.limits = limits
         self.codec = codec
         self.instance = instance
+        self.shard_id = shard_id
         # the prefix-event producer name outlives this process (RLT_SCHEDULER_NAME): a
         # restarted scheduler announces a newer epoch under the same name, and the prefix
         # cache drops everything the old one published
@@ -66,7 +79,14 @@ class SchedulerDriver:
         self.draining = False
         self.last_admission_seq: dict[str, int] = {}
         self.notices: list[Notice] = []
+        # relay subject -> events for that admission, in the order they happened
+        self.relayed: dict[str, list[RelayedEvent]] = {}
         self.num_worker_losses = 0
+        self.num_resumed = 0
+        self.simulated = False  # the bound worker is a ``--device sim`` worker
+        self.has_worker = True  # the service says whether a worker is usable
+        self.step_time_s = 0.0
+        self._report_seq = 0
         self._stream_nos = 0
         self.executor = NatsExecutor(config, instance)
         self._new_core()
@@ -141,24 +161,44 @@ class SchedulerDriver:
     # ------------------------------------------------------------------ requests
     def add(self, req: AdmittedRequest, track: str = "") -> list[Delivery]:
         """Queues an admitted request. ``track`` is admission's tracking subject: it hears
-        "accepted" now and "done" when the stream's terminal event is published."""
+        "accepted" now and "done" when the stream's terminal event is published (a relayed
+        stream's terminal event reaches admission on the relay itself)."""
         if req.admission_id:
             seen = self.last_admission_seq.get(req.admission_id, 0)
             self.last_admission_seq[req.admission_id] = max(seen, req.admission_seq)
         fields = request_fields(req.request_id, req.trace_id)
+        if req.shard_id and req.shard_id != self.shard_id:
+            self.log.warning("request for another shard refused", shard=req.shard_id, **fields)
+            return self._refuse(
+                req, track, ErrorCode.INTERNAL, f"sent to shard {self.shard_id}, not {req.shard_id}"
+            )
         live = self.streams.get(req.request_id)
         if live is not None:
             # a client's retry of a live request (same request_id): no second generation;
             # the stream goes on to the retry's reply subject and tracking subject
             live.reply, live.track = req.reply_subject, track
+            if req.relay_subject:
+                # the retry came through another admission: it learns what the stream has
+                # produced so far, then relays from here on
+                live.relay, live.seq = req.relay_subject, req.admission_seq
+                self._resync(req.request_id, live)
             self._notice(track, req.request_id, "accepted")
             self.log.info("request re-attached", **fields)
             return []
         if self.draining:
             return self._refuse(req, track, ErrorCode.UNAVAILABLE, "scheduler is shutting down")
+        known = (
+            (req.resume_token_ids, req.resume_exit_depths)
+            if req.resume_token_ids or req.resume_exit_depths
+            else None
+        )
         try:
-            self.core.add_request(
-                req.request_id, req.prompt_token_ids, req.params, trace_id=req.trace_id
+            done = self.core.add_request(
+                req.request_id,
+                req.prompt_token_ids,
+                req.params,
+                trace_id=req.trace_id,
+                known_outputs=known,
             )
         except RequestError as exc:
             self.log.info("request refused", code=str(exc.code), reason=exc.message[:200], **fields)
@@ -168,13 +208,22 @@ class SchedulerDriver:
             return self._refuse(req, track, ErrorCode.INTERNAL, f"scheduler error: {exc!r}")
         self._stream_nos += 1
         self.streams[req.request_id] = _Stream(
-            req.reply_subject, req.trace_id, time.monotonic(), track, self._stream_nos
+            req.reply_subject,
+            req.trace_id,
+            time.monotonic(),
+            track,
+            self._stream_nos,
+            relay=req.relay_subject,
+            seq=req.admission_seq,
         )
         self.by_no[self._stream_nos] = req.request_id
         self._notice(track, req.request_id, "accepted")
         extra: dict[str, Any] = {}
         if log_content_enabled():
             extra["prompt_token_ids"] = req.prompt_token_ids
+        if known is not None:
+            self.num_resumed += 1
+            extra["resumed_tokens"] = len(req.resume_token_ids)
         self.log.info(
             "request added",
             num_prompt_tokens=len(req.prompt_token_ids),
@@ -182,13 +231,37 @@ class SchedulerDriver:
             **extra,
             **fields,
         )
-        return []
+        return self._route(done)
 
     def _refuse(
         self, req: AdmittedRequest, track: str, code: ErrorCode, message: str
     ) -> list[Delivery]:
+        event = error_event(req.request_id, code, message)
+        if req.relay_subject:
+            self._relay(req.relay_subject, RelayedEvent(seq=req.admission_seq, event=event))
+            return []
         self._notice(track, req.request_id, "done")
-        return [(req.reply_subject, error_event(req.request_id, code, message))]
+        return [(req.reply_subject, event)]
+
+    def _resync(self, request_id: str, stream: _Stream) -> None:
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return
+        self._relay(
+            stream.relay,
+            RelayedEvent(
+                seq=stream.seq,
+                known_token_ids=list(request.output_token_ids),
+                known_exit_depths=list(request.output_exit_depths),
+            ),
+        )
+
+    def _relay(self, subject: str, item: RelayedEvent) -> None:
+        self.relayed.setdefault(subject, []).append(item)
+
+    def take_relayed(self) -> dict[str, list[RelayedEvent]]:
+        out, self.relayed = self.relayed, {}
+        return out
 
     def fail_request(self, request_id: str, code: ErrorCode, message: str) -> list[Delivery]:
         """Ends one live request with an error event, freeing its KV."""
@@ -236,17 +309,30 @@ class SchedulerDriver:
                 )
         return out
 
-    def abort(self, request_id: str, requester_reply: str = "") -> list[Delivery]:
+    def abort(
+        self,
+        request_id: str,
+        requester_reply: str = "",
+        *,
+        admission_seq: int = 0,
+        broadcast: bool = False,
+    ) -> list[Delivery]:
+        """Ends a live request with ``finish_reason: abort``. ``admission_seq`` > 0 aborts
+        only the stream admitted under that seq (a request admission moved away from here);
+        a ``broadcast`` abort went to every shard, so not holding it is no error."""
+        stream = self.streams.get(request_id)
+        if admission_seq and (stream is None or stream.seq != admission_seq):
+            return []
         try:
             events = self.core.abort_request(request_id)
         except RequestError as exc:
-            if not requester_reply:
+            if not requester_reply or broadcast:
                 return []
             return [(requester_reply, error_event(request_id, exc.code, exc.message))]
         out = self._route(events)
         if requester_reply:
             # the abort requester gets the same terminal event as the stream
-            out += [(requester_reply, e) for _, e in out if isinstance(e, FinishedEvent)]
+            out += [(requester_reply, e) for e in events if isinstance(e, FinishedEvent)]
         return out
 
     # ------------------------------------------------------------------ the loop
@@ -258,13 +344,26 @@ class SchedulerDriver:
     def on_result(self, wr: WorkerResult) -> bool:
         """A worker result; False if it is not this epoch's, from the bound worker, for a
         batch in flight (stale, duplicate or foreign: ignored)."""
-        return self.core.is_inflight(wr.result.seq) and self.executor.deliver(wr)
+        sent = self.executor.sent_at.get(wr.result.seq)
+        if not (self.core.is_inflight(wr.result.seq) and self.executor.deliver(wr)):
+            return False
+        if sent is not None:
+            took = time.monotonic() - sent
+            w = _STEP_TIME_WEIGHT if self.step_time_s else 1.0
+            self.step_time_s = (1 - w) * self.step_time_s + w * took
+        self.simulated = wr.simulated
+        return True
 
     def reset(self, code: ErrorCode, message: str) -> list[Delivery]:
         """Gives up on everything (shutdown after the drain timeout): every stream ends with
         an error and a fresh scheduler starts a new epoch."""
-        out = [(s.reply, error_event(rid, code, message)) for rid, s in self.streams.items()]
-        for rid in list(self.streams):
+        out: list[Delivery] = []
+        for rid, stream in list(self.streams.items()):
+            event = error_event(rid, code, message)
+            if stream.relay:
+                self._relay(stream.relay, RelayedEvent(seq=stream.seq, event=event))
+            else:
+                out.append((stream.reply, event))
             self._ended(rid)
         self.log.error("scheduler reset", reason=message, failed=len(out), epoch=self.epoch)
         self.executor.new_epoch()
@@ -285,14 +384,27 @@ class SchedulerDriver:
         return self.executor.age_of(self.core.oldest_inflight_seq(), now)
 
     def load(self) -> SchedulerLoad:
-        waiting = [r for r in self.scheduler.requests.values() if r.phase == Phase.WAITING]
+        s = self.scheduler
+        waiting = [r for r in s.requests.values() if r.phase == Phase.WAITING]
+        self._report_seq += 1
+        kv = s.kv
         return SchedulerLoad(
             scheduler_id=self.instance,
             num_waiting=len(waiting),
             num_waiting_tokens=sum(r.num_prompt_tokens for r in waiting),
-            num_running=len(self.scheduler.running),
+            num_running=len(s.running),
             last_admission_seq=dict(self.last_admission_seq),
             time=time.time(),
+            shard_id=self.shard_id,
+            producer_id=self.producer_id,
+            report_seq=self._report_seq,
+            num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_active_blocks=(kv.num_blocks - kv.num_free_blocks) // kv.num_planes,
+            step_time_s=self.step_time_s,
+            has_worker=self.has_worker,
+            draining=self.draining,
+            simulated=self.simulated,
         )
 
     def gone_subject(self, request_id: str) -> str:
@@ -316,7 +428,8 @@ class SchedulerDriver:
         stream = self.streams.pop(request_id, None)
         if stream is not None:
             self.by_no.pop(stream.no, None)
-            self._notice(stream.track, request_id, "done", finished)
+            if not stream.relay:  # a relayed terminal event tells admission itself
+                self._notice(stream.track, request_id, "done", finished)
         return stream
 
     def _route(self, events: Iterable[StreamEvent]) -> list[Delivery]:
@@ -326,6 +439,8 @@ class SchedulerDriver:
             if stream is None:
                 continue
             if isinstance(event, FinishedEvent):
+                event.shard = self.shard_id
+                event.simulated = self.simulated
                 self._ended(event.request_id, event)
                 extra: dict[str, Any] = {}
                 if log_content_enabled():
@@ -346,7 +461,10 @@ class SchedulerDriver:
                     reason=event.message[:300],
                     **request_fields(event.request_id, stream.trace_id),
                 )
-            out.append((stream.reply, event))
+            if stream.relay:
+                self._relay(stream.relay, RelayedEvent(seq=stream.seq, event=event))
+            else:
+                out.append((stream.reply, event))
         return out
 
     def _fail(self, request_ids: Iterable[str], code: ErrorCode, message: str) -> list[Delivery]:
@@ -356,8 +474,13 @@ class SchedulerDriver:
         out = self._route(self.core.fail_requests(ids, code, message))
         for rid in ids:
             stream = self._ended(rid)
-            if stream is not None:
-                out.append((stream.reply, error_event(rid, code, message)))
+            if stream is None:
+                continue
+            event = error_event(rid, code, message)
+            if stream.relay:
+                self._relay(stream.relay, RelayedEvent(seq=stream.seq, event=event))
+            else:
+                out.append((stream.reply, event))
         return out
 
 

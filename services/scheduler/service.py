@@ -28,8 +28,12 @@ from nats.aio.msg import Msg
 from messages.api import StreamEvent, TokenEvent
 from messages.errors import ErrorCode
 from messages.internal import (
+    AbortAck,
     AbortForward,
     AdmittedRequest,
+    RelayBatch,
+    RelayedEvent,
+    ShardAnnounce,
     WorkerBatch,
     WorkerHeartbeat,
     WorkerResult,
@@ -78,8 +82,11 @@ class SchedulerOptions:
     # a batch/result a heartbeat says is missing must be this overdue before it counts lost
     loss_grace_s: float = 2.0
     load_interval_s: float = 0.25
-    # prefix-event producer name, stable across restarts (one per scheduler replica)
-    producer_name: str = "scheduler"
+    # the engine shard this scheduler drives (``--shard``): its subjects and its workers
+    shard_id: str = subjects.DEFAULT_SHARD
+    # prefix-event producer name, stable across restarts, one per shard ("" = from the
+    # shard: ``scheduler-<shard>``; RLT_SCHEDULER_NAME overrides it)
+    producer_name: str = ""
 
     @classmethod
     def from_env(cls, **overrides: Any) -> SchedulerOptions:
@@ -94,8 +101,13 @@ class SchedulerOptions:
             reconnect_grace_s=_env_float("RLT_RECONNECT_GRACE_S", base.reconnect_grace_s),
             loss_grace_s=base.loss_grace_s,
             load_interval_s=base.load_interval_s,
+            shard_id=subjects.check_shard_id(base.shard_id),
             producer_name=os.environ.get("RLT_SCHEDULER_NAME") or base.producer_name,
         )
+
+    @property
+    def producer(self) -> str:
+        return self.producer_name or f"scheduler-{self.shard_id}"
 
 
 @dataclass
@@ -147,7 +159,8 @@ class SchedulerService(Service):
             load_model_limits(self.checkpoint),
             TextCodec.from_checkpoint(self.checkpoint),
             instance=self.instance_id,
-            producer_id=self.options.producer_name,
+            producer_id=self.options.producer,
+            shard_id=self.options.shard_id,
             log=self.log,
         )
 
@@ -156,18 +169,25 @@ class SchedulerService(Service):
         assert self.driver is not None
         return self.driver.scheduler
 
+    @property
+    def shard_id(self) -> str:
+        return self.options.shard_id
+
     def endpoints(self) -> Sequence[Endpoint]:
         assert self.driver is not None
+        shard = self.shard_id
+        own = f"rlt-scheduler-{self.instance_id}"  # a queue group of its own: every message
         return (
-            Endpoint("submit", subjects.SCHED_SUBMIT, self._on_submit),
-            Endpoint("abort", subjects.SCHED_ABORT, self._on_abort),
+            Endpoint("submit", subjects.sched_submit(shard), self._on_submit),
+            Endpoint("abort", subjects.sched_abort(shard), self._on_abort),
+            # aborts for requests whose shard the sender did not know: every shard hears them
+            Endpoint("abort-any", subjects.SCHED_ABORT, self._on_abort, queue_group=own),
             Endpoint("load", subjects.SCHED_LOAD_GET, self._on_load_get),
-            # every scheduler needs every heartbeat: a queue group of its own
+            Endpoint("discover", subjects.SHARD_DISCOVER, self._on_discover, queue_group=own),
+            Endpoint("shard-health", subjects.health(self.name, shard), self._on_shard_health),
+            # this shard's workers' heartbeats
             Endpoint(
-                "heartbeat",
-                subjects.WORKER_HEARTBEAT,
-                self._on_heartbeat,
-                queue_group=f"rlt-scheduler-{self.instance_id}",
+                "heartbeat", subjects.worker_heartbeat(shard), self._on_heartbeat, queue_group=own
             ),
             # plain subscriptions: they must receive nats-server's "no responders" status for
             # our own publishes (batches with no worker behind them, events for a vanished
@@ -192,7 +212,9 @@ class SchedulerService(Service):
             self.spawn(self.prefix_publisher.run(), "prefix-events")
         self.spawn(self._loop(), "loop")
         self.spawn(self._housekeeping(), "housekeeping")
-        await self.nc.publish(subjects.WORKER_DISCOVER, b"")  # workers: say hello now
+        # workers: say hello now; routers: this shard is here
+        await self.nc.publish(subjects.worker_discover(self.shard_id), b"")
+        await self._announce()
 
     async def drain(self, timeout: float) -> None:
         assert self.driver is not None
@@ -208,6 +230,7 @@ class SchedulerService(Service):
             )
         self._held.active = False  # shutting down: send what is held, best effort
         await self._flush_notices()
+        await self._flush_relayed()
         await self._release_held()
         if self.prefix_publisher is not None:
             self.prefix_publisher.submit(self.driver.take_prefix_events())
@@ -221,7 +244,7 @@ class SchedulerService(Service):
     async def on_bus_back(self) -> None:
         self.spawn(self._release_after_grace(), "release-held")
         # the pause says nothing about the workers: judge them from fresh heartbeats
-        await self.nc.publish(subjects.WORKER_DISCOVER, b"")
+        await self.nc.publish(subjects.worker_discover(self.shard_id), b"")
         self._wake.set()
 
     def health_details(self) -> dict[str, Any]:
@@ -230,8 +253,11 @@ class SchedulerService(Service):
         d = self.driver
         s = d.scheduler
         return {
+            "shard": self.shard_id,
             "epoch": d.epoch,
             "worker": d.worker_id,
+            "simulated": d.simulated,
+            "resumed_requests": d.num_resumed,
             "workers_known": len(self.workers.workers),
             "worker_losses": d.num_worker_losses,
             "clients_gone": self.num_clients_gone,
@@ -259,10 +285,15 @@ class SchedulerService(Service):
         except msgspec.DecodeError as exc:  # version skew with admission: nowhere to answer
             self.log.error("undecodable submit", error=str(exc)[:200])
             return
-        # only admission's tracking subjects get notices (never an arbitrary reply subject)
+        # only admission's tracking subjects get notices or relayed events (never an
+        # arbitrary subject a message names)
         track = msg.reply if (msg.reply or "").startswith(subjects.ADMISSION_TRACK_PREFIX) else ""
+        if req.relay_subject and not req.relay_subject.startswith(subjects.ADMISSION_TRACK_PREFIX):
+            self.log.error("submit with a bad relay subject dropped", request_id=req.request_id)
+            return
         await self._deliver(self.driver.add(req, track=track))
         await self._flush_notices()
+        await self._flush_relayed()
         self._wake.set()
 
     async def _on_abort(self, msg: Msg) -> None:
@@ -272,9 +303,22 @@ class SchedulerService(Service):
         except msgspec.DecodeError as exc:
             self.log.error("undecodable abort", error=str(exc)[:200])
             return
-        self.log.info("abort received", **request_fields(abort.request_id, abort.trace_id))
-        await self._deliver(self.driver.abort(abort.request_id, abort.reply_subject))
+        held = abort.request_id in self.driver.streams
+        if abort.broadcast and msg.reply:  # admission gathers who held it
+            ack = AbortAck(request_id=abort.request_id, shard_id=self.shard_id, held=held)
+            await self.nc.publish(msg.reply, encode_msgpack(ack))
+        if not abort.broadcast or held:
+            self.log.info("abort received", **request_fields(abort.request_id, abort.trace_id))
+        await self._deliver(
+            self.driver.abort(
+                abort.request_id,
+                abort.reply_subject,
+                admission_seq=abort.admission_seq,
+                broadcast=abort.broadcast,
+            )
+        )
         await self._flush_notices()
+        await self._flush_relayed()
         self._wake.set()
 
     async def _publish_prefix(self, batches: list[PrefixEventBatch]) -> None:
@@ -290,7 +334,36 @@ class SchedulerService(Service):
     async def _on_load_get(self, msg: Msg) -> None:
         assert self.driver is not None
         if msg.reply:
-            await self.nc.publish(msg.reply, encode_msgpack(self.driver.load()))
+            await self.nc.publish(msg.reply, encode_msgpack(self._load()))
+
+    async def _on_discover(self, _msg: Msg) -> None:
+        await self._announce()
+
+    async def _on_shard_health(self, msg: Msg) -> None:
+        if msg.reply:
+            await self.nc.publish(msg.reply, encode_json(self.health()))
+
+    async def _announce(self) -> None:
+        cfg = self.config
+        announce = ShardAnnounce(
+            shard_id=self.shard_id,
+            scheduler_id=self.instance_id,
+            producer_id=self.options.producer,
+            block_size=cfg.block_size,
+            num_blocks=cfg.num_blocks,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            time=time.time(),
+        )
+        try:
+            await self.nc.publish(subjects.SHARD_ANNOUNCE, encode_msgpack(announce))
+        except Exception as exc:  # the next discover asks again
+            self.log.warning("shard announcement not sent", error=repr(exc)[:200])
+
+    def _load(self):  # type: ignore[no-untyped-def]
+        d = self.driver
+        assert d is not None
+        d.has_worker = d.worker_id is not None and self.no_worker_since is None
+        return d.load()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         assert self.driver is not None
@@ -319,6 +392,8 @@ class SchedulerService(Service):
             if self.driver.worker_id is not None:
                 self.workers.forget(self.driver.worker_id)
             self.driver.worker_lost(f"no worker is serving {subjects.WORKER_BATCH}")
+            self._bind_worker()  # another worker of this shard, or "no worker" in the report
+            await self._maybe_publish_load(force=True)  # routers learn it now
             self._wake.set()
             return
         data = self._results_in.feed(msg)
@@ -372,6 +447,7 @@ class SchedulerService(Service):
             await self._publish_batch(wb)
         await self._deliver(out)
         await self._flush_notices()
+        await self._flush_relayed()
         await self._publish_prefix(driver.take_prefix_events())
         if out or batches or before != (len(driver.inflight), driver.scheduler.stats.num_batches):
             await self._maybe_publish_load()
@@ -442,6 +518,10 @@ class SchedulerService(Service):
     def _too_large(self, subject: str, event: StreamEvent, size: int) -> bytes:
         """An event over NATS max_payload (a very long finished event): the client gets a
         clear error instead, and a live request is ended."""
+        message = self._fail_too_large(event, size)
+        return encode_json(error_event(event.request_id, ErrorCode.INTERNAL, message))
+
+    def _fail_too_large(self, event: StreamEvent, size: int) -> str:
         assert self.driver is not None
         message = (
             f"the {type(event).__name__} of {size} bytes exceeds the NATS max_payload of "
@@ -449,7 +529,40 @@ class SchedulerService(Service):
         )
         self.log.error("event too large", size=size, request_id=event.request_id)
         self.driver.fail_request(event.request_id, ErrorCode.INTERNAL, message)
-        return encode_json(error_event(event.request_id, ErrorCode.INTERNAL, message))
+        return message
+
+    async def _flush_relayed(self) -> None:
+        """One message per admission with this step's events of the streams it relays."""
+        assert self.driver is not None
+        for subject, items in self.driver.take_relayed().items():
+            for data in self._relay_messages(items):
+                await self._send(subject, data)
+
+    def _relay_messages(self, items: list[RelayedEvent]) -> list[bytes]:
+        """``items`` as RelayBatch messages under the bus's max_payload: split when many,
+        and an event too big on its own ends its request with a clear error instead."""
+
+        def encode(part: list[RelayedEvent]) -> bytes:
+            return encode_msgpack(
+                RelayBatch(shard_id=self.shard_id, scheduler_id=self.instance_id, events=part)
+            )
+
+        data = encode(items)
+        if fits(self.nc, len(data)):
+            return [data]
+        if len(items) > 1:
+            half = len(items) // 2
+            return self._relay_messages(items[:half]) + self._relay_messages(items[half:])
+        (item,) = items
+        event = item.event
+        if event is None:
+            return []  # a resync too big to send: the stream goes on without it
+        data = encode([RelayedEvent(seq=item.seq, event=self._too_large_event(event, len(data)))])
+        return [data]
+
+    def _too_large_event(self, event: StreamEvent, size: int) -> StreamEvent:
+        message = self._fail_too_large(event, size)
+        return error_event(event.request_id, ErrorCode.INTERNAL, message)
 
     async def _flush_notices(self) -> None:
         assert self.driver is not None
@@ -490,7 +603,7 @@ class SchedulerService(Service):
             return
         assert self.driver is not None
         self._last_load = now
-        await self.nc.publish(subjects.SCHED_LOAD, encode_msgpack(self.driver.load()))
+        await self.nc.publish(subjects.SCHED_LOAD, encode_msgpack(self._load()))
 
     async def _housekeeping(self) -> None:
         """Periodic load reports; the worker watchdogs; request deadlines."""
@@ -525,4 +638,5 @@ class SchedulerService(Service):
         )
         await self._deliver(expired)
         await self._flush_notices()
+        await self._flush_relayed()
         self._wake.set()
