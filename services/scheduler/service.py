@@ -59,6 +59,9 @@ from services.scheduler.liveness import LossDetector, WorkerTracker
 from services.scheduler.prefix_publisher import PrefixPublisher
 from services.scheduler.scheduler import Scheduler
 
+# load reports go out on every change, but at most one per this gap (plus the periodic ones)
+_LOAD_MIN_GAP_S = 0.02
+
 
 def _env_float(name: str, default: float) -> float:
     value = os.environ.get(name)
@@ -151,6 +154,7 @@ class SchedulerService(Service):
         self._results_in = Reassembler()
         self._wake = asyncio.Event()
         self._last_load = 0.0
+        self._load_later: asyncio.Future[None] | None = None
         self.prefix_publisher: PrefixPublisher | None = None
 
     async def setup(self) -> None:
@@ -599,11 +603,26 @@ class SchedulerService(Service):
 
     async def _maybe_publish_load(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_load < 0.02:
+        wait = _LOAD_MIN_GAP_S - (now - self._last_load)
+        if not force and wait > 0:
+            # at most one report per gap, but the last change always goes out: a router
+            # must not see a request that just finished as load for long
+            if self._load_later is None:
+                self._load_later = asyncio.ensure_future(self._publish_load_after(wait))
             return
         assert self.driver is not None
         self._last_load = now
         await self.nc.publish(subjects.SCHED_LOAD, encode_msgpack(self._load()))
+
+    async def _publish_load_after(self, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+            if self.bus_connected and self.state == "ready":
+                await self._maybe_publish_load(force=True)
+        except Exception as exc:  # the periodic report follows anyway
+            self.log.debug("load report not sent", error=repr(exc)[:200])
+        finally:
+            self._load_later = None
 
     async def _housekeeping(self) -> None:
         """Periodic load reports; the worker watchdogs; request deadlines."""
