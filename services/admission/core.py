@@ -510,16 +510,19 @@ class OpenRequests:
         self._by_id[entry.request_id] = new_seq
 
     def relayed(
-        self, shard: str, item: RelayedEvent
+        self, shard: str, item: RelayedEvent, scheduler_id: str = ""
     ) -> tuple[OpenRequest | None, StreamEvent | None]:
         """A relayed event from ``shard``: returns the open request it belongs to and the
         event to pass on to the client (None: nothing to send). Events of a seq that is not
         open (the request moved, or ended) or from another shard than the request's are
         dropped, and so is a token index the client already has: each index reaches it
-        once. A terminal event closes the entry."""
+        once. Once a scheduler instance accepted it, only that instance's events count. A
+        terminal event closes the entry."""
         entry = self._open.get(item.seq)
         if entry is None or (entry.shard and entry.shard != shard):
             return None, None
+        if scheduler_id and entry.owner and entry.owner != scheduler_id:
+            return None, None  # not from the scheduler instance that accepted it
         event = item.event
         if event is None:  # a resync: the stream's outputs so far
             entry.token_ids = list(item.known_token_ids)

@@ -453,7 +453,7 @@ class AdmissionService(Service):
         now = time.monotonic()
         self.open.heard_from(batch.scheduler_id, now)
         for item in batch.events:
-            entry, event = self.open.relayed(batch.shard_id, item)
+            entry, event = self.open.relayed(batch.shard_id, item, batch.scheduler_id)
             if entry is None:
                 continue
             if entry.owner is None:
