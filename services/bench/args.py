@@ -8,14 +8,17 @@ from services.worker.model.sizes import CHECKPOINT_SIZES
 
 # kept here (not in comparisons.py) so building the parser imports nothing heavy
 COMPARISON_NAMES = ("depth_batching", "wcpb", "pipeline", "prefix_cache", "kv_pressure")
+# many OS processes per run (minutes each): only when asked for with --only
+SHARD_COMPARISON_NAMES = ("routing", "scaling")
 
 
 def _names(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in COMPARISON_NAMES]
+    known = COMPARISON_NAMES + SHARD_COMPARISON_NAMES
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown comparison(s) {unknown or text!r}; choose from {', '.join(COMPARISON_NAMES)}"
+            f"unknown comparison(s) {unknown or text!r}; choose from {', '.join(known)}"
         )
     return names
 
@@ -47,7 +50,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         type=_names,
         default=list(COMPARISON_NAMES),
         metavar="NAMES",
-        help=f"comma-separated subset of: {', '.join(COMPARISON_NAMES)}",
+        help=f"comma-separated subset of: {', '.join(COMPARISON_NAMES)} (the default), "
+        f"and {', '.join(SHARD_COMPARISON_NAMES)} (shards as OS processes: only when named)",
     )
     p.add_argument("--out", default="docs/benchmarks", help="output directory for the report")
     p.add_argument(

@@ -22,6 +22,7 @@ class RequestRecord:
     finish_time: float | None = None
     num_cached_tokens: int = 0
     exit_depths: list[int] = field(default_factory=list)
+    shard: str = ""  # the engine shard it finished on (sharded runs)
 
 
 @dataclass

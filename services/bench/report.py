@@ -157,7 +157,7 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
         [
             [
                 a["name"],
-                a["label"],
+                a["label"] + (" **(SIMULATED device)**" if a.get("simulated") else ""),
                 a["backend"],
                 ", ".join(f"{k}={v}" for k, v in a["overrides"].items()) or "—",
             ]
