@@ -75,6 +75,8 @@ class SchedulerLoad(msgspec.Struct, kw_only=True):
     num_blocks: int = 0
     num_free_blocks: int = 0
     num_active_blocks: int = 0  # KV blocks (one plane) the running requests hold
+    # the waiting prompts' tokens its own prefix cache does not hold: prefill still to do
+    num_waiting_prefill_tokens: int = 0
     step_time_s: float = 0.0  # recent mean time from a batch's submission to its result
     has_worker: bool = True  # False: its worker is gone; its requests wait (or move)
     draining: bool = False

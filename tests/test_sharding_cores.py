@@ -60,7 +60,7 @@ def test_silent_producers_are_reported_once() -> None:
 
 # ---------------------------------------------------------------------- router
 def _load(sid: str, *, active: int = 0, waiting: int = 0, running: int = 0) -> ShardLoad:
-    return ShardLoad(sid, f"scheduler-{sid}", running, 0, waiting, active, 100, 0.0)
+    return ShardLoad(sid, f"scheduler-{sid}", running, 0, waiting, waiting, active, 100, 0.0)
 
 
 def test_prefix_router_weighs_overlap_against_load() -> None:
@@ -135,8 +135,9 @@ def test_shard_table_applies_only_good_reports() -> None:
     assert table.announce(_announce("0", "s0b"), 1.0) == (None, "s0")
     # the sends since the last report count as waiting until a report acknowledges them
     table.apply(_report("0", "s0b", 1), 1.0, 1000.0)
-    table.sent("0", 5, 100, 1.0)
-    assert table.load(table.shards["0"], 1.0).waiting_tokens == 100
+    table.sent("0", 5, 100, 1.0, prefill=36)  # 64 of its 100 tokens expected cached there
+    load = table.load(table.shards["0"], 1.0)
+    assert (load.waiting_tokens, load.waiting_prefill_tokens) == (100, 36)
     table.apply(_report("0", "s0b", 2, last_admission_seq={"adm": 5}), 1.1, 1000.0)
     assert table.load(table.shards["0"], 1.1).waiting_tokens == 0
     assert table.lost(3.0, connected_since=0.0) == []

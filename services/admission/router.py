@@ -5,15 +5,16 @@ Policies (``--router``):
 - ``prefix`` (default): the cost of sending the request to shard s, in KV blocks, is
 
       cost(s) = overlap_weight * prefill_blocks(s) + active_blocks(s)
-      prefill_blocks(s) = ceil(prompt / block_size) - overlap(s) + waiting_tokens(s) / block_size
+      prefill_blocks(s) = ceil(prompt / block_size) - overlap(s) + waiting(s) / block_size
 
   where overlap(s) is the leading run of the prompt's blocks shard s caches (the prefix
   index's per-producer answer, or what this router sent there recently and the index does
-  not show yet), waiting_tokens the prompts queued there, and active_blocks the KV its
-  running requests hold. This is the shape of NVIDIA Dynamo's KV router (overlap blocks
-  against prefill and decode load): a cached prefix saves prefill, but a shard whose load
-  exceeds another's by more than the prefix is worth no longer wins. Lowest cost wins; ties
-  go to the fewer requests, then round robin.
+  not show yet), waiting(s) the prefill queued there (the waiting prompts' tokens its cache
+  does not hold), and active_blocks the KV blocks its running requests hold. This is the
+  shape of NVIDIA Dynamo's KV router (overlap blocks against prefill and decode load): a
+  cached prefix saves prefill, but a shard whose load exceeds another's by more than the
+  prefix is worth no longer wins. Lowest cost wins; ties go to the fewer requests, then
+  round robin.
 - ``least-loaded``: the same cost with every overlap 0.
 - ``round-robin``: shard ids in turn, whatever their load.
 
@@ -135,7 +136,7 @@ class Router:
         return choice
 
     def cost(self, shard: ShardLoad, prompt_blocks: int, overlap_blocks: int) -> float:
-        prefill = prompt_blocks - overlap_blocks + shard.waiting_tokens / self.block_size
+        prefill = prompt_blocks - overlap_blocks + shard.waiting_prefill_tokens / self.block_size
         return self.overlap_weight * prefill + shard.active_blocks
 
 

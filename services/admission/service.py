@@ -25,6 +25,7 @@ forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections import deque
@@ -128,6 +129,7 @@ class AdmissionService(Service):
         self.routed: dict[str, int] = {}
         self._logged: dict[tuple[str, str], float] = {}
         self._last_discover = float("-inf")
+        self._routing: dict[str, asyncio.Future[None]] = {}  # request id -> routed
 
     async def setup(self) -> None:
         limits = load_model_limits(self.checkpoint)
@@ -259,14 +261,20 @@ class AdmissionService(Service):
             )
         if retry is Retry.REATTACH:
             return  # we relay its stream to this very reply subject: it simply goes on
-        choice = await self._route(prepared)
+        # routing may wait for the prefix index: an abort arriving meanwhile waits for it
+        routed = self._routing[rid] = asyncio.get_running_loop().create_future()
+        try:
+            choice, overlap = await self._route(prepared)
+        finally:
+            self._routing.pop(rid, None)
+            routed.set_result(None)
         admitted = self.core.admit(
             prepared, reply, shard_id=choice, relay_subject=self.relay_subject
         )
         seq = admitted.admission_seq
         now = time.monotonic()
         self.open.opened(seq, rid, reply, prepared.trace_id, now, shard=choice, admitted=admitted)
-        await self._submit(admitted, now)
+        await self._submit(admitted, now, overlap)
         self.num_admitted += 1
         extra: dict[str, Any] = {}
         if log_content_enabled():  # user data: only when the operator asks for it
@@ -280,10 +288,12 @@ class AdmissionService(Service):
             **request_fields(rid, prepared.trace_id),
         )
 
-    async def _submit(self, admitted: AdmittedRequest, now: float) -> None:
+    async def _submit(self, admitted: AdmittedRequest, now: float, overlap_blocks: int = 0) -> None:
         shard = admitted.shard_id
         seq = admitted.admission_seq
-        self.shards.sent(shard, seq, len(admitted.prompt_token_ids), now)
+        prompt = len(admitted.prompt_token_ids)
+        prefill = max(0, prompt - overlap_blocks * self.shards.block_size)
+        self.shards.sent(shard, seq, prompt, now, prefill)
         self.routed[shard] = self.routed.get(shard, 0) + 1
         # the tracking subject as reply: the "accepted" notice, or "no responders"
         await self.nc.publish(
@@ -293,8 +303,9 @@ class AdmissionService(Service):
         )
 
     # ------------------------------------------------------------------ routing
-    async def _route(self, prepared: Prepared, exclude: str = "") -> str:
-        """The shard for a request (raises AdmissionError when none can take it)."""
+    async def _route(self, prepared: Prepared, exclude: str = "") -> tuple[str, int]:
+        """The shard for a request and the prefix blocks it is expected to hold there
+        (raises AdmissionError when no shard can take it)."""
         assert self.core is not None
         rid = prepared.request_id
         now = time.monotonic()
@@ -325,7 +336,7 @@ class AdmissionService(Service):
         choice = self.router.choose(open_loads, len(prompt), overlaps)
         if hashes:
             self.recent.record(hashes, choice.shard_id, now)
-        return choice.shard_id
+        return choice.shard_id, choice.overlap_blocks
 
     async def _overlaps(
         self, hashes: list[int], loads: list[ShardLoad], prepared: Prepared
@@ -618,6 +629,10 @@ class AdmissionService(Service):
         reply = msg.reply or ""
         if reply and self.core.check_reply_subject(reply) is not None:
             reply = ""  # never answer into the system's own subjects
+        routing = self._routing.get(abort.request_id)
+        if routing is not None:  # its generate is being routed: never overtake it
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(routing), 5.0)
         entry = self.open.find(abort.request_id)
         if entry is None:
             # another admission routed it, or it is unknown: every shard is asked

@@ -35,21 +35,26 @@ class Refusal(enum.StrEnum):
 class _Unseen:
     """What this admission sent a shard since the report it last applied was taken."""
 
-    entries: list[tuple[int, int, float]] = field(default_factory=list)  # seq, tokens, at
+    # (seq, prompt tokens, expected prefill tokens, sent at)
+    entries: list[tuple[int, int, int, float]] = field(default_factory=list)
 
-    def add(self, seq: int, tokens: int, now: float) -> None:
-        self.entries.append((seq, tokens, now))
+    def add(self, seq: int, tokens: int, prefill: int, now: float) -> None:
+        self.entries.append((seq, tokens, prefill, now))
 
     def drop_seen(self, last_seq: int) -> None:
         if self.entries and self.entries[0][0] <= last_seq:
             self.entries = [e for e in self.entries if e[0] > last_seq]
 
     def expire(self, now: float, expiry_s: float) -> None:
-        if self.entries and now - self.entries[0][2] > expiry_s:
-            self.entries = [e for e in self.entries if now - e[2] <= expiry_s]
+        if self.entries and now - self.entries[0][3] > expiry_s:
+            self.entries = [e for e in self.entries if now - e[3] <= expiry_s]
 
-    def totals(self) -> tuple[int, int]:
-        return len(self.entries), sum(e[1] for e in self.entries)
+    def totals(self) -> tuple[int, int, int]:
+        return (
+            len(self.entries),
+            sum(e[1] for e in self.entries),
+            sum(e[2] for e in self.entries),
+        )
 
 
 @dataclass
@@ -82,7 +87,8 @@ class ShardLoad:
     producer_id: str
     num_running: int
     num_waiting: int
-    waiting_tokens: int
+    waiting_tokens: int  # queued prompt tokens (backpressure)
+    waiting_prefill_tokens: int  # of those, what its prefix cache does not hold (routing)
     active_blocks: int
     num_free_blocks: int
     step_time_s: float
@@ -182,11 +188,15 @@ class ShardTable:
         return gone
 
     # ------------------------------------------------------------------ routing
-    def sent(self, shard_id: str, seq: int, prompt_tokens: int, now: float) -> None:
-        """A request went to ``shard_id``: it waits there until a report says otherwise."""
+    def sent(
+        self, shard_id: str, seq: int, prompt_tokens: int, now: float, prefill: int | None = None
+    ) -> None:
+        """A request went to ``shard_id``: it waits there until a report says otherwise;
+        ``prefill`` is the part of its prompt the shard is expected to compute."""
         shard = self.shards.get(shard_id)
         if shard is not None:
-            shard.unseen.add(seq, prompt_tokens, now)
+            todo = prompt_tokens if prefill is None else prefill
+            shard.unseen.add(seq, prompt_tokens, todo, now)
 
     def routable(self, now: float) -> list[Shard]:
         """Healthy shards (fresh reports, a worker, not draining); if there are none, the
@@ -214,7 +224,7 @@ class ShardTable:
 
     def load(self, shard: Shard, now: float) -> ShardLoad:
         shard.unseen.expire(now, self.config.unseen_expiry_s)
-        n, tokens = shard.unseen.totals()
+        n, tokens, prefill = shard.unseen.totals()
         r = shard.report or SchedulerLoad(scheduler_id=shard.scheduler_id)
         return ShardLoad(
             shard_id=shard.shard_id,
@@ -222,6 +232,7 @@ class ShardTable:
             num_running=r.num_running,
             num_waiting=r.num_waiting + n,
             waiting_tokens=r.num_waiting_tokens + tokens,
+            waiting_prefill_tokens=r.num_waiting_prefill_tokens + prefill,
             active_blocks=r.num_active_blocks,
             num_free_blocks=r.num_free_blocks,
             step_time_s=r.step_time_s,
