@@ -68,8 +68,12 @@ def test_prefix_router_weighs_overlap_against_load() -> None:
     shards = [_load("0"), _load("1"), _load("2")]
     # 10 prompt blocks; shard 1 caches 8 of them: it saves 8 blocks of prefill
     assert router.choose(shards, 160, {"1": 8}).shard_id == "1"
-    # shard 1 already holds 9 more active blocks than the others: the prefix no longer pays
-    busy = [_load("0"), _load("1", active=9), _load("2")]
+    # the prefix in use there by a running request (its 8 blocks + 2 of its own) is no
+    # reason to go elsewhere: a new request would share those blocks
+    warm = [_load("0"), _load("1", active=10, running=1), _load("2")]
+    assert router.choose(warm, 160, {"1": 8}).shard_id == "1"
+    # 8 blocks saved twice (prefill and memory): 17 more active blocks outweigh them
+    busy = [_load("0"), _load("1", active=17), _load("2")]
     assert router.choose(busy, 160, {"1": 8}).shard_id != "1"
     # queued prompts count as prefill to come
     queued = [_load("0", waiting=16 * 20), _load("1"), _load("2")]

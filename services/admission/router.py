@@ -4,17 +4,20 @@ Policies (``--router``):
 
 - ``prefix`` (default): the cost of sending the request to shard s, in KV blocks, is
 
-      cost(s) = overlap_weight * prefill_blocks(s) + active_blocks(s)
-      prefill_blocks(s) = ceil(prompt / block_size) - overlap(s) + waiting(s) / block_size
+      cost(s) = overlap_weight * prefill_blocks(s) + decode_blocks(s)
+      prefill_blocks(s) = P - overlap(s) + waiting(s) / block_size
+      decode_blocks(s)  = active(s) + P - overlap(s)
 
-  where overlap(s) is the leading run of the prompt's blocks shard s caches (the prefix
-  index's per-producer answer, or what this router sent there recently and the index does
-  not show yet), waiting(s) the prefill queued there (the waiting prompts' tokens its cache
-  does not hold), and active_blocks the KV blocks its running requests hold. This is the
-  shape of NVIDIA Dynamo's KV router (overlap blocks against prefill and decode load): a
-  cached prefix saves prefill, but a shard whose load exceeds another's by more than the
-  prefix is worth no longer wins. Lowest cost wins; ties go to the fewer requests, then
-  round robin.
+  where P is the prompt's length in blocks, overlap(s) the leading run of its blocks shard s
+  caches (the prefix index's per-producer answer, or what this router sent there recently and
+  the index does not show yet), waiting(s) the prefill queued there (the waiting prompts'
+  tokens its cache does not hold), and active(s) the KV blocks its running requests hold.
+  decode_blocks is what the shard would hold with this request: the cached blocks it would
+  share are there already (counted once in active(s), however many requests read them). This
+  is the shape of NVIDIA Dynamo's KV router (overlap blocks against prefill and decode load,
+  its "potential" active blocks): a cached prefix saves prefill and memory, but a shard whose
+  load exceeds another's by more than that no longer wins. Lowest cost wins; ties go to the
+  fewer requests, then round robin.
 - ``least-loaded``: the same cost with every overlap 0.
 - ``round-robin``: shard ids in turn, whatever their load.
 
@@ -136,8 +139,9 @@ class Router:
         return choice
 
     def cost(self, shard: ShardLoad, prompt_blocks: int, overlap_blocks: int) -> float:
-        prefill = prompt_blocks - overlap_blocks + shard.waiting_prefill_tokens / self.block_size
-        return self.overlap_weight * prefill + shard.active_blocks
+        new_blocks = prompt_blocks - overlap_blocks
+        prefill = new_blocks + shard.waiting_prefill_tokens / self.block_size
+        return self.overlap_weight * prefill + shard.active_blocks + new_blocks
 
 
 class IndexGate:
