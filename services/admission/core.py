@@ -90,6 +90,10 @@ class AdmissionConfig:
     # routing over shards (services/admission/router.py): policy, the prefix index lookup's
     # timeout, and how long a failed index is left alone before it is asked again
     router: str = "prefix"
+    # a block of prefill saved against a block of load (Dynamo's overlap_score_weight)
+    router_overlap_weight: float = 1.0
+    # each request already running or queued on a shard counts as this many blocks of load
+    router_request_weight: float = 2.0
     prefix_lookup_timeout_s: float = 0.05
     prefix_index_retry_s: float = 1.0
     # a request moved this many times (shard after shard lost) ends with "unavailable"
@@ -111,6 +115,12 @@ class AdmissionConfig:
             finished_record_s=float(env.get("RLT_FINISHED_RECORD_S", base.finished_record_s)),
             prefix_lookup_timeout_s=float(
                 env.get("RLT_PREFIX_LOOKUP_TIMEOUT_S", base.prefix_lookup_timeout_s)
+            ),
+            router_overlap_weight=float(
+                env.get("RLT_ROUTER_OVERLAP_WEIGHT", base.router_overlap_weight)
+            ),
+            router_request_weight=float(
+                env.get("RLT_ROUTER_REQUEST_WEIGHT", base.router_request_weight)
             ),
         )
 

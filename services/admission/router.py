@@ -6,18 +6,21 @@ Policies (``--router``):
 
       cost(s) = overlap_weight * prefill_blocks(s) + decode_blocks(s)
       prefill_blocks(s) = P - overlap(s) + waiting(s) / block_size
-      decode_blocks(s)  = active(s) + P - overlap(s)
+      decode_blocks(s)  = active(s) + P - overlap(s) + request_weight * requests(s)
 
   where P is the prompt's length in blocks, overlap(s) the leading run of its blocks shard s
   caches (the prefix index's per-producer answer, or what this router sent there recently and
   the index does not show yet), waiting(s) the prefill queued there (the waiting prompts'
-  tokens its cache does not hold), and active(s) the KV blocks its running requests hold.
-  decode_blocks is what the shard would hold with this request: the cached blocks it would
-  share are there already (counted once in active(s), however many requests read them). This
-  is the shape of NVIDIA Dynamo's KV router (overlap blocks against prefill and decode load,
-  its "potential" active blocks): a cached prefix saves prefill and memory, but a shard whose
-  load exceeds another's by more than that no longer wins. Lowest cost wins; ties go to the
-  fewer requests, then round robin.
+  tokens its cache does not hold), active(s) the KV blocks its running requests hold, and
+  requests(s) how many run or wait there. decode_blocks is what the shard would hold with
+  this request (the cached blocks it would share are there already, counted once however
+  many requests read them) plus a block-equivalent per request (each is a decode row per
+  step, whatever memory it shares). This is the shape of NVIDIA Dynamo's KV router (overlap
+  blocks against prefill and decode load, its "potential" active blocks and its optional
+  active-request term): a cached prefix saves prefill and memory, but a shard whose load
+  exceeds another's by more than that no longer wins. Lowest cost wins; ties go to the fewer
+  requests, then round robin. Defaults (overlap_weight 1, request_weight 2) are measured:
+  docs/sharding.md.
 - ``least-loaded``: the same cost with every overlap 0.
 - ``round-robin``: shard ids in turn, whatever their load.
 
@@ -98,11 +101,16 @@ class RecentRoutes:
 
 class Router:
     def __init__(
-        self, policy: RoutePolicy | str, block_size: int, overlap_weight: float = 1.0
+        self,
+        policy: RoutePolicy | str,
+        block_size: int,
+        overlap_weight: float = 1.0,
+        request_weight: float = 2.0,
     ) -> None:
         self.policy = RoutePolicy(policy)
         self.block_size = block_size
         self.overlap_weight = overlap_weight
+        self.request_weight = request_weight
         self._turn = 0
 
     @property
@@ -141,7 +149,9 @@ class Router:
     def cost(self, shard: ShardLoad, prompt_blocks: int, overlap_blocks: int) -> float:
         new_blocks = prompt_blocks - overlap_blocks
         prefill = new_blocks + shard.waiting_prefill_tokens / self.block_size
-        return self.overlap_weight * prefill + shard.active_blocks + new_blocks
+        requests = shard.num_running + shard.num_waiting
+        decode = shard.active_blocks + new_blocks + self.request_weight * requests
+        return self.overlap_weight * prefill + decode
 
 
 class IndexGate:

@@ -114,7 +114,12 @@ class AdmissionService(Service):
             block_size,
             ShardTableConfig(lost_s=self.config.scheduler_lost_s),
         )
-        self.router = Router(self.config.router, block_size)
+        self.router = Router(
+            self.config.router,
+            block_size,
+            self.config.router_overlap_weight,
+            self.config.router_request_weight,
+        )
         self.recent = RecentRoutes()
         self.index = IndexGate(self.config.prefix_index_retry_s)
         self.relay_subject = subjects.admission_relay(self.instance_id)
