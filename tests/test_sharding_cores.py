@@ -323,3 +323,104 @@ def test_sim_outputs_are_a_function_of_seed_and_position_even_under_preemption()
             runner.exit_loops_at(sampling, prompt + k - 1) for k in range(1, 10)
         ]
     assert runner.simulated_s > 0 and runner.stats.core_passes > 0
+
+
+# ---------------------------------------------------------------------- a shard lost, in pure form
+def _shard(toy_checkpoint: Path, shard: str, model: OuroModel):  # type: ignore[no-untyped-def]
+    from services.common.checkpoint import load_model_limits
+    from services.scheduler.driver import SchedulerDriver
+
+    config = SchedulerConfig(
+        block_size=4,
+        num_blocks=256,
+        async_scheduling=True,
+        wavefront_chunked_prefill=True,
+        prefill_chunk_size=3,
+        enable_prefix_caching=True,
+    )
+    codec = TextCodec.from_checkpoint(toy_checkpoint)
+    driver = SchedulerDriver(
+        config, load_model_limits(toy_checkpoint), codec, instance=f"s{shard}", shard_id=shard
+    )
+    driver.bind(f"w{shard}")
+    runner = ModelRunner(model, config.num_blocks, config.block_size, config.kv_layout)
+    return driver, runner
+
+
+def _pump(driver, runner, table: OpenRequests, client: list, steps: int) -> None:  # type: ignore[no-untyped-def]
+    """``steps`` driver steps; relayed events go through admission's table to the client."""
+    from tests.helpers import run_on
+
+    for _ in range(steps):
+        assert driver.step() == []  # relayed streams: nothing goes straight to a client
+        for wb in driver.executor.take_outbox():
+            driver.on_result(run_on(runner, wb))
+        for items in driver.take_relayed().values():
+            for item in items:
+                _, event = table.relayed(driver.shard_id, item, driver.instance)
+                if event is not None:
+                    client.append(event)
+        if driver.idle:
+            return
+
+
+def test_a_lost_shards_stream_goes_on_elsewhere_each_index_once(
+    toy_model: OuroModel, toy_checkpoint: Path
+) -> None:
+    import msgspec
+
+    from tests.conftest_nats import check_stream
+
+    params = SamplingParams(
+        max_tokens=14, temperature=0.8, top_k=20, ignore_eos=True, min_loops=1, exit_threshold=0.6
+    )  # sampled, not greedy: the seed admission fixed must carry over
+    prompt = [11, 3, 250, 9, 48, 7, 7, 130]
+    first = AdmittedRequest(
+        request_id="r",
+        prompt_token_ids=prompt,
+        params=msgspec.structs.replace(params, seed=seed_from_request_id("r")),
+        reply_subject="_INBOX.r",
+        admission_id="adm",
+        admission_seq=1,
+        shard_id="0",
+        relay_subject="rlt.v1.adm.adm.relay.events",
+    )
+    table = OpenRequests(scheduler_lost_s=5.0)
+    entry = table.opened(1, "r", "_INBOX.r", "", 0.0, shard="0", admitted=first)
+    client: list = []
+    a, runner_a = _shard(toy_checkpoint, "0", toy_model)
+    b, runner_b = _shard(toy_checkpoint, "1", toy_model)
+    a.add(first, track="rlt.v1.adm.adm.1")
+    entry.owner = "s0"
+    _pump(a, runner_a, table, client, steps=12)
+    assert 0 < len(entry.token_ids) < 14
+    # shard 0 is lost: admission resubmits with what the client has, under a new seq
+    moved = msgspec.structs.replace(
+        first,
+        admission_seq=2,
+        shard_id="1",
+        resume_token_ids=list(entry.token_ids),
+        resume_exit_depths=list(entry.exit_depths),
+    )
+    table.moved(entry, 2, "1", 1.0)
+    b.add(moved, track="rlt.v1.adm.adm.2")
+    # the old shard, still running somewhere, keeps producing: all of it is dropped
+    _pump(a, runner_a, table, client, steps=200)
+    _pump(b, runner_b, table, client, steps=400)
+    assert b.idle and len(table) == 0
+    final = check_stream(client)  # indices 0..13 once each, text adds up, one terminal
+    assert isinstance(final, FinishedEvent) and final.shard == "1"
+    # the same as an uninterrupted run on one shard
+    c, runner_c = _shard(toy_checkpoint, "2", toy_model)
+    alone = OpenRequests(scheduler_lost_s=5.0)
+    alone.opened(1, "r", "_INBOX.r", "", 0.0, shard="2", admitted=first)
+    whole: list = []
+    c.add(msgspec.structs.replace(first, shard_id="2"))
+    _pump(c, runner_c, alone, whole, steps=400)
+    ref = check_stream(whole)
+    assert isinstance(ref, FinishedEvent)
+    assert (final.token_ids, final.exit_depths, final.text) == (
+        ref.token_ids,
+        ref.exit_depths,
+        ref.text,
+    )
