@@ -615,7 +615,8 @@ def scaling(s: BenchSettings) -> Comparison:
             s.seed,
             prompt=(16, 48),
             output=(8, 16) if quick else (64, 128),
-            requests_per_client=1,
+            # several per client: steady state, not one wave whose slowest request decides
+            requests_per_client=1 if quick else 3,
             name=f"sim_x{n}",
         )
         for n in sim_counts
