@@ -49,6 +49,7 @@ def ratio_result(spec: RatioSpec, runs: Sequence[Run], repeats: int) -> dict[str
         "metric": spec.metric,
         "numerator": spec.numerator,
         "denominator": spec.denominator,
+        "denominator_workload": spec.denominator_workload or spec.workload,
         "kind": "value" if spec.value else "difference" if spec.difference else "ratio",
         "label": spec.label,
         "per_repeat": per_repeat,

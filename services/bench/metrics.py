@@ -115,6 +115,15 @@ def run_metrics(run: RunRecord) -> Metrics:
     return m
 
 
+# what a sharded run (services/bench/sharded.py) adds to its metrics
+SHARD_METRICS = (
+    "shard_imbalance",
+    "control_cpu_us_per_token",
+    "scheduler_cpu_us_per_step",
+    "sim_device_ms_per_step",
+    "scheduler_cpu_per_sim_pass",
+)
+
 WASTE_METRICS = (
     "preemptions",
     "recomputed_prompt_tokens",

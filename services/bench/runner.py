@@ -30,7 +30,7 @@ from services.bench.comparisons import (
     Comparison,
     build_comparisons,
 )
-from services.bench.metrics import WASTE_METRICS, run_metrics
+from services.bench.metrics import SHARD_METRICS, WASTE_METRICS, run_metrics
 from services.bench.progress import Progress
 from services.bench.workloads import FULL, QUICK, LoopMode, RequestSpec, Workload
 from services.common.config import SchedulerConfig
@@ -57,6 +57,7 @@ SUMMARY_METRICS = (
     "host_us_per_batch",
     "wall_s",
     *WASTE_METRICS,
+    *SHARD_METRICS,
 )
 
 
