@@ -495,7 +495,7 @@ def routing(s: BenchSettings) -> Comparison:
     n = 2 if s.quick else 4
     clients = max(n, s.concurrency)
     prefix_tokens, suffix, output = (32, (4, 8), (2, 4)) if s.quick else (256, (16, 32), (8, 16))
-    num_requests = (4 if s.quick else 12) * ROUTING_PREFIXES
+    num_requests = (4 if s.quick else 24) * ROUTING_PREFIXES
     shared = wl.prefix_groups(
         s.vocab,
         clients,
