@@ -46,6 +46,10 @@ class FinishedEvent(msgspec.Struct, gc=False, kw_only=True, tag="finished", tag_
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     text: str = ""
+    # the engine shard it finished on (after a shard loss: the shard it was resumed on)
+    shard: str = ""
+    # produced by the ``--device sim`` worker (benchmarks only): the tokens are not a model's
+    simulated: bool = False
 
 
 class ErrorEvent(msgspec.Struct, gc=False, kw_only=True, tag="error", tag_field="type"):

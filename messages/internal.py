@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from messages.api import FinishedEvent
+from messages.api import FinishedEvent, StreamEvent
 from messages.batch import Batch, BatchResult
 from messages.sampling import SamplingParams
 
@@ -25,6 +25,16 @@ class AdmittedRequest(msgspec.Struct, kw_only=True):
     # the tenant whose subject the request came on ("" = the default tenant): its aborts and
     # retries must come from the same tenant
     tenant: str = ""
+    # the shard admission routed it to ("" = whichever scheduler receives it)
+    shard_id: str = ""
+    # where the scheduler sends the stream's events (admission relays them to the client, so
+    # it knows what the client was sent); "" = straight to ``reply_subject``
+    relay_subject: str = ""
+    # a request resumed after its shard was lost: the outputs the client already has. The
+    # scheduler replays them as forced exits (like a preemption recompute) without streaming
+    # them again, and streams from index len(resume_token_ids)
+    resume_token_ids: list[int] = msgspec.field(default_factory=list)
+    resume_exit_depths: list[int] = msgspec.field(default_factory=list)
 
 
 class AbortForward(msgspec.Struct, kw_only=True):
@@ -34,6 +44,19 @@ class AbortForward(msgspec.Struct, kw_only=True):
     reply_subject: str = ""
     trace_id: str = ""
     tenant: str = ""  # only a request of this tenant is aborted
+    # > 0: only the stream admitted under this admission seq (a moved request's old copy)
+    admission_seq: int = 0
+    # sent to every shard (admission did not know where it runs): unknown ids are not an error
+    broadcast: bool = False
+
+
+class AbortAck(msgspec.Struct, kw_only=True):
+    """scheduler -> admission, the answer to a broadcast abort (its reply subject): whether
+    this shard held the request. When none did, admission tells the requester ``not_found``."""
+
+    request_id: str
+    shard_id: str = ""
+    held: bool = False
 
 
 class SchedulerLoad(msgspec.Struct, kw_only=True):
@@ -49,6 +72,53 @@ class SchedulerLoad(msgspec.Struct, kw_only=True):
     num_running: int = 0
     last_admission_seq: dict[str, int] = msgspec.field(default_factory=dict)
     time: float = 0.0
+    # the shard this scheduler drives, and the router's inputs
+    shard_id: str = ""
+    producer_id: str = ""  # its prefix-event producer name (the index's key for its blocks)
+    report_seq: int = 0  # per scheduler instance, increasing: an older report is stale
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_active_blocks: int = 0  # KV blocks (one plane) the running requests hold
+    # the waiting prompts' tokens its own prefix cache does not hold: prefill still to do
+    num_waiting_prefill_tokens: int = 0
+    step_time_s: float = 0.0  # recent mean time from a batch's submission to its result
+    has_worker: bool = True  # False: its worker is gone; its requests wait (or move)
+    draining: bool = False
+    simulated: bool = False  # its worker is a ``--device sim`` worker
+
+
+class ShardAnnounce(msgspec.Struct, kw_only=True):
+    """scheduler -> routers, on start and when asked (``rlt.v1.shard.discover``): "shard
+    ``shard_id`` is served by this scheduler instance, with this KV geometry". A router
+    routes only to announced shards whose block size matches its own prefix hashing."""
+
+    shard_id: str
+    scheduler_id: str
+    producer_id: str = ""
+    block_size: int = 0
+    num_blocks: int = 0
+    enable_prefix_caching: bool = False
+    time: float = 0.0
+
+
+class RelayedEvent(msgspec.Struct, kw_only=True):
+    """One stream event for admission to pass on, tagged with the request's admission seq
+    (a request moved to another shard gets a new seq: events of its old copy are ignored).
+    Without an event it is a resync: the outputs the stream has produced so far (after a
+    client's retry re-attached the stream to another admission)."""
+
+    seq: int
+    event: StreamEvent | None = None
+    known_token_ids: list[int] = msgspec.field(default_factory=list)
+    known_exit_depths: list[int] = msgspec.field(default_factory=list)
+
+
+class RelayBatch(msgspec.Struct, kw_only=True):
+    """scheduler -> admission: one step's events of the streams that admission relays."""
+
+    shard_id: str
+    scheduler_id: str
+    events: list[RelayedEvent] = msgspec.field(default_factory=list)
 
 
 class WorkerBatch(msgspec.Struct, kw_only=True):
@@ -79,6 +149,7 @@ class WorkerResult(msgspec.Struct, kw_only=True):
     # not run: the worker is bound to another scheduler that is still connected (a worker
     # takes a new scheduler only once nats-server says the old one is gone)
     refused: str = ""
+    simulated: bool = False  # computed by the cost model of a ``--device sim`` worker
 
 
 class WorkerHeartbeat(msgspec.Struct, kw_only=True):
@@ -94,6 +165,8 @@ class WorkerHeartbeat(msgspec.Struct, kw_only=True):
     busy_s: float = 0.0  # how long the batch now executing has run (0: idle)
     draining: bool = False
     time: float = 0.0  # unix seconds
+    shard_id: str = ""  # the shard whose scheduler may bind it
+    simulated: bool = False  # a ``--device sim`` worker (no model: benchmarks only)
 
 
 class RequestNotice(msgspec.Struct, kw_only=True):

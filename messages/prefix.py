@@ -141,14 +141,19 @@ class PrefixLookup(msgspec.Struct, kw_only=True):
     block_hashes: list[int] = msgspec.field(default_factory=list)
     request_id: str = ""
     trace_id: str = ""
+    # the router's question: the leading run of EVERY producer, not only the longest
+    per_producer: bool = False
 
 
 class PrefixLookupReply(msgspec.Struct, kw_only=True):
-    """Longest leading run cached by one producer, and how far that producer's log is applied."""
+    """Longest leading run cached by one producer, and how far that producer's log is applied;
+    with ``per_producer``, also each producer's own leading run (producers with none left
+    out)."""
 
     producer_id: str | None = None
     num_blocks: int = 0
     event_seq: int = 0
+    overlaps: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class ProducerSnapshot(msgspec.Struct, kw_only=True):

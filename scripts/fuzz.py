@@ -38,7 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from messages.api import AbortRequest, FinishedEvent, GenerateRequest  # noqa: E402
+from messages.api import (  # noqa: E402
+    AbortRequest,
+    FinishedEvent,
+    GenerateRequest,
+    TokenEvent,
+)
 from messages.batch import (  # noqa: E402
     Batch,
     BatchResult,
@@ -54,8 +59,11 @@ from messages.internal import (  # noqa: E402
     AbortForward,
     AdmittedRequest,
     FenceQuery,
+    RelayBatch,
+    RelayedEvent,
     RequestNotice,
     SchedulerLoad,
+    ShardAnnounce,
     WorkerBatch,
     WorkerHeartbeat,
     WorkerResult,
@@ -229,7 +237,7 @@ def valid_messages(ids: dict[str, str]) -> list[tuple[str, Any, Callable[[Any], 
         ),
         (subjects.sched_alive(ids["scheduler"]), b"", lambda _o: b""),
         (
-            subjects.SCHED_SUBMIT,
+            subjects.sched_submit("0"),
             _plain(
                 AdmittedRequest(
                     request_id="fz-sub",
@@ -242,15 +250,48 @@ def valid_messages(ids: dict[str, str]) -> list[tuple[str, Any, Callable[[Any], 
             ),
             _mp,
         ),
-        (subjects.SCHED_ABORT, _plain(AbortForward(request_id="fz-none")), _mp),
+        (subjects.SCHED_ABORT, _plain(AbortForward(request_id="fz-none", broadcast=True)), _mp),
+        (subjects.sched_abort("0"), _plain(AbortForward(request_id="fz-none")), _mp),
         (
             subjects.SCHED_LOAD,
-            _plain(SchedulerLoad(scheduler_id="fz", num_waiting=1, last_admission_seq={"a": 1})),
+            _plain(
+                SchedulerLoad(
+                    scheduler_id="fz",
+                    shard_id="0",
+                    report_seq=5,
+                    num_waiting=1,
+                    last_admission_seq={"a": 1},
+                )
+            ),
             _mp,
         ),
+        (
+            subjects.SHARD_ANNOUNCE,
+            _plain(ShardAnnounce(shard_id="fz", scheduler_id="fz", block_size=4)),
+            _mp,
+        ),
+        (subjects.SHARD_DISCOVER, b"", lambda _o: b""),
+        (
+            subjects.admission_relay(ids["admission"]),
+            _plain(
+                RelayBatch(
+                    shard_id="0",
+                    scheduler_id="fz",
+                    events=[
+                        RelayedEvent(
+                            seq=1,
+                            event=TokenEvent(request_id="x", index=0, token_id=3, exit_depth=2),
+                        ),
+                        RelayedEvent(seq=2, known_token_ids=[1], known_exit_depths=[4]),
+                    ],
+                )
+            ),
+            _mp,
+        ),
+        (subjects.client_gone(ids["admission"], 1), b"", lambda _o: b""),
         (subjects.SCHED_LOAD_GET, b"", lambda _o: b""),
         (
-            subjects.WORKER_HEARTBEAT,
+            subjects.worker_heartbeat("0"),
             _plain(WorkerHeartbeat(worker_id="fz-worker", epoch="e.0", next_seq=3)),
             _mp,
         ),
@@ -300,7 +341,7 @@ def valid_messages(ids: dict[str, str]) -> list[tuple[str, Any, Callable[[Any], 
             _mp,
         ),
         (subjects.stream_gone(ids["scheduler"], 1), b"", lambda _o: b""),
-        (subjects.WORKER_DISCOVER, b"", lambda _o: b""),
+        (subjects.worker_discover("0"), b"", lambda _o: b""),
     ]
 
 
@@ -334,6 +375,7 @@ def _load_snapshot(snapshot: PrefixIndexSnapshot) -> None:
 def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
     """Mutated messages into every internal decoder and the pure core behind it."""
     from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError, OpenRequests
+    from services.admission.shards import ShardTable
     from services.common.checkpoint import load_model_limits
     from services.common.config import SchedulerConfig
     from services.common.tokenizer import TextCodec
@@ -350,6 +392,7 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
     tracker, loss = WorkerTracker(), LossDetector()
     reassembler = Reassembler()
     table = OpenRequests(scheduler_lost_s=1.0)
+    shards = ShardTable("a", block_size=4)
     mut = Mutator(seed)
     ids = {"worker": "w", "scheduler": "s", "scheduler_epoch": "s.0", "admission": "a"}
     targets = valid_messages(ids)
@@ -368,8 +411,13 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
         track = subjects.admission_track("a", 1)
         for prefix, typ, core in (
             (subjects.SCHED_SUBMIT, AdmittedRequest, lambda m: driver.add(m, track=track)),
-            (subjects.SCHED_ABORT, AbortForward, lambda m: driver.abort(m.request_id)),
-            (subjects.SCHED_LOAD, SchedulerLoad, admission.load.apply),
+            (subjects.SCHED_ABORT, AbortForward, lambda m: driver.abort(
+                m.request_id, admission_seq=m.admission_seq, broadcast=m.broadcast)),
+            (subjects.SCHED_LOAD, SchedulerLoad, lambda m: (
+                admission.load.apply(m), shards.apply(m, 0.0, time.time()))),
+            (subjects.SHARD_ANNOUNCE, ShardAnnounce, lambda m: shards.announce(m, 0.0)),
+            (subjects.admission_relay("a"), RelayBatch, lambda m: [
+                table.relayed(m.shard_id, e) for e in m.events]),
             (subjects.WORKER_HEARTBEAT, WorkerHeartbeat, _heartbeat(tracker, loss, driver)),
             (subjects.WORKER_BATCH, WorkerBatch, _worker_batch_checks),
             (subjects.WORKER_RESULT, WorkerResult, driver.on_result),

@@ -12,6 +12,7 @@ from services.common.flags import (
     add_engine_flags,
     add_http_flags,
     add_request_flags,
+    add_shard_flags,
 )
 from services.worker.model.sizes import CHECKPOINT_SIZES
 
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_flags(p)
     add_http_flags(p)
+    add_shard_flags(p, many=True)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("bench", help="benchmarks: engine comparisons side by side")
@@ -163,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("service", help="run one service (for compose)")
     p.add_argument("name", choices=["admission", "scheduler", "worker", "prefix-cache", "gateway"])
     add_engine_flags(p)
+    add_shard_flags(p, many=False)
     add_bus_flags(p)
     add_http_flags(p)
     p.set_defaults(func=cmd_service)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shutil
 import socket
@@ -14,7 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -248,11 +249,13 @@ def build_service(
     *,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    shard_id: str = subjects.DEFAULT_SHARD,
     http: argparse.Namespace | None = None,
 ) -> Service:
     """One service object (not started). ``checkpoint`` is needed by all but prefix-cache;
-    ``device`` and ``dtype`` are the worker's; ``http`` (``--http-host``, ``--http-port``,
-    ``--served-model-name``) the gateway's."""
+    ``device`` and ``dtype`` are the worker's; ``shard_id`` is the scheduler's and the
+    worker's (admission's routing policy is ``admission_config.router``); ``http``
+    (``--http-host``, ``--http-port``, ``--served-model-name``) the gateway's."""
     if name == "prefix-cache":
         from services.prefix_cache.service import PrefixCacheService
 
@@ -269,11 +272,13 @@ def build_service(
             device=device,
             dtype=dtype,
             heartbeat_interval_s=float(os.environ.get("RLT_WORKER_HEARTBEAT_S", "0.5")),
+            shard_id=shard_id,
         )
     if name == "scheduler":
         from services.scheduler.service import SchedulerOptions, SchedulerService
 
-        return SchedulerService(nats_url, checkpoint, config, options=SchedulerOptions.from_env())
+        options = SchedulerOptions.from_env(shard_id=shard_id)
+        return SchedulerService(nats_url, checkpoint, config, options=options)
     if name == "admission":
         from services.admission.service import AdmissionService
 
@@ -300,13 +305,31 @@ def build_services(
     *,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    shards: int = 1,
+    url_for: Callable[[str], str] | None = None,
 ) -> list[Service]:
-    """Services in start order: the pipeline's back end first, the public entry point last."""
-    ordered = [n for n in SERVICE_ORDER if n in names]
-    return [
-        build_service(n, nats_url, checkpoint, config, admission_config, device=device, dtype=dtype)
-        for n in ordered
-    ]
+    """Services in start order: the pipeline's back end first, the public entry point last;
+    a worker and a scheduler per shard (ids 0..shards-1). ``url_for(name)``: the NATS URL
+    (with that service's credentials) when it is not ``nats_url``."""
+    if shards < 1:
+        raise ValueError(f"--shards must be >= 1, got {shards}")
+    out: list[Service] = []
+    for name in (n for n in SERVICE_ORDER if n in names):
+        per_shard = name in ("worker", "scheduler")
+        for i in range(shards if per_shard else 1):
+            out.append(
+                build_service(
+                    name,
+                    url_for(name) if url_for is not None else nats_url,
+                    checkpoint,
+                    config,
+                    admission_config,
+                    device=device,
+                    dtype=dtype,
+                    shard_id=str(i),
+                )
+            )
+    return out
 
 
 def _banner(
@@ -315,13 +338,16 @@ def _banner(
     client_files: dict[str, Path] | None,
     http_url: str,
     model: str,
+    shards: int = 1,
+    router: str = "prefix",
 ) -> str:
     payload = '{"prompt":"hello","max_tokens":8}'
     nodes = len(url.split(","))
     what = f"JetStream, a {nodes}-node cluster" if nodes > 1 else "JetStream"
+    layout = "" if shards == 1 else f"   {shards} shards (ids 0..{shards - 1}), router {router}"
     head = f"""\
 rlt is up: NATS {url} ({what}), HTTP {http_url}, checkpoint {checkpoint}
-services: worker, prefix-cache, scheduler, admission, gateway   (Ctrl-C stops everything)
+services: worker, prefix-cache, scheduler, admission, gateway{layout}   (Ctrl-C stops everything)
 
   with the OpenAI client (pip install openai):
     python -c 'from openai import OpenAI
@@ -406,18 +432,17 @@ def main_up(args: argparse.Namespace) -> int:
     extra_files: list[Path] = []
     try:
         device, dtype = device_from_args(args)
-        services = [
-            build_service(
-                name,
-                auth.url(name, server.url) if auth is not None else server.url,
-                checkpoint,
-                config,
-                AdmissionConfig.from_env(),
-                device=device,
-                dtype=dtype,
-            )
-            for name in SERVICE_ORDER
-        ]
+        shards = getattr(args, "shards", 1)
+        services = build_services(
+            server.url,
+            checkpoint,
+            config,
+            _admission_config(args),
+            device=device,
+            dtype=dtype,
+            shards=shards,
+            url_for=(lambda name: auth.url(name, server.url)) if auth is not None else None,
+        )
         gateway_url = auth.url(GATEWAY, server.url) if auth is not None else server.url
         gateway = build_service(GATEWAY, gateway_url, checkpoint, config, http=args)
         services.append(gateway)
@@ -437,7 +462,9 @@ def main_up(args: argparse.Namespace) -> int:
                 http_url = f"http://{_url_host(args.http_host)}:{gateway.port}"  # type: ignore[attr-defined]
                 model = gateway.model_name  # type: ignore[attr-defined]
                 files = written if auth is not None else None
-                print(_banner(server.url, checkpoint, files, http_url, model), flush=True)
+                router = getattr(args, "router", "prefix")
+                banner = _banner(server.url, checkpoint, files, http_url, model, shards, router)
+                print(banner, flush=True)
             await task
 
         return _run_main("rlt up", run())
@@ -485,17 +512,27 @@ def main_service(args: argparse.Namespace) -> int:
     config = scheduler_config_from_args(args)
     checkpoint = None if args.name == "prefix-cache" else ensure_checkpoint(args.checkpoint)
     device, dtype = device_from_args(args)
+    try:
+        shard = subjects.check_shard_id(getattr(args, "shard", subjects.DEFAULT_SHARD))
+    except ValueError as exc:
+        print(f"rlt service {args.name}: {exc}", file=sys.stderr)
+        return 2
     service = build_service(
         args.name,
         args.nats_url,
         checkpoint,
         config,
-        AdmissionConfig.from_env(),
+        _admission_config(args),
         device=device,
         dtype=dtype,
+        shard_id=shard,
         http=args,
     )
     return _run_main(f"rlt service {args.name}", serve([service]))
+
+
+def _admission_config(args: argparse.Namespace) -> AdmissionConfig:
+    return dataclasses.replace(AdmissionConfig.from_env(), router=getattr(args, "router", "prefix"))
 
 
 def _run_main(what: str, main: Coroutine[Any, Any, None]) -> int:

@@ -38,6 +38,7 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    run_dir: Path | None = None  # where it writes its health identity file
 
     @property
     def pid(self) -> int:
@@ -64,33 +65,50 @@ class ServiceProcs:
         name: str,
         env: dict[str, str] | None = None,
         key: str | None = None,
+        *,
+        shard: str | None = None,
         args: Sequence[str] = (),
     ) -> Proc:
-        """Starts one service; ``key`` names it here (e.g. "worker-2"; default: the name);
+        """Starts one service; ``key`` names it here (e.g. "worker-2"; default: the name).
+        ``shard`` runs a scheduler or worker for that shard (its own health-file dir);
         ``args`` are its own extra flags (e.g. the gateway's ``--http-port``)."""
         self._count += 1
-        key = key or name
+        key = key or (name if shard is None else f"{name}-{shard}")
         log_path = self.workdir / f"{key}-{self._count}.log"
         cmd = [sys.executable, "-m", "services.cli", "service", name, "--nats-url", self.nats_url]
         if name != "prefix-cache":
             cmd += ["--checkpoint", str(self.checkpoint)]
         cmd += list(self.engine_args) + list(args)
+        run_dir = self.workdir
+        if shard is not None:
+            cmd += ["--shard", shard]
+            run_dir = self.workdir / f"run-{key}"
+            run_dir.mkdir(exist_ok=True)
         full_env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
-            "RLT_RUN_DIR": str(self.workdir),
+            "RLT_RUN_DIR": str(run_dir),
             "RLT_LOG_LEVEL": os.environ.get("RLT_TEST_LOG_LEVEL", "info"),
             **self.env,
             **(env or {}),
         }
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-        proc = self.procs[key] = Proc(name, popen, log_path)
+        proc = self.procs[key] = Proc(name, popen, log_path, run_dir)
         return proc
+
+    async def start_shards(self, n: int, *, args: Sequence[str] = ()) -> None:
+        """Shards 0..n-1 (a worker and a scheduler each), the prefix cache and admission."""
+        started = [self.start("prefix-cache")]
+        for i in range(n):
+            started += [self.start("worker", shard=str(i)), self.start("scheduler", shard=str(i))]
+        started.append(self.start("admission", args=args))
+        for proc in started:
+            await self.wait_ready(proc, timeout=120.0)
 
     async def wait_ready(self, proc: Proc, timeout: float = 60.0) -> None:
         """Until the process wrote its health identity file (it is registered and ready)."""
-        path = self.workdir / f"rlt-{proc.name}.json"
+        path = (proc.run_dir or self.workdir) / f"rlt-{proc.name}.json"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not proc.alive():

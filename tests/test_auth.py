@@ -84,22 +84,22 @@ async def test_unauthenticated_and_wrong_credentials_are_refused(
 
 # (user, subject) pairs that must be refused; each user's allowed subject proves it connected
 DENIED_PUBLISH = {
-    "client": ["rlt.v1.sched.submit", "rlt.v1.worker.batch.x", "rlt.v1.prefix.events.x",
+    "client": ["rlt.v1.sched.submit.0", "rlt.v1.worker.batch.x", "rlt.v1.prefix.events.x",
                "rlt.v1.adm.a.1", "_RLT_INBOX.rlt-admission.x",
                "$JS.API.STREAM.DELETE.RLT_PREFIX_EVENTS"],
     "admission": ["rlt.v1.worker.batch.x", "rlt.v1.prefix.events.x", "rlt.v1.worker.result.x"],
-    "scheduler": ["rlt.v1.generate", "rlt.v1.sched.submit", "rlt.v1.worker.result.x",
+    "scheduler": ["rlt.v1.generate", "rlt.v1.sched.submit.0", "rlt.v1.worker.result.x",
                   "$JS.API.STREAM.DELETE.RLT_PREFIX_EVENTS", "$O.RLT_PREFIX_INDEX.x"],
-    "worker": ["rlt.v1.sched.submit", "rlt.v1.worker.batch.x", "rlt.v1.generate",
+    "worker": ["rlt.v1.sched.submit.0", "rlt.v1.worker.batch.x", "rlt.v1.generate",
                "rlt.v1.prefix.events.x"],
-    "prefix-cache": ["rlt.v1.worker.batch.x", "rlt.v1.sched.submit", "rlt.v1.generate",
+    "prefix-cache": ["rlt.v1.worker.batch.x", "rlt.v1.sched.submit.0", "rlt.v1.generate",
                      "rlt.v1.prefix.events.x", "$JS.API.STREAM.DELETE.RLT_PREFIX_EVENTS"],
     "gateway": ["rlt.v1.sched.submit", "rlt.v1.worker.batch.x", "_INBOX.x",
                 "rlt.v1.metrics.scheduler"],
 }  # fmt: skip
 ALLOWED_PUBLISH = {
     "client": "rlt.v1.generate",
-    "admission": "rlt.v1.sched.submit",
+    "admission": "rlt.v1.sched.submit.0",
     "scheduler": "rlt.v1.worker.batch.x",
     "worker": "rlt.v1.worker.result.x",
     "prefix-cache": "_RLT_INBOX.rlt-prefix-cache.x",
@@ -116,7 +116,7 @@ DENIED_SUBSCRIBE = {
         "rlt.v1.metrics.>",
     ],
     "gateway": ["_INBOX.>", "rlt.v1.sched.>", "rlt.v1.generate"],
-    "worker": ["rlt.v1.sched.submit", "rlt.v1.generate", "_INBOX.>"],
+    "worker": ["rlt.v1.sched.submit.0", "rlt.v1.generate", "_INBOX.>"],
     "prefix-cache": ["rlt.v1.worker.batch.x", "_INBOX.>"],
 }
 

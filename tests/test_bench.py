@@ -74,7 +74,8 @@ def _recompute(results: dict[str, Any]) -> None:
             expected = []
             for rep in range(repeats):
                 num = runs[(ratio["workload"], ratio["numerator"], rep)][ratio["metric"]]
-                den = runs[(ratio["workload"], ratio["denominator"], rep)][ratio["metric"]]
+                den_workload = ratio.get("denominator_workload") or ratio["workload"]
+                den = runs[(den_workload, ratio["denominator"], rep)][ratio["metric"]]
                 if ratio["kind"] == "value":
                     expected.append(num)
                 elif ratio["kind"] == "difference":
@@ -304,3 +305,24 @@ def test_quick_bench_scheduler_step(
     assert [t["metric"] for t in targets] == ["mean_us", "p99_us", "p99_over_mean"]
     assert all(len(t["per_repeat"]) == 1 and t["reached"] in (True, False) for t in targets)
     assert "## Scheduler step" in (tmp_path / "report.md").read_text()
+
+
+def test_quick_bench_shards(toy_checkpoint: Path, tmp_path: Path, keep_global_state: None) -> None:
+    """routing and scaling: shards as OS processes; every request of every arm completes, the
+    ratios are recomputable (scaling's across workloads), simulated arms are marked."""
+    argv = ("--repeats", "1", "--only", "routing,scaling", "--no-plots")
+    results = _bench(toy_checkpoint, tmp_path, *argv)
+    _recompute(results)
+    for comp in results["comparisons"]:
+        assert not comp.get("error"), comp.get("error")
+        sizes = {w["name"]: w["num_requests"] for w in comp["workloads"]}
+        simulated = {a["name"]: a["simulated"] for a in comp["arms"]}
+        for run in comp["runs"]:
+            m = run["metrics"]
+            assert m["num_requests"] == sizes[run["workload"]]
+            assert m["shard_imbalance"] >= 1.0 and m["control_cpu_us_per_token"] is not None
+            assert m["simulated"] == int(simulated[run["arm"]])
+            if simulated[run["arm"]]:
+                assert m["sim_device_ms_per_step"] > 0 and m["sim_dilation"] == 100.0
+    text = (tmp_path / "report.md").read_text()
+    assert "SIMULATED" in text

@@ -82,6 +82,27 @@ def test_depends_on_and_healthchecks(
     assert services["admission"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
 
 
+def test_two_shards(
+    compose: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shard 0 (worker, scheduler) and shard 1 (worker-1, scheduler-1): the same commands
+    with their --shard, healthchecks of their own, admission waiting for both schedulers."""
+    monkeypatch.setenv("RLT_RUN_DIR", str(tmp_path))
+    parser = build_parser()
+    services = compose["services"]
+    shards: dict[str, set[str]] = {}
+    for key in ("worker", "scheduler", "worker-1", "scheduler-1"):
+        args = parser.parse_args(services[key]["command"][1:])
+        shards.setdefault(args.shard, set()).add(args.name)
+        test = services[key]["healthcheck"]["test"]
+        assert test[1:5] == ["python", "-m", "services.runtime.health", args.name], key
+    assert shards == {"0": {"worker", "scheduler"}, "1": {"worker", "scheduler"}}
+    depends = services["admission"]["depends_on"]
+    assert depends["scheduler-1"]["condition"] == "service_healthy"
+    admission = parser.parse_args(services["admission"]["command"][1:])
+    assert admission.router == "prefix"
+
+
 def test_dockerfile_builds_one_image_for_all_services() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert "FROM python:3.11-slim" in text

@@ -183,8 +183,10 @@ def test_deploy_nats_conf_is_the_generated_model() -> None:
 def test_internal_subjects_are_published_by_their_owner_only() -> None:
     roles = permissions.SERVICE_ROLES
     owners = {
-        subjects.SCHED_SUBMIT: {"admission"},
+        f"{subjects.SCHED_SUBMIT}.>": {"admission"},
         subjects.SCHED_ABORT: {"admission"},
+        f"{subjects.SCHED_ABORT}.>": {"admission"},
+        subjects.SHARD_ANNOUNCE: {"scheduler"},
         f"{subjects.WORKER_BATCH}.>": {"scheduler"},
         f"{subjects.WORKER_RESULT}.>": {"worker"},
         subjects.SCHED_LOAD: {"scheduler"},

@@ -58,6 +58,8 @@ async def test_vanished_client_is_noticed_and_its_request_aborted(
 ) -> None:
     async with services_up(nats_server.url, toy_checkpoint, CONFIG) as services:
         sched = services["scheduler"]
+        # admission relays the stream, so it is the one that notices the client is gone
+        admission = services["admission"]
         # 1. the client's process dies: its connection closes with the subscription
         nc = await nats.connect(nats_server.url)
         stream = await Client(nc).open(subjects.GENERATE, _long("gone-1"))
@@ -65,7 +67,7 @@ async def test_vanished_client_is_noticed_and_its_request_aborted(
             assert isinstance(await stream.next(), TokenEvent)
         await nc.close()
         await wait_for(lambda: _reclaimed(services), 10, "the abandoned request aborted")
-        assert sched.health()["clients_gone"] == 1
+        assert admission.health()["clients_gone"] == 1
 
         # 2. the client stays connected but drops the stream (unsubscribes)
         async with Client.connect(nats_server.url) as client:
@@ -73,7 +75,7 @@ async def test_vanished_client_is_noticed_and_its_request_aborted(
             await stream.next()
             await stream.sub.unsubscribe()
             await wait_for(lambda: _reclaimed(services), 10, "the dropped stream aborted")
-            assert sched.health()["clients_gone"] == 2
+            assert admission.health()["clients_gone"] == 2
             # others are unaffected
             ok = await client.generate(_long("stays", max_tokens=5))
             assert isinstance(check_stream(ok), FinishedEvent)

@@ -336,7 +336,7 @@ async def test_logs_follow_one_request_and_services_are_discoverable(
                 names.add(json.loads((await sub.next_msg(timeout=5)).data)["name"])
             assert names == {"rlt-admission", "rlt-scheduler", "rlt-worker", "rlt-prefix-cache"}
             info = json.loads((await nc.request("$SRV.INFO.rlt-scheduler", b"")).data)
-            assert {e["subject"] for e in info["endpoints"]} >= {subjects.SCHED_SUBMIT}
+            assert {e["subject"] for e in info["endpoints"]} >= {subjects.sched_submit("0")}
             for name in ("admission", "scheduler", "worker", "prefix-cache"):
                 health = json.loads((await nc.request(subjects.health(name), b"")).data)
                 assert health["status"] == "ready"

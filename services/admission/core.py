@@ -14,14 +14,22 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from hashlib import blake2b
 
 import jinja2
 import msgspec
 
-from messages.api import AbortRequest, ErrorEvent, GenerateRequest
+from messages.api import (
+    AbortRequest,
+    ErrorEvent,
+    FinishedEvent,
+    GenerateRequest,
+    StreamEvent,
+    TokenEvent,
+)
 from messages.errors import ErrorCode, RequestError
-from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad
+from messages.internal import AdmittedRequest, RelayedEvent, RequestNotice, SchedulerLoad
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits
 from services.common.tokenizer import TextCodec
@@ -91,6 +99,17 @@ class AdmissionConfig:
     fence_keep_s: float = 600.0
     # "is that scheduler still there?": no answer in this long means connected but stalled
     probe_timeout_s: float = 1.0
+    # routing over shards (services/admission/router.py): policy, the prefix index lookup's
+    # timeout, and how long a failed index is left alone before it is asked again
+    router: str = "prefix"
+    # a block of prefill saved against a block of load (Dynamo's overlap_score_weight)
+    router_overlap_weight: float = 1.0
+    # each request already running or queued on a shard counts as this many blocks of load
+    router_request_weight: float = 2.0
+    prefix_lookup_timeout_s: float = 0.05
+    prefix_index_retry_s: float = 1.0
+    # a request moved this many times (shard after shard lost) ends with "unavailable"
+    max_moves: int = 8
 
     @classmethod
     def from_env(cls) -> AdmissionConfig:
@@ -107,6 +126,15 @@ class AdmissionConfig:
             max_request_s=float(env.get("RLT_MAX_REQUEST_S", base.max_request_s)),
             finished_record_s=float(env.get("RLT_FINISHED_RECORD_S", base.finished_record_s)),
             priority_tenants=parse_priority_tenants(env.get("RLT_PRIORITY_TENANTS", "")),
+            prefix_lookup_timeout_s=float(
+                env.get("RLT_PREFIX_LOOKUP_TIMEOUT_S", base.prefix_lookup_timeout_s)
+            ),
+            router_overlap_weight=float(
+                env.get("RLT_ROUTER_OVERLAP_WEIGHT", base.router_overlap_weight)
+            ),
+            router_request_weight=float(
+                env.get("RLT_ROUTER_REQUEST_WEIGHT", base.router_request_weight)
+            ),
         )
 
 
@@ -203,6 +231,10 @@ class AdmissionCore:
             prompt = self._prompt_ids(request)
             # the scheduler gets the request with the model's defaults filled in
             params = self.limits.resolve(request.sampling_params())
+            if params.seed is None:
+                # fixed here, from the id: a request resumed on another shard, or retried
+                # through another admission, samples exactly the same tokens
+                params = msgspec.structs.replace(params, seed=seed_from_request_id(request_id))
             assert params.max_tokens is not None
             self._check_fits(len(prompt), params.max_tokens)
             _check_encodable(params)
@@ -234,21 +266,27 @@ class AdmissionCore:
     def check_backpressure(self, prepared: Prepared, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         n, tokens = self.load.waiting(now)
+        why = self.over_limit(n, tokens, len(prepared.prompt_token_ids))
+        if why is not None:
+            raise AdmissionError(
+                prepared.request_id, ErrorCode.OVERLOADED, f"server overloaded: {why}"
+            )
+
+    def over_limit(self, num_waiting: int, waiting_tokens: int, num_prompt: int) -> str | None:
+        """Why one more request of ``num_prompt`` tokens may not join a queue this long
+        (None: it may). The limits hold per scheduler (per shard)."""
         cfg = self.config
-        if n + 1 > cfg.max_waiting_requests:
-            raise AdmissionError(
-                prepared.request_id,
-                ErrorCode.OVERLOADED,
-                f"server overloaded: {n} requests are waiting (limit "
-                f"{cfg.max_waiting_requests}); retry later",
+        if num_waiting + 1 > cfg.max_waiting_requests:
+            return (
+                f"{num_waiting} requests are waiting (limit {cfg.max_waiting_requests}); "
+                "retry later"
             )
-        if tokens + len(prepared.prompt_token_ids) > cfg.max_waiting_tokens:
-            raise AdmissionError(
-                prepared.request_id,
-                ErrorCode.OVERLOADED,
-                f"server overloaded: {tokens} prompt tokens are waiting (limit "
-                f"{cfg.max_waiting_tokens}); retry later",
+        if waiting_tokens + num_prompt > cfg.max_waiting_tokens:
+            return (
+                f"{waiting_tokens} prompt tokens are waiting (limit {cfg.max_waiting_tokens}); "
+                "retry later"
             )
+        return None
 
     def admit(
         self,
@@ -256,6 +294,8 @@ class AdmissionCore:
         reply_subject: str,
         *,
         now: float | None = None,
+        shard_id: str = "",
+        relay_subject: str = "",
     ) -> AdmittedRequest:
         """Builds the message for the scheduler and counts it as waiting."""
         seq = self.load.next_seq()
@@ -272,6 +312,8 @@ class AdmissionCore:
             admission_seq=seq,
             admitted_at=time.time(),
             tenant=prepared.tenant,
+            shard_id=shard_id,
+            relay_subject=relay_subject,
         )
 
     # ------------------------------------------------------------------ abort
@@ -410,6 +452,12 @@ def clean_trace_id(value: str | None) -> str | None:
     return value if value is not None and _TRACE_ID_RE.match(value) else None
 
 
+def seed_from_request_id(request_id: str) -> int:
+    """A request's sampling seed when it gives none: a function of its id (63 bits)."""
+    digest = blake2b(request_id.encode(), digest_size=8, person=b"rlt-seed-v1").digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def _check_encodable(params: SamplingParams) -> None:
     """JSON carries integers msgpack cannot (e.g. a top_k of 2**70): refuse them here, not
     with a failure on the way to the scheduler."""
@@ -447,18 +495,26 @@ class OpenRequest:
     trace_id: str
     sent_at: float
     owner: str | None = None  # the scheduler that accepted it
-    seq: int = 0  # its admission seq
+    shard: str = ""  # the shard it was routed to ("" = not routed by this admission)
+    seq: int = 0  # the admission seq it is open under (new on every move)
+    # what it needs to resume elsewhere if its shard is lost: the request as admitted, and
+    # the outputs relayed to the client so far (exactly what the client was sent)
+    admitted: AdmittedRequest | None = None
+    token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    moves: int = 0
 
 
 class OpenRequests:
     """Requests this admission forwarded whose stream has not ended, keyed by admission seq.
 
-    The scheduler streams straight to the client, so a scheduler that dies (or restarts: a
-    new epoch) would leave its clients in silence. Each submit carries a tracking subject;
-    the scheduler answers "accepted" and later "done" on it, and nats-server answers "no
-    responders" when no scheduler listens. An open request whose scheduler has not been heard
-    from for ``scheduler_lost_s`` of connected time (load reports come every 0.25 s) ends with
-    ``unavailable``, sent by admission. Pure: no NATS, no clock.
+    A scheduler that dies (or restarts: a new epoch) would leave its clients in silence.
+    Each submit carries a tracking subject; the scheduler answers "accepted" on it (and
+    "done" for a stream it sends to the client directly), and nats-server answers "no
+    responders" when no scheduler listens. An open request whose scheduler has not been
+    heard from for ``scheduler_lost_s`` of connected time (load reports come every 0.25 s)
+    is a suspect: once its scheduler is confirmed gone it moves to another shard or ends
+    with ``unavailable``, sent by admission. Pure: no NATS, no clock.
     """
 
     def __init__(self, scheduler_lost_s: float, max_request_s: float = 3600.0) -> None:
@@ -471,9 +527,81 @@ class OpenRequests:
     def __len__(self) -> int:
         return len(self._open)
 
-    def opened(self, seq: int, request_id: str, reply: str, trace_id: str, now: float) -> None:
-        self._open[seq] = OpenRequest(request_id, reply, trace_id, now, seq=seq)
+    def opened(
+        self,
+        seq: int,
+        request_id: str,
+        reply: str,
+        trace_id: str,
+        now: float,
+        *,
+        shard: str = "",
+        admitted: AdmittedRequest | None = None,
+    ) -> OpenRequest:
+        entry = OpenRequest(
+            request_id, reply, trace_id, now, shard=shard, seq=seq, admitted=admitted
+        )
+        self._open[seq] = entry
         self._by_id[request_id] = seq
+        return entry
+
+    def get(self, seq: int) -> OpenRequest | None:
+        return self._open.get(seq)
+
+    def entries(self) -> list[OpenRequest]:
+        return list(self._open.values())
+
+    def on_shard(self, shard: str, owner: str | None = None) -> list[OpenRequest]:
+        """Open requests routed to ``shard`` (and accepted by ``owner``, if given)."""
+        return [
+            e
+            for e in self._open.values()
+            if e.shard == shard and (owner is None or e.owner in (None, owner))
+        ]
+
+    def moved(self, entry: OpenRequest, new_seq: int, shard: str, now: float) -> None:
+        """``entry`` is resubmitted to ``shard`` under ``new_seq``: anything still arriving
+        for its old seq (its old shard's copy) no longer reaches it."""
+        self._open.pop(entry.seq, None)
+        entry.seq, entry.shard, entry.owner, entry.sent_at = new_seq, shard, None, now
+        entry.moves += 1
+        self._open[new_seq] = entry
+        self._by_id[entry.request_id] = new_seq
+
+    def relayed(
+        self, shard: str, item: RelayedEvent, scheduler_id: str = ""
+    ) -> tuple[OpenRequest | None, StreamEvent | None]:
+        """A relayed event from ``shard``: returns the open request it belongs to and the
+        event to pass on to the client (None: nothing to send). Events of a seq that is not
+        open (the request moved, or ended) or from another shard than the request's are
+        dropped, and so is a token index the client already has: each index reaches it
+        once. Once a scheduler instance accepted it, only that instance's events count. A
+        terminal event closes the entry."""
+        entry = self._open.get(item.seq)
+        if entry is None or (entry.shard and entry.shard != shard):
+            return None, None
+        if scheduler_id and entry.owner and entry.owner != scheduler_id:
+            return None, None  # not from the scheduler instance that accepted it
+        event = item.event
+        if event is None:  # a resync: the stream's outputs so far
+            entry.token_ids = list(item.known_token_ids)
+            entry.exit_depths = list(item.known_exit_depths)
+            return entry, None
+        if isinstance(event, TokenEvent):
+            if event.index != len(entry.token_ids):
+                return entry, None  # a duplicate (or, never expected, a gap)
+            entry.token_ids.append(event.token_id)
+            entry.exit_depths.append(event.exit_depth)
+            return entry, event
+        if isinstance(event, ErrorEvent) and event.code == ErrorCode.UNAVAILABLE:
+            return entry, event  # the shard gave up on it: the caller may move it, or close
+        self._pop(item.seq)
+        if isinstance(event, FinishedEvent):
+            entry.token_ids, entry.exit_depths = list(event.token_ids), list(event.exit_depths)
+        return entry, event
+
+    def close(self, seq: int) -> OpenRequest | None:
+        return self._pop(seq)
 
     def find(self, request_id: str) -> OpenRequest | None:
         seq = self._by_id.get(request_id)

@@ -33,7 +33,8 @@ def ratio_result(spec: RatioSpec, runs: Sequence[Run], repeats: int) -> dict[str
     per_repeat: list[float | None] = []
     for r in range(repeats):
         num = metric_value(runs, spec.workload, spec.numerator, r, spec.metric)
-        den = metric_value(runs, spec.workload, spec.denominator, r, spec.metric)
+        den_workload = spec.denominator_workload or spec.workload
+        den = metric_value(runs, den_workload, spec.denominator, r, spec.metric)
         if spec.value:
             per_repeat.append(num)
         elif num is None or den is None:
@@ -48,6 +49,7 @@ def ratio_result(spec: RatioSpec, runs: Sequence[Run], repeats: int) -> dict[str
         "metric": spec.metric,
         "numerator": spec.numerator,
         "denominator": spec.denominator,
+        "denominator_workload": spec.denominator_workload or spec.workload,
         "kind": "value" if spec.value else "difference" if spec.difference else "ratio",
         "label": spec.label,
         "per_repeat": per_repeat,

@@ -15,14 +15,17 @@ COMPARISON_NAMES = (
     "kv_pressure",
     "scheduler",  # the scheduler step alone (services/bench/scheduler_step.py)
 )
+# many OS processes per run (minutes each): only when asked for with --only
+SHARD_COMPARISON_NAMES = ("routing", "scaling")
 
 
 def _names(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in COMPARISON_NAMES]
+    known = COMPARISON_NAMES + SHARD_COMPARISON_NAMES
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown comparison(s) {unknown or text!r}; choose from {', '.join(COMPARISON_NAMES)}"
+            f"unknown comparison(s) {unknown or text!r}; choose from {', '.join(known)}"
         )
     return names
 
@@ -54,7 +57,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         type=_names,
         default=list(COMPARISON_NAMES),
         metavar="NAMES",
-        help=f"comma-separated subset of: {', '.join(COMPARISON_NAMES)}",
+        help=f"comma-separated subset of: {', '.join(COMPARISON_NAMES)} (the default), "
+        f"and {', '.join(SHARD_COMPARISON_NAMES)} (shards as OS processes: only when named)",
     )
     p.add_argument("--out", default="docs/benchmarks", help="output directory for the report")
     p.add_argument(

@@ -129,3 +129,4 @@ def finish_record(rec: RequestRecord, event: FinishedEvent, t: float) -> None:
     rec.finish_time = t
     rec.num_cached_tokens = event.num_cached_tokens
     rec.exit_depths = list(event.exit_depths)
+    rec.shard = event.shard

@@ -15,6 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from services.bench import workloads as wl
+from services.bench.sharded import ShardSetup
 from services.bench.workloads import Scale, TokenRange, Workload
 from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
 
@@ -23,6 +24,7 @@ class BackendKind(StrEnum):
     IN_PROCESS = "in-process"
     PIPELINE = "pipeline"  # a process per service
     PIPELINE_ONE_PROCESS = "pipeline-one-process"  # every service in the bench's process
+    SHARDS = "shards"  # one OS process per service, N shards (services/bench/sharded.py)
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class Arm:
     label: str
     overrides: dict[str, Any] = field(default_factory=dict)
     backend: BackendKind = BackendKind.IN_PROCESS
+    shards: ShardSetup | None = None  # the SHARDS backend's deployment
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class RatioSpec:
     difference: bool = False  # numerator - denominator instead of a ratio
     target: Target | None = None
     value: bool = False  # the numerator arm's metric itself (denominator unused)
+    # the denominator's workload when it differs (scaling: N shards serve N x the clients)
+    denominator_workload: str = ""
 
 
 @dataclass
@@ -521,12 +526,249 @@ def kv_pressure(s: BenchSettings) -> Comparison:
     )
 
 
+# ---------------------------------------------------------------------- shards
+ROUTING_PREFIXES = 8
+ROUTING_TARGETS = {
+    "hit_vs_one": Target("prefix router >= 0.9x the hit rate of one shard with all the KV", 0.9),
+    "hit_vs_rr": Target("prefix router >= 2x round-robin's hit rate", low=2.0),
+    "ttft_vs_rr": Target("prefix router TTFT p50 <= 0.6x round-robin's", high=0.6),
+    "imbalance": Target("hot prefix: max/mean requests per shard <= 1.5", high=1.5),
+}
+
+
+def routing(s: BenchSettings) -> Comparison:
+    n = 2 if s.quick else 4
+    clients = max(n, s.concurrency)
+    prefix_tokens, suffix, output = (32, (4, 8), (2, 4)) if s.quick else (256, (16, 32), (8, 16))
+    num_requests = (4 if s.quick else 24) * ROUTING_PREFIXES
+    shared = wl.prefix_groups(
+        s.vocab,
+        clients,
+        s.seed,
+        groups=ROUTING_PREFIXES,
+        prefix_tokens=prefix_tokens,
+        suffix=suffix,
+        output=output,
+        num_requests=num_requests,
+        name="shared_prefix8",
+    )
+    hot = wl.prefix_groups(
+        s.vocab,
+        clients,
+        s.seed,
+        groups=ROUTING_PREFIXES,
+        prefix_tokens=prefix_tokens,
+        suffix=suffix,
+        output=output,
+        num_requests=num_requests,
+        hot_share=0.75,
+        name="hot_prefix",
+    )
+    # KV per shard: its share of the clients' own blocks, plus room for its share of the
+    # prefixes and half a prefix more (the working set does not fit one shard: routing
+    # decides what is cached where); one shard with n x that holds all eight prefixes
+    bs, planes = s.block_size, s.limits.total_ut_steps
+    prefix_blocks = math.ceil(prefix_tokens / bs)
+    own_blocks = math.ceil((suffix[1] + output[1]) / bs) + 1
+    prefix_room = math.ceil((ROUTING_PREFIXES / n + 0.5) * prefix_blocks)
+    per_shard = planes * (math.ceil(clients / n) * own_blocks + prefix_room)
+    base = SchedulerConfig(
+        max_num_seqs=clients,
+        block_size=bs,
+        num_blocks=per_shard,
+        enable_prefix_caching=True,
+        async_scheduling=True,
+    )
+
+    def arm(name: str, label: str, shards: int, router: str) -> Arm:
+        return Arm(
+            name,
+            label,
+            {"num_blocks": per_shard * (n // shards)},
+            BackendKind.SHARDS,
+            ShardSetup(shards=shards, router=router),
+        )
+
+    t = ROUTING_TARGETS
+    ratios = [
+        RatioSpec(shared.name, "prefix_hit_rate", "prefix", "one_shard",
+                  f"prefix hit rate, {n} shards (prefix router) / 1 shard with {n}x the KV",
+                  target=t["hit_vs_one"]),
+        RatioSpec(shared.name, "prefix_hit_rate", "prefix", "round_robin",
+                  "prefix hit rate, prefix / round-robin", target=t["hit_vs_rr"]),
+        RatioSpec(shared.name, "ttft_ms_p50", "prefix", "round_robin",
+                  "TTFT p50, prefix / round-robin", target=t["ttft_vs_rr"]),
+        RatioSpec(shared.name, "output_tokens_per_s", "prefix", "round_robin",
+                  "tokens/s, prefix / round-robin"),
+        RatioSpec(shared.name, "prefix_hit_rate", "prefix", "prefix",
+                  "prefix hit rate, prefix router", value=True),
+        RatioSpec(shared.name, "shard_imbalance", "prefix", "prefix",
+                  "max/mean requests per shard, prefix router (8 even prefixes)", value=True),
+        RatioSpec(hot.name, "shard_imbalance", "prefix", "prefix",
+                  "max/mean requests per shard, prefix router, one hot prefix", value=True,
+                  target=t["imbalance"]),
+        RatioSpec(hot.name, "prefix_hit_rate", "prefix", "prefix",
+                  "prefix hit rate, prefix router, one hot prefix", value=True),
+    ]  # fmt: skip
+    return Comparison(
+        name="routing",
+        title=f"KV-aware routing over {n} real shards: prefix vs round-robin vs one big shard",
+        question=(
+            f"With {n} engine shards behind one router and requests over {ROUTING_PREFIXES} "
+            "long shared prefixes, does routing by cached prefix overlap (against load) keep "
+            "the prefix hit rate of a single shard holding all the KV, and how much does it "
+            "beat round-robin on hits and time to first token? With one hot prefix, does the "
+            "load term keep the shards balanced?"
+        ),
+        base=base,
+        workloads=[shared, hot],
+        arms=[
+            arm("prefix", f"{n} shards, prefix router", n, "prefix"),
+            arm("round_robin", f"{n} shards, round-robin", n, "round-robin"),
+            arm("one_shard", f"1 shard with {n}x the KV per shard", 1, "prefix"),
+        ],
+        ratios=ratios,
+        plot_metrics=["prefix_hit_rate", "ttft_ms_p50", "output_tokens_per_s", "shard_imbalance"],
+        skip=frozenset({(hot.name, "round_robin"), (hot.name, "one_shard")}),
+        notes=[
+            f"Every arm runs the services as OS processes (rlt service ... --shard i) on a real "
+            f"nats-server. KV per shard: {per_shard} blocks of {bs} tokens ({planes} planes): "
+            f"the shard's share of the {clients} clients' own blocks plus room for "
+            f"{ROUTING_PREFIXES / n + 0.5:g} of the {ROUTING_PREFIXES} {prefix_tokens}-token "
+            f"prefixes (its share and half a prefix); the one-shard arm has {n}x that.",
+            "Hit rate = prompt tokens served from the prefix cache / all prompt tokens "
+            "(the finished events' num_cached_tokens). Imbalance = the busiest shard's "
+            "requests / the mean over the shards.",
+        ],
+    )
+
+
+# a simulated pass is this many times Ouro-1.4B's on an H200 (services/worker/sim.py):
+# long enough that eight schedulers' own CPU fits two cores
+SIM_DILATION = 100.0
+SIM_CLIENTS_PER_SHARD = 32
+
+
+def scaling(s: BenchSettings) -> Comparison:
+    quick = s.quick
+    real_clients = s.concurrency
+    # prompts long enough that a worker's time goes into its model, not into the fixed cost
+    # of a pass (CPU, small model): what two cores can show of two shards
+    real = wl.long_decode(s.vocab, real_clients, s.seed,
+                          prompt=(16, 32) if quick else (96, 192),
+                          output=(4, 8) if quick else (16, 32),
+                          requests_per_client=2 if quick else 3, name="real_chat")  # fmt: skip
+    sim_counts = (1, 2, 4) if quick else (1, 8, 32)
+    sim_workloads = {
+        n: wl.long_decode(
+            s.vocab,
+            SIM_CLIENTS_PER_SHARD * n,
+            s.seed,
+            prompt=(16, 48),
+            output=(8, 16) if quick else (64, 128),
+            # several per client: steady state, not one wave whose slowest request decides
+            requests_per_client=1 if quick else 3,
+            name=f"sim_x{n}",
+        )
+        for n in sim_counts
+    }
+    bs, planes = s.block_size, s.limits.total_ut_steps
+    longest = max(w.max_request_tokens for w in [real, *sim_workloads.values()])
+    blocks = planes * (math.ceil(longest / bs) + 1) * max(real_clients, SIM_CLIENTS_PER_SHARD)
+    base = SchedulerConfig(
+        max_num_seqs=max(real_clients, SIM_CLIENTS_PER_SHARD),
+        block_size=bs,
+        num_blocks=blocks,
+        async_scheduling=True,
+    )
+    arms = [
+        Arm("real1", "1 real shard", backend=BackendKind.SHARDS, shards=ShardSetup(1)),
+        Arm("real2", "2 real shards", backend=BackendKind.SHARDS, shards=ShardSetup(2)),
+    ]
+    for n in sim_counts:
+        arms.append(
+            Arm(
+                f"sim{n}",
+                f"{n} simulated shard(s), pass time x{SIM_DILATION:g}",
+                backend=BackendKind.SHARDS,
+                shards=ShardSetup(n, device="sim", sim_dilation=SIM_DILATION),
+            )
+        )
+    low, mid, top = sim_counts
+    skip = {(real.name, f"sim{n}") for n in sim_counts}
+    skip |= {(w.name, a.name) for w in sim_workloads.values() for a in arms}
+    skip -= {(sim_workloads[n].name, f"sim{n}") for n in sim_counts}
+    w = {n: sim_workloads[n].name for n in sim_counts}
+    tps = "output_tokens_per_s"
+    ratios = [
+        RatioSpec(real.name, tps, "real2", "real1", "tokens/s, 2 real shards / 1 (2 cores)",
+                  target=Target("2 real shards >= 1.5x one", low=1.5)),
+        RatioSpec(w[mid], tps, f"sim{mid}", "sim1", f"tokens/s, {mid} sim shards / 1",
+                  denominator_workload=w[low],
+                  target=Target(f"{mid} sim shards >= {mid - 1}x one", low=mid - 1.0)),
+        RatioSpec(w[mid], "control_cpu_us_per_token", f"sim{mid}", "sim1",
+                  f"control-plane CPU per token (admission + index + NATS), {mid} / 1 sim shards",
+                  denominator_workload=w[low],
+                  target=Target("the shared control plane does not grow with shards", high=1.2)),
+        RatioSpec(w[low], "scheduler_cpu_per_sim_pass", "sim1", "sim1",
+                  "scheduler CPU per step / simulated H200 pass time (1 sim shard)", value=True),
+        RatioSpec(w[mid], "scheduler_cpu_per_sim_pass", f"sim{mid}", f"sim{mid}",
+                  f"scheduler CPU per step / simulated H200 pass time ({mid} sim shards)",
+                  value=True),
+        RatioSpec(w[top], tps, f"sim{top}", "sim1", f"tokens/s, {top} sim shards / 1",
+                  denominator_workload=w[low]),
+        RatioSpec(w[top], "control_cpu_us_per_token", f"sim{top}", "sim1",
+                  f"control-plane CPU per token, {top} / 1 sim shards",
+                  denominator_workload=w[low]),
+    ]  # fmt: skip
+    for comp in ("admission", "prefix_cache", "nats_server", "schedulers", "workers", "client"):
+        ratios.append(
+            RatioSpec(
+                w[top],
+                f"cpu_us_per_token_{comp}",
+                f"sim{top}",
+                f"sim{top}",
+                f"CPU µs per token in {comp}, {top} sim shards",
+                value=True,
+            )
+        )
+    return Comparison(
+        name="scaling",
+        title="Scale-out: real shards on this machine, simulated shards beyond it",
+        question=(
+            "Does throughput grow with shards, and is the shared control plane (admission "
+            "with its router, the prefix index, NATS) what limits it? Real shards measure "
+            "this machine; simulated shards (no model, a cost model of Ouro-1.4B on an H200, "
+            f"dilated x{SIM_DILATION:g}) measure the control plane alone at 1 to {top} shards, "
+            f"{SIM_CLIENTS_PER_SHARD} clients per shard."
+        ),
+        base=base,
+        workloads=[real, *sim_workloads.values()],
+        arms=arms,
+        ratios=ratios,
+        plot_metrics=[tps, "control_cpu_us_per_token", "scheduler_cpu_us_per_step"],
+        skip=frozenset(skip),
+        notes=[
+            "SIMULATED: the sim arms run no model. A pass takes the time services/worker/sim.py "
+            "gives for its rows (Ouro-1.4B bf16 weights + KV read per pass at 4.8 TB/s, "
+            f"compute at 989 TFLOP/s) x {SIM_DILATION:g}; tokens and exit depths are a function "
+            "of (seed, position). Their numbers describe the control plane, not a model.",
+            "Control-plane CPU = CPU time of the admission, prefix-cache and nats-server "
+            "processes over the run / output tokens. Scheduler CPU per step = the schedulers' "
+            "CPU time / their steps; divided by the undilated simulated pass time per step it "
+            "says how many cores a scheduler needs to keep one H200 busy.",
+        ],
+    )
+
+
 BUILDERS = {
     "depth_batching": depth_batching,
     "wcpb": wcpb,
     "pipeline": pipeline,
     "prefix_cache": prefix_cache,
     "kv_pressure": kv_pressure,
+    "routing": routing,
+    "scaling": scaling,
 }
 
 

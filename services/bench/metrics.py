@@ -22,6 +22,7 @@ class RequestRecord:
     finish_time: float | None = None
     num_cached_tokens: int = 0
     exit_depths: list[int] = field(default_factory=list)
+    shard: str = ""  # the engine shard it finished on (sharded runs)
 
 
 @dataclass
@@ -123,6 +124,15 @@ BREAKDOWN_METRICS = (
     "worker_decode_us",
     "nats_round_trip_us",
 )
+# what a sharded run (services/bench/sharded.py) adds to its metrics
+SHARD_METRICS = (
+    "shard_imbalance",
+    "control_cpu_us_per_token",
+    "scheduler_cpu_us_per_step",
+    "sim_device_ms_per_step",
+    "scheduler_cpu_per_sim_pass",
+)
+
 WASTE_METRICS = (
     "preemptions",
     "recomputed_prompt_tokens",

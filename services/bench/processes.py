@@ -1,9 +1,12 @@
 """The deployment users run, for the bench: one OS process per service (``rlt service
-NAME``, as compose runs them) against a real nats-server.
+NAME``, as compose runs them) against a real nats-server, with ``shards`` engine shards (a
+worker and a scheduler each, ``--shard 0..N-1``).
 
-Each bench run starts a fresh set (an empty scheduler, worker and prefix index), waits
+Each bench run starts a fresh set (empty schedulers, workers and prefix index), waits
 until every service is ready, and stops them (SIGTERM: drain) afterwards. The processes
 inherit this process's CPU affinity, so the in-process arm and this arm get the same cores.
+``cpu_seconds`` reads each process's CPU time (user + system) from /proc, so a run can say
+where the CPU went.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from services.runtime import subjects
 
 # the pipeline's back end first, its public entry point last
 SERVICES = ("worker", "prefix-cache", "scheduler", "admission")
+_PER_SHARD = ("worker", "scheduler")
 
 
 class ServiceProcesses:
@@ -39,60 +43,99 @@ class ServiceProcesses:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         ready_timeout_s: float = 120.0,
+        shards: int = 1,
+        router: str = "prefix",
+        worker_device: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.checkpoint = checkpoint
         self.config = config
         self.device = device
+        self.worker_device = worker_device or device
         self.dtype_name = next(name for name, d in DTYPES.items() if d == dtype)
-        self.ready_timeout_s = ready_timeout_s
+        self.ready_timeout_s = max(ready_timeout_s, 30.0 * shards)
+        self.shards = shards
+        self.router = router
+        self.env = dict(env or {})
         self._dir = tempfile.TemporaryDirectory(prefix="rlt-bench-procs-")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._names: dict[str, str] = {}  # key -> service name
 
     @property
     def run_dir(self) -> Path:
         return Path(self._dir.name)
 
-    def command(self, name: str) -> list[str]:
+    def keys(self) -> list[tuple[str, str, str | None]]:
+        """(key, service, shard) of every process: ``worker`` / ``scheduler`` with one shard
+        (as before), ``worker-<i>`` / ``scheduler-<i>`` with several."""
+        out: list[tuple[str, str, str | None]] = []
+        for name in SERVICES:
+            if name in _PER_SHARD and self.shards > 1:
+                out += [(f"{name}-{i}", name, str(i)) for i in range(self.shards)]
+            else:
+                out.append((name, name, None))
+        return out
+
+    def command(self, name: str, shard: str | None = None) -> list[str]:
         cmd = [sys.executable, "-m", "services.cli", "service", name, "--nats-url", self.nats_url]
         if name != "prefix-cache":
             cmd += ["--checkpoint", str(self.checkpoint)]
         cmd += engine_args(self.config)
-        cmd += ["--device", self.device, "--dtype", self.dtype_name]
+        device = self.worker_device if name == "worker" else self.device
+        if device == "sim" and name != "worker":
+            device = "cpu"
+        cmd += ["--device", device, "--dtype", self.dtype_name]
+        if shard is not None:
+            cmd += ["--shard", shard]
+        if name == "admission":
+            cmd += ["--router", self.router]
         return cmd
 
+    def _proc_dir(self, key: str) -> Path:
+        # each process its own health identity file (shards' services share names)
+        path = self.run_dir / key
+        path.mkdir(exist_ok=True)
+        return path
+
     def start(self) -> None:
-        env = {
+        base = {
             **os.environ,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            "RLT_RUN_DIR": str(self.run_dir),  # each service's health identity file
             "RLT_LOG_LEVEL": os.environ.get("RLT_BENCH_SERVICE_LOG_LEVEL", "warning"),
+            **self.env,
         }
-        for name in SERVICES:  # all at once: the imports and model loads overlap
-            log = open(self.run_dir / f"{name}.log", "wb")  # noqa: SIM115 - the child's
-            self.procs[name] = subprocess.Popen(
-                self.command(name), stdout=log, stderr=subprocess.STDOUT, env=env
+        for key, name, shard in self.keys():  # all at once: the imports and loads overlap
+            env = {**base, "RLT_RUN_DIR": str(self._proc_dir(key))}
+            log = open(self.run_dir / f"{key}.log", "wb")  # noqa: SIM115 - the child's
+            self.procs[key] = subprocess.Popen(
+                self.command(name, shard), stdout=log, stderr=subprocess.STDOUT, env=env
             )
+            self._names[key] = name
             log.close()
         deadline = time.monotonic() + self.ready_timeout_s
-        for name in SERVICES:
-            self._wait_ready(name, deadline)
+        for key in self.procs:
+            self._wait_ready(key, deadline)
 
-    def _wait_ready(self, name: str, deadline: float) -> None:
+    def _wait_ready(self, key: str, deadline: float) -> None:
         """Until the service wrote its identity file: it is registered and serving."""
-        proc = self.procs[name]
-        path = self.run_dir / f"rlt-{name}.json"
+        proc = self.procs[key]
+        path = self._proc_dir(key) / f"rlt-{self._names[key]}.json"
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"rlt service {name} exited:\n{self.log(name)[-3000:]}")
+                raise RuntimeError(f"rlt service {key} exited:\n{self.log(key)[-3000:]}")
             with contextlib.suppress(OSError, ValueError, KeyError):
                 if json.loads(path.read_text())["pid"] == proc.pid:
                     return
             time.sleep(0.05)
-        raise TimeoutError(f"rlt service {name} not ready:\n{self.log(name)[-3000:]}")
+        raise TimeoutError(f"rlt service {key} not ready:\n{self.log(key)[-3000:]}")
 
-    def log(self, name: str) -> str:
-        return (self.run_dir / f"{name}.log").read_text(errors="replace")
+    def log(self, key: str) -> str:
+        return (self.run_dir / f"{key}.log").read_text(errors="replace")
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each live process has used so far, by key."""
+        return {key: process_cpu_s(p.pid) for key, p in self.procs.items() if p.poll() is None}
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -117,6 +160,16 @@ class ServiceProcesses:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of a process, in seconds (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # after "pid (comm)": state is field 3, utime 14, stime 15 (1-based, proc(5))
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def worker_runner_stats(nc: NATS, timeout: float = 5.0) -> dict[str, float]:

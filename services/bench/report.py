@@ -37,6 +37,11 @@ METRIC_LABELS = {
     "recomputed_decode_loops": "replayed decode loops",
     "reserved_unused_blocks": "reserved unused blocks",
     "reserved_unused_share": "reserved unused share",
+    "shard_imbalance": "max/mean requests per shard",
+    "control_cpu_us_per_token": "control-plane CPU µs/token",
+    "scheduler_cpu_us_per_step": "scheduler CPU µs/step",
+    "sim_device_ms_per_step": "simulated H200 ms/step",
+    "scheduler_cpu_per_sim_pass": "scheduler CPU / sim pass",
 }
 BREAKDOWN_LABELS = {
     "sched_step_us": "scheduler step",
@@ -46,6 +51,14 @@ BREAKDOWN_LABELS = {
     "worker_decode_us": "worker decode",
     "nats_round_trip_us": "NATS round trip",
 }
+# sharded runs only (services/bench/sharded.py): shown where some arm has them
+SHARD_TABLE_METRICS = (
+    "shard_imbalance",
+    "control_cpu_us_per_token",
+    "scheduler_cpu_us_per_step",
+    "sim_device_ms_per_step",
+    "scheduler_cpu_per_sim_pass",
+)
 # shown only where some arm has a nonzero value (KV pressure), not as columns of zeros
 WASTE_TABLE_METRICS = (
     "preemptions",
@@ -169,7 +182,7 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
         [
             [
                 a["name"],
-                a["label"],
+                a["label"] + (" **(SIMULATED device)**" if a.get("simulated") else ""),
                 a["backend"],
                 ", ".join(f"{k}={v}" for k, v in a["overrides"].items()) or "—",
             ]
@@ -202,7 +215,7 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
     ]
     metrics += [
         m
-        for m in WASTE_TABLE_METRICS
+        for m in (*WASTE_TABLE_METRICS, *SHARD_TABLE_METRICS)
         if any(row["stats"].get(m, {}).get("median") for row in c["summary"])
     ]
     lines += _table(
@@ -304,7 +317,7 @@ def plot_comparison(c: dict[str, Any], path: Path) -> bool:
             present = [
                 (arm, st[metric])
                 for arm in arms
-                if (st := stats.get((w, arm))) and st[metric]["median"] is not None
+                if (st := stats.get((w, arm))) and st.get(metric, {}).get("median") is not None
             ]
             width = 0.8 / max(1, len(present))
             for j, (arm, v) in enumerate(present):

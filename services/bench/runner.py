@@ -31,7 +31,7 @@ from services.bench.comparisons import (
     Comparison,
     build_comparisons,
 )
-from services.bench.metrics import BREAKDOWN_METRICS, WASTE_METRICS, run_metrics
+from services.bench.metrics import BREAKDOWN_METRICS, SHARD_METRICS, WASTE_METRICS, run_metrics
 from services.bench.progress import Progress
 from services.bench.workloads import FULL, QUICK, Workload, warmup_workload
 from services.common.config import SchedulerConfig
@@ -59,6 +59,7 @@ SUMMARY_METRICS = (
     "wall_s",
     *WASTE_METRICS,
     *BREAKDOWN_METRICS,
+    *SHARD_METRICS,
 )
 
 
@@ -76,19 +77,30 @@ class Bench:
 
     def backend(self, kind: BackendKind) -> Backend:
         if kind not in self._backends:
-            from services.bench.pipeline import PipelineBackend  # nats only when needed
+            if kind is BackendKind.SHARDS:
+                from services.bench.sharded import ShardedBackend
 
-            self._backends[kind] = PipelineBackend(
-                self.checkpoint,
-                device=self.device,
-                dtype=self.dtype,
-                processes=kind is BackendKind.PIPELINE,
-            )
+                self._backends[kind] = ShardedBackend(
+                    self.checkpoint, device=self.device, dtype=self.dtype
+                )
+            else:
+                from services.bench.pipeline import PipelineBackend  # nats only when needed
+
+                self._backends[kind] = PipelineBackend(
+                    self.checkpoint,
+                    device=self.device,
+                    dtype=self.dtype,
+                    processes=kind is BackendKind.PIPELINE,
+                )
         return self._backends[kind]
 
     def run(self, workload: Workload, config: SchedulerConfig, arm: Arm) -> dict[str, Any]:
         gc.collect()
-        record = self.backend(arm.backend).run(workload, config)
+        backend = self.backend(arm.backend)
+        if arm.shards is not None:
+            record = backend.run(workload, config, arm.shards)  # type: ignore[call-arg]
+        else:
+            record = backend.run(workload, config)
         return run_metrics(record)
 
     def close(self) -> None:
@@ -152,7 +164,9 @@ def run_comparison(
         for workload, arm in comparison.cases():
             workload = workloads[workload.name]
             config = comparison.config(arm)
-            if arm.backend not in warmed:  # first use pays one-off costs outside the timing
+            # first use pays one-off costs outside the timing (a sharded run starts fresh
+            # processes every time: nothing to warm)
+            if arm.backend not in warmed and arm.backend is not BackendKind.SHARDS:
                 bench.run(warmup_workload(workload), config, arm)
                 warmed.add(arm.backend)
             progress.describe(
@@ -178,6 +192,9 @@ def run_comparison(
                 "backend": str(a.backend),
                 "overrides": {k: _plain(v) for k, v in a.overrides.items()},
                 "config": _config_dict(comparison.config(a)),
+                "shards": dataclasses.asdict(a.shards) if a.shards else None,
+                # the sim device's numbers describe the control plane, not a model
+                "simulated": bool(a.shards and a.shards.simulated),
             }
             for a in comparison.arms
         ],

@@ -314,3 +314,71 @@ def warmup_workload(workload: Workload) -> Workload:
     """Two short requests of the workload's kind, so first-use costs stay off the clock."""
     reqs = [RequestSpec(r.prompt_token_ids, min(r.max_tokens, 2)) for r in workload.requests[:2]]
     return Workload("warmup", "warm-up", LoopMode.CLOSED, reqs, workload.exit, concurrency=2)
+
+
+# ---------------------------------------------------------------------- shards
+def prefix_groups(
+    vocab: TokenRange,
+    concurrency: int,
+    seed: int,
+    *,
+    groups: int,
+    prefix_tokens: int,
+    suffix: tuple[int, int],
+    output: tuple[int, int],
+    num_requests: int,
+    hot_share: float = 0.0,
+    name: str = "prefix_groups",
+) -> Workload:
+    """Requests over ``groups`` long shared prefixes (system prompts), each with its own
+    question; with ``hot_share`` that share of them uses the first prefix (one hot prompt)
+    and the rest spread evenly over the others."""
+    rng = _rng(seed, name)
+    prefixes = [vocab.tokens(rng, prefix_tokens) for _ in range(groups)]
+    reqs = []
+    for _ in range(num_requests):
+        if hot_share and rng.random() < hot_share:
+            prefix = prefixes[0]
+        else:
+            prefix = rng.choice(prefixes[1:] if hot_share and groups > 1 else prefixes)
+        question = vocab.tokens(rng, rng.randint(*suffix))
+        reqs.append(RequestSpec(prefix + question, rng.randint(*output)))
+    hot = f", {hot_share:.0%} on one hot prefix" if hot_share else ""
+    return Workload(
+        name=name,
+        description=(
+            f"{groups} shared {prefix_tokens}-token prefixes{hot}, closed loop x{concurrency}, "
+            f"{EARLY_EXIT.label}"
+        ),
+        mode=LoopMode.CLOSED,
+        requests=reqs,
+        exit=EARLY_EXIT,
+        concurrency=concurrency,
+        seed=seed,
+        params={"prefix_groups": groups, "prefix_tokens": prefix_tokens, "hot_share": hot_share},
+    )
+
+
+def long_decode(
+    vocab: TokenRange,
+    concurrency: int,
+    seed: int,
+    *,
+    prompt: tuple[int, int],
+    output: tuple[int, int],
+    requests_per_client: int,
+    name: str = "long_decode",
+) -> Workload:
+    """Chat prompts with long answers (decode-bound), ``concurrency`` closed-loop clients."""
+    rng = _rng(seed, "long_decode")  # the same prompts at every concurrency
+    mix = LengthMix(prompt=prompt, output=output)
+    return Workload(
+        name=name,
+        description=f"long answers, closed loop x{concurrency}, {EARLY_EXIT.label}",
+        mode=LoopMode.CLOSED,
+        requests=[mix.draw(rng, vocab) for _ in range(requests_per_client * concurrency)],
+        exit=EARLY_EXIT,
+        concurrency=concurrency,
+        seed=seed,
+        params={"prompt_range": prompt, "output_range": output},
+    )

@@ -117,13 +117,47 @@ def add_device_flags(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
     g.add_argument(
         "--device",
         default=os.environ.get("RLT_DEVICE", "cpu"),
-        help="torch device of the model and KV cache (default: $RLT_DEVICE, else cpu)",
+        help="torch device of the model and KV cache (default: $RLT_DEVICE, else cpu); "
+        "'sim' is a simulated device for scale benchmarks only (no model, every output "
+        "marked simulated; docs/sharding.md)",
     )
     g.add_argument(
         "--dtype",
         choices=list(DTYPES),
         default=os.environ.get("RLT_DTYPE", "float32"),
         help="model and KV dtype (default: $RLT_DTYPE, else float32)",
+    )
+
+
+ROUTER_POLICIES = ("prefix", "round-robin", "least-loaded")
+
+
+def add_shard_flags(p: argparse.ArgumentParser, *, many: bool) -> None:
+    """``rlt up``: ``--shards N``; ``rlt service``: ``--shard ID`` (scheduler, worker).
+    Both: ``--router`` (admission's routing policy)."""
+    g = p.add_argument_group("shards")
+    if many:
+        g.add_argument(
+            "--shards",
+            type=int,
+            default=1,
+            metavar="N",
+            help="engine shards (one scheduler + one worker each), ids 0..N-1 (default 1)",
+        )
+    else:
+        g.add_argument(
+            "--shard",
+            default="0",
+            metavar="ID",
+            help="the engine shard this scheduler or worker serves (default 0; a short "
+            "string of [A-Za-z0-9_-])",
+        )
+    g.add_argument(
+        "--router",
+        choices=ROUTER_POLICIES,
+        default="prefix",
+        help="admission's routing: prefix (cached prefix overlap against load, default), "
+        "round-robin, least-loaded",
     )
 
 

@@ -104,26 +104,41 @@ class PrefixIndex:
             self._clear_blocks(producer_id, state)
 
     # ------------------------------------------------------------------ queries
-    def lookup(self, block_hashes: Sequence[int]) -> PrefixLookupReply:
+    def lookup(self, block_hashes: Sequence[int], per_producer: bool = False) -> PrefixLookupReply:
         """Longest leading run cached by ONE producer (KV cannot be stitched across
-        producers); ties go to the lowest producer id."""
-        candidates: set[str] = set()
-        matched = 0
-        for block_hash in block_hashes:
-            holders = self._holders.get(block_hash)
-            if not holders:
-                break
-            narrowed = set(holders) if matched == 0 else candidates & holders
-            if not narrowed:
-                break
-            candidates = narrowed
-            matched += 1
-        if matched == 0:
+        producers); ties go to the lowest producer id. ``per_producer`` also gives every
+        producer's own leading run (the router weighs each shard's overlap)."""
+        overlaps = self.overlaps(block_hashes)
+        if not overlaps:
             return PrefixLookupReply()
-        pid = min(candidates)
+        matched = max(overlaps.values())
+        pid = min(p for p, n in overlaps.items() if n == matched)
         return PrefixLookupReply(
-            producer_id=pid, num_blocks=matched, event_seq=self._producers[pid].event_seq
+            producer_id=pid,
+            num_blocks=matched,
+            event_seq=self._producers[pid].event_seq,
+            overlaps=overlaps if per_producer else {},
         )
+
+    def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """{producer: how many leading blocks of ``block_hashes`` it caches}, producers with
+        none left out. One walk down the chain: a producer drops out at its first miss."""
+        out: dict[str, int] = {}
+        alive: set[str] | None = None
+        for matched, block_hash in enumerate(block_hashes):
+            holders = self._holders.get(block_hash)
+            if alive is None:
+                alive = set(holders) if holders else set()
+            else:
+                still = alive & holders if holders else set()
+                for pid in alive - still:
+                    out[pid] = matched
+                alive = still
+            if not alive:
+                return out
+        for pid in alive or ():
+            out[pid] = len(block_hashes)
+        return out
 
     def applied_seq(self, producer_id: str) -> int:
         state = self._producers.get(producer_id)

@@ -17,10 +17,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from nats.aio.msg import Msg
 
+from messages.internal import SchedulerLoad
 from messages.prefix import PrefixLookup, blocks_digest
 from services.prefix_cache.core import PrefixIndex
+from services.prefix_cache.liveness import ProducerLiveness
 from services.prefix_cache.stream import EventReader, SnapshotStore
 from services.runtime import jetstream, subjects
 from services.runtime.bus import HEADER_REQUEST_ID, HEADER_TRACE_ID, decode_msgpack, encode_msgpack
@@ -57,6 +60,9 @@ class PrefixCacheService(Service):
         self.load_s = 0.0
         self.num_lookups = 0
         self.num_hits = 0
+        # a shard whose scheduler's reports stopped: its blocks leave the index
+        self.liveness = ProducerLiveness(float(env.get("RLT_SCHEDULER_LOST_S", "10")))
+        self.dropped_producers: list[str] = []
 
     async def setup(self) -> None:
         started = time.monotonic()
@@ -75,12 +81,22 @@ class PrefixCacheService(Service):
         self.reader = EventReader(self.nc, self.index, self.index_name, self.log)
 
     def endpoints(self) -> Sequence[Endpoint]:
-        return (Endpoint("lookup", subjects.PREFIX_LOOKUP, self._on_lookup),)
+        return (
+            Endpoint("lookup", subjects.PREFIX_LOOKUP, self._on_lookup),
+            # every replica hears every report: a queue group of its own
+            Endpoint(
+                "load",
+                subjects.SCHED_LOAD,
+                self._on_load,
+                queue_group=f"rlt-prefix-cache-{self.instance_id}",
+            ),
+        )
 
     async def on_ready(self) -> None:
         assert self.reader is not None
         self.spawn(self.reader.run(), "events")
         self.spawn(self._snapshot_loop(), "snapshots")
+        self.spawn(self._drop_silent_producers(), "producers")
 
     async def drain(self, timeout: float) -> None:
         await self._save_snapshot()
@@ -99,6 +115,7 @@ class PrefixCacheService(Service):
             "snapshot_loaded_seq": self.restored_seq,
             "snapshot_load_s": round(self.load_s, 4),
             "gaps": self.index.num_gaps,
+            "dropped_producers": list(self.dropped_producers[-20:]),
         }
         if self.reader is not None:
             r = self.reader
@@ -114,6 +131,27 @@ class PrefixCacheService(Service):
             out["snapshots_written"] = self.snapshots.num_written
             out["snapshot_seq"] = self.snapshots.written_seq
         return out
+
+    # ------------------------------------------------------------------ producers
+    async def _on_load(self, msg: Msg) -> None:
+        try:
+            report = decode_msgpack(msg.data, SchedulerLoad)
+        except msgspec.DecodeError:
+            return  # admission logs bad reports; the index only needs the good ones
+        self.liveness.heard(report.producer_id, time.monotonic())
+
+    async def _drop_silent_producers(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if not self.bus_connected:
+                continue
+            for pid in self.liveness.gone(time.monotonic(), self.bus_connected_since):
+                blocks = len(self.index.cached_blocks().get(pid, ()))
+                self.index.drop_producer(pid)
+                self.dropped_producers.append(pid)
+                self.log.warning(
+                    "producer's reports stopped; its blocks dropped", producer=pid, blocks=blocks
+                )
 
     # ------------------------------------------------------------------ snapshots
     async def _snapshot_loop(self) -> None:
@@ -151,7 +189,7 @@ class PrefixCacheService(Service):
                 lookup.request_id[:256] or fields["request_id"],
                 lookup.trace_id[:64] or fields.get("trace_id", ""),
             )
-            answer = self.index.lookup(lookup.block_hashes)
+            answer = self.index.lookup(lookup.block_hashes, lookup.per_producer)
             reply = encode_msgpack(answer)
             if answer.num_blocks:
                 self.num_hits += 1

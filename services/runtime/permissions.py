@@ -53,9 +53,11 @@ _EVENT_STREAM_ADMIN = (
 SERVICE_ROLES: dict[str, Permissions] = {
     "admission": Permissions(
         publish=(
-            subjects.SCHED_SUBMIT,
-            subjects.SCHED_ABORT,
+            f"{subjects.SCHED_SUBMIT}.>",  # per shard
+            subjects.SCHED_ABORT,  # every shard (the request's shard is not known here)
+            f"{subjects.SCHED_ABORT}.>",  # one shard
             subjects.SCHED_LOAD_GET,
+            subjects.SHARD_DISCOVER,
             subjects.SCHED_ALIVE_ALL,
             subjects.PREFIX_LOOKUP,
             *_CLIENT_INBOXES,
@@ -70,6 +72,7 @@ SERVICE_ROLES: dict[str, Permissions] = {
             subjects.TENANT_GENERATE_ALL,
             subjects.TENANT_ABORT_ALL,
             subjects.SCHED_LOAD,
+            subjects.SHARD_ANNOUNCE,
             f"{subjects.ADMISSION_TRACK_PREFIX}.>",
             subjects.health("admission"),
             "$SRV.>",
@@ -79,8 +82,9 @@ SERVICE_ROLES: dict[str, Permissions] = {
     "scheduler": Permissions(
         publish=(
             f"{subjects.WORKER_BATCH}.>",
-            subjects.WORKER_DISCOVER,
+            f"{subjects.WORKER_DISCOVER}.>",
             subjects.SCHED_LOAD,
+            subjects.SHARD_ANNOUNCE,
             f"{subjects.PREFIX_EVENTS}.>",
             f"{subjects.ADMISSION_TRACK_PREFIX}.>",
             subjects.metrics("scheduler"),
@@ -91,14 +95,17 @@ SERVICE_ROLES: dict[str, Permissions] = {
             *_EVENT_STREAM_ADMIN,
         ),
         subscribe=(
-            subjects.SCHED_SUBMIT,
+            f"{subjects.SCHED_SUBMIT}.>",
             subjects.SCHED_ABORT,
+            f"{subjects.SCHED_ABORT}.>",
             subjects.SCHED_LOAD_GET,
             subjects.SCHED_ALIVE_ALL,
-            subjects.WORKER_HEARTBEAT,
+            subjects.SHARD_DISCOVER,
+            f"{subjects.WORKER_HEARTBEAT}.>",
             f"{subjects.WORKER_RESULT}.>",
             f"{V}.sched.gone.>",
             subjects.health("scheduler"),
+            f"{subjects.health('scheduler')}.>",  # one shard's scheduler
             "$SRV.>",
             _own_inbox("scheduler"),
         ),
@@ -106,7 +113,7 @@ SERVICE_ROLES: dict[str, Permissions] = {
     "worker": Permissions(
         publish=(
             f"{subjects.WORKER_RESULT}.>",
-            subjects.WORKER_HEARTBEAT,
+            f"{subjects.WORKER_HEARTBEAT}.>",
             subjects.metrics("worker"),
             # "is the scheduler I am bound to still there?" before another may take over
             subjects.SCHED_ALIVE_ALL,
@@ -116,8 +123,9 @@ SERVICE_ROLES: dict[str, Permissions] = {
         ),
         subscribe=(
             f"{subjects.WORKER_BATCH}.>",
-            subjects.WORKER_DISCOVER,
+            f"{subjects.WORKER_DISCOVER}.>",
             subjects.health("worker"),
+            f"{subjects.health('worker')}.>",  # one shard's worker
             "$SRV.>",
             _own_inbox("worker"),
         ),
@@ -170,6 +178,7 @@ SERVICE_ROLES: dict[str, Permissions] = {
         ),
         subscribe=(
             subjects.PREFIX_LOOKUP,
+            subjects.SCHED_LOAD,  # which producers are alive (their shards' load reports)
             subjects.health("prefix-cache"),
             "$SRV.>",
             _own_inbox("prefix-cache"),
@@ -328,9 +337,12 @@ DEPLOY_HEADER = """\
 # (compose.yaml), so this file can also be used as is by tests.
 #
 # Roles (docs/services.md, "Security model"):
-#   admission     takes rlt.v1.generate / rlt.v1.abort (and rlt.v1.tenant.<t>.*), submits
-#   scheduler     batches to the worker, streams to client inboxes, prefix events (JetStream)
-#   worker        results and heartbeats
+#   admission     takes rlt.v1.generate / rlt.v1.abort (and rlt.v1.tenant.<t>.*), routes
+#                 each request to a shard (rlt.v1.sched.submit.<shard>), relays its stream
+#                 to the client's inbox
+#   scheduler     (one per shard) batches to its worker, stream events to admission's relay
+#                 subject, prefix events (JetStream), shard announcements
+#   worker        (one per shard) results and heartbeats
 #   prefix-cache  reads the event stream, keeps snapshots in the object store
 #   client        the default tenant: rlt.v1.generate / rlt.v1.abort, reads _INBOX.> except
 #                 tenants' inboxes

@@ -87,7 +87,8 @@ def reply_allowed(tenant: str, reply: str) -> bool:
     return any(reply.startswith(root + ".") for root in DEFAULT_INBOX_ROOTS)
 
 
-# admission -> scheduler (msgpack)
+# admission -> scheduler (msgpack): per shard (``sched_submit(shard)``); SCHED_ABORT reaches
+# every shard (an abort for a request this admission did not route)
 SCHED_SUBMIT = f"{VERSION_PREFIX}.sched.submit"
 SCHED_ABORT = f"{VERSION_PREFIX}.sched.abort"
 # scheduler -> admission: queue depth for backpressure (msgpack)
@@ -105,6 +106,29 @@ def sched_alive(instance: str) -> str:
     return f"{SCHED_ALIVE}.{instance}"
 
 
+# shards (msgpack): a scheduler announces its shard on start and when a router asks
+SHARD_ANNOUNCE = f"{VERSION_PREFIX}.shard.announce"
+SHARD_DISCOVER = f"{VERSION_PREFIX}.shard.discover"
+# the shard that runs when none is named (``rlt service scheduler`` without ``--shard``)
+DEFAULT_SHARD = "0"
+_SHARD_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def check_shard_id(shard_id: str) -> str:
+    """A shard id is a short string usable as one NATS subject token; returns it."""
+    if not 1 <= len(shard_id) <= 32 or not set(shard_id) <= _SHARD_ID_CHARS:
+        raise ValueError(f"shard id must be 1-32 characters of [A-Za-z0-9_-], got {shard_id!r}")
+    return shard_id
+
+
+def sched_submit(shard_id: str) -> str:
+    return f"{SCHED_SUBMIT}.{shard_id}"
+
+
+def sched_abort(shard_id: str) -> str:
+    return f"{SCHED_ABORT}.{shard_id}"
+
+
 # scheduler <-> worker (msgpack)
 WORKER_BATCH = f"{VERSION_PREFIX}.worker.batch"
 WORKER_RESULT = f"{VERSION_PREFIX}.worker.result"
@@ -112,6 +136,15 @@ WORKER_RESULT = f"{VERSION_PREFIX}.worker.result"
 # hello now" (a fresh scheduler need not wait a heartbeat interval for its first worker)
 WORKER_HEARTBEAT = f"{VERSION_PREFIX}.worker.heartbeat"
 WORKER_DISCOVER = f"{VERSION_PREFIX}.worker.discover"
+
+
+def worker_heartbeat(shard_id: str) -> str:
+    """One shard's workers' heartbeats: only that shard's scheduler binds them."""
+    return f"{WORKER_HEARTBEAT}.{shard_id}"
+
+
+def worker_discover(shard_id: str) -> str:
+    return f"{WORKER_DISCOVER}.{shard_id}"
 
 
 def worker_batch(worker_id: str) -> str:
@@ -163,6 +196,22 @@ def admission_fence(admission_id: str) -> str:
     return f"{ADMISSION_TRACK_PREFIX}.fence.{admission_id}"
 
 
+# scheduler -> admission: the events of the streams admission relays (RelayBatch, msgpack),
+# one subject per admission so they arrive in the order the scheduler published them
+def admission_relay(admission_id: str) -> str:
+    return f"{ADMISSION_TRACK_PREFIX}.{admission_id}.relay.events"
+
+
+# admission -> admission: reply subject of relayed client events; nats-server answers it with
+# "no responders" when the client is gone, and admission aborts the request at its shard
+def client_gone(admission_id: str, seq: int) -> str:
+    return f"{ADMISSION_TRACK_PREFIX}.{admission_id}.gone.{seq}"
+
+
+def clients_gone_of(admission_id: str) -> str:
+    return f"{ADMISSION_TRACK_PREFIX}.{admission_id}.gone.*"
+
+
 # prefix cache (msgpack). Events go to the JetStream stream RLT_PREFIX_EVENTS (see
 # services/runtime/jetstream.py), one subject per producer; lookups are core request/reply
 PREFIX_EVENTS = f"{VERSION_PREFIX}.prefix.events"
@@ -204,9 +253,11 @@ def service_inbox(connection_name: str) -> str:
     return f"{SERVICE_INBOX_PREFIX}.{connection_name}"
 
 
-def health(service: str) -> str:
-    """Per-service JSON health endpoint (``nats req rlt.v1.health.scheduler ''``)."""
-    return f"{VERSION_PREFIX}.health.{service}"
+def health(service: str, shard_id: str | None = None) -> str:
+    """Per-service JSON health endpoint (``nats req rlt.v1.health.scheduler ''``); with a
+    shard, that shard's instance (``rlt.v1.health.scheduler.1``)."""
+    base = f"{VERSION_PREFIX}.health.{service}"
+    return base if shard_id is None else f"{base}.{shard_id}"
 
 
 # service names as `rlt service NAME` takes them; the NATS micro name is "rlt-" + NAME

@@ -17,8 +17,14 @@ from typing import Any
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent
 from messages.batch import Phase
 from messages.errors import ErrorCode, RequestError
-from messages.internal import AdmittedRequest, RequestNotice, SchedulerLoad, WorkerResult
-from messages.prefix import PrefixEventBatch
+from messages.internal import (
+    AdmittedRequest,
+    RelayedEvent,
+    RequestNotice,
+    SchedulerLoad,
+    WorkerResult,
+)
+from messages.prefix import PrefixEventBatch, cacheable_prefix_blocks
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.tokenizer import TextCodec
 from services.runtime import subjects
@@ -26,6 +32,7 @@ from services.runtime.logging import get_logger, log_content_enabled, request_fi
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.nats_executor import NatsExecutor
+from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.tombstones import AbortTombstones
@@ -34,6 +41,8 @@ Delivery = tuple[str, StreamEvent]  # (client reply subject, event)
 # which try of a request a stream serves: (admission id, admission seq); fencing names it
 StreamKey = tuple[str, int]
 Notice = tuple[str, RequestNotice]  # (admission tracking subject, notice)
+# recent batch round trips (submit -> result) weigh this much in the load report's step time
+_STEP_TIME_WEIGHT = 0.2
 
 
 @dataclass
@@ -45,7 +54,9 @@ class _Stream:
     no: int = 0  # names the stream in its "gone" reply subject
     tenant: str = ""  # only this tenant may abort it or retry it
     admission_id: str = ""  # the admission that may end it if we are lost (fencing)
-    admission_seq: int = 0  # the try it serves (a retry re-attaching moves it)
+    admission_seq: int = 0  # the try it serves (a retry re-attaching moves it); tags relays
+    # admission's relay subject: events go there (admission passes them on to the client)
+    relay: str = ""
 
     @property
     def key(self) -> StreamKey:
@@ -63,7 +74,7 @@ class SchedulerDriver:
         *,
         instance: str = "local",
         producer_id: str | None = None,
-        shard: str | None = None,
+        shard_id: str = subjects.DEFAULT_SHARD,
         log: Any = None,
         abort_keep_s: float = 10.0,
     ) -> None:
@@ -71,6 +82,7 @@ class SchedulerDriver:
         self.limits = limits
         self.codec = codec
         self.instance = instance
+        self.shard_id = shard_id
         # the prefix-event producer name outlives this process (RLT_SCHEDULER_NAME): a
         # restarted scheduler announces a newer epoch under the same name, and the prefix
         # cache drops everything the old one published
@@ -79,7 +91,14 @@ class SchedulerDriver:
         self.draining = False
         self.last_admission_seq: dict[str, int] = {}
         self.notices: list[Notice] = []
+        # relay subject -> events for that admission, in the order they happened
+        self.relayed: dict[str, list[RelayedEvent]] = {}
         self.num_worker_losses = 0
+        self.num_resumed = 0
+        self.simulated = False  # the bound worker is a ``--device sim`` worker
+        self.has_worker = True  # the service says whether a worker is usable
+        self.step_time_s = 0.0
+        self._report_seq = 0
         self._stream_nos = 0
         self.tombstones = AbortTombstones(abort_keep_s)
         # streams that ended lately, by request id: what their held events belong to
@@ -90,7 +109,7 @@ class SchedulerDriver:
             lambda: self.scheduler,
             total_ut_steps=limits.total_ut_steps,
             prefix_caching=config.enable_prefix_caching,
-            shard=shard,
+            shard=shard_id,
         )
 
     def _new_core(self) -> None:
@@ -164,12 +183,18 @@ class SchedulerDriver:
     # ------------------------------------------------------------------ requests
     def add(self, req: AdmittedRequest, track: str = "", traceparent: str = "") -> list[Delivery]:
         """Queues an admitted request. ``track`` is admission's tracking subject: it hears
-        "accepted" now and "done" when the stream's terminal event is published.
-        ``traceparent`` is admission's span (the parent of ours)."""
+        "accepted" now and "done" when the stream's terminal event is published (a relayed
+        stream's terminal event reaches admission on the relay itself). ``traceparent`` is
+        admission's span (the parent of ours)."""
         if req.admission_id:
             seen = self.last_admission_seq.get(req.admission_id, 0)
             self.last_admission_seq[req.admission_id] = max(seen, req.admission_seq)
         fields = request_fields(req.request_id, req.trace_id)
+        if req.shard_id and req.shard_id != self.shard_id:
+            self.log.warning("request for another shard refused", shard=req.shard_id, **fields)
+            return self._refuse(
+                req, track, ErrorCode.INTERNAL, f"sent to shard {self.shard_id}, not {req.shard_id}"
+            )
         live = self.streams.get(req.request_id)
         if live is not None and live.tenant != req.tenant:
             return self._refuse(
@@ -180,6 +205,11 @@ class SchedulerDriver:
             # the stream goes on to the retry's reply subject and tracking subject
             live.reply, live.track = req.reply_subject, track
             live.admission_id, live.admission_seq = req.admission_id, req.admission_seq
+            if req.relay_subject:
+                # the retry came through another admission: it learns what the stream has
+                # produced so far, then relays from here on
+                live.relay = req.relay_subject
+                self._resync(req.request_id, live)
             self._notice(track, req.request_id, "accepted")
             self.log.info("request re-attached", **fields)
             return []
@@ -192,9 +222,18 @@ class SchedulerDriver:
             self._notice(track, req.request_id, "accepted")
             self._notice(track, req.request_id, "done", finished)
             return [(req.reply_subject, finished)]
+        known = (
+            (req.resume_token_ids, req.resume_exit_depths)
+            if req.resume_token_ids or req.resume_exit_depths
+            else None
+        )
         try:
-            self.core.add_request(
-                req.request_id, req.prompt_token_ids, req.params, trace_id=req.trace_id
+            done = self.core.add_request(
+                req.request_id,
+                req.prompt_token_ids,
+                req.params,
+                trace_id=req.trace_id,
+                known_outputs=known,
             )
         except RequestError as exc:
             self.log.info("request refused", code=str(exc.code), reason=exc.message[:200], **fields)
@@ -209,9 +248,10 @@ class SchedulerDriver:
             time.monotonic(),
             track,
             self._stream_nos,
-            req.tenant,
-            req.admission_id,
-            req.admission_seq,
+            tenant=req.tenant,
+            admission_id=req.admission_id,
+            admission_seq=req.admission_seq,
+            relay=req.relay_subject,
         )
         self.by_no[self._stream_nos] = req.request_id
         self.telemetry.on_added(req, traceparent)
@@ -219,6 +259,9 @@ class SchedulerDriver:
         extra: dict[str, Any] = {}
         if log_content_enabled():
             extra["prompt_token_ids"] = req.prompt_token_ids
+        if known is not None:
+            self.num_resumed += 1
+            extra["resumed_tokens"] = len(req.resume_token_ids)
         self.log.info(
             "request added",
             num_prompt_tokens=len(req.prompt_token_ids),
@@ -226,13 +269,37 @@ class SchedulerDriver:
             **extra,
             **fields,
         )
-        return []
+        return self._route(done)
 
     def _refuse(
         self, req: AdmittedRequest, track: str, code: ErrorCode, message: str
     ) -> list[Delivery]:
+        event = error_event(req.request_id, code, message)
+        if req.relay_subject:
+            self._relay(req.relay_subject, RelayedEvent(seq=req.admission_seq, event=event))
+            return []
         self._notice(track, req.request_id, "done")
-        return [(req.reply_subject, error_event(req.request_id, code, message))]
+        return [(req.reply_subject, event)]
+
+    def _resync(self, request_id: str, stream: _Stream) -> None:
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return
+        self._relay(
+            stream.relay,
+            RelayedEvent(
+                seq=stream.admission_seq,
+                known_token_ids=list(request.output_token_ids),
+                known_exit_depths=list(request.output_exit_depths),
+            ),
+        )
+
+    def _relay(self, subject: str, item: RelayedEvent) -> None:
+        self.relayed.setdefault(subject, []).append(item)
+
+    def take_relayed(self) -> dict[str, list[RelayedEvent]]:
+        out, self.relayed = self.relayed, {}
+        return out
 
     def fail_request(self, request_id: str, code: ErrorCode, message: str) -> list[Delivery]:
         """Ends one live request with an error event, freeing its KV."""
@@ -280,22 +347,34 @@ class SchedulerDriver:
                 )
         return out
 
-    def abort(self, request_id: str, requester_reply: str = "", tenant: str = "") -> list[Delivery]:
-        """Ends a live request of ``tenant`` with ``finish_reason: abort``. An abort for a
-        request that is not here (yet) is remembered for a few seconds (``tombstones``) and
-        honoured if the request arrives; the requester hears ``not_found`` now. The
+    def abort(
+        self,
+        request_id: str,
+        requester_reply: str = "",
+        tenant: str = "",
+        *,
+        admission_seq: int = 0,
+        broadcast: bool = False,
+    ) -> list[Delivery]:
+        """Ends a live request of ``tenant`` with ``finish_reason: abort``. ``admission_seq``
+        > 0 aborts only the stream admitted under that seq (a request admission moved away
+        from here). An abort for a request that is not here (yet) is remembered for a few
+        seconds (``tombstones``) and honoured if the request arrives; the requester hears
+        ``not_found`` now, unless the abort was a ``broadcast`` to every shard. The
         requester's reply carries no outputs: those go to the request's own stream only."""
         stream = self.streams.get(request_id)
+        if admission_seq and (stream is None or stream.admission_seq != admission_seq):
+            return []
         if stream is None or stream.tenant != tenant:
             self.tombstones.add(tenant, request_id, time.monotonic())
-            if not requester_reply:
+            if not requester_reply or broadcast:
                 return []
             message = f"unknown request id {request_id!r}"
             return [(requester_reply, error_event(request_id, ErrorCode.NOT_FOUND, message))]
         try:
             events = self.core.abort_request(request_id)
         except RequestError as exc:
-            if not requester_reply:
+            if not requester_reply or broadcast:
                 return []
             return [(requester_reply, error_event(request_id, exc.code, exc.message))]
         out = self._route(events)
@@ -343,16 +422,25 @@ class SchedulerDriver:
         if not (self.core.is_inflight(wr.result.seq) and self.executor.deliver(wr)):
             return False
         self.telemetry.on_result(wr, sent_at)
+        if sent_at is not None:
+            took = time.monotonic() - sent_at
+            w = _STEP_TIME_WEIGHT if self.step_time_s else 1.0
+            self.step_time_s = (1 - w) * self.step_time_s + w * took
+        self.simulated = wr.simulated
         return True
 
     def reset(self, code: ErrorCode, message: str) -> list[Delivery]:
         """Gives up on everything (shutdown after the drain timeout): every stream ends with
         an error and a fresh scheduler starts a new epoch."""
-        out = [(s.reply, error_event(rid, code, message)) for rid, s in self.streams.items()]
-        for rid in list(self.streams):
+        out: list[Delivery] = []
+        events: list[StreamEvent] = []
+        for rid, stream in list(self.streams.items()):
+            event = error_event(rid, code, message)
+            events.append(event)
+            self._deliver(stream, event, out)
             self._ended(rid)
-        self.telemetry.on_events([e for _, e in out], self.core.inflight)
-        self.log.error("scheduler reset", reason=message, failed=len(out), epoch=self.epoch)
+        self.telemetry.on_events(events, self.core.inflight)
+        self.log.error("scheduler reset", reason=message, failed=len(events), epoch=self.epoch)
         self.executor.new_epoch()
         self._new_core()
         return out
@@ -371,15 +459,38 @@ class SchedulerDriver:
         return self.executor.age_of(self.core.oldest_inflight_seq(), now)
 
     def load(self) -> SchedulerLoad:
-        waiting = [r for r in self.scheduler.requests.values() if r.phase == Phase.WAITING]
+        s = self.scheduler
+        waiting = [r for r in s.requests.values() if r.phase == Phase.WAITING]
+        self._report_seq += 1
+        kv = s.kv
         return SchedulerLoad(
             scheduler_id=self.instance,
             num_waiting=len(waiting),
             num_waiting_tokens=sum(r.num_prompt_tokens for r in waiting),
-            num_running=len(self.scheduler.running),
+            num_running=len(s.running),
             last_admission_seq=dict(self.last_admission_seq),
             time=time.time(),
+            shard_id=self.shard_id,
+            producer_id=self.producer_id,
+            report_seq=self._report_seq,
+            num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_active_blocks=(kv.num_blocks - kv.num_free_blocks) // kv.num_planes,
+            num_waiting_prefill_tokens=sum(self._uncached_tokens(r) for r in waiting),
+            step_time_s=self.step_time_s,
+            has_worker=self.has_worker,
+            draining=self.draining,
+            simulated=self.simulated,
         )
+
+    def _uncached_tokens(self, request: Request) -> int:
+        """The prompt tokens of a waiting request its prefix cache does not hold now."""
+        n = request.num_prompt_tokens
+        if not request.block_hashes:
+            return n
+        bs = self.config.block_size
+        usable = cacheable_prefix_blocks(n, bs)
+        return n - self.scheduler.kv.lookup_prefix(request.block_hashes[:usable]) * bs
 
     def gone_subject(self, request_id: str) -> str:
         """Reply subject for this stream's events ("" if the stream is not live)."""
@@ -405,7 +516,8 @@ class SchedulerDriver:
         stream = self.streams.pop(request_id, None)
         if stream is not None:
             self.by_no.pop(stream.no, None)
-            self._notice(stream.track, request_id, "done", finished)
+            if not stream.relay:  # a relayed terminal event tells admission itself
+                self._notice(stream.track, request_id, "done", finished)
             self._ended_keys[request_id] = stream.key
             while len(self._ended_keys) > 10_000:
                 self._ended_keys.popitem(last=False)
@@ -413,11 +525,14 @@ class SchedulerDriver:
 
     def _route(self, events: Iterable[StreamEvent]) -> list[Delivery]:
         out: list[Delivery] = []
+        routed: list[StreamEvent] = []
         for event in events:
             stream = self.streams.get(event.request_id)
             if stream is None:
                 continue
             if isinstance(event, FinishedEvent):
+                event.shard = self.shard_id
+                event.simulated = self.simulated
                 self._ended(event.request_id, event)
                 extra: dict[str, Any] = {}
                 if log_content_enabled():
@@ -438,8 +553,9 @@ class SchedulerDriver:
                     reason=event.message[:300],
                     **request_fields(event.request_id, stream.trace_id),
                 )
-            out.append((stream.reply, event))
-        self.telemetry.on_events((e for _, e in out), self.core.inflight)
+            routed.append(event)
+            self._deliver(stream, event, out)
+        self.telemetry.on_events(routed, self.core.inflight)
         return out
 
     def _fail(self, request_ids: Iterable[str], code: ErrorCode, message: str) -> list[Delivery]:
@@ -452,8 +568,15 @@ class SchedulerDriver:
             if stream is not None:
                 event = error_event(rid, code, message)
                 self.telemetry.on_events([event], self.core.inflight)
-                out.append((stream.reply, event))
+                self._deliver(stream, event, out)
         return out
+
+    def _deliver(self, stream: _Stream, event: StreamEvent, out: list[Delivery]) -> None:
+        """To the relay (admission passes it on) or straight to the client's reply."""
+        if stream.relay:
+            self._relay(stream.relay, RelayedEvent(seq=stream.admission_seq, event=event))
+        else:
+            out.append((stream.reply, event))
 
 
 def _aborted(request_id: str, num_prompt_tokens: int) -> FinishedEvent:

@@ -79,9 +79,19 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         trace_id: str = "",
-    ) -> None:
-        """Queues a request; raises ``RequestError`` (and changes nothing) if it is refused."""
-        self.scheduler.add_request(request_id, prompt_token_ids, params, trace_id=trace_id)
+        known_outputs: tuple[list[int], list[int]] | None = None,
+    ) -> list[StreamEvent]:
+        """Queues a request; raises ``RequestError`` (and changes nothing) if it is refused.
+        ``known_outputs`` (token ids, exit loops) resumes a request from another shard: they
+        are replayed, not streamed, and the stream's text goes on from them. Returns the
+        events of a resumed request that its known outputs already finish."""
+        self.scheduler.add_request(
+            request_id, prompt_token_ids, params, trace_id=trace_id, known_outputs=known_outputs
+        )
+        if not known_outputs or not known_outputs[0]:
+            return []
+        self.outputs.prime(request_id, known_outputs[0])
+        return self.outputs.process(self.scheduler.finish_if_complete(request_id))
 
     def abort_request(self, request_id: str) -> list[StreamEvent]:
         """Ends a live request with ``finish_reason: abort``; ``RequestError`` if unknown."""

@@ -46,6 +46,17 @@ class OutputProcessor:
                 self._detoks.pop(rid, None)
         return events
 
+    def prime(self, request_id: str, token_ids: list[int]) -> None:
+        """A resumed request: its detokenizer takes the tokens the client already has (their
+        text was streamed elsewhere), so the next deltas and the final text go on from them.
+        Incremental detokenization depends only on the token sequence, so this state equals
+        the one the first shard had."""
+        if self.codec is None:
+            return
+        detok = self._detoks[request_id] = IncrementalDetokenizer(self.codec)
+        for token_id in token_ids:
+            detok.push(token_id)
+
     def forget(self, request_id: str) -> None:
         self._detoks.pop(request_id, None)
 

@@ -133,8 +133,13 @@ class Scheduler:
         prompt_token_ids: list[int],
         params: SamplingParams,
         trace_id: str = "",
+        known_outputs: tuple[list[int], list[int]] | None = None,
     ) -> Request:
-        """Validates and queues a request; raises RequestError and changes nothing on failure."""
+        """Validates and queues a request; raises RequestError and changes nothing on failure.
+
+        ``known_outputs`` (token ids, exit loops) resumes a request another shard started:
+        it is queued as a preempted request is, so its prompt is prefilled and the known
+        tokens are replayed with their recorded exits (never streamed again)."""
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id must be a non-empty string")
         if request_id in self.requests:
@@ -155,6 +160,8 @@ class Scheduler:
                 f"request needs {self.kv.blocks_for(kv_tokens)} KV blocks but the cache has only "
                 f"{self.kv.num_blocks}; shorten the prompt or max_tokens"
             )
+        known_ids, known_loops = known_outputs or ([], [])
+        self._validate_known_outputs(known_ids, known_loops, resolved)
         seed = resolved.seed if resolved.seed is not None else self._rng.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -164,6 +171,8 @@ class Scheduler:
             arrival_seq=self._arrivals,
             total_depths=self.total_depths,
             trace_id=trace_id,
+            output_token_ids=list(known_ids),
+            output_exit_depths=list(known_loops),
         )
         if self.config.enable_prefix_caching:
             request.block_hashes = prompt_block_hashes(
@@ -173,6 +182,44 @@ class Scheduler:
         self.requests[request_id] = request
         heapq.heappush(self._waiting, (request.priority_key, request))
         return request
+
+    def _validate_known_outputs(
+        self, token_ids: list[int], exit_loops: list[int], params: SamplingParams
+    ) -> None:
+        if len(token_ids) != len(exit_loops):
+            raise RequestError(
+                f"resumed outputs: {len(token_ids)} token ids but {len(exit_loops)} exit depths"
+            )
+        if token_ids and params.max_tokens is not None and len(token_ids) > params.max_tokens:
+            raise RequestError(
+                f"resumed outputs: {len(token_ids)} tokens exceed max_tokens {params.max_tokens}"
+            )
+        vocab, depths = self.limits.vocab_size, self.total_depths
+        for tok, loops in zip(token_ids, exit_loops, strict=True):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise RequestError(f"resumed token id {tok!r} is outside the vocabulary")
+            if isinstance(loops, bool) or not isinstance(loops, int) or not 1 <= loops <= depths:
+                raise RequestError(f"resumed exit depth {loops!r} is outside [1, {depths}]")
+
+    def finish_if_complete(self, request_id: str) -> list[StreamEvent]:
+        """A resumed request whose known outputs already end it (its last token was a stop,
+        or it has max_tokens of them) finishes at once, without running anything."""
+        request = self.requests.get(request_id)
+        if request is None or not request.output_token_ids:
+            return []
+        params, last = request.params, request.output_token_ids[-1]
+        reason = None
+        if last in params.stop_token_ids or (
+            not params.ignore_eos and last in self.limits.eos_token_ids
+        ):
+            reason = "stop"
+        elif len(request.output_token_ids) >= params.max_tokens:
+            reason = "length"
+        if reason is None:
+            return []
+        events: list[StreamEvent] = []
+        self._finish(request, reason, events)
+        return events
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not isinstance(prompt_token_ids, list) or not prompt_token_ids:

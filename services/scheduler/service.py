@@ -37,10 +37,14 @@ from prometheus_client import CollectorRegistry
 from messages.api import StreamEvent, TokenEvent
 from messages.errors import ErrorCode
 from messages.internal import (
+    AbortAck,
     AbortForward,
     AdmittedRequest,
     FenceQuery,
     FenceUpdate,
+    RelayBatch,
+    RelayedEvent,
+    ShardAnnounce,
     WorkerBatch,
     WorkerHeartbeat,
     WorkerResult,
@@ -72,6 +76,8 @@ from services.scheduler.scheduler import Scheduler
 _STALL_S = 1.0
 # how long the fence check keeps asking an admission that does not answer
 _FENCE_WAIT_S = 5.0
+# load reports go out on every change, but at most one per this gap (plus the periodic ones)
+_LOAD_MIN_GAP_S = 0.02
 
 
 def replace_id(event: StreamEvent, request_id: str) -> StreamEvent:
@@ -100,8 +106,11 @@ class SchedulerOptions:
     # a batch/result a heartbeat says is missing must be this overdue before it counts lost
     loss_grace_s: float = 2.0
     load_interval_s: float = 0.25
-    # prefix-event producer name, stable across restarts (one per scheduler replica)
-    producer_name: str = "scheduler"
+    # the engine shard this scheduler drives (``--shard``): its subjects and its workers
+    shard_id: str = subjects.DEFAULT_SHARD
+    # prefix-event producer name, stable across restarts, one per shard ("" = from the
+    # shard: ``scheduler-<shard>``; RLT_SCHEDULER_NAME overrides it)
+    producer_name: str = ""
     # admission's RLT_SCHEDULER_LOST_S: after a dark spell shorter than this, no admission
     # can have ended our requests (used when an admission does not answer a fence query)
     scheduler_lost_s: float = 10.0
@@ -121,10 +130,15 @@ class SchedulerOptions:
             reconnect_grace_s=_env_float("RLT_RECONNECT_GRACE_S", base.reconnect_grace_s),
             loss_grace_s=base.loss_grace_s,
             load_interval_s=base.load_interval_s,
+            shard_id=subjects.check_shard_id(base.shard_id),
             producer_name=os.environ.get("RLT_SCHEDULER_NAME") or base.producer_name,
             scheduler_lost_s=_env_float("RLT_SCHEDULER_LOST_S", base.scheduler_lost_s),
             abort_keep_s=_env_float("RLT_ABORT_TOMBSTONE_S", base.abort_keep_s),
         )
+
+    @property
+    def producer(self) -> str:
+        return self.producer_name or f"scheduler-{self.shard_id}"
 
 
 @dataclass
@@ -136,7 +150,7 @@ class StepTimings:
     step_s: float = 0.0  # EngineCore.step: apply results, schedule, submit
     encode_s: float = 0.0  # msgpack of the batches for the worker
     publish_s: float = 0.0  # handing the batches to the NATS client
-    deliver_s: float = 0.0  # client events: JSON encode + publish
+    deliver_s: float = 0.0  # client events (direct or relayed): encode + publish
     results: int = 0
     round_trip_s: float = 0.0  # batch sent -> its result received
     worker_s: float = 0.0  # of which the worker held it (received -> result sent)
@@ -178,6 +192,7 @@ class SchedulerService(Service):
         if load_interval_s is not None:
             opts = replace(opts, load_interval_s=load_interval_s)
         self.options = opts
+        self.shard = opts.shard_id  # the label on our metrics and spans
         self.driver: SchedulerDriver | None = None
         self.workers = WorkerTracker(opts.heartbeat_timeout_s)
         self.loss = LossDetector(opts.loss_grace_s)
@@ -188,6 +203,7 @@ class SchedulerService(Service):
         self._wake = asyncio.Event()
         self._last_load = 0.0
         self.timings = StepTimings()
+        self._load_later: asyncio.Future[None] | None = None
         self.prefix_publisher: PrefixPublisher | None = None
         # fencing: since when we may have been unreachable or stalled (None: not dark), a
         # counter of dark spells, the check that ends one, and the watchdog's last tick
@@ -204,8 +220,8 @@ class SchedulerService(Service):
             load_model_limits(self.checkpoint),
             TextCodec.from_checkpoint(self.checkpoint),
             instance=self.instance_id,
-            producer_id=self.options.producer_name,
-            shard=self.shard,
+            producer_id=self.options.producer,
+            shard_id=self.options.shard_id,
             log=self.log,
             abort_keep_s=self.options.abort_keep_s,
         )
@@ -215,18 +231,25 @@ class SchedulerService(Service):
         assert self.driver is not None
         return self.driver.scheduler
 
+    @property
+    def shard_id(self) -> str:
+        return self.options.shard_id
+
     def endpoints(self) -> Sequence[Endpoint]:
         assert self.driver is not None
+        shard = self.shard_id
+        own = f"rlt-scheduler-{self.instance_id}"  # a queue group of its own: every message
         return (
-            Endpoint("submit", subjects.SCHED_SUBMIT, self._on_submit),
-            Endpoint("abort", subjects.SCHED_ABORT, self._on_abort),
+            Endpoint("submit", subjects.sched_submit(shard), self._on_submit),
+            Endpoint("abort", subjects.sched_abort(shard), self._on_abort),
+            # aborts for requests whose shard the sender did not know: every shard hears them
+            Endpoint("abort-any", subjects.SCHED_ABORT, self._on_abort, queue_group=own),
             Endpoint("load", subjects.SCHED_LOAD_GET, self._on_load_get),
-            # every scheduler needs every heartbeat: a queue group of its own
+            Endpoint("discover", subjects.SHARD_DISCOVER, self._on_discover, queue_group=own),
+            Endpoint("shard-health", subjects.health(self.name, shard), self._on_shard_health),
+            # this shard's workers' heartbeats
             Endpoint(
-                "heartbeat",
-                subjects.WORKER_HEARTBEAT,
-                self._on_heartbeat,
-                queue_group=f"rlt-scheduler-{self.instance_id}",
+                "heartbeat", subjects.worker_heartbeat(shard), self._on_heartbeat, queue_group=own
             ),
             # plain subscriptions: they must receive nats-server's "no responders" status for
             # our own publishes (batches with no worker behind them, events for a vanished
@@ -256,7 +279,9 @@ class SchedulerService(Service):
         self.spawn(self._housekeeping(), "housekeeping")
         self._last_tick = time.monotonic()  # set-up time (loading a checkpoint) is no stall
         self.spawn(self._watchdog(), "watchdog")
-        await self.nc.publish(subjects.WORKER_DISCOVER, b"")  # workers: say hello now
+        # workers: say hello now; routers: this shard is here
+        await self.nc.publish(subjects.worker_discover(self.shard_id), b"")
+        await self._announce()
 
     async def drain(self, timeout: float) -> None:
         assert self.driver is not None
@@ -273,6 +298,7 @@ class SchedulerService(Service):
         if self._dark_since is None:
             self._held.active = False  # shutting down: send what is held, best effort
         await self._flush_notices()
+        await self._flush_relayed()
         await self._release_held()
         if self.prefix_publisher is not None:
             self.prefix_publisher.submit(self.driver.take_prefix_events())
@@ -286,7 +312,7 @@ class SchedulerService(Service):
 
     async def on_bus_back(self) -> None:
         # the pause says nothing about the workers: judge them from fresh heartbeats
-        await self.nc.publish(subjects.WORKER_DISCOVER, b"")
+        await self.nc.publish(subjects.worker_discover(self.shard_id), b"")
         self._wake.set()
 
     def metrics_registry(self) -> CollectorRegistry | None:
@@ -298,8 +324,11 @@ class SchedulerService(Service):
         d = self.driver
         s = d.scheduler
         return {
+            "shard": self.shard_id,
             "epoch": d.epoch,
             "worker": d.worker_id,
+            "simulated": d.simulated,
+            "resumed_requests": d.num_resumed,
             "workers_known": len(self.workers.workers),
             "worker_losses": d.num_worker_losses,
             "clients_gone": self.num_clients_gone,
@@ -331,11 +360,16 @@ class SchedulerService(Service):
         except msgspec.DecodeError as exc:  # version skew with admission: nowhere to answer
             self.log.error("undecodable submit", error=str(exc)[:200])
             return
-        # only admission's tracking subjects get notices (never an arbitrary reply subject)
+        # only admission's tracking subjects get notices or relayed events (never an
+        # arbitrary subject a message names)
         track = msg.reply if (msg.reply or "").startswith(subjects.ADMISSION_TRACK_PREFIX) else ""
+        if req.relay_subject and not req.relay_subject.startswith(subjects.ADMISSION_TRACK_PREFIX):
+            self.log.error("submit with a bad relay subject dropped", request_id=req.request_id)
+            return
         traceparent = (msg.headers or {}).get(TRACEPARENT, "")
         await self._deliver(self.driver.add(req, track=track, traceparent=traceparent))
         await self._flush_notices()
+        await self._flush_relayed()
         self._wake.set()
 
     async def _on_abort(self, msg: Msg) -> None:
@@ -345,9 +379,23 @@ class SchedulerService(Service):
         except msgspec.DecodeError as exc:
             self.log.error("undecodable abort", error=str(exc)[:200])
             return
-        self.log.info("abort received", **request_fields(abort.request_id, abort.trace_id))
-        await self._deliver(self.driver.abort(abort.request_id, abort.reply_subject, abort.tenant))
+        held = abort.request_id in self.driver.streams
+        if abort.broadcast and msg.reply:  # admission gathers who held it
+            ack = AbortAck(request_id=abort.request_id, shard_id=self.shard_id, held=held)
+            await self.nc.publish(msg.reply, encode_msgpack(ack))
+        if not abort.broadcast or held:
+            self.log.info("abort received", **request_fields(abort.request_id, abort.trace_id))
+        await self._deliver(
+            self.driver.abort(
+                abort.request_id,
+                abort.reply_subject,
+                abort.tenant,
+                admission_seq=abort.admission_seq,
+                broadcast=abort.broadcast,
+            )
+        )
         await self._flush_notices()
+        await self._flush_relayed()
         self._wake.set()
 
     async def _publish_prefix(self, batches: list[PrefixEventBatch]) -> None:
@@ -363,7 +411,36 @@ class SchedulerService(Service):
     async def _on_load_get(self, msg: Msg) -> None:
         assert self.driver is not None
         if msg.reply:
-            await self.nc.publish(msg.reply, encode_msgpack(self.driver.load()))
+            await self.nc.publish(msg.reply, encode_msgpack(self._load()))
+
+    async def _on_discover(self, _msg: Msg) -> None:
+        await self._announce()
+
+    async def _on_shard_health(self, msg: Msg) -> None:
+        if msg.reply:
+            await self.nc.publish(msg.reply, encode_json(self.health()))
+
+    async def _announce(self) -> None:
+        cfg = self.config
+        announce = ShardAnnounce(
+            shard_id=self.shard_id,
+            scheduler_id=self.instance_id,
+            producer_id=self.options.producer,
+            block_size=cfg.block_size,
+            num_blocks=cfg.num_blocks,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            time=time.time(),
+        )
+        try:
+            await self.nc.publish(subjects.SHARD_ANNOUNCE, encode_msgpack(announce))
+        except Exception as exc:  # the next discover asks again
+            self.log.warning("shard announcement not sent", error=repr(exc)[:200])
+
+    def _load(self):  # type: ignore[no-untyped-def]
+        d = self.driver
+        assert d is not None
+        d.has_worker = d.worker_id is not None and self.no_worker_since is None
+        return d.load()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         assert self.driver is not None
@@ -392,6 +469,8 @@ class SchedulerService(Service):
             if self.driver.worker_id is not None:
                 self.workers.forget(self.driver.worker_id)
             self.driver.worker_lost(f"no worker is serving {subjects.WORKER_BATCH}")
+            self._bind_worker()  # another worker of this shard, or "no worker" in the report
+            await self._maybe_publish_load(force=True)  # routers learn it now
             self._wake.set()
             return
         data = self._results_in.feed(msg)
@@ -469,11 +548,14 @@ class SchedulerService(Service):
         for wb in batches:
             await self._publish_batch(wb)
         t2 = time.perf_counter()
+        relayed = bool(driver.relayed)
         await self._deliver(out)
+        await self._flush_relayed()
         t3 = time.perf_counter()
         await self._flush_notices()
         await self._publish_prefix(driver.take_prefix_events())
-        if out or batches or before != (len(driver.inflight), driver.scheduler.stats.num_batches):
+        after = len(driver.inflight), driver.scheduler.stats.num_batches
+        if out or relayed or batches or before != after:
             timings = self.timings
             timings.steps += 1
             timings.step_s += t1 - t0
@@ -554,6 +636,11 @@ class SchedulerService(Service):
     def _too_large(self, subject: str, event: StreamEvent, size: int) -> bytes:
         """An event over NATS max_payload (a very long finished event): the client gets a
         clear error instead, and a live request is ended."""
+        message = self._fail_too_large(event, size)
+        public = subjects.public_request_id(event.request_id)
+        return encode_json(error_event(public, ErrorCode.INTERNAL, message))
+
+    def _fail_too_large(self, event: StreamEvent, size: int) -> str:
         assert self.driver is not None
         message = (
             f"the {type(event).__name__} of {size} bytes exceeds the NATS max_payload of "
@@ -561,8 +648,40 @@ class SchedulerService(Service):
         )
         self.log.error("event too large", size=size, request_id=event.request_id)
         self.driver.fail_request(event.request_id, ErrorCode.INTERNAL, message)
-        public = subjects.public_request_id(event.request_id)
-        return encode_json(error_event(public, ErrorCode.INTERNAL, message))
+        return message
+
+    async def _flush_relayed(self) -> None:
+        """One message per admission with this step's events of the streams it relays."""
+        assert self.driver is not None
+        for subject, items in self.driver.take_relayed().items():
+            for data in self._relay_messages(items):
+                await self._send(subject, data)
+
+    def _relay_messages(self, items: list[RelayedEvent]) -> list[bytes]:
+        """``items`` as RelayBatch messages under the bus's max_payload: split when many,
+        and an event too big on its own ends its request with a clear error instead."""
+
+        def encode(part: list[RelayedEvent]) -> bytes:
+            return encode_msgpack(
+                RelayBatch(shard_id=self.shard_id, scheduler_id=self.instance_id, events=part)
+            )
+
+        data = encode(items)
+        if fits(self.nc, len(data)):
+            return [data]
+        if len(items) > 1:
+            half = len(items) // 2
+            return self._relay_messages(items[:half]) + self._relay_messages(items[half:])
+        (item,) = items
+        event = item.event
+        if event is None:
+            return []  # a resync too big to send: the stream goes on without it
+        data = encode([RelayedEvent(seq=item.seq, event=self._too_large_event(event, len(data)))])
+        return [data]
+
+    def _too_large_event(self, event: StreamEvent, size: int) -> StreamEvent:
+        message = self._fail_too_large(event, size)
+        return error_event(event.request_id, ErrorCode.INTERNAL, message)
 
     async def _flush_notices(self) -> None:
         assert self.driver is not None
@@ -702,11 +821,26 @@ class SchedulerService(Service):
 
     async def _maybe_publish_load(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_load < 0.02:
+        wait = _LOAD_MIN_GAP_S - (now - self._last_load)
+        if not force and wait > 0:
+            # at most one report per gap, but the last change always goes out: a router
+            # must not see a request that just finished as load for long
+            if self._load_later is None:
+                self._load_later = asyncio.ensure_future(self._publish_load_after(wait))
             return
         assert self.driver is not None
         self._last_load = now
-        await self.nc.publish(subjects.SCHED_LOAD, encode_msgpack(self.driver.load()))
+        await self.nc.publish(subjects.SCHED_LOAD, encode_msgpack(self._load()))
+
+    async def _publish_load_after(self, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+            if self.bus_connected and self.state == "ready":
+                await self._maybe_publish_load(force=True)
+        except Exception as exc:  # the periodic report follows anyway
+            self.log.debug("load report not sent", error=repr(exc)[:200])
+        finally:
+            self._load_later = None
 
     async def _housekeeping(self) -> None:
         """Periodic load reports; the worker watchdogs; request deadlines."""
@@ -741,4 +875,5 @@ class SchedulerService(Service):
         )
         await self._deliver(expired)
         await self._flush_notices()
+        await self._flush_relayed()
         self._wake.set()

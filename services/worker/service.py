@@ -8,10 +8,14 @@ decodes the next batches while one computes, publishes results and heartbeats, a
 health pings. A batch that raises is answered with ``BatchResult(error=...)``, never a
 crash. The result goes to the batch's reply subject (the scheduler epoch's result subject).
 
-Heartbeats (``rlt.v1.worker.heartbeat``, every ``heartbeat_interval_s`` and on a scheduler's
-``rlt.v1.worker.discover``) say the worker is alive and how far it got, which lets the
-scheduler notice a lost batch or result. A new epoch resets the device state and starts at
-the epoch's first seq, so a lost first batch is waited for, never skipped.
+Heartbeats (``rlt.v1.worker.heartbeat.<shard>``, every ``heartbeat_interval_s`` and on a
+scheduler's ``rlt.v1.worker.discover.<shard>``) say the worker is alive and how far it got,
+which lets its shard's scheduler notice a lost batch or result. A new epoch resets the device
+state and starts at the epoch's first seq, so a lost first batch is waited for, never skipped.
+
+``device="sim"`` runs no model: ``services/worker/sim.py`` accounts for each batch with a
+cost model of Ouro-1.4B on an H200 (benchmarks of the control plane only; results are marked
+simulated).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from prometheus_client import CollectorRegistry
 from messages.batch import Batch, BatchResult
 from messages.internal import WorkerBatch, WorkerHeartbeat, WorkerResult
 from services.common.config import KVLayout, SchedulerConfig
+from services.common.model_config import OuroConfig
 from services.runtime import subjects
 from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, publish_chunked
 from services.runtime.logging import BATCH_SEQ, request_fields
@@ -40,7 +45,10 @@ from services.runtime.service import Endpoint, Service
 from services.worker.compute import ComputeThread
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
+from services.worker.sim import SimCostModel, SimRunner
 from services.worker.telemetry import WorkerTelemetry
+
+SIM_DEVICE = "sim"
 
 
 @dataclass
@@ -74,9 +82,12 @@ class WorkerService(Service):
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         heartbeat_interval_s: float = 0.5,
+        shard_id: str = subjects.DEFAULT_SHARD,
         **kwargs: Any,
     ) -> None:
         super().__init__(nats_url, **kwargs)
+        self.shard_id = subjects.check_shard_id(shard_id)
+        self.shard = self.shard_id  # the label on our metrics and spans
         self.heartbeat_interval_s = heartbeat_interval_s
         self._batches_in = Reassembler()
         self.checkpoint = Path(checkpoint)
@@ -84,7 +95,9 @@ class WorkerService(Service):
         self.device = device
         self.dtype = dtype
         self.model: OuroModel | None = None
-        self.runner: ModelRunner | None = None
+        self.runner: ModelRunner | SimRunner | None = None
+        self.simulated = device == SIM_DEVICE
+        self._sim_config: OuroConfig | None = None
         self._geometry: tuple[int, int, str] = (0, 0, "")
         self.compute: ComputeThread | None = None
         self._epoch: str | None = None
@@ -104,9 +117,13 @@ class WorkerService(Service):
         self.telemetry = WorkerTelemetry(self.shard)
 
     async def setup(self) -> None:
-        self.model = await asyncio.to_thread(
-            OuroModel.from_checkpoint, self.checkpoint, dtype=self.dtype, device=self.device
-        )
+        if self.simulated:
+            # no weights: the checkpoint's config gives depths, vocabulary and EOS ids
+            self._sim_config = OuroConfig.from_checkpoint(self.checkpoint)
+        else:
+            self.model = await asyncio.to_thread(
+                OuroModel.from_checkpoint, self.checkpoint, dtype=self.dtype, device=self.device
+            )
         cfg = self.config
         await asyncio.to_thread(
             self._make_runner, cfg.num_blocks, cfg.block_size, str(cfg.kv_layout)
@@ -115,18 +132,25 @@ class WorkerService(Service):
             asyncio.get_running_loop(), self._computed, name=f"rlt-compute-{self.instance_id}"
         )
         self.compute.start()
-        self.log.info("model loaded", checkpoint=str(self.checkpoint), device=self.device)
+        if isinstance(self.runner, SimRunner):
+            self.log.warning(
+                "SIMULATED device: no model runs; every output is simulated (benchmarks only)",
+                dilation=self.runner.cost.dilation,
+            )
+        else:
+            self.log.info("model loaded", checkpoint=str(self.checkpoint), device=self.device)
 
     def endpoints(self) -> Sequence[Endpoint]:
         return (
             Endpoint("batch", subjects.worker_batch(self.instance_id), self._on_batch),
-            # every worker answers a discover: a queue group of its own
+            # every worker of the shard answers a discover: a queue group of its own
             Endpoint(
                 "discover",
-                subjects.WORKER_DISCOVER,
+                subjects.worker_discover(self.shard_id),
                 self._on_discover,
                 queue_group=f"rlt-worker-{self.instance_id}",
             ),
+            Endpoint("shard-health", subjects.health(self.name, self.shard_id), self._on_health),
         )
 
     async def on_ready(self) -> None:
@@ -154,8 +178,13 @@ class WorkerService(Service):
         return self.telemetry.registry
 
     def health_details(self) -> dict[str, Any]:
+        runner = self.runner
+        sim = {"simulated_s": runner.simulated_s} if isinstance(runner, SimRunner) else {}
         return {
             "worker_id": self.instance_id,
+            "shard": self.shard_id,
+            "simulated": self.simulated,
+            **sim,
             "epoch": self._epoch,
             "next_seq": self._next_done,
             "queued": self.compute.queued if self.compute is not None else 0,
@@ -183,11 +212,15 @@ class WorkerService(Service):
             busy_s=max(time.monotonic() - started, 1e-6) if started else 0.0,
             draining=self.draining,
             time=time.time(),
+            shard_id=self.shard_id,
+            simulated=self.simulated,
         )
 
     async def _heartbeat(self) -> None:
         try:
-            await self.nc.publish(subjects.WORKER_HEARTBEAT, encode_msgpack(self.heartbeat()))
+            await self.nc.publish(
+                subjects.worker_heartbeat(self.shard_id), encode_msgpack(self.heartbeat())
+            )
         except Exception as exc:  # bus trouble: the next beat tries again
             self.log.debug("heartbeat not sent", error=repr(exc))
 
@@ -353,6 +386,7 @@ class WorkerService(Service):
                 worker_id=self.instance_id,
                 execute_s=elapsed,
                 worker_s=time.perf_counter() - run.arrived,
+                simulated=self.simulated,
             )
             try:
                 await publish_chunked(self.nc, run.reply, encode_msgpack(out))
@@ -379,6 +413,8 @@ class WorkerService(Service):
         KVLayout(kv_layout)  # ValueError for an unknown layout
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"bad KV geometry: {num_blocks} blocks of {block_size}")
+        if self.simulated:
+            return  # no device memory
         assert self.model is not None
         cfg = self.model.cfg
         elem = torch.empty((), dtype=self.model.dtype).element_size()
@@ -392,15 +428,24 @@ class WorkerService(Service):
             )
 
     def _kv_bytes(self) -> int:
-        if self.runner is None:
+        if not isinstance(self.runner, ModelRunner):
             return 0
         return 2 * self.runner.k_cache.numel() * self.runner.k_cache.element_size()
 
     def _make_runner(self, num_blocks: int, block_size: int, kv_layout: str) -> None:
         # on the compute thread (or at setup): allocating device KV can take a while
-        assert self.model is not None
         self.runner = None  # free the old KV before allocating the new one
-        self.runner = ModelRunner(self.model, num_blocks, block_size, KVLayout(kv_layout))
+        if self.simulated:
+            assert self._sim_config is not None
+            dilation = float(os.environ.get("RLT_SIM_DILATION", "1"))
+            # always Ouro-1.4B on an H200, whatever checkpoint supplies vocab and depths
+            shape = _ouro_1_4b_config()
+            self.runner = SimRunner(
+                self._sim_config, SimCostModel.for_model(shape, dilation=dilation)
+            )
+        else:
+            assert self.model is not None
+            self.runner = ModelRunner(self.model, num_blocks, block_size, KVLayout(kv_layout))
         self._geometry = (num_blocks, block_size, kv_layout)
 
 
@@ -410,6 +455,12 @@ def _describe(exc: BaseException) -> str:
 
 # a scheduler that sent us nothing for this long has moved on: another may take us
 _BOUND_IDLE_S = 30.0
+
+
+def _ouro_1_4b_config() -> OuroConfig:
+    from services.worker.model.toy import toy_config
+
+    return toy_config("1.4b")
 
 
 def _is_older_epoch(epoch: str, current: str | None) -> bool:

@@ -1,0 +1,268 @@
+"""``--device sim``: a worker without a model, for scale benchmarks only.
+
+It runs the scheduler's batches exactly as ``ModelRunner`` would account for them (the same
+rows, passes, follow-on rows, forced exits and coda rows), but no tensor is computed: a batch
+takes the time a cost model gives for it, and tokens and exit depths come from a
+deterministic function of (request seed, position). It shows whether the control plane
+(admission, router, index, schedulers, NATS) or the devices limit a deployment, on machines
+that have no devices. Every result it returns is marked ``simulated``; it is never a default.
+
+Cost model (``SimCostModel``), calibrated for Ouro-1.4B in bfloat16 on one H200:
+
+- a core pass reads every core weight once and, for each row, the K and V of its context at
+  its depth's plane: ``bytes = W_core + sum_rows(context_tokens) * kv_bytes_per_token``;
+  Ouro-1.4B (24 layers, hidden 2048, 16 KV heads x 128, MLP 5632): W_core = 1.233e9 params x
+  2 bytes = 2.47 GB, kv_bytes_per_token = 24 layers x 2 (K, V) x 16 x 128 x 2 bytes = 196,608;
+- the coda (final norm + lm_head, 49152 x 2048 x 2 bytes = 0.20 GB) once per batch whose
+  rows sample a token;
+- a pass takes ``max(bytes / 4.8 TB/s, flops / 989 TFLOP/s)`` (H200 HBM3e bandwidth and dense
+  bf16 peak, NVIDIA's published figures; flops = 2 x params x rows + attention), so decode
+  is bandwidth-bound (a 1-row pass: 0.51 ms) and long prefill chunks compute-bound;
+- ``dilation`` multiplies every time (``RLT_SIM_DILATION``): a pass 100x longer lets many
+  simulated shards' schedulers share two CPU cores while keeping the ratio of scheduler CPU
+  to device time the bench reports.
+
+It is an optimistic roofline (no kernel launch gaps, perfect overlap), which makes the
+control plane's share look larger than on real hardware, not smaller.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from messages.batch import Batch, BatchResult, BatchRow, Phase, RowKind, RowResult, WorkerSampling
+from services.common.model_config import OuroConfig
+from services.worker.runner import RunnerStats
+
+# NVIDIA H200 SXM: 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16 (published datasheet figures)
+H200_HBM_BYTES_PER_S = 4.8e12
+H200_BF16_FLOPS_PER_S = 989e12
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SimCostModel:
+    core_weight_bytes: float
+    coda_weight_bytes: float
+    kv_bytes_per_token: float  # K + V of one token over every layer of one plane
+    core_params: float
+    coda_params: float
+    attn_flops_per_query_key: float  # every layer, every head
+    bytes_per_s: float = H200_HBM_BYTES_PER_S
+    flops_per_s: float = H200_BF16_FLOPS_PER_S
+    dilation: float = 1.0
+
+    @classmethod
+    def for_model(
+        cls, cfg: OuroConfig, *, dtype_bytes: int = 2, dilation: float = 1.0
+    ) -> SimCostModel:
+        h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+        kv_dim = cfg.num_key_value_heads * cfg.head_dim
+        q_dim = cfg.num_attention_heads * cfg.head_dim
+        per_layer = h * q_dim + 2 * h * kv_dim + q_dim * h + 3 * h * inter
+        core = per_layer * layers
+        coda = cfg.vocab_size * h
+        return cls(
+            core_weight_bytes=core * dtype_bytes,
+            coda_weight_bytes=coda * dtype_bytes,
+            kv_bytes_per_token=layers * 2 * kv_dim * dtype_bytes,
+            core_params=core,
+            coda_params=coda,
+            attn_flops_per_query_key=4 * layers * q_dim,
+            dilation=dilation,
+        )
+
+    def core_pass_s(self, num_rows: int, context_tokens: int, query_key_pairs: int) -> float:
+        """One core pass over ``num_rows`` query tokens reading ``context_tokens`` of KV."""
+        read = self.core_weight_bytes + context_tokens * self.kv_bytes_per_token
+        flops = 2 * self.core_params * num_rows + self.attn_flops_per_query_key * query_key_pairs
+        return max(read / self.bytes_per_s, flops / self.flops_per_s)
+
+    def coda_s(self, num_rows: int) -> float:
+        flops = 2 * self.coda_params * num_rows
+        return max(self.coda_weight_bytes / self.bytes_per_s, flops / self.flops_per_s)
+
+
+def mix64(*values: int) -> int:
+    """A deterministic 64-bit mix (splitmix64 steps): the same in every process and run."""
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = (x ^ (v & _MASK64)) & _MASK64
+        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x ^= x >> 31
+    return x
+
+
+@dataclass
+class _SimRequest:
+    num_prompt_tokens: int
+    sampling: WorkerSampling
+    next_decode: BatchRow | None = None
+
+
+@dataclass
+class _Row:
+    index: int
+    row: BatchRow
+    depth: int
+    loops_left: int
+    result: RowResult = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.result = RowResult(row_index=self.index)
+
+
+class SimRunner:
+    """``ModelRunner``'s interface (``execute``, ``last_seq``, ``stats``) without a model."""
+
+    simulated = True
+
+    def __init__(
+        self,
+        cfg: OuroConfig,
+        cost: SimCostModel,
+        *,
+        sleep: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.cost = cost
+        self.total_depths = cfg.total_ut_steps
+        self.eos = frozenset(cfg.eos_token_ids)
+        self.sleep = sleep  # False: only account (tests)
+        self.requests: dict[str, _SimRequest] = {}
+        self.last_seq = -1
+        self.stats = RunnerStats()
+        # (rows, tokens) of each core pass of the last batch, as ModelRunner keeps them
+        self.last_batch_passes: list[tuple[int, int]] = []
+        self.simulated_s = 0.0  # device time the cost model charged, before dilation
+
+    # ------------------------------------------------------------------ the functions
+    def token_at(self, seed: int, position: int) -> int:
+        """The token a request samples for ``position`` (never an EOS id: a simulated run
+        ends by max_tokens or stop ids, as the bench's requests do)."""
+        vocab = self.cfg.vocab_size
+        token = mix64(seed, position, 1) % vocab
+        while token in self.eos:
+            token = (token + 1) % vocab
+        return token
+
+    def exit_loops_at(self, s: WorkerSampling, position: int) -> int:
+        """How many loops the token fed at ``position`` runs before it exits."""
+        high = max(1, min(s.max_loops, self.total_depths))
+        if s.exit_threshold >= 1.0:
+            return high
+        low = min(max(1, s.min_loops), high)
+        return low + mix64(s.seed, position, 2) % (high - low + 1)
+
+    # ------------------------------------------------------------------ execution
+    def execute(self, batch: Batch) -> BatchResult:
+        t0 = time.perf_counter()
+        if batch.seq <= self.last_seq:
+            raise ValueError(f"batch {batch.seq} arrived after batch {self.last_seq}")
+        self._apply_deltas(batch)
+        self.last_seq = batch.seq
+        self.last_batch_passes = []
+        rows: list[_Row] = []
+        for i, row in enumerate(batch.rows):
+            resolved = self._resolve(row) if row.kind is RowKind.FOLLOW_ON else row
+            if resolved is not None:
+                rows.append(_Row(i, resolved, resolved.depth, resolved.num_loops))
+        seconds = 0.0 if batch.phase is Phase.PREFILLING_PRELUDE else self._run(rows)
+        self.simulated_s += seconds
+        wait = seconds * self.cost.dilation
+        if self.sleep and wait > 0:
+            time.sleep(max(0.0, wait - (time.perf_counter() - t0)))
+        ran = {r.index: r.result for r in rows}
+        stats = self.stats
+        stats.batches += 1
+        if batch.phase is Phase.RECURRENT and any(
+            r.kind is RowKind.DECODE or r.kind is RowKind.FOLLOW_ON for r in batch.rows
+        ):
+            stats.decode_batches += 1
+        stats.execute_s += time.perf_counter() - t0
+        return BatchResult(
+            seq=batch.seq,
+            rows=[
+                ran.get(i) or RowResult(row_index=i, skipped=True) for i in range(len(batch.rows))
+            ],
+        )
+
+    def _apply_deltas(self, batch: Batch) -> None:
+        for request_id in batch.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in batch.new_requests:
+            self.requests[new.request_id] = _SimRequest(len(new.prompt_token_ids), new.sampling)
+
+    def _resolve(self, row: BatchRow) -> BatchRow | None:
+        req = self.requests.get(row.request_id)
+        if req is None or req.next_decode is None:
+            return None
+        resolved, req.next_decode = req.next_decode, None
+        return resolved
+
+    def _run(self, rows: list[_Row]) -> float:
+        """Runs the rows' loops pass by pass; returns the device seconds they cost."""
+        seconds = 0.0
+        coda_rows = 0
+        while True:
+            active = [r for r in rows if r.loops_left > 0]
+            if not active:
+                break
+            num_rows = context = pairs = 0
+            for r in active:
+                end = r.row.token_start + r.row.token_count
+                num_rows += r.row.token_count
+                context += end
+                pairs += r.row.token_count * end
+            seconds += self.cost.core_pass_s(num_rows, context, pairs)
+            self.stats.core_passes += 1
+            self.stats.core_rows += num_rows
+            self.last_batch_passes.append((len(active), num_rows))
+            for r in active:
+                coda_rows += self._finish_loop(r)
+        if coda_rows:
+            seconds += self.cost.coda_s(coda_rows)
+        return seconds
+
+    def _finish_loop(self, r: _Row) -> int:
+        """One loop of a row ran; returns 1 if it reached the coda (samples a token)."""
+        row = r.row
+        req = self.requests[row.request_id]
+        r.loops_left -= 1
+        loops_run = r.depth + 1
+        r.depth += 1
+        if row.kind is not RowKind.DECODE:
+            end = row.token_start + row.token_count
+            if row.compute_logits and loops_run == self.total_depths and r.loops_left == 0:
+                return self._sample(r, req, end - 1)
+            return 0
+        forced = row.forced_exit_loops
+        exit_at = forced or self.exit_loops_at(req.sampling, row.token_start)
+        if loops_run < exit_at:
+            req.next_decode = msgspec.structs.replace(row, depth=loops_run, embed=False)
+            return 0
+        r.result.exited = True
+        r.result.exit_loops = loops_run
+        req.next_decode = None
+        return self._sample(r, req, row.token_start) if row.compute_logits else 0
+
+    def _sample(self, r: _Row, req: _SimRequest, last_position: int) -> int:
+        token = self.token_at(req.sampling.seed, last_position + 1)
+        r.result.token_id = token
+        req.next_decode = BatchRow(
+            request_id=r.row.request_id,
+            kind=RowKind.DECODE,
+            token_start=last_position + 1,
+            token_count=1,
+            depth=0,
+            embed=True,
+            input_token_id=token,
+            compute_logits=True,
+            output_index=r.row.output_index + 1,
+        )
+        return 1
