@@ -32,6 +32,7 @@ from messages.errors import ErrorCode, RequestError
 from messages.internal import AdmittedRequest, RelayedEvent, RequestNotice, SchedulerLoad
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits
+from services.common.fit import KVGeometry, check_request_fits
 from services.common.tokenizer import TextCodec
 from services.runtime import subjects
 from services.runtime.tracing import new_trace_id
@@ -416,13 +417,11 @@ class AdmissionCore:
             raise RequestError(f"prompt is too long ({num_chars} characters, limit {max_chars})")
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
-        limit = self.limits.max_position_embeddings
-        if num_prompt + max_tokens > limit:
-            raise RequestError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                f"max_position_embeddings ({limit})"
-            )
         cfg = self.config
+        kv = None
+        if cfg.num_blocks is not None:
+            kv = KVGeometry(cfg.block_size, cfg.num_blocks, cfg.num_kv_planes)
+        check_request_fits(num_prompt, max_tokens, self.limits.max_position_embeddings, kv)
         if cfg.max_payload is not None:
             # prompt ids travel as msgpack (<= 5 bytes each) to the scheduler and worker
             if 5 * num_prompt + 4096 > cfg.max_payload:
@@ -435,14 +434,6 @@ class AdmissionCore:
                 raise RequestError(
                     f"max_tokens {max_tokens} would make a finished event (~{finished_bytes} "
                     f"bytes) over the bus's max_payload of {cfg.max_payload} bytes"
-                )
-        if cfg.num_blocks is not None:
-            kv_tokens = num_prompt + max_tokens - 1  # the last sampled token needs no slot
-            blocks = -(-kv_tokens // cfg.block_size) * cfg.num_kv_planes
-            if blocks > cfg.num_blocks:
-                raise RequestError(
-                    f"request needs {blocks} KV blocks but the cache has only {cfg.num_blocks}; "
-                    "shorten the prompt or max_tokens"
                 )
 
 

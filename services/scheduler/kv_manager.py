@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from messages.batch import BlockDelta
 from messages.prefix import AllBlocksCleared, BlockRemoved, BlockStored, PrefixEvent
+from services.common.fit import KVGeometry
 
 
 @dataclass(eq=False)
@@ -70,8 +71,9 @@ class KVManager:
         have = len(tables[0]) if tables else 0
         return max(0, self.blocks_per_plane(num_tokens) - have) * self.num_planes
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.num_blocks
+    @property
+    def geometry(self) -> KVGeometry:
+        return KVGeometry(self.block_size, self.num_blocks, self.num_planes)
 
     @property
     def num_free_blocks(self) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from messages.batch import Phase
 from messages.sampling import SamplingParams
+from services.common.fit import kv_tokens
 
 # read per row per step: an Enum class attribute costs ~75 ns a lookup on Python 3.11
 _FINISHED = Phase.FINISHED
@@ -78,8 +79,8 @@ class Request:
 
     @property
     def kv_footprint_tokens(self) -> int:
-        """Positions whose KV the request may write: the last sampled token is never fed back."""
-        return self.num_prompt_tokens + self.params.max_tokens - 1
+        """Positions whose KV the request may write."""
+        return kv_tokens(self.num_prompt_tokens, self.params.max_tokens)
 
     def prefill_right(self, depth: int) -> int:
         """Right end of depth ``depth``'s frontier (0-based depth)."""

@@ -34,6 +34,7 @@ from messages.prefix import (
 )
 from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
+from services.common.fit import check_request_fits
 from services.scheduler.batch import ScheduledBatch, ScheduledTask
 from services.scheduler.kv_admission import Commitment, Preemption, admits
 from services.scheduler.kv_manager import KVManager
@@ -146,20 +147,12 @@ class Scheduler:
             raise RequestError(f"request id {request_id!r} is already live")
         self._validate_prompt(prompt_token_ids)
         resolved = self.limits.resolve(params)
-        total = len(prompt_token_ids) + resolved.max_tokens
-        if total > self.limits.max_position_embeddings:
-            raise RequestError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({resolved.max_tokens}) "
-                f"exceeds the model's max_position_embeddings "
-                f"({self.limits.max_position_embeddings})"
-            )
-        # the last sampled token is never fed back, so it needs no KV slot
-        kv_tokens = total - 1
-        if not self.kv.can_ever_fit(kv_tokens):
-            raise RequestError(
-                f"request needs {self.kv.blocks_for(kv_tokens)} KV blocks but the cache has only "
-                f"{self.kv.num_blocks}; shorten the prompt or max_tokens"
-            )
+        check_request_fits(
+            len(prompt_token_ids),
+            resolved.max_tokens,
+            self.limits.max_position_embeddings,
+            self.kv.geometry,
+        )
         known_ids, known_loops = known_outputs or ([], [])
         self._validate_known_outputs(known_ids, known_loops, resolved)
         seed = resolved.seed if resolved.seed is not None else self._rng.getrandbits(63)

@@ -1,0 +1,46 @@
+"""Whether a request can ever run on this model and cache: the one rule that admission (to
+refuse early, before the bus) and the scheduler (the last word) both apply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from messages.errors import RequestError
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The KV cache's shape as far as fitting a request goes."""
+
+    block_size: int
+    num_blocks: int
+    num_planes: int
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks ``num_tokens`` positions take over all planes."""
+        return -(-num_tokens // self.block_size) * self.num_planes
+
+
+def kv_tokens(num_prompt: int, max_tokens: int) -> int:
+    """KV slots a request can ever write: the last sampled token is never fed back."""
+    return num_prompt + max_tokens - 1
+
+
+def check_request_fits(
+    num_prompt: int, max_tokens: int, max_position_embeddings: int, kv: KVGeometry | None
+) -> None:
+    """Raises RequestError if the request can never run: its positions exceed the model's,
+    or its whole KV footprint exceeds the cache (``kv`` None: the cache is not known here)."""
+    if num_prompt + max_tokens > max_position_embeddings:
+        raise RequestError(
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"max_position_embeddings ({max_position_embeddings})"
+        )
+    if kv is None:
+        return
+    blocks = kv.blocks_for(kv_tokens(num_prompt, max_tokens))
+    if blocks > kv.num_blocks:
+        raise RequestError(
+            f"request needs {blocks} KV blocks but the cache has only {kv.num_blocks}; "
+            "shorten the prompt or max_tokens"
+        )
