@@ -27,6 +27,9 @@ from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import toy_config
 from services.worker.runner import ModelRunner
 from services.worker.sim import SimCostModel, SimRunner
+from tests.helpers import run_on
+
+pytestmark = pytest.mark.unit
 
 
 # ---------------------------------------------------------------------- prefix index
@@ -349,8 +352,6 @@ def _shard(toy_checkpoint: Path, shard: str, model: OuroModel):  # type: ignore[
 
 def _pump(driver, runner, table: OpenRequests, client: list, steps: int) -> None:  # type: ignore[no-untyped-def]
     """``steps`` driver steps; relayed events go through admission's table to the client."""
-    from tests.helpers import run_on
-
     for _ in range(steps):
         assert driver.step() == []  # relayed streams: nothing goes straight to a client
         for wb in driver.executor.take_outbox():
@@ -424,3 +425,36 @@ def test_a_lost_shards_stream_goes_on_elsewhere_each_index_once(
         ref.exit_depths,
         ref.text,
     )
+
+
+def test_fenced_tries_lose_their_unsent_relayed_events(
+    toy_model: OuroModel, toy_checkpoint: Path
+) -> None:
+    """While a scheduler is dark its relayed events wait in the driver; the tries admission
+    fenced meanwhile are dropped from them (a short one that ended meanwhile included), the
+    others are kept in order."""
+    driver, runner = _shard(toy_checkpoint, "0", toy_model)
+    relay = "rlt.v1.adm.adm.relay.events"
+    for seq, max_tokens in ((1, 2), (2, 30), (3, 30)):
+        driver.add(
+            AdmittedRequest(
+                request_id=f"r{seq}",
+                prompt_token_ids=[5, 6, 7, seq],
+                params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                reply_subject=f"_INBOX.{seq}",
+                admission_id="adm",
+                admission_seq=seq,
+                relay_subject=relay,
+            ),
+            track=f"rlt.v1.adm.adm.{seq}",
+        )
+    for _ in range(30):  # nothing taken: as if dark
+        driver.step()
+        for wb in driver.executor.take_outbox():
+            driver.on_result(run_on(runner, wb))
+    assert "r1" not in driver.streams  # ended while its events waited
+    assert driver.drop_relayed({("adm", 1), ("adm", 2), ("other", 3)}) == {("adm", 1), ("adm", 2)}
+    (items,) = driver.take_relayed().values()
+    assert {item.seq for item in items} == {3}
+    indices = [item.event.index for item in items if isinstance(item.event, TokenEvent)]
+    assert indices == list(range(len(indices))) and indices

@@ -93,6 +93,7 @@ class SchedulerDriver:
         self.notices: list[Notice] = []
         # relay subject -> events for that admission, in the order they happened
         self.relayed: dict[str, list[RelayedEvent]] = {}
+        self._relay_admission: dict[str, str] = {}  # relay subject -> its admission
         self.num_worker_losses = 0
         self.num_resumed = 0
         self.simulated = False  # the bound worker is a ``--device sim`` worker
@@ -276,7 +277,11 @@ class SchedulerDriver:
     ) -> list[Delivery]:
         event = error_event(req.request_id, code, message)
         if req.relay_subject:
-            self._relay(req.relay_subject, RelayedEvent(seq=req.admission_seq, event=event))
+            self._relay(
+                req.relay_subject,
+                req.admission_id,
+                RelayedEvent(seq=req.admission_seq, event=event),
+            )
             return []
         self._notice(track, req.request_id, "done")
         return [(req.reply_subject, event)]
@@ -287,6 +292,7 @@ class SchedulerDriver:
             return
         self._relay(
             stream.relay,
+            stream.admission_id,
             RelayedEvent(
                 seq=stream.admission_seq,
                 known_token_ids=list(request.output_token_ids),
@@ -294,12 +300,26 @@ class SchedulerDriver:
             ),
         )
 
-    def _relay(self, subject: str, item: RelayedEvent) -> None:
+    def _relay(self, subject: str, admission_id: str, item: RelayedEvent) -> None:
         self.relayed.setdefault(subject, []).append(item)
+        self._relay_admission[subject] = admission_id
 
     def take_relayed(self) -> dict[str, list[RelayedEvent]]:
         out, self.relayed = self.relayed, {}
+        self._relay_admission = {}
         return out
+
+    def drop_relayed(self, keys: set[StreamKey]) -> set[StreamKey]:
+        """Removes the not yet sent relayed events of these tries (fencing: admission ended
+        them); returns the tries that had some."""
+        found: set[StreamKey] = set()
+        for subject, items in self.relayed.items():
+            admission_id = self._relay_admission[subject]
+            kept = [item for item in items if (admission_id, item.seq) not in keys]
+            if len(kept) < len(items):
+                found |= {(admission_id, item.seq) for item in items} & keys
+                self.relayed[subject] = kept
+        return found
 
     def fail_request(self, request_id: str, code: ErrorCode, message: str) -> list[Delivery]:
         """Ends one live request with an error event, freeing its KV."""
@@ -574,7 +594,11 @@ class SchedulerDriver:
     def _deliver(self, stream: _Stream, event: StreamEvent, out: list[Delivery]) -> None:
         """To the relay (admission passes it on) or straight to the client's reply."""
         if stream.relay:
-            self._relay(stream.relay, RelayedEvent(seq=stream.admission_seq, event=event))
+            self._relay(
+                stream.relay,
+                stream.admission_id,
+                RelayedEvent(seq=stream.admission_seq, event=event),
+            )
         else:
             out.append((stream.reply, event))
 

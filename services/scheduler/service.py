@@ -548,9 +548,8 @@ class SchedulerService(Service):
         for wb in batches:
             await self._publish_batch(wb)
         t2 = time.perf_counter()
-        relayed = bool(driver.relayed)
         await self._deliver(out)
-        await self._flush_relayed()
+        relayed = await self._flush_relayed()
         t3 = time.perf_counter()
         await self._flush_notices()
         await self._publish_prefix(driver.take_prefix_events())
@@ -650,12 +649,16 @@ class SchedulerService(Service):
         self.driver.fail_request(event.request_id, ErrorCode.INTERNAL, message)
         return message
 
-    async def _flush_relayed(self) -> None:
-        """One message per admission with this step's events of the streams it relays."""
+    async def _flush_relayed(self) -> bool:
+        """One message per admission with this step's events of the streams it relays;
+        False if there were none or they must wait."""
         assert self.driver is not None
+        if not self.driver.relayed or self._holding():
+            return False  # they wait in the driver, per try, so a fence check can drop its own
         for subject, items in self.driver.take_relayed().items():
             for data in self._relay_messages(items):
                 await self._send(subject, data)
+        return True
 
     def _relay_messages(self, items: list[RelayedEvent]) -> list[bytes]:
         """``items`` as RelayBatch messages under the bus's max_payload: split when many,
@@ -695,12 +698,7 @@ class SchedulerService(Service):
     async def _send(
         self, subject: str, data: bytes, reply: str = "", key: StreamKey | None = None
     ) -> None:
-        now = time.monotonic()
-        if now - self._last_tick > _STALL_S:
-            # our loop did not tick for a while: we may have been stalled past the point
-            # where admission gave up on us, so nothing goes out until it says
-            self._go_dark(self._last_tick, f"stalled {now - self._last_tick:.1f}s")
-        if self._held.active or not self.nc.is_connected:
+        if self._holding():
             self._held.messages.append((subject, data, reply, key))
             return
         try:
@@ -709,6 +707,15 @@ class SchedulerService(Service):
             self.log.warning("delivery failed", error=repr(exc)[:200], subject=subject[:100])
 
     # ------------------------------------------------------------------ fencing
+    def _holding(self) -> bool:
+        """Whether client events must wait (cut off from the bus, or a fence check due)."""
+        now = time.monotonic()
+        if now - self._last_tick > _STALL_S:
+            # our loop did not tick for a while: we may have been stalled past the point
+            # where admission gave up on us, so nothing goes out until it says
+            self._go_dark(self._last_tick, f"stalled {now - self._last_tick:.1f}s")
+        return self._held.active or not self.nc.is_connected
+
     async def _watchdog(self) -> None:
         while True:
             before = time.monotonic()
@@ -801,7 +808,7 @@ class SchedulerService(Service):
         dropped = d.drop_fenced(drop)
         # also what is held for fenced requests that ended here meanwhile (their finished
         # event waits with the rest): admission already gave those clients their terminal
-        ended = {m[3] for m in self._held.messages if m[3] in drop}
+        ended = {m[3] for m in self._held.messages if m[3] in drop} | d.drop_relayed(drop)
         self._held.messages = [m for m in self._held.messages if m[3] not in drop]
         self.num_fenced += len(set(dropped) | ended)
         self._dark_since = None
@@ -810,6 +817,7 @@ class SchedulerService(Service):
             "fence check done", fenced=len(drop), live=len(dropped), held=len(self._held.messages)
         )
         await self._release_held()
+        await self._flush_relayed()
         self._wake.set()
 
     async def _release_held(self) -> None:
