@@ -18,6 +18,27 @@ if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
 
+TIERS = ("unit", "oracle", "services", "slow", "gpu")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects anything
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test belongs to exactly one tier (pyproject's markers), so ``pytest -m unit``
+    and friends partition the suite."""
+    wrong = []
+    for item in items:
+        tiers = {m.name for m in item.iter_markers() if m.name in TIERS}
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: {sorted(tiers) or 'no tier'}")
+    if wrong:
+        raise pytest.UsageError(
+            "each test needs exactly one tier marker of "
+            + ", ".join(TIERS)
+            + ":\n  "
+            + "\n  ".join(wrong)
+        )
+
+
 @pytest.fixture(scope="session")
 def toy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_toy_checkpoint(tmp_path_factory.mktemp("toy-ckpt"), seed=0, size="toy")

@@ -35,6 +35,8 @@ from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import write_toy_checkpoint
 from services.worker.runner import ModelRunner
 
+pytestmark = pytest.mark.unit
+
 HEAD_DIM = 8
 # The module itself: the package attribute of this name is the re-exported function.
 paged_attention_module = importlib.import_module("kernels.paged_attention")

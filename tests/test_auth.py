@@ -34,6 +34,8 @@ pytest.register_assert_rewrite("tests.conftest_nats")
 from tests.conftest_nats import check_stream  # noqa: E402
 from tests.service_procs import StreamCollector, service_procs, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.services
+
 ROOT = Path(__file__).resolve().parents[1]
 USERS = ("admission", "scheduler", "worker", "prefix-cache", "gateway", "client", "operator")
 

@@ -94,6 +94,7 @@ def _recompute(results: dict[str, Any]) -> None:
                 assert ratio["reached"] is ok
 
 
+@pytest.mark.services
 def test_quick_bench_schema_and_ratios(
     toy_checkpoint: Path, tmp_path: Path, keep_global_state: None
 ) -> None:
@@ -146,6 +147,7 @@ def test_quick_bench_schema_and_ratios(
     assert all((tmp_path / f"{n}.png").stat().st_size > 0 for n in names)
 
 
+@pytest.mark.services
 def test_quick_bench_pipeline(
     toy_checkpoint: Path, tmp_path: Path, keep_global_state: None
 ) -> None:
@@ -173,6 +175,7 @@ def test_quick_bench_pipeline(
     assert not list(tmp_path.glob("*.png"))
 
 
+@pytest.mark.services
 def test_quick_bench_kv_pressure(
     toy_checkpoint: Path, tmp_path: Path, keep_global_state: None
 ) -> None:
@@ -198,6 +201,7 @@ def test_quick_bench_kv_pressure(
     assert "core share recomputing prompts" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.unit
 def test_cli_rejects_unknown_comparison() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--only", "depth_batching,nope"])
@@ -206,6 +210,7 @@ def test_cli_rejects_unknown_comparison() -> None:
     assert args.repeats == 3 and args.concurrency == 32 and args.size == "small"
 
 
+@pytest.mark.unit
 def test_percentile_matches_linear_interpolation() -> None:
     values = [5.0, 1.0, 3.0, 2.0, 4.0]
     assert percentile(values, 50) == 3.0
@@ -214,6 +219,7 @@ def test_percentile_matches_linear_interpolation() -> None:
     assert percentile([], 50) is None
 
 
+@pytest.mark.unit
 def test_run_metrics_from_timestamps() -> None:
     a = RequestRecord(arrival=0.0, num_prompt_tokens=10, num_cached_tokens=4)
     a.token_times, a.finish_time, a.exit_depths = [0.1, 0.3, 0.6], 0.6, [4, 2, 1]
@@ -228,6 +234,7 @@ def test_run_metrics_from_timestamps() -> None:
     assert m["core_passes"] is None  # no counters: reported as n/a, never as 0
 
 
+@pytest.mark.unit
 def test_workloads_are_seeded() -> None:
     vocab = TokenRange(1, 512, (0,))
     w1 = chat_closed(QUICK, vocab, 4, EARLY_EXIT, seed=7)
@@ -246,6 +253,7 @@ def test_workloads_are_seeded() -> None:
     assert gaps[0] == 0.0 and gaps[-1] / 3999 == pytest.approx(1 / 20.0, rel=0.1)
 
 
+@pytest.mark.unit
 def test_probe_counts_passes_and_rows(toy_checkpoint: Path) -> None:
     from messages.sampling import SamplingParams
 
@@ -272,6 +280,7 @@ def test_probe_counts_passes_and_rows(toy_checkpoint: Path) -> None:
     assert (probe.counters.decode_batches, probe.counters.batches) == (8, 9)
 
 
+@pytest.mark.services
 def test_a_failed_comparison_is_reported_not_fatal(
     toy_checkpoint: Path,
     tmp_path: Path,
@@ -294,6 +303,7 @@ def test_a_failed_comparison_is_reported_not_fatal(
     assert "bus down" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.services
 def test_quick_bench_scheduler_step(
     toy_checkpoint: Path, tmp_path: Path, keep_global_state: None
 ) -> None:
@@ -307,6 +317,7 @@ def test_quick_bench_scheduler_step(
     assert "## Scheduler step" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_quick_bench_shards(toy_checkpoint: Path, tmp_path: Path, keep_global_state: None) -> None:
     """routing and scaling: shards as OS processes; every request of every arm completes, the
     ratios are recomputable (scaling's across workloads), simulated arms are marked."""

@@ -94,6 +94,7 @@ def first_new_token(tokens: list[int]) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------- sliding window
+@pytest.mark.oracle
 def test_window_fields_without_a_window_are_accepted(toy_checkpoint: Path, tmp_path: Path) -> None:
     ckpt = variant(
         toy_checkpoint,
@@ -103,6 +104,7 @@ def test_window_fields_without_a_window_are_accepted(toy_checkpoint: Path, tmp_p
     check_against_oracle(ckpt, PROMPT, GREEDY)
 
 
+@pytest.mark.oracle
 def test_window_that_reaches_no_layer_is_accepted(toy_checkpoint: Path, tmp_path: Path) -> None:
     # HF: layers >= max_window_layers slide; the toy has 2 layers, so none does
     ckpt = variant(
@@ -113,6 +115,7 @@ def test_window_that_reaches_no_layer_is_accepted(toy_checkpoint: Path, tmp_path
     check_against_oracle(ckpt, PROMPT, GREEDY)
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
@@ -144,6 +147,7 @@ def test_sliding_window_is_refused_by_name(
 
 
 # ---------------------------------------------------------------------- HF defaults
+@pytest.mark.oracle
 def test_missing_rope_theta_takes_hf_default(toy_checkpoint: Path, tmp_path: Path) -> None:
     ckpt = variant(toy_checkpoint, tmp_path / "c", drop=("rope_theta",))
     assert OuroConfig.from_checkpoint(ckpt).rope_theta == 10000.0
@@ -154,6 +158,7 @@ def test_missing_rope_theta_takes_hf_default(toy_checkpoint: Path, tmp_path: Pat
     assert (ours - toy).abs().max() > 1e-3
 
 
+@pytest.mark.unit
 def test_other_absent_fields_take_hf_defaults(toy_checkpoint: Path, tmp_path: Path) -> None:
     ckpt = variant(
         toy_checkpoint,
@@ -176,6 +181,7 @@ def test_other_absent_fields_take_hf_defaults(toy_checkpoint: Path, tmp_path: Pa
     )
 
 
+@pytest.mark.oracle
 def test_config_without_eos_ends_only_at_max_tokens(toy_checkpoint: Path, tmp_path: Path) -> None:
     # a token the greedy continuation reaches, made the only eos of one variant
     plain = SerialOracle(toy_checkpoint).generate(PROMPT, max_tokens=8, ignore_eos=True)
@@ -194,6 +200,7 @@ def test_config_without_eos_ends_only_at_max_tokens(toy_checkpoint: Path, tmp_pa
 
 
 # ---------------------------------------------------------------------- exit threshold
+@pytest.mark.oracle
 def test_config_threshold_is_the_default_of_requests(toy_checkpoint: Path, tmp_path: Path) -> None:
     ckpt = variant(toy_checkpoint, tmp_path / "c", {"early_exit_threshold": 0.6})
     unset = SamplingParams(max_tokens=10, temperature=0.0, min_loops=1, ignore_eos=True)
@@ -214,6 +221,7 @@ def _fields(p: SamplingParams) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- generation config
+@pytest.mark.oracle
 def test_generation_config_eos_list_ends_generation(toy_checkpoint: Path, tmp_path: Path) -> None:
     plain = SerialOracle(toy_checkpoint).generate(PROMPT, max_tokens=8, ignore_eos=True)
     index, stop = first_new_token(plain.token_ids)
@@ -227,6 +235,7 @@ def test_generation_config_eos_list_ends_generation(toy_checkpoint: Path, tmp_pa
     assert ignored.token_ids == plain.token_ids
 
 
+@pytest.mark.oracle
 def test_generation_config_sampling_defaults(toy_checkpoint: Path, tmp_path: Path) -> None:
     generation = {
         "eos_token_id": 0,
@@ -258,6 +267,7 @@ def test_generation_config_sampling_defaults(toy_checkpoint: Path, tmp_path: Pat
     assert len(finished.token_ids) == 3 and finished.finish_reason == "length"
 
 
+@pytest.mark.unit
 def test_generation_keys_in_config_json_without_generation_config(
     toy_checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -268,6 +278,7 @@ def test_generation_keys_in_config_json_without_generation_config(
     assert report["max_new_tokens"].startswith("generation default")
 
 
+@pytest.mark.unit
 def test_invalid_generation_config_is_refused_by_name(toy_checkpoint: Path, tmp_path: Path) -> None:
     ckpt = variant(toy_checkpoint, tmp_path / "c", generation={"eos_token_id": [0, 99999]})
     with pytest.raises(ConfigError, match="99999"):
@@ -278,6 +289,7 @@ def test_invalid_generation_config_is_refused_by_name(toy_checkpoint: Path, tmp_
 
 
 # ---------------------------------------------------------------------- refusals
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
@@ -301,6 +313,7 @@ def test_unsupported_fields_are_refused_by_name(
         load_checkpoint(ckpt)
 
 
+@pytest.mark.unit
 def test_neutral_and_unknown_fields_are_accepted(toy_checkpoint: Path, tmp_path: Path) -> None:
     fields = {
         "rope_scaling": None,
@@ -330,6 +343,7 @@ def _bos_adding(src: Path, dst: Path) -> Path:
     return ckpt
 
 
+@pytest.mark.oracle
 def test_bos_adding_tokenizer_online_and_offline(toy_checkpoint: Path, tmp_path: Path) -> None:
     ckpt = _bos_adding(toy_checkpoint, tmp_path / "c")
     text = "The quick brown fox"
@@ -351,6 +365,7 @@ def test_bos_adding_tokenizer_online_and_offline(toy_checkpoint: Path, tmp_path:
     check_against_oracle(ckpt, online, GREEDY)
 
 
+@pytest.mark.unit
 def test_chat_messages_use_the_checkpoint_template(toy_checkpoint: Path) -> None:
     codec = TextCodec.from_checkpoint(toy_checkpoint)
     assert codec is not None
@@ -365,6 +380,7 @@ def test_chat_messages_use_the_checkpoint_template(toy_checkpoint: Path) -> None
     assert ids == codec.encode_chat(messages)
 
 
+@pytest.mark.unit
 def test_bad_chat_requests_get_error_replies(toy_checkpoint: Path, tmp_path: Path) -> None:
     def prepare(ckpt: Path, body: dict[str, Any]) -> str:
         core = AdmissionCore(load_model_limits(ckpt), TextCodec.from_checkpoint(ckpt))
@@ -390,6 +406,7 @@ def test_bad_chat_requests_get_error_replies(toy_checkpoint: Path, tmp_path: Pat
     assert "ZeroDivisionError" in prepare(raising, chat)
 
 
+@pytest.mark.unit
 def test_toy_checkpoint_ends_chat_replies_like_ouro(toy_checkpoint: Path) -> None:
     limits: ModelLimits = load_model_limits(toy_checkpoint)
     codec = TextCodec.from_checkpoint(toy_checkpoint)
@@ -409,6 +426,7 @@ def _check(ckpt: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.services
 def test_check_checkpoint_command(toy_checkpoint: Path, tmp_path: Path) -> None:
     ckpt = variant(
         toy_checkpoint, tmp_path / "ok", {"early_exit_threshold": 0.6}, drop=("rope_theta",)

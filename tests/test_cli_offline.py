@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from services.oracle import SerialOracle
+
+pytestmark = pytest.mark.services
 
 
 def rlt(*args: str) -> subprocess.CompletedProcess[str]:

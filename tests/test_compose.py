@@ -16,6 +16,8 @@ from services.cli import build_parser
 from services.runtime import subjects
 from services.runtime.health import main as health_main
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 RLT_SERVICES = set(subjects.SERVICE_NAMES)  # ... and gateway
 NATS_NODES = ["nats-1", "nats-2", "nats-3"]

@@ -3,12 +3,16 @@ versus the cohort baseline where exited rows idle until the whole cohort is done
 
 from __future__ import annotations
 
+import pytest
+
 from messages.api import ErrorEvent, FinishedEvent
 from messages.batch import RowKind
 from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from tests.engine_harness import Arrival, run_workload
+
+pytestmark = pytest.mark.unit
 
 PARAMS = SamplingParams(
     max_tokens=12, temperature=0.0, min_loops=1, exit_threshold=0.7, ignore_eos=True

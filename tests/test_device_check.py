@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.services
+
 ROOT = Path(__file__).resolve().parents[1]
 TABLE_HEADER = "| stage | config | result | detail |"
 

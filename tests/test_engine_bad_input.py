@@ -9,6 +9,8 @@ from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 
+pytestmark = pytest.mark.unit
+
 OK = SamplingParams(max_tokens=4, temperature=0.0)
 
 

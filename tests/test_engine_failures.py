@@ -5,6 +5,8 @@ claimable only once every batch that wrote it has succeeded)."""
 
 from __future__ import annotations
 
+import pytest
+
 from messages.api import ErrorEvent, FinishedEvent
 from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
@@ -57,6 +59,7 @@ def run(engine: LLMEngine) -> dict[str, FinishedEvent | ErrorEvent]:
     return ended
 
 
+@pytest.mark.oracle
 def test_blocks_of_a_failed_batch_are_withdrawn_before_anyone_claims_them(toy_model, oracle):
     cfg = config(max_inflight=2)
     engine = LLMEngine(toy_model, cfg)
@@ -74,6 +77,7 @@ def test_blocks_of_a_failed_batch_are_withdrawn_before_anyone_claims_them(toy_mo
     assert engine.scheduler.kv.num_free_blocks == cfg.num_blocks
 
 
+@pytest.mark.oracle
 def test_a_request_that_claimed_blocks_of_a_failed_batch_is_recomputed(toy_model, oracle):
     cfg = config(max_inflight=3)
     batches: list[ScheduledBatch] = []
@@ -109,6 +113,7 @@ def test_a_request_that_claimed_blocks_of_a_failed_batch_is_recomputed(toy_model
     assert removed
 
 
+@pytest.mark.unit
 def test_sync_scheduling_publishes_nothing_for_a_failed_batch(toy_model):
     cfg = SchedulerConfig(
         block_size=4,

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats.errors
 import pytest
 
 from services.launcher import NatsServer, free_port
@@ -22,6 +21,13 @@ from services.runtime import jetstream
 
 pytest.register_assert_rewrite("tests.conftest_nats")
 
+from tests.service_cases import (  # noqa: E402
+    PREFIX_ARGS,
+    as_request,
+    index_matches_scheduler,
+    make_cases,
+    prefix_prompt,
+)
 from tests.service_procs import (  # noqa: E402
     StreamCollector,
     client,
@@ -29,32 +35,14 @@ from tests.service_procs import (  # noqa: E402
     service_procs,
     wait_for,
 )
-from tests.test_reliability_worker import ENGINE_ARGS, _cases, _request  # noqa: E402
+
+pytestmark = pytest.mark.services
 
 ENV = {
     "RLT_WORKER_HEARTBEAT_TIMEOUT_S": "1.5",
     "RLT_WORKER_HEARTBEAT_S": "0.25",
     "RLT_PREFIX_SNAPSHOT_S": "0.5",
 }
-ARGS = [*ENGINE_ARGS, "--enable-prefix-caching"]
-
-
-def _prompt(i: int) -> list[int]:
-    # 4-token blocks: each prompt caches a few blocks of its own and shares one with others
-    return [1, 2, 3, 4, *[(7 * i + k) % 500 + 1 for k in range(14)]]
-
-
-async def index_matches_scheduler(nc: Any) -> bool:
-    """The prefix index's view of the scheduler equals the scheduler's own block table."""
-    try:
-        sched = await health(nc, "scheduler")
-        index = await health(nc, "prefix-cache")
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-        return False  # a service still failing over to another node
-    producer = sched["prefix_producer"]
-    return index["digests"].get(producer, "") == sched["prefix_digest"] or (
-        sched["prefix_blocks"] == 0 and producer not in index["digests"]
-    )
 
 
 async def test_prefix_cache_killed_mid_run_rebuilds_from_snapshot_and_tail(
@@ -62,15 +50,15 @@ async def test_prefix_cache_killed_mid_run_rebuilds_from_snapshot_and_tail(
 ) -> None:
     with (
         NatsServer(port=free_port()) as server,
-        service_procs(server.url, toy_checkpoint, tmp_path, ARGS, ENV) as procs,
+        service_procs(server.url, toy_checkpoint, tmp_path, PREFIX_ARGS, ENV) as procs,
     ):
         await procs.start_all()
         async with client(server.url) as nc:
             replay_asks = await nc.subscribe("rlt.v1.prefix.replay.>")
             col = await StreamCollector(nc).start()
-            first = _cases(11, 6, max_tokens=8)
+            first = make_cases(11, 6, max_tokens=8)
             for i, (_, p) in enumerate(first):
-                await col.send(i, _request(f"warm-{i}", _prompt(i), p))
+                await col.send(i, as_request(f"warm-{i}", prefix_prompt(i), p))
             await col.wait_done(range(6), 60)
             await wait_for(lambda: index_matches_scheduler(nc), 10, "index == scheduler")
             before = await health(nc, "scheduler")
@@ -80,9 +68,9 @@ async def test_prefix_cache_killed_mid_run_rebuilds_from_snapshot_and_tail(
             )
 
             # more requests; the index dies while they run
-            second = _cases(12, 6, max_tokens=60)
+            second = make_cases(12, 6, max_tokens=60)
             for i, (_, p) in enumerate(second):
-                await col.send(10 + i, _request(f"tail-{i}", _prompt(20 + i), p))
+                await col.send(10 + i, as_request(f"tail-{i}", prefix_prompt(20 + i), p))
             await wait_for(lambda: all(col.tokens(10 + i) for i in range(6)), 60, "tokens")
             procs.kill("prefix-cache")  # SIGKILL: no final snapshot
             await asyncio.sleep(0.3)  # blocks keep being stored while it is down
@@ -124,7 +112,7 @@ async def test_event_stream_limits_and_replicas_on_a_single_server(
     env = {**ENV, "RLT_PREFIX_STREAM_MAX_AGE_S": "120", "RLT_PREFIX_STREAM_MAX_BYTES": "1048576"}
     with (
         NatsServer(port=free_port()) as server,
-        service_procs(server.url, toy_checkpoint, tmp_path, ARGS, env) as procs,
+        service_procs(server.url, toy_checkpoint, tmp_path, PREFIX_ARGS, env) as procs,
     ):
         await procs.start_all(["prefix-cache"])
         async with client(server.url) as nc:

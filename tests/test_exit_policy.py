@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from services.common.exit_policy import should_exit, update_survival
 
+pytestmark = pytest.mark.unit
+
 
 def logit(p: float) -> float:
     return math.log(p / (1 - p))

@@ -30,19 +30,19 @@ from services.runtime.bus import HEADER_TRACE_ID, decode_msgpack, encode_json, e
 pytest.register_assert_rewrite("tests.conftest_nats")
 
 from tests.conftest_nats import check_stream  # noqa: E402
+from tests.service_cases import (  # noqa: E402
+    ENGINE_ARGS,
+    as_request,
+    check_against_engine,
+    kv_reclaimed,
+    make_cases,
+)
 from tests.service_procs import (  # noqa: E402
     StreamCollector,
     client,
     health,
     service_procs,
     wait_for,
-)
-from tests.test_reliability_worker import (  # noqa: E402
-    ENGINE_ARGS,
-    _cases,
-    _check_against_engine,
-    _reclaimed,
-    _request,
 )
 
 ENV = {
@@ -61,6 +61,7 @@ def _server(tmp_path: Path, ping_s: int = 2) -> NatsServer:
     return NatsServer(port=free_port(), config_file=conf)
 
 
+@pytest.mark.services
 async def test_poison_values_are_refused_and_honest_batch_mates_finish(
     toy_checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -78,11 +79,11 @@ async def test_poison_values_are_refused_and_honest_batch_mates_finish(
     ):
         await procs.start_all()
         async with client(server.url) as nc:
-            cases = _cases(7, 16, max_tokens=100)
+            cases = make_cases(7, 16, max_tokens=100)
             col = await StreamCollector(nc).start()
             bad = await StreamCollector(nc).start()
             for i, (ids, p) in enumerate(cases):
-                await col.send(i, _request(f"honest-{i}", ids, p))
+                await col.send(i, as_request(f"honest-{i}", ids, p))
             n = 0
             while not col.done(range(len(cases))):
                 await bad.send(n, poisons[n % len(poisons)])
@@ -92,11 +93,12 @@ async def test_poison_values_are_refused_and_honest_batch_mates_finish(
             for i in range(n):
                 (terminal,) = bad.terminals(i)
                 assert isinstance(terminal, ErrorEvent) and terminal.code == "invalid_request"
-            await wait_for(lambda: _reclaimed(nc), 10, "KV reclaimed")
-        _check_against_engine(col, cases, toy_checkpoint)
+            await wait_for(lambda: kv_reclaimed(nc), 10, "KV reclaimed")
+        check_against_engine(col, cases, toy_checkpoint)
         assert n >= 8, n
 
 
+@pytest.mark.slow
 async def test_a_stalled_scheduler_answers_each_stream_once(
     toy_checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -113,26 +115,26 @@ async def test_a_stalled_scheduler_answers_each_stream_once(
         await procs.start_all()
         async with client(server.url) as nc:
             # ---- a short stall: nobody gives up on the scheduler
-            cases = _cases(11, 4, max_tokens=120)
+            cases = make_cases(11, 4, max_tokens=120)
             col = await StreamCollector(nc).start()
             idx = list(range(len(cases)))
             for i, (ids, p) in enumerate(cases):
-                await col.send(i, _request(f"short-{i}", ids, p))
+                await col.send(i, as_request(f"short-{i}", ids, p))
             await wait_for(lambda: all(len(col.tokens(i)) >= 3 for i in idx), 60, "tokens")
             procs.kill("scheduler", signal.SIGSTOP)
             await asyncio.sleep(2.5)
             procs.kill("scheduler", signal.SIGCONT)
             await col.wait_done(idx, 90)
             await asyncio.sleep(1.0)  # a second terminal would have come by now
-            _check_against_engine(col, cases, toy_checkpoint, whole_streams=False)
+            check_against_engine(col, cases, toy_checkpoint, whole_streams=False)
             for i in idx:
                 assert len(col.terminals(i)) == 1, col.events[i]
 
             # ---- a long stall: nats-server drops the scheduler, admission ends its requests
-            cases = _cases(12, 4, max_tokens=400)
+            cases = make_cases(12, 4, max_tokens=400)
             col = await StreamCollector(nc).start()
             for i, (ids, p) in enumerate(cases):
-                await col.send(i, _request(f"long-{i}", ids, p))
+                await col.send(i, as_request(f"long-{i}", ids, p))
             await wait_for(lambda: all(len(col.tokens(i)) >= 3 for i in idx), 60, "tokens")
             procs.kill("scheduler", signal.SIGSTOP)
             stopped = time.monotonic()
@@ -148,15 +150,15 @@ async def test_a_stalled_scheduler_answers_each_stream_once(
                 assert isinstance(terminal, ErrorEvent) and terminal.code == "unavailable"
             # not at admission's 1.5 s loss time: only once nats-server dropped the connection
             assert ended_after > 3.0, ended_after
-            await wait_for(lambda: _reclaimed(nc), 10, "KV reclaimed")
+            await wait_for(lambda: kv_reclaimed(nc), 10, "KV reclaimed")
 
             # ---- and it serves again
-            after = _cases(13, 2, max_tokens=8)
+            after = make_cases(13, 2, max_tokens=8)
             col = await StreamCollector(nc).start()
             for i, (ids, p) in enumerate(after):
-                await col.send(i, _request(f"after-{i}", ids, p))
+                await col.send(i, as_request(f"after-{i}", ids, p))
             await col.wait_done([0, 1], 30)
-            _check_against_engine(col, after, toy_checkpoint)
+            check_against_engine(col, after, toy_checkpoint)
         print(f"\nlong stall: clients told after {ended_after:.1f}s")
 
 
@@ -168,6 +170,7 @@ async def _fenced(nc) -> bool:  # type: ignore[no-untyped-def]
     return h["fenced_requests"] >= 4 and not h["dark"]
 
 
+@pytest.mark.services
 async def test_aborts_right_after_or_before_the_generate_end_it_with_prefix_caching(
     toy_checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -198,9 +201,10 @@ async def test_aborts_right_after_or_before_the_generate_end_it_with_prefix_cach
                 assert isinstance(terminal, FinishedEvent), col.events[i]
                 assert terminal.finish_reason == "abort", terminal
                 assert len(terminal.token_ids) < 500
-            await wait_for(lambda: _reclaimed(nc), 10, "KV reclaimed")
+            await wait_for(lambda: kv_reclaimed(nc), 10, "KV reclaimed")
 
 
+@pytest.mark.services
 async def test_worker_refuses_another_scheduler_and_bad_messages_get_answers(
     toy_checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -210,10 +214,10 @@ async def test_worker_refuses_another_scheduler_and_bad_messages_get_answers(
     ):
         await procs.start_all()
         async with client(server.url) as nc:
-            cases = _cases(21, 3, max_tokens=60)
+            cases = make_cases(21, 3, max_tokens=60)
             col = await StreamCollector(nc).start()
             for i, (ids, p) in enumerate(cases):
-                await col.send(i, _request(f"w-{i}", ids, p))
+                await col.send(i, as_request(f"w-{i}", ids, p))
             await wait_for(lambda: all(len(col.tokens(i)) >= 2 for i in range(3)), 60, "tokens")
             # another "scheduler" (a new epoch of another instance, a huge generation) sends
             # the bound worker a batch while the real scheduler is connected: refused
@@ -230,7 +234,7 @@ async def test_worker_refuses_another_scheduler_and_bad_messages_get_answers(
             answer = decode_msgpack((await sub.next_msg(timeout=5)).data, WorkerResult)
             assert answer.refused and "bound to scheduler" in answer.refused
             await col.wait_done(range(3), 60)
-            _check_against_engine(col, cases, toy_checkpoint)
+            check_against_engine(col, cases, toy_checkpoint)
             assert (await health(nc, "scheduler"))["worker_losses"] == 0
 
             # malformed public messages: an error reply each, and the services go on

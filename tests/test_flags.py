@@ -6,11 +6,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.config import KVAdmission, KVLayout, SchedulerConfig
 from services.common.flags import add_engine_flags, engine_args, scheduler_config_from_args
+
+pytestmark = pytest.mark.unit
 
 
 def _configs() -> st.SearchStrategy[SchedulerConfig]:

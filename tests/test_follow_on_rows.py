@@ -4,13 +4,16 @@ was not aborted must still equal the serial oracle, and all KV must come back.""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
 from tests.engine_harness import assert_matches_oracle, oracle_result, run_workload
-from tests.test_engine_oracle import D, max_kv_blocks, workloads
+from tests.engine_strategies import D, max_kv_blocks, workloads
+
+pytestmark = pytest.mark.oracle
 
 
 @settings(

@@ -50,6 +50,7 @@ INTERNAL_TYPES = [
 ]
 
 
+@pytest.mark.unit
 def test_mutated_messages_into_every_decoder_and_core(toy_checkpoint: Path) -> None:
     report = fuzz_decoders(toy_checkpoint, DECODER_CASES, seed=7)
     assert report.cases == DECODER_CASES
@@ -57,6 +58,7 @@ def test_mutated_messages_into_every_decoder_and_core(toy_checkpoint: Path) -> N
     assert report.decoded > DECODER_CASES // 10  # mutations that still decode reach the cores
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.binary(max_size=256), index=st.integers(0, len(INTERNAL_TYPES) - 1))
 def test_random_bytes_only_raise_decode_errors(data: bytes, index: int) -> None:
@@ -75,6 +77,7 @@ def admission_core(toy_checkpoint: Path) -> AdmissionCore:
     )
 
 
+@pytest.mark.unit
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.one_of(
@@ -116,6 +119,7 @@ def test_public_request_parser_only_raises_admission_errors(
         assert exc.code == "invalid_request"
 
 
+@pytest.mark.services
 async def test_live_services_survive_fuzzing_and_answer_every_request(
     toy_checkpoint: Path, tmp_path: Path
 ) -> None:

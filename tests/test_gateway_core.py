@@ -28,6 +28,8 @@ from services.gateway.stream import DONE_FRAME, Answer, SseEncoder
 from services.runtime import tracing
 from services.runtime.tracing import TraceContext, Tracer, parse_traceparent
 
+pytestmark = pytest.mark.unit
+
 
 def _body(**fields: object) -> bytes:
     return json.dumps({"model": "toy", **fields}).encode()

@@ -37,6 +37,8 @@ from services.oracle import SerialOracle
 from tests.engine_harness import assert_matches_oracle, oracle_result
 from tests.gateway_helpers import as_finished, metric_sums
 
+pytestmark = pytest.mark.services
+
 MODEL = "toy-ckpt"
 
 

@@ -43,7 +43,7 @@ from tests.gateway_helpers import REQUIRED_METRICS, as_finished, metric_sums  # 
 from tests.service_procs import wait_for  # noqa: E402
 
 pytest_plugins = ["tests.conftest_nats"]
-pytestmark = pytest.mark.usefixtures("torch_single_thread", "fast_metrics")
+pytestmark = [pytest.mark.services, pytest.mark.usefixtures("torch_single_thread", "fast_metrics")]
 
 TOTAL_UT_STEPS = 4  # the toy checkpoint's
 

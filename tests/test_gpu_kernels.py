@@ -31,6 +31,8 @@ from services.oracle import SerialOracle
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import write_toy_checkpoint
 
+pytestmark = pytest.mark.gpu
+
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 HEAD_DIM = 64  # flash-attn needs head_dim % 8 == 0

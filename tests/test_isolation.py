@@ -28,6 +28,8 @@ from services.scheduler.driver import SchedulerDriver
 from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.tombstones import AbortTombstones
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -23,6 +23,8 @@ from kernels import (
     write_kv,
 )
 
+pytestmark = pytest.mark.unit
+
 HEAD_DIM = 8
 # The module itself: the package attribute of this name is the re-exported function.
 paged_attention_module = importlib.import_module("kernels.paged_attention")

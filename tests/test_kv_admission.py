@@ -23,7 +23,7 @@ from services.scheduler.kv_admission import Commitment, admits
 from services.scheduler.scheduler import Scheduler
 from tests.engine_harness import Arrival, RunRecord, assert_matches_oracle, oracle_result
 from tests.engine_harness import run_workload as run
-from tests.test_wavefront_selection import fake_result
+from tests.helpers import fake_result
 
 D = 4
 THREE = [
@@ -63,6 +63,7 @@ def assert_three_equal_oracle(record: RunRecord, oracle, config: SchedulerConfig
         assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)
 
 
+@pytest.mark.oracle
 def test_incremental_admits_on_seats_and_recomputes_the_thrown_away_prefills(
     toy_model, oracle
 ) -> None:
@@ -81,6 +82,7 @@ def test_incremental_admits_on_seats_and_recomputes_the_thrown_away_prefills(
     assert_three_equal_oracle(record, oracle, config)
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(
     "config",
     [
@@ -104,6 +106,7 @@ def test_reserving_policies_start_a_alone_and_never_recompute(toy_model, oracle,
     assert_three_equal_oracle(record, oracle, config)
 
 
+@pytest.mark.unit
 def test_watermark_zero_only_asks_that_the_prompt_fits(toy_model) -> None:
     """b's prompt (4 blocks) fits beside a's, so at watermark 0 b starts and is thrown out
     again, like incremental; c's prompt no longer fits, so c waits for KV, not just seats."""
@@ -112,6 +115,7 @@ def test_watermark_zero_only_asks_that_the_prompt_fits(toy_model) -> None:
     assert [p[0] for p in preemptions(record)] == ["b", "c"]
 
 
+@pytest.mark.oracle
 def test_reserve_counts_the_blocks_an_early_stop_never_writes(toy_model, oracle) -> None:
     prompt = [5, 6, 7]
     params = SamplingParams(max_tokens=6, temperature=0.0, min_loops=1, max_loops=D)
@@ -128,6 +132,7 @@ def test_reserve_counts_the_blocks_an_early_stop_never_writes(toy_model, oracle)
     assert (stats.num_reserved_blocks, stats.num_reserved_unused_blocks) == (16, 8)
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("policy", list(KVAdmission))
 def test_pressure_with_early_exits_equals_oracle_under_every_policy(
     toy_model, oracle, policy
@@ -189,6 +194,7 @@ def decoding(policy: KVAdmission, newcomer_priority: int) -> Scheduler:
     return s
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("policy", [KVAdmission.RESERVE, KVAdmission.WATERMARK])
 def test_a_higher_priority_newcomer_preempts_at_admission(policy) -> None:
     s = decoding(policy, newcomer_priority=-1)
@@ -198,6 +204,7 @@ def test_a_higher_priority_newcomer_preempts_at_admission(policy) -> None:
     assert s.requests["y"].phase == Phase.WAITING
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("policy", [KVAdmission.RESERVE, KVAdmission.WATERMARK])
 def test_an_equal_priority_newcomer_waits_for_kv(policy) -> None:
     s = decoding(policy, newcomer_priority=0)
@@ -209,6 +216,7 @@ def test_an_equal_priority_newcomer_waits_for_kv(policy) -> None:
     assert step(s).rows()[0][0] == "x"  # y's KV came back: x starts
 
 
+@pytest.mark.unit
 def test_a_victim_with_work_in_flight_is_not_preempted_at_admission() -> None:
     s = decoding(KVAdmission.RESERVE, newcomer_priority=-1)
     s.requests["y"].inflight_batches = 1  # as if its decode row were still on the worker
@@ -218,6 +226,7 @@ def test_a_victim_with_work_in_flight_is_not_preempted_at_admission() -> None:
     assert s.stats.num_preemptions == 0
 
 
+@pytest.mark.unit
 def test_no_preemption_that_could_not_make_room() -> None:
     """h (24 blocks) outranks a, but a's 8 blocks beside g's 12 can never make room: a keeps
     running instead of being thrown out for nothing."""
@@ -240,6 +249,7 @@ def test_no_preemption_that_could_not_make_room() -> None:
 
 
 # ---------------------------------------------------------------------- config and surfaces
+@pytest.mark.unit
 def test_admission_arithmetic_at_the_edges() -> None:
     running = Commitment(prompt=0, decode=4)  # a decoding request may still write 4 blocks
 
@@ -262,6 +272,7 @@ def test_admission_arithmetic_at_the_edges() -> None:
     )
 
 
+@pytest.mark.unit
 def test_config_rejects_unknown_policies_and_fractions() -> None:
     with pytest.raises(ValueError, match="kv_admission must be one of reserve, incremental"):
         SchedulerConfig(kv_admission="greedy")  # type: ignore[arg-type]
@@ -279,6 +290,7 @@ def trace_args(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
+@pytest.mark.unit
 def test_schedule_trace_shows_preemptions(toy_checkpoint: Path, capsys) -> None:
     argv = ["--checkpoint", str(toy_checkpoint), "--prompt-ids", "2,3", "--prompt-ids", "2,3"]
     argv += ["--prompt-ids", "2,3", "--max-tokens", "3", "--ignore-eos"]

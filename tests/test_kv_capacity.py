@@ -12,6 +12,8 @@ from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from tests.engine_harness import Arrival, run_workload
 
+pytestmark = pytest.mark.unit
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 

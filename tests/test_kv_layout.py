@@ -3,6 +3,7 @@ exited token's slots in higher planes, and SHARED really is a different layout."
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from messages.sampling import SamplingParams
@@ -17,6 +18,7 @@ def slot(table: list[int], position: int, block_size: int) -> int:
     return table[position // block_size] * block_size + position % block_size
 
 
+@pytest.mark.unit
 def test_exit_copy_writes_only_the_exited_tokens_higher_planes(toy_model) -> None:
     config = SchedulerConfig(
         block_size=4, num_blocks=64, split_prefill=False, async_scheduling=False
@@ -61,6 +63,7 @@ def test_exit_copy_writes_only_the_exited_tokens_higher_planes(toy_model) -> Non
     assert checked >= 2, "the workload produced too few early exits to check"
 
 
+@pytest.mark.oracle
 def test_shared_layout_differs_from_last_exited_and_each_matches_its_oracle(
     toy_model, oracle
 ) -> None:

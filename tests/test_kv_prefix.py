@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from messages.prefix import AllBlocksCleared, BlockRemoved, BlockStored, PrefixEvent
 from services.scheduler.kv_manager import KVManager
 
+pytestmark = pytest.mark.unit
+
 BS, PLANES = 4, 3
 
 

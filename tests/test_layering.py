@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 LINT = Path(sys.executable).parent / "lint-imports"
 
@@ -26,7 +28,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess[str]:
 
 
 def _copy_tree(tmp_path: Path) -> Path:
-    for name in ("services", "messages", "kernels"):
+    for name in ("services", "messages", "kernels", "tests"):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path
@@ -58,6 +60,11 @@ def test_contracts_hold_on_the_tree() -> None:
             "services/admission/core.py",
             "from services.scheduler.request import Request  # noqa: F401",
             "no service imports another service's internals",
+        ),
+        (
+            "tests/test_fit.py",
+            "from tests.test_kernels import torch  # noqa: F401",
+            "no test module imports another",
         ),
         (
             "messages/api.py",

@@ -18,6 +18,8 @@ from services.worker.model.loader import CheckpointError, expected_shapes, load_
 from services.worker.model.ouro import OuroModel, dense_causal_attention
 from services.worker.model.toy import EOS_TOKEN, toy_config, write_toy_checkpoint
 
+pytestmark = pytest.mark.unit
+
 PROMPT = [5, 17, 300, 42, 99, 7, 260, 3]
 
 

@@ -31,9 +31,15 @@ from services.runtime import jetstream
 
 pytest.register_assert_rewrite("tests.conftest_nats")
 
+from tests.service_cases import (  # noqa: E402  # noqa: E402
+    PREFIX_ARGS,
+    as_request,
+    engine_config,
+    index_matches_scheduler,
+    make_cases,
+    prefix_prompt,
+)
 from tests.service_procs import health, service_procs, wait_for  # noqa: E402
-from tests.test_event_plane import ARGS, _prompt, index_matches_scheduler  # noqa: E402
-from tests.test_reliability_worker import _cases, _config, _request  # noqa: E402
 
 ENV = {
     "RLT_WORKER_HEARTBEAT_TIMEOUT_S": "1.5",
@@ -49,6 +55,7 @@ async def _connected_to(nc: nats.NATS, port: int) -> bool:
     return url is not None and url.port == port
 
 
+@pytest.mark.slow
 async def test_node_killed_mid_run_every_request_ends_once_with_oracle_tokens(
     toy_checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -56,7 +63,7 @@ async def test_node_killed_mid_run_every_request_ends_once_with_oracle_tokens(
 
     with (
         NatsCluster(3) as cluster,
-        service_procs(cluster.url, toy_checkpoint, tmp_path, ARGS, ENV) as procs,
+        service_procs(cluster.url, toy_checkpoint, tmp_path, PREFIX_ARGS, ENV) as procs,
     ):
         await procs.start_all()
         nc = await nats.connect(cluster.url.split(","), reconnect_time_wait=0.2)
@@ -65,8 +72,10 @@ async def test_node_killed_mid_run_every_request_ends_once_with_oracle_tokens(
             assert info.config.num_replicas == 3  # one per node
             # kill the node the most services are on: the worst case for the pipeline
             victim = _busiest_node(cluster)
-            cases = _cases(21, 6, max_tokens=400)
-            requests = [_request(f"node-{i}", _prompt(40 + i), p) for i, (_, p) in enumerate(cases)]
+            cases = make_cases(21, 6, max_tokens=400)
+            requests = [
+                as_request(f"node-{i}", prefix_prompt(40 + i), p) for i, (_, p) in enumerate(cases)
+            ]
             seen: dict[int, list[int]] = {i: [] for i in range(len(requests))}
             terminals: dict[int, int] = {i: 0 for i in range(len(requests))}
 
@@ -107,7 +116,7 @@ async def test_node_killed_mid_run_every_request_ends_once_with_oracle_tokens(
         finally:
             await nc.close()
         assert all(p.alive() for p in procs.procs.values())
-    expected = LLMEngine.from_checkpoint(toy_checkpoint, _config()).generate(
+    expected = LLMEngine.from_checkpoint(toy_checkpoint, engine_config()).generate(
         [r.prompt_token_ids for r in requests], [p for _, p in cases]
     )
     for i, (got, want) in enumerate(zip(results, expected, strict=True)):
@@ -149,6 +158,7 @@ def _established(port: int) -> int:
     return total
 
 
+@pytest.mark.services
 def test_rlt_up_nats_cluster_3(tmp_path: Path, toy_checkpoint: Path) -> None:
     """``rlt up --nats-cluster 3``: three routed nodes (the routes authenticate), the event
     stream R3, ``rlt generate`` with every URL, then Ctrl-C stops the services and all three

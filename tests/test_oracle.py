@@ -102,6 +102,7 @@ def _run_policy(gate_logit: float, *, min_loops: int, max_loops: int, threshold:
     raise AssertionError("policy never exited")
 
 
+@pytest.mark.unit
 def test_policy_cdf_is_float32_recurrence() -> None:
     tracker = ExitTracker(min_loops=99, max_loops=99, threshold=1.0)
     lam = np.float32(torch.sigmoid(torch.tensor(_logit(0.4), dtype=torch.float32)).item())
@@ -114,6 +115,7 @@ def test_policy_cdf_is_float32_recurrence() -> None:
         assert tracker.cdf.item() == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.unit
 def test_policy_exit_rules() -> None:
     h = _logit(0.4)
     assert _run_policy(h, min_loops=1, max_loops=4, threshold=0.6) == 2  # cdf 0.64 >= 0.6
@@ -122,6 +124,7 @@ def test_policy_exit_rules() -> None:
     assert _run_policy(h, min_loops=1, max_loops=4, threshold=0.3) == 1
 
 
+@pytest.mark.unit
 def test_policy_threshold_one_is_fixed_depth() -> None:
     # sigmoid(100) rounds to exactly 1.0 in float32, so cdf == 1.0 == threshold after loop 1;
     # threshold 1.0 still means "no early exit".
@@ -132,6 +135,7 @@ def test_policy_threshold_one_is_fixed_depth() -> None:
     assert tracker.margin == math.inf  # the threshold test is never evaluated
 
 
+@pytest.mark.unit
 def test_policy_margin() -> None:
     tracker = ExitTracker(min_loops=2, max_loops=4, threshold=0.7)
     tracker.observe(_logit(0.4))  # r=1 < min_loops: not evaluated
@@ -183,6 +187,7 @@ def _functional_reference_logits(ckpt: Path, tokens: list[int]) -> torch.Tensor:
     return h @ w["lm_head.weight"].T
 
 
+@pytest.mark.oracle
 def test_prompt_logits_match_functional_reference(oracle: SerialOracle, ckpt: Path) -> None:
     got = oracle.prompt_logits(PROMPT)
     assert got.shape == (len(PROMPT), VOCAB) and got.dtype == torch.float32
@@ -193,6 +198,7 @@ def test_prompt_logits_match_functional_reference(oracle: SerialOracle, ckpt: Pa
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.oracle
 def test_first_token_comes_from_last_prompt_logits(oracle: SerialOracle) -> None:
     seen: list[torch.Tensor] = []
 
@@ -207,6 +213,7 @@ def test_first_token_comes_from_last_prompt_logits(oracle: SerialOracle) -> None
     assert res.token_ids == [int(torch.argmax(seen[0]))]
 
 
+@pytest.mark.oracle
 def test_last_exited_is_independent_of_prefill_chunking(oracle: SerialOracle) -> None:
     base = oracle.generate(PROMPT, max_tokens=6, exit_threshold=0.5, min_loops=1)
     whole = oracle.prompt_logits(PROMPT)
@@ -220,6 +227,7 @@ def test_last_exited_is_independent_of_prefill_chunking(oracle: SerialOracle) ->
         assert res.token_ids == base.token_ids and res.exit_depths == base.exit_depths
 
 
+@pytest.mark.oracle
 def test_full_depth_decode_equals_dense_recompute(oracle: SerialOracle) -> None:
     # With threshold 1.0 every token runs all D loops, so in LAST_EXITED the decode-time KV at
     # plane d holds exactly the depth-d KV a dense pass over prompt+generated would compute.
@@ -242,6 +250,7 @@ def _early_exit_run(oracle: SerialOracle, layout: str, **kw: object) -> OracleRe
     )
 
 
+@pytest.mark.oracle
 def test_early_exits_happen(oracle: SerialOracle) -> None:
     res = _early_exit_run(oracle, "last_exited")
     # The fixture must exercise early exit, else the layout tests below prove nothing.
@@ -249,6 +258,7 @@ def test_early_exits_happen(oracle: SerialOracle) -> None:
     assert len(set(res.exit_depths[1:])) > 1
 
 
+@pytest.mark.oracle
 def test_layouts_differ_with_early_exit(oracle: SerialOracle) -> None:
     a = _early_exit_run(oracle, "last_exited")
     b = _early_exit_run(oracle, "shared")
@@ -261,6 +271,7 @@ def test_layouts_differ_with_early_exit(oracle: SerialOracle) -> None:
     )
 
 
+@pytest.mark.oracle
 def test_layouts_differ_even_at_fixed_depth(oracle: SerialOracle) -> None:
     # Without early exit the layouts still differ: LAST_EXITED decode at depth d < D-1 reads
     # every history position's depth-d KV, while SHARED reads their final-depth version.
@@ -273,6 +284,7 @@ def test_layouts_differ_even_at_fixed_depth(oracle: SerialOracle) -> None:
     assert a.token_ids != b.token_ids
 
 
+@pytest.mark.oracle
 def test_shared_layout_depends_on_prefill_chunking(oracle: SerialOracle) -> None:
     # In SHARED a later chunk attends to earlier chunks' final-depth KV at every loop, which
     # a single chunk never does, so the last prompt position's logits change.
@@ -286,6 +298,7 @@ def test_shared_layout_depends_on_prefill_chunking(oracle: SerialOracle) -> None
 # ---- stops and replay ------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_eos_stop_ignore_eos_and_length(ckpt: Path, tmp_path: Path) -> None:
     ref = SerialOracle(ckpt).generate(PROMPT, max_tokens=5, ignore_eos=True)
     assert ref.finish_reason == "length" and len(ref.token_ids) == 5
@@ -312,6 +325,7 @@ def test_eos_stop_ignore_eos_and_length(ckpt: Path, tmp_path: Path) -> None:
     assert by_stop.finish_reason == "stop" and by_stop.token_ids == stopped.token_ids
 
 
+@pytest.mark.oracle
 def test_forced_exit_depths_replay(oracle: SerialOracle) -> None:
     for layout in ("last_exited", "shared"):
         run = _early_exit_run(oracle, layout)
@@ -326,6 +340,7 @@ def test_forced_exit_depths_replay(oracle: SerialOracle) -> None:
     assert res.exit_depths == forced
 
 
+@pytest.mark.unit
 def test_sharded_tied_checkpoint(ckpt: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -357,6 +372,7 @@ def test_sharded_tied_checkpoint(ckpt: Path, tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.oracle
 def test_rejects_bad_input(oracle: SerialOracle) -> None:
     with pytest.raises(ValueError):
         oracle.generate([], max_tokens=1)

@@ -25,6 +25,7 @@ MODES = {
 }
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_prefix_reuse_equals_cold_generation(toy_model, oracle, mode, async_scheduling):
@@ -55,6 +56,7 @@ def test_prefix_reuse_equals_cold_generation(toy_model, oracle, mode, async_sche
         assert_matches_oracle(record.finished[a.request_id], expected, f"{mode} {a}")
 
 
+@pytest.mark.unit
 def test_lookup_never_covers_the_last_prompt_token(toy_model) -> None:
     config = SchedulerConfig(block_size=4, num_blocks=128, enable_prefix_caching=True)
     prompt = BASE[:8]  # exactly two full blocks
@@ -65,6 +67,7 @@ def test_lookup_never_covers_the_last_prompt_token(toy_model) -> None:
     assert record.finished["b"].token_ids == record.finished["a"].token_ids
 
 
+@pytest.mark.unit
 def test_a_partial_last_block_is_never_published(toy_model) -> None:
     config = SchedulerConfig(block_size=4, num_blocks=128, enable_prefix_caching=True)
     engine = LLMEngine(toy_model, config)
@@ -80,6 +83,7 @@ def test_a_partial_last_block_is_never_published(toy_model) -> None:
     assert set(stored) == engine.scheduler.kv.cached_block_hashes()
 
 
+@pytest.mark.unit
 def test_blocks_are_readable_only_in_batches_after_the_one_that_wrote_them(toy_model):
     """Async WCPB: a later request sharing the prefix claims blocks while the writer is
     still in flight; every claimed block was written by an earlier batch."""
@@ -115,6 +119,7 @@ def test_blocks_are_readable_only_in_batches_after_the_one_that_wrote_them(toy_m
     assert checked, "no reader ever hit the cache"
 
 
+@pytest.mark.oracle
 def test_eviction_under_pressure_degrades_hits_never_outputs(toy_model, oracle) -> None:
     # room for about two requests: cached blocks of finished requests get evicted (LRU)
     config = SchedulerConfig(block_size=4, num_blocks=40, enable_prefix_caching=True)
@@ -140,6 +145,7 @@ def test_eviction_under_pressure_degrades_hits_never_outputs(toy_model, oracle) 
         assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["split", "wcpb"])
 def test_sync_and_async_publish_the_same_blocks_in_the_same_order(toy_model, mode) -> None:
     def published(async_scheduling: bool) -> list[tuple[type, tuple[int, ...]]]:
@@ -167,6 +173,7 @@ def test_sync_and_async_publish_the_same_blocks_in_the_same_order(toy_model, mod
     assert sync and sync == asynchronous
 
 
+@pytest.mark.unit
 def test_prefix_index_agrees_with_the_kv_manager_after_every_step(toy_model) -> None:
     """Envelopes drained after each engine step, applied to the real prefix-cache index,
     reproduce exactly the scheduler's cached blocks, through publication and eviction."""

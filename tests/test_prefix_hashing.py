@@ -22,6 +22,8 @@ from messages.prefix import (
     prompt_block_hashes,
 )
 
+pytestmark = pytest.mark.unit
+
 BS = 16
 TOKENS = [(i * 7919 + 13) % 151_000 for i in range(5 * BS + 3)]
 

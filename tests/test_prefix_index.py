@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,8 @@ from messages.prefix import (
 from services.prefix_cache import PrefixIndex
 from services.scheduler.prefix_events import PrefixEventLog, new_epoch
 from services.scheduler.prefix_publisher import PendingEnvelopes, message_id, split_envelope
+
+pytestmark = pytest.mark.unit
 
 
 def _stored(*hashes: int) -> BlockStored:

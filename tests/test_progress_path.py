@@ -14,6 +14,8 @@ from services.common.config import ModelLimits, SchedulerConfig
 from services.scheduler.batch import ScheduledBatch, ScheduledTask
 from services.scheduler.scheduler import Scheduler, SchedulerInvariantError, _Selection
 
+pytestmark = pytest.mark.unit
+
 D = 4
 LIMITS = ModelLimits(
     total_ut_steps=D, vocab_size=100, max_position_embeddings=4096, eos_token_ids=(0,)

@@ -23,6 +23,13 @@ from services.launcher import NatsServer, free_port
 pytest.register_assert_rewrite("tests.conftest_nats")
 
 from tests.conftest_nats import check_stream  # noqa: E402
+from tests.service_cases import (  # noqa: E402
+    ENGINE_ARGS,
+    as_request,
+    check_against_engine,
+    kv_reclaimed,
+    make_cases,
+)
 from tests.service_procs import (  # noqa: E402
     StreamCollector,
     client,
@@ -30,13 +37,8 @@ from tests.service_procs import (  # noqa: E402
     service_procs,
     wait_for,
 )
-from tests.test_reliability_worker import (  # noqa: E402
-    ENGINE_ARGS,
-    _cases,
-    _check_against_engine,
-    _reclaimed,
-    _request,
-)
+
+pytestmark = pytest.mark.services
 
 ENV = {
     "RLT_WORKER_HEARTBEAT_TIMEOUT_S": "1.5",
@@ -55,10 +57,10 @@ async def test_nats_restart_mid_run_every_request_ends_once(
         with service_procs(server.url, toy_checkpoint, tmp_path, ENGINE_ARGS, ENV) as procs:
             await procs.start_all()
             async with client(server.url) as nc:
-                cases = _cases(3, 8, max_tokens=150)
+                cases = make_cases(3, 8, max_tokens=150)
                 col = await StreamCollector(nc).start()
                 for i, (ids, p) in enumerate(cases):
-                    await col.send(i, _request(f"bus-{i}", ids, p))
+                    await col.send(i, as_request(f"bus-{i}", ids, p))
                 idx = list(range(len(cases)))
                 await wait_for(lambda: all(len(col.tokens(i)) >= 3 for i in idx), 60, "tokens")
                 server.proc.kill()  # type: ignore[union-attr]  # crash, not a clean stop
@@ -81,10 +83,10 @@ async def test_nats_restart_mid_run_every_request_ends_once(
                     streamed = [e.index for e in col.events[i] if isinstance(e, TokenEvent)]
                     assert streamed == sorted(set(streamed))
                     gaps += len(terminals[0].token_ids) - len(streamed)
-                await wait_for(lambda: _reclaimed(nc), 10, "KV reclaimed")
+                await wait_for(lambda: kv_reclaimed(nc), 10, "KV reclaimed")
                 assert all(p.alive() for p in procs.procs.values())
         # same outputs as an uninterrupted run (the finished events' token lists)
-        _check_against_engine(col, cases, toy_checkpoint, whole_streams=False)
+        check_against_engine(col, cases, toy_checkpoint, whole_streams=False)
         print(
             f"\nnats restart: tokens at crash {at_crash}; done {took:.1f}s later; "
             f"{gaps} token events lost in flight"
@@ -103,11 +105,11 @@ async def test_scheduler_killed_clients_get_unavailable_and_new_epoch_serves(
     ):
         await procs.start_all()
         async with client(server.url) as nc:
-            cases = _cases(4, 6, max_tokens=300)
+            cases = make_cases(4, 6, max_tokens=300)
             col = await StreamCollector(nc).start()
             for i, (ids, p) in enumerate(cases):
                 # 16+ tokens: whole blocks get cached and published to the prefix cache
-                await col.send(i, _request(f"sched-{i}", [*range(1, 17), *ids], p))
+                await col.send(i, as_request(f"sched-{i}", [*range(1, 17), *ids], p))
             idx = list(range(len(cases)))
             await wait_for(lambda: all(len(col.tokens(i)) >= 3 for i in idx), 60, "tokens")
 
@@ -131,12 +133,12 @@ async def test_scheduler_killed_clients_get_unavailable_and_new_epoch_serves(
             await wait_for(
                 lambda: _no_blocks(nc), 10, "old epoch's blocks dropped from the prefix cache"
             )
-            cases2 = _cases(5, 3, max_tokens=12)
+            cases2 = make_cases(5, 3, max_tokens=12)
             col2 = await StreamCollector(nc).start()
             for i, (ids, p) in enumerate(cases2):
-                await col2.send(i, _request(f"after-{i}", ids, p))
+                await col2.send(i, as_request(f"after-{i}", ids, p))
             await col2.wait_done([0, 1, 2], 30)
-            _check_against_engine(col2, cases2, toy_checkpoint)
+            check_against_engine(col2, cases2, toy_checkpoint)
             for i in range(3):
                 check_stream(col2.events[i])
 

@@ -35,7 +35,7 @@ from tests.conftest_nats import Client, check_stream, services_up  # noqa: E402
 from tests.service_procs import StreamCollector, wait_for  # noqa: E402
 
 pytest_plugins = ["tests.conftest_nats"]
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
+pytestmark = [pytest.mark.services, pytest.mark.usefixtures("torch_single_thread")]
 
 # KV for four 700-token prompts at once (4 x 44 blocks x 4 planes): the max_payload test
 # needs them admitted together, which watermark admission only does when their prompts fit

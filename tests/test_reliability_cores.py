@@ -40,6 +40,7 @@ def hb(worker: str = "w1", **kw: object) -> WorkerHeartbeat:
     return WorkerHeartbeat(worker_id=worker, **kw)  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_worker_tracker_binds_one_worker_and_judges_liveness() -> None:
     t = WorkerTracker(heartbeat_timeout_s=3.0)
     assert t.choose(None, 0.0, 0.0) is None
@@ -65,6 +66,7 @@ def test_worker_tracker_binds_one_worker_and_judges_liveness() -> None:
     assert t.choose(None, 10.3, 0.0) is None
 
 
+@pytest.mark.unit
 def test_loss_detector_finds_lost_batches_and_results() -> None:
     d = LossDetector(grace_s=2.0)
     sent = {5: 100.0, 6: 100.5}
@@ -91,6 +93,7 @@ def test_loss_detector_finds_lost_batches_and_results() -> None:
     assert d2.check(hb(epoch="e", next_seq=5, busy_s=9.0), "e", [5], sent, 500.0) is None
 
 
+@pytest.mark.unit
 def test_worker_epoch_order() -> None:
     assert _is_older_epoch("s.1", "s.2")
     assert not _is_older_epoch("s.3", "s.2")
@@ -107,6 +110,7 @@ def _admitted(rid: str, ids: list[int], max_tokens: int = 10) -> AdmittedRequest
     )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_driver_worker_lost_recomputes_and_ignores_the_old_epoch(
     toy_checkpoint: Path, async_scheduling: bool
@@ -161,6 +165,7 @@ def test_driver_worker_lost_recomputes_and_ignores_the_old_epoch(
     assert sorted(n.state for _, n in driver.take_notices()) == ["done"] * 3
 
 
+@pytest.mark.unit
 def test_driver_deadlines_and_gone_clients(toy_checkpoint: Path) -> None:
     config = SchedulerConfig(block_size=4, num_blocks=64)
     driver = SchedulerDriver(config, load_model_limits(toy_checkpoint))
@@ -184,6 +189,7 @@ def test_driver_deadlines_and_gone_clients(toy_checkpoint: Path) -> None:
     assert driver.idle and driver.scheduler.kv.num_free_blocks == 64
 
 
+@pytest.mark.unit
 def test_open_requests_table() -> None:
     table = OpenRequests(scheduler_lost_s=2.0, max_request_s=100.0)
     table.opened(1, "a", "_INBOX.a", "", now=0.0)
@@ -211,6 +217,7 @@ class _Msg:
         self.headers = {HEADER_CHUNK: header} if header else None
 
 
+@pytest.mark.unit
 def test_reassembler() -> None:
     r = Reassembler(max_partial=2)
     assert r.feed(_Msg(b"whole", None)) == b"whole"  # type: ignore[arg-type]
@@ -224,6 +231,7 @@ def test_reassembler() -> None:
     assert len(r._partial) == 2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("tenant", "reply", "ok"),
     [
@@ -249,6 +257,7 @@ def test_reply_subject_check(tenant: str, reply: str, ok: bool) -> None:
     assert (AdmissionCore.check_reply_subject(reply, tenant) is None) == ok
 
 
+@pytest.mark.services
 @pytest.mark.usefixtures("torch_single_thread")
 async def test_hung_batch_hits_the_deadline_and_the_worker_is_used_again(
     nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path

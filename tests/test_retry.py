@@ -29,6 +29,7 @@ pytest_plugins = ["tests.conftest_nats"]
 CONFIG = SchedulerConfig(block_size=4, num_blocks=512)
 
 
+@pytest.mark.services
 async def test_retry_after_finish_gets_the_same_event_and_no_rerun(
     nats_server, toy_checkpoint: Path, run_dir: Path
 ) -> None:
@@ -51,6 +52,7 @@ async def test_retry_after_finish_gets_the_same_event_and_no_rerun(
         assert isinstance(other[-1], ErrorEvent) and "already finished" in other[-1].message
 
 
+@pytest.mark.services
 async def test_retry_while_live_reattaches_without_a_second_generation(
     nats_server, toy_checkpoint: Path, run_dir: Path
 ) -> None:
@@ -74,6 +76,7 @@ async def test_retry_while_live_reattaches_without_a_second_generation(
         assert services["admission"].num_retries == 1  # type: ignore[attr-defined]
 
 
+@pytest.mark.services
 async def test_client_retries_until_admission_is_up(
     nats_server, toy_checkpoint: Path, run_dir: Path
 ) -> None:
@@ -103,6 +106,7 @@ async def _until_terminal(sub) -> list:  # type: ignore[no-untyped-def]
 
 
 # ------------------------------------------------------------------ pure pieces
+@pytest.mark.unit
 def test_call_state_retries_on_unavailable_with_backoff_and_passes_each_token_once() -> None:
     call = CallState(RetryPolicy(max_attempts=3, idle_s=10, backoff_s=0.5), now=0.0)
     assert call.due(0.0)
@@ -119,6 +123,7 @@ def test_call_state_retries_on_unavailable_with_backoff_and_passes_each_token_on
     assert call.unavailable(3.0) and call.done  # attempts used up: the final answer
 
 
+@pytest.mark.unit
 def test_finished_record_and_retry_classification() -> None:
     record = FinishedRecord(keep_s=10, max_bytes=10)
     table = OpenRequests(scheduler_lost_s=5)

@@ -3,6 +3,7 @@ driven with the same sampler."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from messages.api import FinishedEvent
@@ -27,6 +28,7 @@ def sampled(toy_model, params: SamplingParams, neighbours: int = 0, **config) ->
     return next(e for e in events if isinstance(e, FinishedEvent) and e.request_id == "target")
 
 
+@pytest.mark.unit
 def test_seeded_tokens_do_not_depend_on_the_rest_of_the_batch(toy_model) -> None:
     params = SamplingParams(
         max_tokens=10,
@@ -58,6 +60,7 @@ def _fields(params: SamplingParams) -> dict:
     return {f: getattr(params, f) for f in params.__struct_fields__}
 
 
+@pytest.mark.oracle
 def test_sampled_engine_equals_the_oracle_with_the_same_sampler(toy_model, oracle) -> None:
     params = SamplingParams(
         max_tokens=12,
@@ -84,6 +87,7 @@ def test_sampled_engine_equals_the_oracle_with_the_same_sampler(toy_model, oracl
     assert got.exit_depths == expected.exit_depths
 
 
+@pytest.mark.unit
 def test_filters_that_leave_one_token_are_greedy() -> None:
     logits = torch.randn(512, generator=torch.Generator().manual_seed(0))
     best = int(torch.argmax(logits))
@@ -98,6 +102,7 @@ def test_filters_that_leave_one_token_are_greedy() -> None:
         )
 
 
+@pytest.mark.unit
 def test_top_k_never_samples_outside_the_k_best() -> None:
     logits = torch.randn(64, generator=torch.Generator().manual_seed(1))
     allowed = set(torch.topk(logits, 5).indices.tolist())
@@ -108,6 +113,7 @@ def test_top_k_never_samples_outside_the_k_best() -> None:
     assert draws <= allowed and len(draws) > 1
 
 
+@pytest.mark.unit
 def test_greedy_and_sampled_rows_in_one_batch_each_get_their_own_token(toy_model) -> None:
     # The worker takes one batched argmax for greedy rows and the host sampler for the
     # others; a batch that interleaves both must hand every row its own token.

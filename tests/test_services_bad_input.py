@@ -59,6 +59,7 @@ BAD_GENERATE: list[tuple[bytes, str, str]] = [
 ]
 
 
+@pytest.mark.services
 async def test_bad_requests_get_one_error_each_while_good_client_is_served(
     nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path
 ) -> None:
@@ -112,6 +113,7 @@ async def test_bad_requests_get_one_error_each_while_good_client_is_served(
     assert terminal.token_ids == expected[0].token_ids
 
 
+@pytest.mark.services
 async def test_overload_is_refused_with_overloaded(
     nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path
 ) -> None:
@@ -140,6 +142,7 @@ async def test_overload_is_refused_with_overloaded(
 
 
 # ---------------------------------------------------------------------- pure cores
+@pytest.mark.unit
 def test_admission_backpressure_counts_unacknowledged_sends(toy_checkpoint: Path) -> None:
     core = AdmissionCore(
         load_model_limits(toy_checkpoint),
@@ -187,6 +190,7 @@ def _admitted(rid: str, ids: list[int], max_tokens: int) -> AdmittedRequest:
     )
 
 
+@pytest.mark.unit
 def test_scheduler_error_for_one_request_spares_the_others(toy_checkpoint: Path) -> None:
     # atomic prefill, sync: the bad request's rows are in batches of their own
     config = SchedulerConfig(
@@ -230,6 +234,7 @@ def test_scheduler_error_for_one_request_spares_the_others(toy_checkpoint: Path)
     assert driver.scheduler.kv.num_free_blocks == config.num_blocks
 
 
+@pytest.mark.unit
 def test_results_apply_strictly_in_seq_order(toy_checkpoint: Path) -> None:
     config = SchedulerConfig(
         block_size=16,
@@ -258,6 +263,7 @@ def test_results_apply_strictly_in_seq_order(toy_checkpoint: Path) -> None:
     assert isinstance(finished, FinishedEvent) and len(finished.token_ids) == 4
 
 
+@pytest.mark.services
 async def test_nothing_running_is_reported_not_hung(nats_server: NatsServer) -> None:
     async with Client.connect(nats_server.url) as client:
         stream = await client.open(subjects.GENERATE, {"prompt": "hi"})

@@ -39,7 +39,7 @@ from tests.conftest_nats import Client, check_stream, services_up  # noqa: E402
 
 # the shared nats-server / checkpoint fixtures (tests/conftest.py belongs to the lead)
 pytest_plugins = ["tests.conftest_nats"]
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
+pytestmark = [pytest.mark.services, pytest.mark.usefixtures("torch_single_thread")]
 
 MAX_TOKENS = 6
 CONFIGS = {

@@ -28,6 +28,12 @@ from services.runtime.bus import encode_msgpack
 pytest.register_assert_rewrite("tests.conftest_nats")
 
 from tests.conftest_nats import check_stream  # noqa: E402
+from tests.service_cases import (  # noqa: E402
+    ENGINE_ARGS,
+    as_request,
+    check_against_engine,
+    make_cases,
+)
 from tests.service_procs import (  # noqa: E402
     ServiceProcs,
     StreamCollector,
@@ -36,12 +42,8 @@ from tests.service_procs import (  # noqa: E402
     service_procs,
     wait_for,
 )
-from tests.test_reliability_worker import (  # noqa: E402
-    ENGINE_ARGS,
-    _cases,
-    _check_against_engine,
-    _request,
-)
+
+pytestmark = pytest.mark.services
 
 ARGS = [*ENGINE_ARGS, "--enable-prefix-caching"]
 ENV = {
@@ -75,12 +77,12 @@ async def test_three_shards_equal_the_oracle_and_shared_prefixes_find_their_shar
     ):
         async with client(server.url) as nc:
             await _up(procs, nc, 3)
-            cases = _cases(11, 9, max_tokens=24)
+            cases = make_cases(11, 9, max_tokens=24)
             col = await StreamCollector(nc).start()
             for i, (ids, p) in enumerate(cases):
-                await col.send(i, _request(f"mix-{i}", ids, p))
+                await col.send(i, as_request(f"mix-{i}", ids, p))
             await col.wait_done(list(range(len(cases))), 90)
-            _check_against_engine(col, cases, toy_checkpoint, oracle)
+            check_against_engine(col, cases, toy_checkpoint, oracle)
             used = {col.terminals(i)[0].shard for i in range(len(cases))}  # type: ignore[union-attr]
             assert len(used) >= 2, used
 
@@ -88,20 +90,20 @@ async def test_three_shards_equal_the_oracle_and_shared_prefixes_find_their_shar
             prefix = list(range(100, 132))
             shared = [([*prefix, 7 + j, 9, 11 + j], p) for j, (_, p) in enumerate(cases[:5])]
             col2 = await StreamCollector(nc).start()
-            await col2.send(0, _request("prefix-0", *shared[0]))
+            await col2.send(0, as_request("prefix-0", *shared[0]))
             await col2.wait_done([0], 60)
             first = check_stream(col2.events[0])
             assert isinstance(first, FinishedEvent)
             for j in range(1, len(shared)):
                 # equal loads (the router weighs load too): then the holder must win
                 await wait_for(lambda: _idle(nc), 10, "the shards' reports show them idle")
-                await col2.send(j, _request(f"prefix-{j}", *shared[j]))
+                await col2.send(j, as_request(f"prefix-{j}", *shared[j]))
                 await col2.wait_done([j], 60)
                 got = check_stream(col2.events[j])
                 assert isinstance(got, FinishedEvent)
                 assert got.shard == first.shard, (j, got.shard, first.shard)
                 assert got.num_cached_tokens >= 16, got.num_cached_tokens
-            _check_against_engine(col2, shared, toy_checkpoint)
+            check_against_engine(col2, shared, toy_checkpoint)
             # the index has the prefix for exactly that shard's producer
             index = (await health(nc, "prefix-cache"))["cached_blocks"]
             assert f"scheduler-{first.shard}" in index
@@ -119,11 +121,11 @@ async def _kill_mid_run(
     tag: str,
     toy_checkpoint: Path,  # type: ignore[no-untyped-def]
 ) -> None:
-    cases = _cases(3, 8, max_tokens=150)
+    cases = make_cases(3, 8, max_tokens=150)
     col = await StreamCollector(nc).start()
     for i, (ids, p) in enumerate(cases):
         # 16+ tokens: whole blocks get cached and published to the prefix index
-        await col.send(i, _request(f"{tag}-{i}", [*range(1, 17), *ids], p))
+        await col.send(i, as_request(f"{tag}-{i}", [*range(1, 17), *ids], p))
     idx = list(range(len(cases)))
     await wait_for(lambda: all(len(col.tokens(i)) >= 3 for i in idx), 60, "tokens")
     before = (await health(nc, "admission"))["moved"]
@@ -133,7 +135,7 @@ async def _kill_mid_run(
     for i in idx:
         check_stream(col.events[i])  # indices 0..n-1 once each, then exactly one terminal
     cases_with_prefix = [([*range(1, 17), *ids], p) for ids, p in cases]
-    _check_against_engine(col, cases_with_prefix, toy_checkpoint)
+    check_against_engine(col, cases_with_prefix, toy_checkpoint)
     moved = (await health(nc, "admission"))["moved"] - before
     assert moved > 0, "no request was on the killed shard"
     assert all(col.terminals(i)[0].shard == "1" for i in idx)  # type: ignore[union-attr]
@@ -182,10 +184,10 @@ async def test_shard_scheduler_killed_its_requests_resume_on_another_shard(
 
 async def _serves_both(nc, tag: str = "after") -> None:  # type: ignore[no-untyped-def]
     """Requests complete, and the router uses both shards again."""
-    cases = _cases(21, 6, max_tokens=6)
+    cases = make_cases(21, 6, max_tokens=6)
     col = await StreamCollector(nc).start()
     for i, (ids, p) in enumerate(cases):
-        await col.send(i, _request(f"{tag}-{i}", ids, p))
+        await col.send(i, as_request(f"{tag}-{i}", ids, p))
     await col.wait_done(list(range(len(cases))), 60)
     shards = set()
     for i in range(len(cases)):

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from scripts.soak import ENGINE_ARGS, run_adversary_soak, run_soak
 from services.launcher import NatsServer, free_port
 from tests.service_procs import service_procs
+
+pytestmark = pytest.mark.slow
 
 SOAK_SECONDS = 30.0
 # generous: a leak shows as steady growth over a long run (scripts/soak.py); this catches gross ones

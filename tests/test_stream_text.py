@@ -4,6 +4,7 @@ same ids give the same text whatever the batching."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +14,8 @@ from services.common.config import SchedulerConfig
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.scheduler.output import OutputProcessor
+
+pytestmark = pytest.mark.unit
 
 
 def _codec(checkpoint) -> TextCodec:  # type: ignore[no-untyped-def]

@@ -22,6 +22,8 @@ from services.common.detokenizer import IncrementalDetokenizer
 from services.common.tokenizer import TextCodec
 from services.worker.model.toy import CHAT_TEMPLATE, train_toy_tokenizer
 
+pytestmark = pytest.mark.unit
+
 needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
 )

@@ -6,36 +6,20 @@ from __future__ import annotations
 import pytest
 
 from messages.api import FinishedEvent
-from messages.batch import BatchResult, Phase, RowKind, RowResult
+from messages.batch import Phase
 from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.scheduler import Scheduler, SchedulerInvariantError
+from tests.helpers import fake_result
+
+pytestmark = pytest.mark.unit
 
 D = 4
 LIMITS = ModelLimits(
     total_ut_steps=D, vocab_size=100, max_position_embeddings=4096, eos_token_ids=(0,)
 )
 ONE_TOKEN = SamplingParams(max_tokens=1, min_loops=1, max_loops=1, temperature=0.0)
-
-
-def fake_result(batch: ScheduledBatch, token: int = 7) -> BatchResult:
-    """A worker stand-in: decode rows exit after their first loop, coda rows sample `token`."""
-    rows = []
-    for i, task in enumerate(batch.tasks):
-        if task.kind == RowKind.DECODE:
-            rows.append(
-                RowResult(
-                    row_index=i,
-                    exited=True,
-                    exit_loops=task.depth + 1,
-                    token_id=token,
-                    remaining=0.5,
-                )
-            )
-        else:
-            rows.append(RowResult(row_index=i, token_id=token if task.compute_logits else -1))
-    return BatchResult(seq=batch.seq, rows=rows)
 
 
 def drive(scheduler: Scheduler, max_steps: int = 500) -> list[ScheduledBatch]:

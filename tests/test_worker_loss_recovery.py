@@ -13,6 +13,8 @@ from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.worker.runner import ModelRunner
 
+pytestmark = pytest.mark.unit
+
 PARAMS = SamplingParams(
     max_tokens=10, temperature=0.0, min_loops=1, exit_threshold=0.7, ignore_eos=True
 )
