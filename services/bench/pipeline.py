@@ -98,7 +98,8 @@ class PipelineBackend:
             nc = await nats.connect(url, connect_timeout=5, allow_reconnect=False)
             try:
                 # a fresh worker's first batches pay one-off costs: outside the timed run
-                await asyncio.wait_for(_drive(url, warmup_workload(workload)), 120)
+                warmup = warmup_workload(workload, whole=self.device.startswith("cuda"))
+                await asyncio.wait_for(_drive(url, warmup), self.run_timeout_s)
                 before = await worker_runner_stats(nc)
                 timings_before = await step_timings(nc)
                 try:

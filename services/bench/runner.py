@@ -167,7 +167,8 @@ def run_comparison(
             # first use pays one-off costs outside the timing (a sharded run starts fresh
             # processes every time: nothing to warm)
             if arm.backend not in warmed and arm.backend is not BackendKind.SHARDS:
-                bench.run(warmup_workload(workload), config, arm)
+                whole = bench.device.startswith("cuda")
+                bench.run(warmup_workload(workload, whole), config, arm)
                 warmed.add(arm.backend)
             progress.describe(
                 f"{comparison.name} r{repeat + 1}/{repeats} {workload.name}:{arm.name}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 
@@ -310,8 +310,13 @@ def kv_pressure(scale: Scale, vocab: TokenRange, concurrency: int, seed: int) ->
     )
 
 
-def warmup_workload(workload: Workload) -> Workload:
-    """Two short requests of the workload's kind, so first-use costs stay off the clock."""
+def warmup_workload(workload: Workload, whole: bool = False) -> Workload:
+    """What runs untimed before a measurement, so first-use costs stay off the clock: two
+    short requests of the workload's kind, or (``whole``, on a GPU) the workload itself,
+    since a fresh CUDA process loads kernels lazily and picks GEMM algorithms per new batch
+    shape, for many batches."""
+    if whole:
+        return replace(workload, name="warmup", description="warm-up (the whole workload)")
     reqs = [RequestSpec(r.prompt_token_ids, min(r.max_tokens, 2)) for r in workload.requests[:2]]
     return Workload("warmup", "warm-up", LoopMode.CLOSED, reqs, workload.exit, concurrency=2)
 
