@@ -62,12 +62,15 @@ def make_cases(seed: int, n: int, max_tokens: int) -> list[tuple[list[int], Samp
 
 
 def as_request(rid: str, ids: list[int], p: SamplingParams) -> GenerateRequest:
+    """The NATS API request for prompt ``ids`` with the sampling ``p``."""
     return GenerateRequest(
         request_id=rid,
         prompt_token_ids=ids,
         max_tokens=p.max_tokens,
         temperature=p.temperature,
+        seed=p.seed,
         min_loops=p.min_loops,
+        max_loops=p.max_loops,
         exit_threshold=p.exit_threshold,
         ignore_eos=p.ignore_eos,
     )

@@ -36,6 +36,7 @@ from services.runtime.logging import configure_logging
 pytest.register_assert_rewrite("tests.conftest_nats")  # its helpers assert too
 
 from tests.conftest_nats import Client, check_stream, services_up  # noqa: E402
+from tests.service_cases import as_request  # noqa: E402
 
 # the shared nats-server / checkpoint fixtures (tests/conftest.py belongs to the lead)
 pytest_plugins = ["tests.conftest_nats"]
@@ -76,20 +77,6 @@ def _cases() -> list[tuple[list[int], SamplingParams]]:
     ]
 
 
-def _request(rid: str, ids: list[int], p: SamplingParams) -> GenerateRequest:
-    return GenerateRequest(
-        request_id=rid,
-        prompt_token_ids=ids,
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        seed=p.seed,
-        min_loops=p.min_loops,
-        max_loops=p.max_loops,
-        exit_threshold=p.exit_threshold,
-        ignore_eos=p.ignore_eos,
-    )
-
-
 async def _one_client(url: str, req: GenerateRequest) -> list:
     # one NATS connection per client: they really are concurrent clients
     async with Client.connect(url) as client:
@@ -111,7 +98,7 @@ async def test_pipeline_matches_engine_and_oracle(
     text = "The quick brown fox jumps over the lazy dog."
 
     async with services_up(nats_server.url, toy_checkpoint, config) as services:
-        requests = [_request(f"{name}-{i}", ids, p) for i, (ids, p) in enumerate(cases)]
+        requests = [as_request(f"{name}-{i}", ids, p) for i, (ids, p) in enumerate(cases)]
         text_req = GenerateRequest(
             request_id=f"{name}-text",
             prompt=text,
@@ -184,8 +171,8 @@ async def test_prefix_hits_over_nats_equal_the_oracle(
     params = SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.0, min_loops=1, exit_threshold=0.7, ignore_eos=True
     )
-    first = [_request(f"w1-{i}", b, params) for i, b in enumerate(bases)]
-    second = [_request(f"w2-{i}", [*b, 7, 8, 9], params) for i, b in enumerate(bases)]
+    first = [as_request(f"w1-{i}", b, params) for i, b in enumerate(bases)]
+    second = [as_request(f"w2-{i}", [*b, 7, 8, 9], params) for i, b in enumerate(bases)]
     async with services_up(nats_server.url, toy_checkpoint, config):
         waves = []
         for wave in (first, second):
