@@ -150,9 +150,12 @@ async def test_limits_prompt_length_max_payload_and_reply_subjects(
     conf = tmp_path / "small.conf"
     conf.write_text("max_payload: 8192\n")  # tiny, so the limits are reachable on the toy
     admission = AdmissionConfig(max_prompt_tokens=1000)
+    # atomic prefill with a budget that takes every waiting prompt: whatever the arrival
+    # order, at least four 700-token prompts share a batch, well over max_payload
+    config = dataclasses.replace(CONFIG, split_prefill=False, max_num_batched_tokens=8192)
     with NatsServer(port=free_port(), config_file=conf) as server:
         async with (
-            services_up(server.url, toy_checkpoint, CONFIG, admission) as services,
+            services_up(server.url, toy_checkpoint, config, admission) as services,
             Client.connect(server.url) as client,
         ):
             assert client.nc.max_payload == 8192
@@ -175,8 +178,8 @@ async def test_limits_prompt_length_max_payload_and_reply_subjects(
             with pytest.raises(nats.errors.MaxPayloadError):
                 await client.nc.publish(subjects.GENERATE, b"x" * 9000, reply="_INBOX.big")
 
-            # batches over max_payload travel in parts: 4 new 700-token prompts at once
-            prompts = [[(7 * i + j) % 500 + 1 for j in range(700)] for i in range(4)]
+            # batches over max_payload travel in parts: 5 new 700-token prompts at once
+            prompts = [[(7 * i + j) % 500 + 1 for j in range(700)] for i in range(5)]
             col = await StreamCollector(client.nc).start()
             for i, ids in enumerate(prompts):
                 await col.send(
@@ -188,8 +191,8 @@ async def test_limits_prompt_length_max_payload_and_reply_subjects(
                         "ignore_eos": True,
                     },
                 )
-            await col.wait_done(range(4), 60)  # type: ignore[arg-type]
-            expected = LLMEngine.from_checkpoint(toy_checkpoint, CONFIG).generate(
+            await col.wait_done(range(5), 60)  # type: ignore[arg-type]
+            expected = LLMEngine.from_checkpoint(toy_checkpoint, config).generate(
                 prompts,
                 GenerateRequest(max_tokens=4, temperature=0.0, ignore_eos=True).sampling_params(),
             )
