@@ -44,6 +44,21 @@ class RunnerStats:
     def snapshot(self) -> dict[str, float]:
         return dict(self.__dict__)
 
+    def record_batch(self, batch: Batch, seconds: float) -> None:
+        """One executed batch that took ``seconds``."""
+        self.execute_s += seconds
+        self.batches += 1
+        if batch.phase is Phase.RECURRENT and any(
+            r.kind is RowKind.DECODE or r.kind is RowKind.FOLLOW_ON for r in batch.rows
+        ):
+            self.decode_batches += 1
+
+
+def batch_result(batch: Batch, ran: dict[int, RowResult]) -> BatchResult:
+    """The result of ``batch`` from the rows that ran; the others are marked skipped."""
+    rows = [ran.get(i) or RowResult(row_index=i, skipped=True) for i in range(len(batch.rows))]
+    return BatchResult(seq=batch.seq, rows=rows)
+
 
 @dataclass
 class _WorkerRequest:
@@ -141,13 +156,7 @@ class ModelRunner:
         try:
             return self._execute(batch)
         finally:
-            stats = self.stats
-            stats.execute_s += time.perf_counter() - t0
-            stats.batches += 1
-            if batch.phase is Phase.RECURRENT and any(
-                r.kind is RowKind.DECODE or r.kind is RowKind.FOLLOW_ON for r in batch.rows
-            ):
-                stats.decode_batches += 1
+            self.stats.record_batch(batch, time.perf_counter() - t0)
 
     @torch.inference_mode()
     def _execute(self, batch: Batch) -> BatchResult:
@@ -176,13 +185,7 @@ class ModelRunner:
                 if (req := self.requests.get(row.request_id)) is not None:
                     req.next_decode = None
             raise
-        ran = {state.index: state.result for state in states}
-        return BatchResult(
-            seq=batch.seq,
-            rows=[
-                ran.get(i) or RowResult(row_index=i, skipped=True) for i in range(len(batch.rows))
-            ],
-        )
+        return batch_result(batch, {state.index: state.result for state in states})
 
     def _resolve_follow_on(self, row: BatchRow) -> BatchRow | None:
         """The row a follow-on stands for; None (skipped) if its predecessor did not run."""

@@ -35,7 +35,7 @@ import msgspec
 
 from messages.batch import Batch, BatchResult, BatchRow, Phase, RowKind, RowResult, WorkerSampling
 from services.common.model_config import OuroConfig
-from services.worker.runner import RunnerStats
+from services.worker.runner import RunnerStats, batch_result
 
 # NVIDIA H200 SXM: 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16 (published datasheet figures)
 H200_HBM_BYTES_PER_S = 4.8e12
@@ -177,20 +177,8 @@ class SimRunner:
         wait = seconds * self.cost.dilation
         if self.sleep and wait > 0:
             time.sleep(max(0.0, wait - (time.perf_counter() - t0)))
-        ran = {r.index: r.result for r in rows}
-        stats = self.stats
-        stats.batches += 1
-        if batch.phase is Phase.RECURRENT and any(
-            r.kind is RowKind.DECODE or r.kind is RowKind.FOLLOW_ON for r in batch.rows
-        ):
-            stats.decode_batches += 1
-        stats.execute_s += time.perf_counter() - t0
-        return BatchResult(
-            seq=batch.seq,
-            rows=[
-                ran.get(i) or RowResult(row_index=i, skipped=True) for i in range(len(batch.rows))
-            ],
-        )
+        self.stats.record_batch(batch, time.perf_counter() - t0)
+        return batch_result(batch, {r.index: r.result for r in rows})
 
     def _apply_deltas(self, batch: Batch) -> None:
         for request_id in batch.finished_request_ids:
