@@ -1,7 +1,7 @@
 """Benchmark: the OpenAI-compatible HTTP gateway against the NATS API it fronts.
 
-Starts one ``rlt up`` (embedded nats-server, the four services and the gateway in one
-process), then runs the same closed-loop workload through each API in turn, alternating
+Starts one ``rlt up`` (the four services in one process; its nats-server and its gateway
+in child processes), then runs the same closed-loop workload through each API in turn, alternating
 (NATS, HTTP, NATS, HTTP, ...) so drift hits both alike: ``--concurrency`` clients, each
 sending its next request when the previous one ended, every request greedy with
 ``ignore_eos`` so each makes exactly ``--max-tokens`` tokens. Reports output tokens/s and
@@ -49,6 +49,8 @@ class Run:
     tokens: int
     ttft_s: list[float] = field(default_factory=list)
     server_cpu_s: float = 0.0  # CPU time of the `rlt up` process during the run
+    nats_cpu_s: float = 0.0  # of its nats-server child
+    gateway_cpu_s: float = 0.0  # of the gateway process, when it runs on its own
     client_cpu_s: float = 0.0  # CPU time of this benchmark client during the run
 
     @property
@@ -62,31 +64,30 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_gateway(checkpoint: Path, nats_url: str) -> tuple[subprocess.Popen[str], str]:
-    """The gateway as its own process (as compose runs it), next to `rlt up`."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "service", "gateway", "--nats-url", nats_url]
-    cmd += ["--checkpoint", str(checkpoint), "--http-port", str(port)]
-    cmd += ["--served-model-name", MODEL]
-    env = {**os.environ, "RLT_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url  # type: ignore[return-value]
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the gateway process did not become ready")
+def child_pids(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
-def start_up(checkpoint: Path, engine_args: list[str]) -> tuple[subprocess.Popen[str], str, str]:
+def child_pid(pid: int, marker: str) -> int | None:
+    """The child of ``pid`` whose command line contains ``marker``."""
+    for child in child_pids(pid):
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+        if marker in argv or Path(argv[0]).name == marker:
+            return child
+    return None
+
+
+def start_up(
+    checkpoint: Path, engine_args: list[str], secrets: Path
+) -> tuple[subprocess.Popen[str], str, str]:
+    """`rlt up` with authentication, as users run it. Returns the process, the client's NATS
+    URL and the gateway's HTTP URL."""
     nats_port, http_port = free_port(), free_port()
+    client_file = secrets / "client.url"
     cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(nats_port)]
     cmd += ["--http-port", str(http_port), "--checkpoint", str(checkpoint)]
+    cmd += ["--client-url-file", str(client_file)]
     cmd += ["--served-model-name", MODEL, *engine_args]
     env = {**os.environ, "RLT_LOG_LEVEL": "warning"}
     proc = subprocess.Popen(
@@ -96,7 +97,7 @@ def start_up(checkpoint: Path, engine_args: list[str]) -> tuple[subprocess.Popen
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     while "rlt is up" not in lines.get(timeout=120):
         pass
-    return proc, f"nats://127.0.0.1:{nats_port}", f"http://127.0.0.1:{http_port}"
+    return proc, client_file.read_text().strip(), f"http://127.0.0.1:{http_port}"
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -200,6 +201,45 @@ async def http_run(url: str, work: list[list[int]], concurrency: int, max_tokens
         return await closed_loop(one, work, concurrency, "HTTP")
 
 
+async def aiohttp_run(url: str, work: list[list[int]], concurrency: int, max_tokens: int) -> Run:
+    """The HTTP arm with aiohttp (what vLLM's and SGLang's serving benchmarks use): on a
+    machine whose cores the client shares with the server, its SSE parsing costs the
+    server less than httpx's."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=concurrency + 8)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as http:
+
+        async def one(prompt: list[int]) -> tuple[float, int]:
+            body = {
+                "model": MODEL,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            t0 = time.perf_counter()
+            ttft, tokens = 0.0, 0
+            async with http.post("/v1/completions", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(await r.read())
+                async for raw in r.content:
+                    if not raw.startswith(b"data: "):
+                        continue
+                    if ttft == 0.0:
+                        ttft = time.perf_counter() - t0
+                    if raw.startswith(b"data: [DONE]"):
+                        break
+                    if b'"usage":{' in raw:
+                        tokens = json.loads(raw[6:])["usage"]["completion_tokens"]
+            return ttft, tokens
+
+        return await closed_loop(one, work, concurrency, "HTTP")
+
+
 def _us_per_token(seconds: float, tokens: int) -> str:
     return f"{1e6 * seconds / tokens:.0f}"
 
@@ -223,10 +263,14 @@ def summary(runs: list[Run]) -> dict[str, float]:
     }
 
 
-def report(args: argparse.Namespace, runs: list[Run], command: str) -> str:
+def report(args: argparse.Namespace, runs: list[Run], command: str, load: str) -> str:
     nats_s = summary([r for r in runs if r.api == "NATS"])
     http_s = summary([r for r in runs if r.api == "HTTP"])
-    cost = 100 * (1 - http_s["tokens_per_s"] / nats_s["tokens_per_s"])
+    # each round's HTTP run against the NATS run just before it
+    costs = [
+        100 * (1 - h.tokens_per_s / n.tokens_per_s)
+        for n, h in zip(runs[::2], runs[1::2], strict=True)
+    ]
     rows = "\n".join(
         f"| {api} | {s['tokens_per_s']:.0f} | {s['ttft_mean_ms']:.1f} | {s['ttft_p50_ms']:.1f} "
         f"| {s['ttft_p99_ms']:.1f} |"
@@ -234,18 +278,21 @@ def report(args: argparse.Namespace, runs: list[Run], command: str) -> str:
     )
     per_round = "\n".join(
         f"| {i // 2 + 1} | {r.api} | {r.tokens_per_s:.0f} | {_ms(statistics.fmean(r.ttft_s))} "
-        f"| {_us_per_token(r.server_cpu_s, r.tokens)} | {_us_per_token(r.client_cpu_s, r.tokens)} |"
+        f"| {_us_per_token(r.server_cpu_s, r.tokens)} | {_us_per_token(r.gateway_cpu_s, r.tokens)} "
+        f"| {_us_per_token(r.nats_cpu_s, r.tokens)} | {_us_per_token(r.client_cpu_s, r.tokens)} |"
         for i, r in enumerate(runs)
     )
+    spread = ", ".join(f"{c:.1f}" for c in costs)
     return f"""# Gateway vs NATS API
 
 The same closed-loop workload through the OpenAI-compatible HTTP gateway (streamed
-`/v1/completions`, server-sent events) and through the NATS API it fronts, against one
-`rlt up` (all services and the gateway in one process). {args.requests} requests per run,
-{args.concurrency} concurrent clients, prompts of {args.prompt_len} token ids, greedy,
-`ignore_eos`, {args.max_tokens} output tokens each; the APIs alternate for {args.rounds}
-rounds. Tokens/s is the median over rounds; TTFT is measured by the client (first token
-event / first SSE frame) over all rounds.
+`/v1/completions`, server-sent events, client: {args.http_client}) and through the NATS API it
+fronts, against one `rlt up` (the engine's services in one process, its gateway and
+nats-server in child processes). {args.requests} requests per run, {args.concurrency}
+concurrent clients, prompts of {args.prompt_len} token ids, greedy, `ignore_eos`,
+{args.max_tokens} output tokens each; the APIs alternate for {args.rounds} rounds. Tokens/s
+is the median over rounds; TTFT is measured by the client (first token event / first SSE
+frame) over all rounds.
 
 ```
 {command}
@@ -255,37 +302,49 @@ event / first SSE frame) over all rounds.
 |---|---|---|---|---|
 {rows}
 
-HTTP hop cost in throughput: **{cost:.1f}%** (target: at most 5%).
+HTTP hop cost in throughput, each round's HTTP run against its NATS run: median
+**{statistics.median(costs):.1f}%** (rounds: {spread}); target: at most 5%.
 
-Per run:
+Per run (CPU: utime + stime per output token of the engine process, the gateway process,
+nats-server and the benchmark client):
 
-| round | API | tokens/s | TTFT mean (ms) | server CPU (µs/token) | client CPU (µs/token) |
-|---|---|---|---|---|---|
+| round | API | tokens/s | TTFT mean (ms) | engine CPU (µs/token) | gateway | nats-server | client |
+|---|---|---|---|---|---|---|---|
 {per_round}
 
 Checkpoint: random `{args.size}` Ouro-format checkpoint (`rlt toy-checkpoint --size
 {args.size}`), float32 on CPU. Machine: {platform.machine()}, {os.cpu_count()} CPUs,
-Python {platform.python_version()}; the benchmark client runs on the same machine. Measured
-on a shared, busy machine: the numbers are noisy, and the client's own HTTP parsing
-(httpx) competes with the server for the same cores.
+Python {platform.python_version()}; the benchmark client runs on the same machine and
+competes with the server for the same cores. Load average (1/5/15 min) {load}.
 """
 
 
 async def bench(
-    args: argparse.Namespace, nats_url: str, http_url: str, vocab: int, pid: int
+    args: argparse.Namespace,
+    nats_url: str,
+    http_url: str,
+    vocab: int,
+    pid: int,
 ) -> list[Run]:
     work = prompts(args.requests, args.prompt_len, vocab)
     # warm-up through both APIs (first batches, JIT-free but caches and allocator)
     await nats_run(nats_url, work[: args.concurrency], args.concurrency, 4)
-    await http_run(http_url, work[: args.concurrency], args.concurrency, 4)
+    http = aiohttp_run if args.http_client == "aiohttp" else http_run
+    await http(http_url, work[: args.concurrency], args.concurrency, 4)
     runs = []
     for _ in range(args.rounds):
-        for run in (nats_run, http_run):
+        for run in (nats_run, http):
+            nats_pid = child_pid(pid, "nats-server")
+            gateway_pid = child_pid(pid, "gateway")
             server0, client0 = cpu_seconds(pid), time.process_time()
+            nats0 = cpu_seconds(nats_pid) if nats_pid else 0.0
+            gateway0 = cpu_seconds(gateway_pid) if gateway_pid else 0.0
             r = await run(
                 nats_url if run is nats_run else http_url, work, args.concurrency, args.max_tokens
             )
             r.server_cpu_s = cpu_seconds(pid) - server0
+            r.nats_cpu_s = (cpu_seconds(nats_pid) - nats0) if nats_pid else 0.0
+            r.gateway_cpu_s = (cpu_seconds(gateway_pid) - gateway0) if gateway_pid else 0.0
             r.client_cpu_s = time.process_time() - client0
             expected = args.requests * args.max_tokens
             if r.tokens != expected:
@@ -293,7 +352,9 @@ async def bench(
             print(
                 f"{r.api}: {r.tokens_per_s:.0f} tok/s, TTFT mean "
                 f"{1e3 * statistics.fmean(r.ttft_s):.1f} ms, server CPU "
-                f"{_us_per_token(r.server_cpu_s, r.tokens)} us/token, client CPU "
+                f"{_us_per_token(r.server_cpu_s, r.tokens)} us/token, nats-server "
+                f"{_us_per_token(r.nats_cpu_s, r.tokens)}, gateway "
+                f"{_us_per_token(r.gateway_cpu_s, r.tokens)}, client CPU "
                 f"{_us_per_token(r.client_cpu_s, r.tokens)} us/token",
                 flush=True,
             )
@@ -311,10 +372,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--engine-args", default="--async-scheduling", help="extra `rlt up` flags")
     p.add_argument(
-        "--separate-gateway",
-        action="store_true",
-        help="measure a gateway in its own process (`rlt service gateway`, as compose runs "
-        "it) instead of the one inside `rlt up`",
+        "--http-client",
+        default="httpx",
+        choices=["httpx", "aiohttp"],
+        help="the HTTP arm's client: httpx (what the openai client uses) or aiohttp",
     )
     p.add_argument("--out", default=None, help="write the markdown report here")
     args = p.parse_args()
@@ -322,22 +383,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rlt-bench-gw-") as tmp:
         checkpoint = write_toy_checkpoint(Path(tmp) / "ckpt", seed=0, size=args.size)
         vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-        proc, nats_url, http_url = start_up(checkpoint, args.engine_args.split())
-        gateway = None
+        proc, nats_url, http_url = start_up(checkpoint, args.engine_args.split(), Path(tmp))
+        load0 = os.getloadavg()
         try:
-            if args.separate_gateway:
-                gateway, http_url = start_gateway(checkpoint, nats_url)
             runs = asyncio.run(bench(args, nats_url, http_url, vocab, proc.pid))
         finally:
-            if gateway is not None:
-                gateway.send_signal(signal.SIGINT)
-                gateway.wait(timeout=60)
             proc.send_signal(signal.SIGINT)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    text = report(args, runs, command)
+    load = (
+        f"{' / '.join(f'{x:.1f}' for x in load0)} at the start, "
+        + " / ".join(f"{x:.1f}" for x in os.getloadavg())
+        + " at the end"
+    )
+    text = report(args, runs, command, load)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -168,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_shard_flags(p, many=False)
     add_bus_flags(p)
     add_http_flags(p)
+    p.add_argument(
+        "--http-fd",
+        type=int,
+        default=None,
+        help="serve HTTP on this already-listening socket (how `rlt up` starts its gateway)",
+    )
     p.set_defaults(func=cmd_service)
     return parser
 

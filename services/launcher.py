@@ -27,6 +27,7 @@ from services.admission.core import AdmissionConfig
 from services.client import RetryPolicy, resolve_client_url, stream_requests
 from services.common.config import SchedulerConfig
 from services.common.flags import device_from_args, parse_prompt_ids, scheduler_config_from_args
+from services.gateway.process import GatewayProcess
 from services.runtime import subjects
 from services.runtime.bus import (
     default_client_url_file,
@@ -37,7 +38,7 @@ from services.runtime.bus import (
     write_secret,
 )
 from services.runtime.permissions import LocalAuth
-from services.runtime.service import Service, serve
+from services.runtime.service import Runnable, Service, serve
 from services.worker.model.toy import ensure_checkpoint
 
 SERVICE_ORDER = ("worker", "prefix-cache", "scheduler", "admission")  # start order
@@ -292,6 +293,7 @@ def build_service(
             host=getattr(http, "http_host", "127.0.0.1"),
             port=getattr(http, "http_port", 8000),
             served_model_name=getattr(http, "served_model_name", None),
+            listen_fd=getattr(http, "http_fd", None),
         )
     raise ValueError(f"unknown service {name!r}; choose one of {subjects.SERVICE_NAMES}")
 
@@ -433,7 +435,7 @@ def main_up(args: argparse.Namespace) -> int:
     try:
         device, dtype = device_from_args(args)
         shards = getattr(args, "shards", 1)
-        services = build_services(
+        services: list[Runnable] = build_services(  # type: ignore[assignment]
             server.url,
             checkpoint,
             config,
@@ -444,7 +446,14 @@ def main_up(args: argparse.Namespace) -> int:
             url_for=(lambda name: auth.url(name, server.url)) if auth is not None else None,
         )
         gateway_url = auth.url(GATEWAY, server.url) if auth is not None else server.url
-        gateway = build_service(GATEWAY, gateway_url, checkpoint, config, http=args)
+        # its own process, so HTTP work never runs on the engine's event loop
+        gateway = GatewayProcess(
+            gateway_url,
+            checkpoint,
+            host=args.http_host,
+            port=args.http_port,
+            served_model_name=args.served_model_name,
+        )
         services.append(gateway)
         if auth is not None:
             written = _write_client_urls(args, auth, server.url, tenants)
@@ -459,8 +468,8 @@ def main_up(args: argparse.Namespace) -> int:
             while not task.done() and not all(s.state == "ready" for s in services):
                 await asyncio.sleep(0.05)
             if not task.done():
-                http_url = f"http://{_url_host(args.http_host)}:{gateway.port}"  # type: ignore[attr-defined]
-                model = gateway.model_name  # type: ignore[attr-defined]
+                http_url = f"http://{_url_host(args.http_host)}:{gateway.port}"
+                model = gateway.model_name
                 files = written if auth is not None else None
                 router = getattr(args, "router", "prefix")
                 banner = _banner(server.url, checkpoint, files, http_url, model, shards, router)

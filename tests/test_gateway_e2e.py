@@ -1,5 +1,6 @@
-"""The HTTP gateway of a real ``rlt up`` (one process: nats-server child, the four services
-and the gateway), driven by the official ``openai`` client, ``curl -N`` and httpx:
+"""The HTTP gateway of a real ``rlt up`` (the four services in one process, nats-server and
+the gateway in child processes), driven by the official ``openai`` client, ``curl -N`` and
+httpx:
 
 - completions and chat completions, streamed and not: greedy tokens and exit depths equal
   the serial oracle, usage numbers are right, string stops cut the text;
@@ -7,7 +8,9 @@ and the gateway), driven by the official ``openai`` client, ``curl -N`` and http
   scheduler finished the request (its log says when);
 - a client that disconnects mid-stream has its request aborted and its KV freed, seen
   through /metrics;
-- a caller's ``traceparent`` is the trace id in the log lines of every service.
+- a caller's ``traceparent`` is the trace id in the log lines of every service;
+- the gateway is a process of its own, with no NATS password on its command line; killed,
+  it is started again and serves the oracle's tokens; stopping ``rlt up`` stops it.
 """
 
 from __future__ import annotations
@@ -79,8 +82,11 @@ def up(toy_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         while "rlt is up" not in lines.get(timeout=max(deadline - time.monotonic(), 0.1)):
             pass
         yield Up(f"http://127.0.0.1:{http_port}", log, proc)
+        children = _children(proc.pid)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+        # nats-server and the gateway went with it
+        assert children and not [pid for pid in children if Path(f"/proc/{pid}").exists()]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -295,3 +301,47 @@ def test_a_traceparent_is_in_every_service_log(up: Up) -> None:
         assert time.monotonic() < deadline, mine
         time.sleep(0.1)
     assert {e["trace_id"] for e in mine if "trace_id" in e} == {trace_id}
+
+
+def _children(pid: int) -> list[int]:
+    return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def _gateway_pid(up: Up) -> int | None:
+    found = [p for p in _children(up.proc.pid) if "gateway" in _cmdline(p)]
+    return found[0] if found else None
+
+
+def test_the_gateway_is_its_own_process_and_comes_back(up: Up, oracle: SerialOracle) -> None:
+    # last in this module: it kills the gateway the other tests use
+    pid = _gateway_pid(up)
+    assert pid is not None and pid != up.proc.pid
+    cmdline = _cmdline(pid)
+    nats_url = cmdline[cmdline.index("--nats-url") + 1]
+    assert "@" not in nats_url  # the credentials travel in its environment, not here
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        again = _gateway_pid(up)
+        if again not in (None, pid):
+            try:
+                if httpx.get(f"{up.http_url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+        assert time.monotonic() < deadline, "the gateway did not come back"
+        time.sleep(0.2)
+    assert any(
+        e.get("event") == "gateway process exited; starting it again" for e in up.log_lines()
+    )
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    r = _client(up).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=9, temperature=0, extra_body=GREEDY
+    )
+    choice = r.choices[0]
+    extra = choice.model_extra
+    _check_oracle(oracle, prompt, extra["token_ids"], extra["exit_depths"], choice.finish_reason)

@@ -33,6 +33,7 @@ from messages.errors import ErrorCode
 from services.common.checkpoint import load_model_limits
 from services.gateway.app import build_app
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.process import bind_http, model_name_for
 from services.runtime import subjects
 from services.runtime.bus import HEADER_TRACE_ID, encode_json, is_no_responders, json_decoder
 from services.runtime.logging import request_fields
@@ -143,6 +144,7 @@ class GatewayService(Service):
         port: int = DEFAULT_HTTP_PORT,
         served_model_name: str | None = None,
         request_timeout_s: float = 3600.0 + 60.0,
+        listen_fd: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(nats_url, **kwargs)
@@ -150,7 +152,9 @@ class GatewayService(Service):
         self.host = host
         self.port = port
         # the model's name in the API: what clients put in "model"
-        self.model_name = served_model_name or self.checkpoint.resolve().name
+        self.model_name = model_name_for(self.checkpoint, served_model_name)
+        # a socket already listening, handed over by `rlt up` (services/gateway/process.py)
+        self.listen_fd = listen_fd
         self.request_timeout_s = request_timeout_s
         self.created = int(time.time())
         self.max_model_len = 0
@@ -168,9 +172,13 @@ class GatewayService(Service):
     # ------------------------------------------------------------------ lifecycle
     async def setup(self) -> None:
         self.max_model_len = load_model_limits(self.checkpoint).max_position_embeddings
-        # bound here, so a port in use fails the start with a clear error (uvicorn would
-        # call sys.exit inside its task)
-        self._socket = _bind(self.host, self.port)
+        if self.listen_fd is not None:
+            self._socket = socket.socket(fileno=self.listen_fd)
+            self._socket.setblocking(False)
+        else:
+            # bound here, so a port in use fails the start with a clear error (uvicorn
+            # would call sys.exit inside its task)
+            self._socket = bind_http(self.host, self.port)
         self.port = self._socket.getsockname()[1]
 
     def endpoints(self) -> Sequence[Endpoint]:
@@ -313,22 +321,6 @@ class GatewayService(Service):
             )
         except ValueError as exc:
             self.log.warning("unreadable metrics", service=service, error=repr(exc)[:200])
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(
-            exc.errno, f"the gateway cannot listen on {host}:{port}: {exc.strerror}"
-        ) from None
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 def _no_responders(subject: str) -> Msg:

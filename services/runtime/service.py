@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -312,8 +312,20 @@ def _from_micro(handler: BoundedHandler) -> Callable[[MicroRequest], Awaitable[N
     return adapter
 
 
+class Runnable(Protocol):
+    """What ``serve`` runs: a ``Service``, or a supervised child process such as
+    ``services.gateway.process.GatewayProcess``."""
+
+    name: ClassVar[str]
+    state: str
+
+    async def start(self) -> None: ...
+
+    async def stop(self, drain_timeout: float) -> None: ...
+
+
 async def serve(
-    services: Sequence[Service], drain_timeout: float = 30.0, stop: asyncio.Event | None = None
+    services: Sequence[Runnable], drain_timeout: float = 30.0, stop: asyncio.Event | None = None
 ) -> None:
     """Starts the services in order, runs until SIGINT/SIGTERM (or ``stop``), then stops
     them in reverse order, each draining first. A second signal abandons the drain."""
@@ -337,7 +349,7 @@ async def serve(
             installed.append(sig)
         except (NotImplementedError, RuntimeError):  # not the main thread / platform
             pass
-    started: list[Service] = []
+    started: list[Runnable] = []
     try:
         for service in services:
             await service.start()
