@@ -10,7 +10,8 @@ httpx:
   through /metrics;
 - a caller's ``traceparent`` is the trace id in the log lines of every service;
 - the gateway is a process of its own, with no NATS password on its command line; killed,
-  it is started again and serves the oracle's tokens; stopping ``rlt up`` stops it.
+  it is started again and serves the oracle's tokens; stopping ``rlt up`` stops it; an HTTP
+  port in use fails ``rlt up`` with a clear message and leaves no process behind.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -345,3 +347,34 @@ def test_the_gateway_is_its_own_process_and_comes_back(up: Up, oracle: SerialOra
     choice = r.choices[0]
     extra = choice.model_extra
     _check_oracle(oracle, prompt, extra["token_ids"], extra["exit_depths"], choice.finish_reason)
+
+
+def test_an_http_port_in_use_fails_rlt_up_clearly(toy_checkpoint: Path, tmp_path: Path) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port, nats_port = taken.getsockname()[1], free_port()
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(nats_port)]
+    cmd += ["--http-port", str(port), "--checkpoint", str(toy_checkpoint)]
+    cmd += ["--client-url-file", str(tmp_path / "client-url")]
+    env = {**os.environ, "RLT_RUN_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        taken.close()
+    assert done.returncode == 1
+    assert f"the gateway cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "rlt is up" not in done.stdout
+    # its nats-server went with it
+    leftover = [
+        p for p in Path("/proc").iterdir() if p.name.isdigit() and _runs_on(p, str(nats_port))
+    ]
+    assert not leftover
+
+
+def _runs_on(proc: Path, port: str) -> bool:
+    try:
+        return port in (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return False

@@ -135,13 +135,13 @@ class GatewayProcess:
         assert self.proc is not None
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the gateway process exited with {self.proc.returncode}")
+            if self.proc.poll() is not None:  # its own log lines above say why
+                raise OSError(f"the gateway process exited with {self.proc.returncode}")
             if await _answers_http(self.host, self.port):
                 return
             await asyncio.sleep(0.05)
         self._terminate(5.0)
-        raise RuntimeError(f"the gateway process did not serve within {READY_TIMEOUT_S:.0f}s")
+        raise OSError(f"the gateway process did not serve within {READY_TIMEOUT_S:.0f}s")
 
     async def _supervise(self) -> None:
         """Starts the gateway again if it dies: the engine keeps running, and only the HTTP
@@ -156,7 +156,7 @@ class GatewayProcess:
             await asyncio.sleep(RESTART_DELAY_S)
             try:
                 await self._spawn()
-            except RuntimeError as exc:
+            except OSError as exc:
                 self.log.error("gateway process did not start again", error=str(exc))
 
     def _terminate(self, timeout: float) -> None:
