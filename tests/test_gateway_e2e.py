@@ -10,12 +10,14 @@ httpx:
   through /metrics;
 - a caller's ``traceparent`` is the trace id in the log lines of every service;
 - the gateway is a process of its own, with no NATS password on its command line; killed,
-  it is started again and serves the oracle's tokens; stopping ``rlt up`` stops it; an HTTP
-  port in use fails ``rlt up`` with a clear message and leaves no process behind.
+  it is started again and serves the oracle's tokens; stopping ``rlt up`` stops it, and so
+  does killing it; an HTTP port in use fails ``rlt up`` with a clear message and leaves no
+  process behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -88,7 +90,7 @@ def up(toy_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         # nats-server and the gateway went with it
-        assert children and not [pid for pid in children if Path(f"/proc/{pid}").exists()]
+        assert children and not [pid for pid in children if _alive(pid)]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -313,6 +315,15 @@ def _cmdline(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
 
 
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie nobody reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def _gateway_pid(up: Up) -> int | None:
     found = [p for p in _children(up.proc.pid) if "gateway" in _cmdline(p)]
     return found[0] if found else None
@@ -378,3 +389,36 @@ def _runs_on(proc: Path, port: str) -> bool:
         return port in (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return False
+
+
+def test_a_killed_rlt_up_takes_its_gateway_with_it(toy_checkpoint: Path, tmp_path: Path) -> None:
+    nats_port = free_port()
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(nats_port)]
+    cmd += ["--http-port", str(free_port()), "--checkpoint", str(toy_checkpoint)]
+    cmd += ["--client-url-file", str(tmp_path / "client-url")]
+    env = {**os.environ, "RLT_RUN_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+    )
+    children: list[int] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "rlt is up" in line:
+                break
+        children = _children(proc.pid)
+        gateway = [p for p in children if "gateway" in _cmdline(p)]
+        assert gateway
+        proc.kill()  # no chance to stop anything
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while _alive(gateway[0]):
+            assert time.monotonic() < deadline, "the gateway outlived rlt up"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in children:  # nats-server has no such watch: it is ours to clean up
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

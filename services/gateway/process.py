@@ -12,7 +12,9 @@ clear message) and hands the listening socket to ``rlt service gateway --http-fd
 child gets the gateway's NATS credentials in its environment, never on its command line
 (where ``ps`` would show them). It runs in its own session: ``rlt up`` stops it (SIGTERM:
 it drains like any service) before the engine's services, and starts it again should it
-die. Its log lines go to the same stderr as the rest of ``rlt up``.
+die. Should ``rlt up`` itself be killed, the child notices that its parent is gone and
+stops (``GatewayService``, in this mode only). Its log lines go to the same stderr as the
+rest of ``rlt up``.
 
 ``GatewayProcess`` has what ``services.runtime.service.serve`` needs of a service:
 ``name``, ``state``, ``start`` and ``stop``.
@@ -34,7 +36,8 @@ from services.runtime.bus import split_credentials
 from services.runtime.logging import get_logger
 
 READY_TIMEOUT_S = 120.0  # the child imports torch and reads the checkpoint's config
-RESTART_DELAY_S = 1.0
+RESTART_DELAY_S = 1.0  # doubled after each start that failed, up to RESTART_DELAY_MAX_S
+RESTART_DELAY_MAX_S = 30.0
 
 
 def model_name_for(checkpoint: str | Path, served_model_name: str | None) -> str:
@@ -146,6 +149,7 @@ class GatewayProcess:
     async def _supervise(self) -> None:
         """Starts the gateway again if it dies: the engine keeps running, and only the HTTP
         streams open in the dead process are lost (their requests run to their end)."""
+        delay = RESTART_DELAY_S
         while True:
             assert self.proc is not None
             code = await asyncio.to_thread(self.proc.wait)
@@ -153,10 +157,12 @@ class GatewayProcess:
                 return
             self.num_restarts += 1
             self.log.error("gateway process exited; starting it again", exit_code=code)
-            await asyncio.sleep(RESTART_DELAY_S)
+            await asyncio.sleep(delay)
             try:
                 await self._spawn()
+                delay = RESTART_DELAY_S
             except OSError as exc:
+                delay = min(2 * delay, RESTART_DELAY_MAX_S)
                 self.log.error("gateway process did not start again", error=str(exc))
 
     def _terminate(self, timeout: float) -> None:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
+import signal
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -47,6 +49,7 @@ from services.runtime.service import Endpoint, Service
 from services.runtime.tracing import TRACEPARENT, Tracer
 
 DEFAULT_HTTP_PORT = 8000
+PARENT_POLL_S = 0.5
 # what /health needs to answer: someone to take requests, schedule them and run them
 READY_NEEDS = ("admission", "scheduler", "worker")
 _EVENT = json_decoder(StreamEvent)  # type: ignore[arg-type]
@@ -212,6 +215,14 @@ class GatewayService(Service):
         self.log.info(
             "http listening", url=f"http://{self.host}:{self.port}", model=self.model_name
         )
+        if self.listen_fd is not None:  # a child of `rlt up`: do not outlive it
+            self.spawn(self._watch_parent(os.getppid()), "watch-parent")
+
+    async def _watch_parent(self, parent: int) -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(PARENT_POLL_S)
+        self.log.warning("rlt up is gone; stopping", parent_pid=parent)
+        os.kill(os.getpid(), signal.SIGTERM)  # the same graceful stop as a signal from it
 
     async def drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
