@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 import nats
 
+from services.bench.processes import child_pid, process_cpu_s
 from services.launcher import free_port
 from services.runtime import subjects
 from services.worker.model.toy import write_toy_checkpoint
@@ -50,32 +51,12 @@ class Run:
     ttft_s: list[float] = field(default_factory=list)
     server_cpu_s: float = 0.0  # CPU time of the `rlt up` process during the run
     nats_cpu_s: float = 0.0  # of its nats-server child
-    gateway_cpu_s: float = 0.0  # of the gateway process, when it runs on its own
+    gateway_cpu_s: float = 0.0  # of its gateway child
     client_cpu_s: float = 0.0  # CPU time of this benchmark client during the run
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def child_pids(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(x) for x in path.read_text().split()] if path.exists() else []
-
-
-def child_pid(pid: int, marker: str) -> int | None:
-    """The child of ``pid`` whose command line contains ``marker``."""
-    for child in child_pids(pid):
-        argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
-        if marker in argv or Path(argv[0]).name == marker:
-            return child
-    return None
 
 
 def start_up(
@@ -167,20 +148,25 @@ async def nats_run(url: str, work: list[list[int]], concurrency: int, max_tokens
         await nc.close()
 
 
+def completion_body(prompt: list[int], max_tokens: int) -> dict[str, object]:
+    """The HTTP arm's request: streamed, greedy, exactly ``max_tokens`` tokens, usage last."""
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 async def http_run(url: str, work: list[list[int]], concurrency: int, max_tokens: int) -> Run:
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
 
         async def one(prompt: list[int]) -> tuple[float, int]:
-            body = {
-                "model": MODEL,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+            body = completion_body(prompt, max_tokens)
             t0 = time.perf_counter()
             ttft, tokens = 0.0, 0
             async with http.stream("POST", "/v1/completions", json=body) as r:
@@ -212,15 +198,7 @@ async def aiohttp_run(url: str, work: list[list[int]], concurrency: int, max_tok
     async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as http:
 
         async def one(prompt: list[int]) -> tuple[float, int]:
-            body = {
-                "model": MODEL,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+            body = completion_body(prompt, max_tokens)
             t0 = time.perf_counter()
             ttft, tokens = 0.0, 0
             async with http.post("/v1/completions", json=body) as r:
@@ -336,15 +314,15 @@ async def bench(
         for run in (nats_run, http):
             nats_pid = child_pid(pid, "nats-server")
             gateway_pid = child_pid(pid, "gateway")
-            server0, client0 = cpu_seconds(pid), time.process_time()
-            nats0 = cpu_seconds(nats_pid) if nats_pid else 0.0
-            gateway0 = cpu_seconds(gateway_pid) if gateway_pid else 0.0
+            server0, client0 = process_cpu_s(pid), time.process_time()
+            nats0 = process_cpu_s(nats_pid) if nats_pid else 0.0
+            gateway0 = process_cpu_s(gateway_pid) if gateway_pid else 0.0
             r = await run(
                 nats_url if run is nats_run else http_url, work, args.concurrency, args.max_tokens
             )
-            r.server_cpu_s = cpu_seconds(pid) - server0
-            r.nats_cpu_s = (cpu_seconds(nats_pid) - nats0) if nats_pid else 0.0
-            r.gateway_cpu_s = (cpu_seconds(gateway_pid) - gateway0) if gateway_pid else 0.0
+            r.server_cpu_s = process_cpu_s(pid) - server0
+            r.nats_cpu_s = (process_cpu_s(nats_pid) - nats0) if nats_pid else 0.0
+            r.gateway_cpu_s = (process_cpu_s(gateway_pid) - gateway0) if gateway_pid else 0.0
             r.client_cpu_s = time.process_time() - client0
             expected = args.requests * args.max_tokens
             if r.tokens != expected:

@@ -38,6 +38,7 @@ from nats.aio.msg import Msg
 from messages.api import AbortRequest, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.runtime import subjects
 from services.runtime.bus import (
+    DEFAULT_NATS_URL,
     auth_options,
     default_client_url_file,
     encode_json,
@@ -45,8 +46,6 @@ from services.runtime.bus import (
     server_list,
     split_credentials,
 )
-
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
 def resolve_client_url(url: str | None, tenant: str = subjects.DEFAULT_TENANT) -> str:

@@ -418,10 +418,13 @@ def main_up(args: argparse.Namespace) -> int:
         # real routes between real nats-server processes; JetStream replicates the event
         # stream over them (R3 with three nodes), so losing one node loses nothing
         ports = [args.port + i for i in range(nodes)]
-        if auth is not None:
-            server = NatsCluster(nodes, host, ports, config_file=conf, route_auth=auth.route)
-        else:
-            server = NatsCluster(nodes, host, ports)
+        server = NatsCluster(
+            nodes,
+            host,
+            ports,
+            config_file=conf if auth is not None else None,
+            route_auth=auth.route if auth is not None else None,
+        )
     else:
         server = NatsServer(host, args.port, config_file=conf if auth is not None else None)
     try:

@@ -37,6 +37,7 @@ import pytest
 from openai import OpenAI
 
 from messages.sampling import SamplingParams
+from services.bench.processes import child_pid, child_pids, cmdline
 from services.common.config import SchedulerConfig
 from services.common.tokenizer import TextCodec
 from services.launcher import free_port
@@ -68,14 +69,8 @@ def up(toy_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     workdir = tmp_path_factory.mktemp("rlt-up")
     log = workdir / "rlt-up.log"
     http_port = free_port()
-    env = {
-        **os.environ,
-        "RLT_RUN_DIR": str(workdir),
-        "OMP_NUM_THREADS": "1",
-        "RLT_METRICS_INTERVAL_S": "0.2",
-    }
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(free_port())]
-    cmd += ["--http-port", str(http_port), "--checkpoint", str(toy_checkpoint)]
+    env = {**_up_env(workdir), "RLT_METRICS_INTERVAL_S": "0.2"}
+    cmd = _up_command(toy_checkpoint, free_port(), http_port, workdir)
     cmd += ["--served-model-name", MODEL, "--async-scheduling"]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -86,7 +81,7 @@ def up(toy_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         while "rlt is up" not in lines.get(timeout=max(deadline - time.monotonic(), 0.1)):
             pass
         yield Up(f"http://127.0.0.1:{http_port}", log, proc)
-        children = _children(proc.pid)
+        children = child_pids(proc.pid)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         # nats-server and the gateway went with it
@@ -307,14 +302,6 @@ def test_a_traceparent_is_in_every_service_log(up: Up) -> None:
     assert {e["trace_id"] for e in mine if "trace_id" in e} == {trace_id}
 
 
-def _children(pid: int) -> list[int]:
-    return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def _cmdline(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-
-
 def _alive(pid: int) -> bool:
     """Running (not gone, not a zombie nobody reaped yet)."""
     try:
@@ -324,22 +311,28 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _gateway_pid(up: Up) -> int | None:
-    found = [p for p in _children(up.proc.pid) if "gateway" in _cmdline(p)]
-    return found[0] if found else None
+def _up_command(checkpoint: Path, nats_port: int, http_port: int, workdir: Path) -> list[str]:
+    """A bare ``rlt up`` (the module's ``up`` fixture adds its own flags)."""
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(nats_port)]
+    cmd += ["--http-port", str(http_port), "--checkpoint", str(checkpoint)]
+    return [*cmd, "--client-url-file", str(workdir / "client-url")]
+
+
+def _up_env(workdir: Path) -> dict[str, str]:
+    return {**os.environ, "RLT_RUN_DIR": str(workdir), "OMP_NUM_THREADS": "1"}
 
 
 def test_the_gateway_is_its_own_process_and_comes_back(up: Up, oracle: SerialOracle) -> None:
     # last in this module: it kills the gateway the other tests use
-    pid = _gateway_pid(up)
+    pid = child_pid(up.proc.pid, "gateway")
     assert pid is not None and pid != up.proc.pid
-    cmdline = _cmdline(pid)
-    nats_url = cmdline[cmdline.index("--nats-url") + 1]
+    argv = cmdline(pid)
+    nats_url = argv[argv.index("--nats-url") + 1]
     assert "@" not in nats_url  # the credentials travel in its environment, not here
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while True:
-        again = _gateway_pid(up)
+        again = child_pid(up.proc.pid, "gateway")
         if again not in (None, pid):
             try:
                 if httpx.get(f"{up.http_url}/v1/models", timeout=2).status_code == 200:
@@ -365,10 +358,7 @@ def test_an_http_port_in_use_fails_rlt_up_clearly(toy_checkpoint: Path, tmp_path
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port, nats_port = taken.getsockname()[1], free_port()
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(nats_port)]
-    cmd += ["--http-port", str(port), "--checkpoint", str(toy_checkpoint)]
-    cmd += ["--client-url-file", str(tmp_path / "client-url")]
-    env = {**os.environ, "RLT_RUN_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    cmd, env = _up_command(toy_checkpoint, nats_port, port, tmp_path), _up_env(tmp_path)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     finally:
@@ -378,27 +368,14 @@ def test_an_http_port_in_use_fails_rlt_up_clearly(toy_checkpoint: Path, tmp_path
     assert "Traceback" not in done.stderr
     assert "rlt is up" not in done.stdout
     # its nats-server went with it
-    leftover = [
-        p for p in Path("/proc").iterdir() if p.name.isdigit() and _runs_on(p, str(nats_port))
-    ]
-    assert not leftover
-
-
-def _runs_on(proc: Path, port: str) -> bool:
-    try:
-        return port in (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return False
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    assert not [pid for pid in pids if str(nats_port) in cmdline(pid)]
 
 
 def test_a_killed_rlt_up_takes_its_gateway_with_it(toy_checkpoint: Path, tmp_path: Path) -> None:
-    nats_port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(nats_port)]
-    cmd += ["--http-port", str(free_port()), "--checkpoint", str(toy_checkpoint)]
-    cmd += ["--client-url-file", str(tmp_path / "client-url")]
-    env = {**os.environ, "RLT_RUN_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    cmd = _up_command(toy_checkpoint, free_port(), free_port(), tmp_path)
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_up_env(tmp_path)
     )
     children: list[int] = []
     try:
@@ -406,13 +383,13 @@ def test_a_killed_rlt_up_takes_its_gateway_with_it(toy_checkpoint: Path, tmp_pat
         for line in proc.stdout:
             if "rlt is up" in line:
                 break
-        children = _children(proc.pid)
-        gateway = [p for p in children if "gateway" in _cmdline(p)]
-        assert gateway
+        children = child_pids(proc.pid)
+        gateway = child_pid(proc.pid, "gateway")
+        assert gateway is not None
         proc.kill()  # no chance to stop anything
         proc.wait()
         deadline = time.monotonic() + 20
-        while _alive(gateway[0]):
+        while _alive(gateway):
             assert time.monotonic() < deadline, "the gateway outlived rlt up"
             time.sleep(0.1)
     finally:

@@ -775,11 +775,11 @@ class AdmissionService(Service):
     async def _on_abort(self, msg: Msg) -> None:
         assert self.core is not None
         tenant = subjects.tenant_of(msg.subject)
-        reply = msg.reply or ""
-        if tenant is None or (reply and self.core.check_reply_subject(reply, tenant) is not None):
-            reply = ""  # never answer into the system's own subjects or another tenant's
         if tenant is None:
             return
+        reply = msg.reply or ""
+        if reply and self.core.check_reply_subject(reply, tenant) is not None:
+            reply = ""  # never answer into the system's own subjects or another tenant's
         try:
             abort = self.core.parse_abort(msg.data)
         except AdmissionError as exc:

@@ -172,6 +172,31 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cmdline(pid: int) -> list[str]:
+    """A process's arguments ([] once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def child_pids(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        return [int(x) for x in path.read_text().split()]
+    except OSError:
+        return []
+
+
+def child_pid(pid: int, marker: str) -> int | None:
+    """The child of ``pid`` with ``marker`` as an argument or as its program's name."""
+    for child in child_pids(pid):
+        argv = cmdline(child)
+        if argv and (marker in argv or Path(argv[0]).name == marker):
+            return child
+    return None
+
+
 async def worker_runner_stats(nc: NATS, timeout: float = 5.0) -> dict[str, float]:
     """The worker's ``RunnerStats`` (batches, passes, rows, time executing), from its
     health reply: what the bench's in-process probe counts, for a worker in a process."""

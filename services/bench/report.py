@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from services.bench.metrics import SHARD_METRICS  # sharded runs: shown where an arm has them
+
 METRIC_LABELS = {
     "output_tokens_per_s": "output tok/s",
     "requests_per_s": "req/s",
@@ -51,14 +53,6 @@ BREAKDOWN_LABELS = {
     "worker_decode_us": "worker decode",
     "nats_round_trip_us": "NATS round trip",
 }
-# sharded runs only (services/bench/sharded.py): shown where some arm has them
-SHARD_TABLE_METRICS = (
-    "shard_imbalance",
-    "control_cpu_us_per_token",
-    "scheduler_cpu_us_per_step",
-    "sim_device_ms_per_step",
-    "scheduler_cpu_per_sim_pass",
-)
 # shown only where some arm has a nonzero value (KV pressure), not as columns of zeros
 WASTE_TABLE_METRICS = (
     "preemptions",
@@ -215,7 +209,7 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
     ]
     metrics += [
         m
-        for m in (*WASTE_TABLE_METRICS, *SHARD_TABLE_METRICS)
+        for m in (*WASTE_TABLE_METRICS, *SHARD_METRICS)
         if any(row["stats"].get(m, {}).get("median") for row in c["summary"])
     ]
     lines += _table(

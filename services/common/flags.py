@@ -13,8 +13,8 @@ import torch
 
 from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, KVLayout, SchedulerConfig
+from services.runtime.bus import DEFAULT_NATS_URL
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 PREFILL_MODES = ("atomic", "split", "wavefront")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -89,7 +89,6 @@ class GatewayProcess:
         self.state = "created"
         self.log = get_logger(self.name, role="supervisor")
         self.proc: subprocess.Popen[bytes] | None = None
-        self.num_restarts = 0
         self._socket: socket.socket | None = None
         self._watch: asyncio.Task[None] | None = None
 
@@ -155,7 +154,6 @@ class GatewayProcess:
             code = await asyncio.to_thread(self.proc.wait)
             if self.state != "ready":
                 return
-            self.num_restarts += 1
             self.log.error("gateway process exited; starting it again", exit_code=code)
             await asyncio.sleep(delay)
             try:

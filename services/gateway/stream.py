@@ -142,8 +142,9 @@ class SseEncoder:
             self._started = True
             frames.append(self._frame({"role": "assistant", "content": ""}, None))
         for d in deltas:
-            self._ids += d.token_ids
-            self._depths += d.exit_depths
+            if self.options.return_token_ids:  # the only frames that carry them
+                self._ids += d.token_ids
+                self._depths += d.exit_depths
             if not d.text and d.finish_reason is None:
                 continue  # bytes held by the detokenizer: nothing to show yet
             if self._text_frame is not None and d.finish_reason is None:

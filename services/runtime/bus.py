@@ -29,6 +29,8 @@ T = TypeVar("T")
 
 # headers that carry request identity on internal messages whose body does not
 HEADER_REQUEST_ID = "Rlt-Request-Id"
+# where a client or service looks for NATS when told nothing else
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 HEADER_TRACE_ID = "Rlt-Trace-Id"
 # "<message id> <index> <count>" on each part of a message split to fit nc.max_payload
 HEADER_CHUNK = "Rlt-Chunk"
@@ -339,8 +341,7 @@ class Reassembler:
         self._bound(keep=mid)
         if mid not in self._partial or any(p is None for p in parts):
             return None
-        self._drop(mid)
-        self.dropped -= 1  # complete, not dropped
+        self._forget(mid)
         self.joined += 1
         return b"".join(p for p in parts if p is not None)
 
@@ -353,12 +354,12 @@ class Reassembler:
             if oldest == keep and len(self._partial) > 1:
                 self._partial.move_to_end(keep)
                 continue
-            self._drop(oldest)
+            self._forget(oldest)
+            self.dropped += 1
 
-    def _drop(self, mid: str) -> None:
+    def _forget(self, mid: str) -> None:
         parts = self._partial.pop(mid)
         self.bytes -= sum(len(p) for p in parts if p is not None)
-        self.dropped += 1
 
 
 Handler = Callable[[Any], Awaitable[None]]

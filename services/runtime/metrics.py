@@ -45,13 +45,12 @@ class MetricsPublisher:
         registry: CollectorRegistry,
         *,
         shard: str | None = None,
-        interval_s: float | None = None,
         log: Any = None,
     ) -> None:
         self.nc = nc
         self.subject = subjects.metrics(service)
         self.registry = registry
-        self.interval_s = metrics_interval_s() if interval_s is None else interval_s
+        self.interval_s = metrics_interval_s()
         self.headers = {HEADER_SERVICE: service, HEADER_INSTANCE: instance}
         if shard is not None:
             self.headers[HEADER_SHARD] = shard

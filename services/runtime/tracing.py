@@ -121,10 +121,6 @@ class Tracer:
     def __init__(self, service: str) -> None:
         self.service = service
 
-    @property
-    def enabled(self) -> bool:
-        return _otel_tracer(self.service) is not None
-
     def start(
         self,
         name: str,

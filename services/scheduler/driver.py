@@ -99,6 +99,8 @@ class SchedulerDriver:
         self.simulated = False  # the bound worker is a ``--device sim`` worker
         self.has_worker = True  # the service says whether a worker is usable
         self.step_time_s = 0.0
+        # the latest applied result's round trip (batch sent -> result here), if timed
+        self.last_round_trip_s: float | None = None
         self._report_seq = 0
         self._stream_nos = 0
         self.tombstones = AbortTombstones(abort_keep_s)
@@ -441,9 +443,10 @@ class SchedulerDriver:
         sent_at = self.executor.sent_at.get(wr.result.seq)
         if not (self.core.is_inflight(wr.result.seq) and self.executor.deliver(wr)):
             return False
-        self.telemetry.on_result(wr, sent_at)
-        if sent_at is not None:
-            took = time.monotonic() - sent_at
+        took = None if sent_at is None else time.monotonic() - sent_at
+        self.last_round_trip_s = took
+        self.telemetry.on_result(wr, took)
+        if took is not None:
             w = _STEP_TIME_WEIGHT if self.step_time_s else 1.0
             self.step_time_s = (1 - w) * self.step_time_s + w * took
         self.simulated = wr.simulated

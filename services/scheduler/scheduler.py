@@ -604,8 +604,8 @@ class Scheduler:
             return None
         count = task.token_count if task.token_count <= budget else budget
         kind = task.kind
-        # prelude spans need no KV; a decode row's slot is allocated with its depth-0 row
-        needs_kv = kind is _FOLLOW_ON or kind is _PREFILL or (kind is _DECODE and task.depth == 0)
+        # prelude spans need no KV (decode rows take the other path: _accept_decode_row)
+        needs_kv = kind is _FOLLOW_ON or kind is _PREFILL
         if needs_kv and not self._ensure_execution_capacity(request, task.token_start + count, sel):
             return None
         task.token_count = count

@@ -24,7 +24,7 @@ import asyncio
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -159,15 +159,6 @@ class StepTimings:
         return dict(self.__dict__)
 
 
-@dataclass
-class _Held:
-    """Client events and notices held while the bus is down or a fence check is pending
-    (sent in order afterwards): (subject, data, reply, the try they belong to)."""
-
-    messages: list[tuple[str, bytes, str, StreamKey | None]] = field(default_factory=list)
-    active: bool = False
-
-
 class SchedulerService(Service):
     name = "scheduler"
     description = "request state, batch selection, progress and logical KV"
@@ -198,7 +189,9 @@ class SchedulerService(Service):
         self.loss = LossDetector(opts.loss_grace_s)
         self.no_worker_since: float | None = None
         self.num_clients_gone = 0
-        self._held = _Held()
+        # client events and notices held while the bus is down or a fence check is pending
+        # (sent in order afterwards): (subject, data, reply, the try they belong to)
+        self._held: list[tuple[str, bytes, str, StreamKey | None]] = []
         self._results_in = Reassembler()
         self._wake = asyncio.Event()
         self._last_load = 0.0
@@ -208,8 +201,7 @@ class SchedulerService(Service):
         # fencing: since when we may have been unreachable or stalled (None: not dark), a
         # counter of dark spells, the check that ends one, and the watchdog's last tick
         self._dark_since: float | None = None
-        self._dark_spells = 0
-        self._dark_mark = 0.0
+        self._dark_mark = 0.0  # the latest cause of going dark (grows with each new one)
         self._fence_task: asyncio.Task[None] | None = None
         self._last_tick = time.monotonic()
         self.num_fenced = 0
@@ -295,8 +287,6 @@ class SchedulerService(Service):
                     ErrorCode.UNAVAILABLE, "scheduler shut down before the request finished"
                 )
             )
-        if self._dark_since is None:
-            self._held.active = False  # shutting down: send what is held, best effort
         await self._flush_notices()
         await self._flush_relayed()
         await self._release_held()
@@ -339,7 +329,7 @@ class SchedulerService(Service):
             "batches": s.stats.num_batches,
             "free_kv_blocks": s.kv.num_free_blocks,
             "num_kv_blocks": s.kv.num_blocks,
-            "held_messages": len(self._held.messages),
+            "held_messages": len(self._held),
             "dark": self._dark_since is not None,
             "fenced_requests": self.num_fenced,
             "abort_tombstones": len(d.tombstones),
@@ -485,11 +475,11 @@ class SchedulerService(Service):
             self._on_refused(wr)
             return
         # seq + epoch + worker instance: a result is applied once, from the bound worker
-        sent = self.driver.executor.sent_at.get(wr.result.seq)
         if self.driver.on_result(wr):
-            if sent is not None:
+            took = self.driver.last_round_trip_s
+            if took is not None:
                 self.timings.results += 1
-                self.timings.round_trip_s += time.monotonic() - sent
+                self.timings.round_trip_s += took
                 self.timings.worker_s += wr.worker_s
             self._wake.set()
 
@@ -699,7 +689,7 @@ class SchedulerService(Service):
         self, subject: str, data: bytes, reply: str = "", key: StreamKey | None = None
     ) -> None:
         if self._holding():
-            self._held.messages.append((subject, data, reply, key))
+            self._held.append((subject, data, reply, key))
             return
         try:
             await self.nc.publish(subject, data, reply=reply)
@@ -714,7 +704,7 @@ class SchedulerService(Service):
             # our loop did not tick for a while: we may have been stalled past the point
             # where admission gave up on us, so nothing goes out until it says
             self._go_dark(self._last_tick, f"stalled {now - self._last_tick:.1f}s")
-        return self._held.active or not self.nc.is_connected
+        return self._dark_since is not None or not self.nc.is_connected
 
     async def _watchdog(self) -> None:
         while True:
@@ -727,10 +717,8 @@ class SchedulerService(Service):
     def _go_dark(self, since: float, why: str) -> None:
         """We may have been unreachable since ``since``: hold client events until a fence
         check says which of our requests admission ended meanwhile."""
-        self._held.active = True
-        if since > self._dark_mark:  # a new cause (one stall is seen by many sends)
-            self._dark_mark = since
-            self._dark_spells += 1
+        # a new cause moves the mark (one stall is seen by many sends)
+        self._dark_mark = max(self._dark_mark, since)
         if self._dark_since is None:
             self._dark_since = since
             self.log.warning("holding client events until admission confirms them", reason=why)
@@ -739,12 +727,12 @@ class SchedulerService(Service):
 
     async def _fence_check(self) -> None:
         while True:
-            spell = self._dark_spells
+            mark = self._dark_mark
             await self._wait_back()
             dark_since = self._dark_since if self._dark_since is not None else time.monotonic()
             dark_s = time.monotonic() - dark_since
             fenced, unanswered, lost_s = await self._ask_admissions()
-            if spell != self._dark_spells:
+            if mark != self._dark_mark:
                 continue  # dark again meanwhile: ask again
             await self._end_dark(fenced, unanswered, dark_s, lost_s)
             return
@@ -808,20 +796,17 @@ class SchedulerService(Service):
         dropped = d.drop_fenced(drop)
         # also what is held for fenced requests that ended here meanwhile (their finished
         # event waits with the rest): admission already gave those clients their terminal
-        ended = {m[3] for m in self._held.messages if m[3] in drop} | d.drop_relayed(drop)
-        self._held.messages = [m for m in self._held.messages if m[3] not in drop]
+        ended = {m[3] for m in self._held if m[3] in drop} | d.drop_relayed(drop)
+        self._held = [m for m in self._held if m[3] not in drop]
         self.num_fenced += len(set(dropped) | ended)
         self._dark_since = None
-        self._held.active = False
-        self.log.info(
-            "fence check done", fenced=len(drop), live=len(dropped), held=len(self._held.messages)
-        )
+        self.log.info("fence check done", fenced=len(drop), live=len(dropped), held=len(self._held))
         await self._release_held()
         await self._flush_relayed()
         self._wake.set()
 
     async def _release_held(self) -> None:
-        held, self._held.messages = self._held.messages, []
+        held, self._held = self._held, []
         if held:
             self.log.info("sending messages held during the outage", count=len(held))
         for subject, data, reply, key in held:

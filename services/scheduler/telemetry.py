@@ -243,11 +243,12 @@ class SchedulerTelemetry:
             # the worker's span of each request it loads is a child of ours
             wire.traceparents = {**wire.traceparents, **traceparents}
 
-    def on_result(self, wr: WorkerResult, sent_at: float | None) -> None:
-        if sent_at is None:
+    def on_result(self, wr: WorkerResult, round_trip_s: float | None) -> None:
+        """``round_trip_s``: from sending the batch to its result (None: not timed)."""
+        if round_trip_s is None:
             return
         at_worker = wr.worker_s or wr.execute_s
-        self.bus_overhead.observe(max(time.monotonic() - sent_at - at_worker, 0.0))
+        self.bus_overhead.observe(max(round_trip_s - at_worker, 0.0))
 
     def on_events(self, events: Iterable[StreamEvent], inflight: Sequence[ScheduledBatch]) -> None:
         """Events routed to live streams (each exactly once)."""

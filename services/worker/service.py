@@ -65,7 +65,6 @@ class _Run:
 class _Reset:
     """A fresh ModelRunner (new epoch or KV geometry) before the next batch runs."""
 
-    epoch: str | None
     geometry: tuple[int, int, str]
 
 
@@ -341,7 +340,7 @@ class WorkerService(Service):
                     )
                     continue
                 self._geometry = geometry  # what the queued reset will build
-                reset = _Reset(self._epoch, geometry)
+                reset = _Reset(geometry)
                 self.compute.submit(reset, lambda r=reset: self._make_runner(*r.geometry))
             self._needs_reset = False
             self.compute.submit(run, lambda r=run: self._execute(r))
@@ -355,7 +354,7 @@ class WorkerService(Service):
             result = self.runner.execute(run.wb.batch)
         except Exception as exc:
             return BatchResult(seq=run.wb.batch.seq, error=_describe(exc))
-        run.passes = list(self.runner.last_batch_passes)
+        run.passes = self.runner.last_batch_passes  # a new list each batch: no copy
         return result
 
     def _computed(self, job: _Run | _Reset, outcome: Any, elapsed: float) -> None:
