@@ -265,3 +265,11 @@ def test_driver_aborts_are_per_tenant_and_remembered(toy_checkpoint: Path) -> No
     (delivery,) = driver.add(_admitted("early", 2))
     assert isinstance(delivery[1], FinishedEvent) and delivery[1].finish_reason == "abort"
     assert "early" not in driver.scheduler.requests
+    # the same through admission's relay: the abort goes where every other event of a
+    # relayed stream goes (admission passes it on), never straight to the client
+    driver.abort("early2", tenant="")
+    relayed = msgspec.structs.replace(_admitted("early2", 3), relay_subject="rlt.v1.relay.a1")
+    assert driver.add(relayed, track="rlt.v1.adm.a1.3") == []
+    (item,) = driver.take_relayed()["rlt.v1.relay.a1"]
+    assert item.seq == 3 and isinstance(item.event, FinishedEvent)
+    assert item.event.finish_reason == "abort" and "early2" not in driver.scheduler.requests

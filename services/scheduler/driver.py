@@ -221,10 +221,10 @@ class SchedulerDriver:
         if self.tombstones.take(req.tenant, req.request_id, time.monotonic()):
             # its abort came first: it ends now, without running
             self.log.info("request aborted before it arrived", **fields)
-            finished = _aborted(req.request_id, len(req.prompt_token_ids))
             self._notice(track, req.request_id, "accepted")
-            self._notice(track, req.request_id, "done", finished)
-            return [(req.reply_subject, finished)]
+            return self._end_unstarted(
+                req, track, _aborted(req.request_id, len(req.prompt_token_ids))
+            )
         known = (
             (req.resume_token_ids, req.resume_exit_depths)
             if req.resume_token_ids or req.resume_exit_depths
@@ -277,7 +277,14 @@ class SchedulerDriver:
     def _refuse(
         self, req: AdmittedRequest, track: str, code: ErrorCode, message: str
     ) -> list[Delivery]:
-        event = error_event(req.request_id, code, message)
+        return self._end_unstarted(req, track, error_event(req.request_id, code, message))
+
+    def _end_unstarted(
+        self, req: AdmittedRequest, track: str, event: StreamEvent
+    ) -> list[Delivery]:
+        """The terminal event of a request that never ran: through its relay (admission
+        passes it on and so learns it ended), else to the client, and "done" to admission
+        (with a copy of a finished event, kept to answer a retry)."""
         if req.relay_subject:
             self._relay(
                 req.relay_subject,
@@ -285,7 +292,8 @@ class SchedulerDriver:
                 RelayedEvent(seq=req.admission_seq, event=event),
             )
             return []
-        self._notice(track, req.request_id, "done")
+        finished = event if isinstance(event, FinishedEvent) else None
+        self._notice(track, req.request_id, "done", finished)
         return [(req.reply_subject, event)]
 
     def _resync(self, request_id: str, stream: _Stream) -> None:
