@@ -274,6 +274,7 @@ def build_service(
             dtype=dtype,
             heartbeat_interval_s=float(os.environ.get("RLT_WORKER_HEARTBEAT_S", "0.5")),
             shard_id=shard_id,
+            inline_max_s=_inline_max_s(),
         )
     if name == "scheduler":
         from services.scheduler.service import SchedulerOptions, SchedulerService
@@ -627,3 +628,10 @@ def main_generate_online(args: argparse.Namespace) -> int:
         print(f"rlt generate: cannot reach NATS at {redact_url(url)}: {exc!r}", file=sys.stderr)
         return 1
     return 1 if any(isinstance(e, ErrorEvent) for e in results) else 0
+
+
+def _inline_max_s() -> float | None:
+    """``RLT_WORKER_INLINE_MAX_MS``: batches expected to run under this many ms run on the
+    worker's event loop (0: none; unset: the device's default, services/worker/compute.py)."""
+    value = os.environ.get("RLT_WORKER_INLINE_MAX_MS")
+    return None if value is None or value == "" else float(value) / 1e3

@@ -269,6 +269,7 @@ async def test_hung_batch_hits_the_deadline_and_the_worker_is_used_again(
     async with services_up(nats_server.url, toy_checkpoint, config) as services:
         sched, worker = services["scheduler"], services["worker"]
         sched.options = dataclasses.replace(sched.options, batch_timeout_s=0.5)
+        worker.inline_max_s = 0.0  # type: ignore[attr-defined]  # every batch on the thread
         real = worker.runner.execute  # type: ignore[attr-defined]
         hung = []
 

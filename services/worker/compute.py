@@ -1,11 +1,21 @@
-"""The worker's compute thread: runs jobs (batches, runner resets) one after another, off the
-event loop, and hands each outcome back to the loop.
+"""How the worker runs its jobs (batches, runner resets): one after another, in order, each
+either on a compute thread or on the event loop itself, and hands each outcome back.
 
-One long-lived thread fed by a queue, instead of a thread-pool call per batch: the batches
-a scheduler keeps in flight are queued while the current one computes, so the thread goes
-straight from one batch to the next without waiting for the event loop (a round trip
-through the loop costs about 0.15 ms a batch on the CPU bench, a tenth of a toy pass).
-The event loop meanwhile receives and decodes the next batches and publishes results.
+Where a job runs is a question of who holds the interpreter lock:
+
+- A device pass (CUDA, the simulated device) spends its time waiting for the device with the
+  lock released, so on a thread the event loop receives, decodes and publishes meanwhile.
+- A CPU pass of a small model is mostly Python dispatching small kernels, lock held. On a
+  thread the event loop's work is not overlapped but interleaved, and each interleaving
+  hands the lock across cores twice. `rlt bench --only pipeline` (toy, async, 2 cores):
+  batches ran 1.25-1.44 ms on the loop against 1.44-1.90 ms on a thread
+  (in-process: 1.09-1.20 ms), docs/benchmarks/README.md.
+
+So a job runs on the loop when the worker expects it to be short (``inline_max_s``, from the
+time per token-loop it measured) and on the thread otherwise. A long job still runs on the
+thread, so heartbeats and health answers keep flowing during it (a scheduler would declare a
+silent worker lost). After a job on the loop, the loop turns a few times before the next
+one: the result is published and flushed, and the batches that arrived are read.
 """
 
 from __future__ import annotations
@@ -14,58 +24,149 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
-
-_STOP = object()
 
 Done = Callable[[Any, Any, float], None]  # (job, outcome, seconds it ran)
 
+# loop turns before a job on the loop: the last result to the publisher, the publisher's
+# write to nats-py's flusher, the flusher's socket write (arrived batches are read meanwhile)
+_TURNS_BEFORE_INLINE = 3
+_STOP = object()
 
-class ComputeThread:
+
+@dataclass
+class _Job:
+    job: Any
+    work: Callable[[], Any]
+    inline: bool
+
+
+class JobRunner:
+    """Runs jobs strictly in submission order, each on the loop or on the one compute thread.
+    Consecutive thread jobs go straight from one to the next on the thread, without a trip
+    through the loop (about 0.15 ms a batch on the CPU bench)."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop, done: Done, name: str) -> None:
         self._loop = loop
         self._done = done
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._lock = threading.Lock()  # guards _jobs and _busy (the thread reads them too)
+        self._jobs: deque[_Job] = deque()
+        self._busy = False  # a job runs, or is on its way to its runner
+        self._to_thread: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._thread_main, name=name, daemon=True)
+        self._stopped = False
         self.running_since = 0.0  # monotonic start of the job running now; 0 when idle
         self.queued = 0  # jobs submitted and not yet done (the loop's own count)
+        self.num_inline = 0  # jobs that ran on the loop, and on the thread
+        self.num_threaded = 0
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Any, work: Callable[[], Any]) -> None:
-        """Queues ``work``; its outcome reaches ``done(job, outcome, seconds)`` on the loop."""
+    def submit(self, job: Any, work: Callable[[], Any], *, inline: bool = False) -> None:
+        """Queues ``work``; its outcome reaches ``done(job, outcome, seconds)`` on the loop.
+        ``inline``: run it on the event loop (short CPU work), else on the compute thread."""
         self.queued += 1
-        self._jobs.put((job, work))
+        with self._lock:
+            self._jobs.append(_Job(job, work, inline))
+            if self._busy:
+                return
+            self._busy = True
+            head = self._jobs.popleft()
+        self._hand(head)
 
     @property
     def idle(self) -> bool:
         return self.queued == 0
 
     def stop(self, timeout: float = 30.0) -> None:
-        self._jobs.put(_STOP)
+        """From any thread: no job starts after this; one running ends first."""
+        self._stopped = True
+        self._to_thread.put(_STOP)
         self._thread.join(timeout)
 
-    def _run(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is _STOP:
-                return
-            job, work = item
-            self.running_since = time.monotonic()
-            t0 = time.perf_counter()
-            try:
-                outcome = work()
-            except BaseException as exc:  # handed to the loop, which decides what it means
-                outcome = exc
-            elapsed = time.perf_counter() - t0
-            self.running_since = 0.0
-            try:
-                self._loop.call_soon_threadsafe(self._finished, job, outcome, elapsed)
-            except RuntimeError:  # the loop closed (shutdown): nobody waits for it
-                return
+    def _hand(self, job: _Job) -> None:
+        """Starts ``job`` on its runner (called by whoever finished the previous one)."""
+        if not job.inline:
+            self._to_thread.put(job)
+        elif threading.get_ident() == self._thread.ident:
+            self._loop.call_soon_threadsafe(self._start_inline, job)
+        else:
+            self._start_inline(job)
 
-    def _finished(self, job: Any, outcome: Any, elapsed: float) -> None:
+    def _start_inline(self, job: _Job) -> None:
+        self._loop.create_task(self._run_inline(job))
+
+    async def _run_inline(self, job: _Job) -> None:
+        for _ in range(_TURNS_BEFORE_INLINE):
+            await asyncio.sleep(0)
+        if self._stopped:
+            return
+        self.num_inline += 1
+        outcome, elapsed = self._execute(job)
+        self._finished(job, outcome, elapsed)
+        nxt = self._next()
+        if nxt is not None:
+            self._hand(nxt)
+
+    def _thread_main(self) -> None:
+        while (item := self._to_thread.get()) is not _STOP:
+            job: _Job | None = item
+            while job is not None and not self._stopped:  # thread jobs back to back
+                self.num_threaded += 1
+                outcome, elapsed = self._execute(job)
+                try:
+                    self._loop.call_soon_threadsafe(self._finished, job, outcome, elapsed)
+                except RuntimeError:  # the loop closed (shutdown): nobody waits for it
+                    return
+                job = self._next()
+                if job is not None and job.inline:
+                    self._hand(job)  # to the loop, after the result above
+                    job = None
+
+    def _next(self) -> _Job | None:
+        with self._lock:
+            if not self._jobs:
+                self._busy = False
+                return None
+            return self._jobs.popleft()
+
+    def _execute(self, job: _Job) -> tuple[Any, float]:
+        self.running_since = time.monotonic()
+        t0 = time.perf_counter()
+        try:
+            outcome = job.work()
+        except BaseException as exc:  # handed to ``done``, which decides what it means
+            outcome = exc
+        elapsed = time.perf_counter() - t0
+        self.running_since = 0.0
+        return outcome, elapsed
+
+    def _finished(self, job: _Job, outcome: Any, elapsed: float) -> None:
         self.queued -= 1
-        self._done(job, outcome, elapsed)
+        self._done(job.job, outcome, elapsed)
+
+
+class ExecuteTimeEstimate:
+    """Seconds a batch will take, from the seconds per token-loop (a row's tokens times its
+    loops) of the batches before it. Linear through zero: a pass's fixed cost makes the rate
+    of small batches high, so a big batch is overestimated (sent to the thread), never the
+    other way round by much."""
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self.smoothing = smoothing
+        self.seconds_per_token_loop: float | None = None  # None: nothing measured yet
+
+    def observe(self, token_loops: int, seconds: float) -> None:
+        if token_loops <= 0:
+            return
+        rate = seconds / token_loops
+        old = self.seconds_per_token_loop
+        self.seconds_per_token_loop = rate if old is None else old + self.smoothing * (rate - old)
+
+    def estimate(self, token_loops: int) -> float | None:
+        rate = self.seconds_per_token_loop
+        return None if rate is None else rate * token_loops

@@ -5,8 +5,11 @@ binds to one worker at a time, see ``services/scheduler/liveness.py``); a batch 
 early waits in a buffer until its predecessors are queued. Batches run in seq order on one
 compute thread (``compute.py``) fed by a queue, so the event loop stays free: it receives and
 decodes the next batches while one computes, publishes results and heartbeats, and answers
-health pings. A batch that raises is answered with ``BatchResult(error=...)``, never a
-crash. The result goes to the batch's reply subject (the scheduler epoch's result subject).
+health pings. On the CPU a batch expected to take under ``inline_max_s`` runs on the event
+loop instead: a small model's pass holds the interpreter lock, so a thread only interleaves
+the two (``compute.py`` says why, and what it measured). A batch that raises is answered
+with ``BatchResult(error=...)``, never a crash. The result goes to the batch's reply subject
+(the scheduler epoch's result subject).
 
 Heartbeats (``rlt.v1.worker.heartbeat.<shard>``, every ``heartbeat_interval_s`` and on a
 scheduler's ``rlt.v1.worker.discover.<shard>``) say the worker is alive and how far it got,
@@ -42,7 +45,7 @@ from services.runtime import subjects
 from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, publish_chunked
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
-from services.worker.compute import ComputeThread
+from services.worker.compute import ExecuteTimeEstimate, JobRunner
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from services.worker.sim import SimCostModel, SimRunner
@@ -59,6 +62,7 @@ class _Run:
     reply: str
     arrived: float  # perf_counter when it was received
     passes: list[tuple[int, int]] | None = None  # (rows, tokens) per core pass, once run
+    token_loops: int = 0  # sum over rows of tokens x loops: what its time scales with
 
 
 @dataclass
@@ -82,6 +86,7 @@ class WorkerService(Service):
         dtype: torch.dtype = torch.float32,
         heartbeat_interval_s: float = 0.5,
         shard_id: str = subjects.DEFAULT_SHARD,
+        inline_max_s: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(nats_url, **kwargs)
@@ -98,7 +103,13 @@ class WorkerService(Service):
         self.simulated = device == SIM_DEVICE
         self._sim_config: OuroConfig | None = None
         self._geometry: tuple[int, int, str] = (0, 0, "")
-        self.compute: ComputeThread | None = None
+        self.compute: JobRunner | None = None
+        # batches expected to run under this run on the event loop (0: never); by default
+        # only on the CPU, where a pass holds the interpreter lock (compute.py)
+        if inline_max_s is None:
+            inline_max_s = INLINE_MAX_S if device == "cpu" else 0.0
+        self.inline_max_s = inline_max_s
+        self.execute_time = ExecuteTimeEstimate()
         self._epoch: str | None = None
         self._next_submit = 0  # next seq to queue for the compute thread
         self._next_done = 0  # every seq before this one ran and its result is published
@@ -127,7 +138,7 @@ class WorkerService(Service):
         await asyncio.to_thread(
             self._make_runner, cfg.num_blocks, cfg.block_size, str(cfg.kv_layout)
         )
-        self.compute = ComputeThread(
+        self.compute = JobRunner(
             asyncio.get_running_loop(), self._computed, name=f"rlt-compute-{self.instance_id}"
         )
         self.compute.start()
@@ -190,6 +201,9 @@ class WorkerService(Service):
             "buffered": len(self._pending),
             "batches": self.num_batches,
             "failed_batches": self.num_failed,
+            # where the batches ran: on the event loop (short CPU batches) or the thread
+            "inline_batches": self.compute.num_inline if self.compute is not None else 0,
+            "threaded_batches": self.compute.num_threaded if self.compute is not None else 0,
             # what the model runner did (passes, rows, time executing): for the bench and
             # for metrics; a new KV geometry starts a new runner, and these from zero
             "runner": self.runner.stats.snapshot() if self.runner is not None else {},
@@ -343,10 +357,19 @@ class WorkerService(Service):
                 reset = _Reset(geometry)
                 self.compute.submit(reset, lambda r=reset: self._make_runner(*r.geometry))
             self._needs_reset = False
-            self.compute.submit(run, lambda r=run: self._execute(r))
+            run.token_loops = _token_loops(run.wb.batch)
+            self.compute.submit(run, lambda r=run: self._execute(r), inline=self._inline(run))
+
+    def _inline(self, run: _Run) -> bool:
+        """Whether the batch may run on the event loop: expected to be short (unknown until
+        a batch ran on the thread)."""
+        if self.inline_max_s <= 0:
+            return False
+        expected = self.execute_time.estimate(run.token_loops)
+        return expected is not None and expected <= self.inline_max_s
 
     def _execute(self, run: _Run) -> BatchResult | None:
-        """On the compute thread. None: the batch's epoch is over, nothing ran."""
+        """On the compute thread or the loop. None: the batch's epoch is over, nothing ran."""
         if run.wb.epoch != self._epoch:
             return None
         assert self.runner is not None
@@ -358,7 +381,7 @@ class WorkerService(Service):
         return result
 
     def _computed(self, job: _Run | _Reset, outcome: Any, elapsed: float) -> None:
-        """On the event loop: a job of the compute thread ended."""
+        """On the event loop: a job ended (on the compute thread or the loop)."""
         if isinstance(job, _Reset):
             if isinstance(outcome, BaseException):
                 self.log.error("runner reset failed", error=_describe(outcome))
@@ -367,6 +390,8 @@ class WorkerService(Service):
             outcome = BatchResult(seq=job.wb.batch.seq, error=_describe(outcome))
         if outcome is None or job.wb.epoch != self._epoch:
             return  # the scheduler restarted while this ran; its result is moot
+        if outcome.error is None:
+            self.execute_time.observe(job.token_loops, elapsed)
         self._results.put_nowait((job, outcome, elapsed))
 
     async def _publish_results(self) -> None:
@@ -448,9 +473,17 @@ class WorkerService(Service):
         self._geometry = (num_blocks, block_size, kv_layout)
 
 
+def _token_loops(batch: Batch) -> int:
+    return sum(row.token_count * max(row.num_loops, 1) for row in batch.rows)
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
+
+# CPU batches expected to run under this run on the event loop: short enough that heartbeats
+# and health answers are late by a few ms at most (a scheduler waits 3 s for a heartbeat)
+INLINE_MAX_S = 0.02
 
 # a scheduler that sent us nothing for this long has moved on: another may take us
 _BOUND_IDLE_S = 30.0
