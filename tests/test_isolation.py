@@ -273,3 +273,7 @@ def test_driver_aborts_are_per_tenant_and_remembered(toy_checkpoint: Path) -> No
     (item,) = driver.take_relayed()["rlt.v1.relay.a1"]
     assert item.seq == 3 and isinstance(item.event, FinishedEvent)
     assert item.event.finish_reason == "abort" and "early2" not in driver.scheduler.requests
+    # metrics count every ending, the ones that never ran included
+    registry = driver.telemetry.registry
+    aborts = registry.get_sample_value("rlt:request_success_total", {"finished_reason": "abort"})
+    assert aborts == 3  # "r", "early", "early2"

@@ -284,7 +284,9 @@ class SchedulerDriver:
     ) -> list[Delivery]:
         """The terminal event of a request that never ran: through its relay (admission
         passes it on and so learns it ended), else to the client, and "done" to admission
-        (with a copy of a finished event, kept to answer a retry)."""
+        (with a copy of a finished event, kept to answer a retry). Metrics count it like any
+        other ending (a refusal by its error code, an early abort as finished "abort")."""
+        self.telemetry.on_events([event], self.core.inflight)
         if req.relay_subject:
             self._relay(
                 req.relay_subject,
