@@ -7,9 +7,9 @@ Where a job runs is a question of who holds the interpreter lock:
   lock released, so on a thread the event loop receives, decodes and publishes meanwhile.
 - A CPU pass of a small model is mostly Python dispatching small kernels, lock held. On a
   thread the event loop's work is not overlapped but interleaved, and each interleaving
-  hands the lock across cores twice. `rlt bench --only pipeline` (toy, async, 2 cores):
-  batches ran 1.25-1.44 ms on the loop against 1.44-1.90 ms on a thread
-  (in-process: 1.09-1.20 ms), docs/benchmarks/README.md.
+  hands the lock across cores twice. `rlt bench --size toy --only pipeline` (async, 2 cores,
+  four runs each way, alternated): a batch took 1.36-1.44 ms on the loop against 1.59-2.08
+  ms on a thread (1.17-1.30 ms in-process); docs/benchmarks/README.md, "Pipeline".
 
 So a job runs on the loop when the worker expects it to be short (``inline_max_s``, from the
 time per token-loop it measured) and on the thread otherwise. A long job still runs on the
