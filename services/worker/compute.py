@@ -58,6 +58,7 @@ class JobRunner:
         self._to_thread: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._thread_main, name=name, daemon=True)
         self._stopped = False
+        self._inline_tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak refs
         self.running_since = 0.0  # monotonic start of the job running now; 0 when idle
         self.queued = 0  # jobs submitted and not yet done (the loop's own count)
         self.num_inline = 0  # jobs that ran on the loop, and on the thread
@@ -98,7 +99,9 @@ class JobRunner:
             self._start_inline(job)
 
     def _start_inline(self, job: _Job) -> None:
-        self._loop.create_task(self._run_inline(job))
+        task = self._loop.create_task(self._run_inline(job))
+        self._inline_tasks.add(task)
+        task.add_done_callback(self._inline_tasks.discard)
 
     async def _run_inline(self, job: _Job) -> None:
         for _ in range(_TURNS_BEFORE_INLINE):
