@@ -1,16 +1,23 @@
 """The worker's job runner: jobs run in submission order, short CPU batches on the event loop,
-the others on the compute thread; and the estimate that decides which (no NATS)."""
+the others on the compute thread; the estimate that decides which; and the worker's
+answers staying in seq order (no NATS)."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from messages.batch import Batch, BatchResult, Phase
+from messages.internal import WorkerBatch
+from services.common.config import SchedulerConfig
 from services.worker.compute import ExecuteTimeEstimate, JobRunner
+from services.worker.service import WorkerService, _Run
 
 pytestmark = pytest.mark.unit
 
@@ -21,12 +28,19 @@ class _Recorder:
         self.done: list[tuple[str, Any]] = []
         self.all_done = asyncio.Event()
         self.expected = 0
+        self._running = 0
+        self.max_running = 0  # jobs that ran at the same time: must stay 1
+        self._lock = threading.Lock()
 
-    def work(self, name: str, seconds: float = 0.0, fail: bool = False) -> Any:
+    def work(self, name: Any, seconds: float = 0.0, fail: bool = False) -> Any:
         def run() -> str:
+            with self._lock:
+                self._running += 1
+                self.max_running = max(self.max_running, self._running)
             self.started.append((name, threading.current_thread().name))
-            if seconds:
-                time.sleep(seconds)
+            time.sleep(seconds)  # sleep(0) too: lets another thread in, should one run
+            with self._lock:
+                self._running -= 1
             if fail:
                 raise ValueError(f"{name} failed")
             return f"{name} ok"
@@ -68,6 +82,68 @@ async def test_mixed_jobs_run_in_order_each_where_it_was_sent() -> None:
     for name, inline, _ in plan:
         assert (where[name] == loop_thread) == inline, (name, where[name])
     assert (runner.num_inline, runner.num_threaded) == (3, 3)
+    assert rec.max_running == 1
+
+
+async def test_jobs_submitted_at_random_moments_never_overlap_nor_reorder() -> None:
+    """Submissions race the runner: from the loop between jobs, from ``done`` callbacks
+    (as the worker queues the next batch when a result goes out), while a thread job ends."""
+    rng = random.Random(7)
+    rec = _Recorder()
+    total = 300
+    rec.expected = total
+    runner: JobRunner
+    submitted = 0
+
+    def submit_one() -> None:
+        nonlocal submitted
+        inline = rng.random() < 0.5
+        seconds = rng.choice([0.0, 0.0, 0.0005, 0.002])
+        runner.submit(submitted, rec.work(submitted, seconds), inline=inline)
+        submitted += 1
+
+    def finished(job: Any, outcome: Any, elapsed: float) -> None:
+        rec.finished(job, outcome, elapsed)
+        while submitted < total and rng.random() < 0.4:
+            submit_one()
+
+    runner = JobRunner(asyncio.get_running_loop(), finished, name="test-compute")
+    runner.start()
+    while submitted < total:
+        submit_one()
+        await asyncio.sleep(rng.choice([0, 0, 0.001]))
+    await asyncio.wait_for(rec.all_done.wait(), 30)
+    await asyncio.to_thread(runner.stop)
+    assert [n for n, _ in rec.started] == list(range(total))
+    assert [job for job, _ in rec.done] == list(range(total))
+    assert rec.max_running == 1
+    assert runner.num_inline > 50 and runner.num_threaded > 50 and runner.idle
+
+
+async def test_a_done_callback_that_raises_does_not_stop_the_runner() -> None:
+    rec = _Recorder()
+    rec.expected = 3
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+
+    def finished(job: Any, outcome: Any, elapsed: float) -> None:
+        rec.finished(job, outcome, elapsed)
+        if job == "a":
+            raise RuntimeError("bug in done")
+
+    runner = JobRunner(loop, finished, name="test-compute")
+    runner.start()
+    try:
+        runner.submit("a", rec.work("a"), inline=True)
+        runner.submit("b", rec.work("b"), inline=True)
+        runner.submit("c", rec.work("c"))
+        await asyncio.wait_for(rec.all_done.wait(), 10)
+    finally:
+        loop.set_exception_handler(None)
+        await asyncio.to_thread(runner.stop)
+    assert [job for job, _ in rec.done] == ["a", "b", "c"] and runner.idle
+    assert any(isinstance(c.get("exception"), RuntimeError) for c in reported)
 
 
 async def test_a_failing_job_reports_its_exception_and_the_next_still_runs() -> None:
@@ -103,11 +179,50 @@ async def test_the_loop_keeps_serving_while_a_thread_job_runs() -> None:
 
 
 def test_estimate_follows_the_measured_rate_and_knows_nothing_at_first() -> None:
-    est = ExecuteTimeEstimate(smoothing=0.5)
+    est = ExecuteTimeEstimate(smoothing=0.5, min_samples=2)
     assert est.estimate(100) is None
     est.observe(100, 0.001)  # 10 us per token-loop
+    assert est.estimate(100) is None  # one batch is not enough to trust
+    est.observe(100, 0.001)
     assert est.estimate(200) == pytest.approx(0.002)
     est.observe(100, 0.003)  # rate 30 us: halfway there
     assert est.estimate(100) == pytest.approx(0.002)
     est.observe(0, 5.0)  # an empty batch teaches nothing
     assert est.estimate(100) == pytest.approx(0.002)
+
+
+async def test_worker_answers_a_refused_batch_behind_the_batches_queued_before_it(
+    toy_checkpoint: Path,
+) -> None:
+    """A batch whose KV geometry the worker refuses is answered in seq order: its error must
+    not overtake the result of a batch still running (the scheduler applies results in
+    order). No NATS: the worker's queueing, run and result path only."""
+    config = SchedulerConfig(block_size=4, num_blocks=64)
+    worker = WorkerService("nats://127.0.0.1:1", toy_checkpoint, config, inline_max_s=0.0)
+    await worker.setup()
+    try:
+        assert worker.runner is not None
+        execute = worker.runner.execute
+
+        def slow(batch: Batch) -> BatchResult:
+            time.sleep(0.2)  # seq 0 still runs when seq 1 is refused
+            return execute(batch)
+
+        worker.runner.execute = slow  # type: ignore[method-assign]
+        worker._epoch = "sched.1"
+        for seq, num_blocks in ((0, 64), (1, -1)):
+            wb = WorkerBatch(
+                epoch="sched.1",
+                batch=Batch(seq=seq, phase=Phase.RECURRENT, rows=[]),
+                num_blocks=num_blocks,
+                block_size=4,
+                kv_layout=str(config.kv_layout),
+            )
+            worker._pending[seq] = _Run(wb, "reply", time.perf_counter())
+        worker._queue_ready()
+        answers = [await asyncio.wait_for(worker._results.get(), 10) for _ in range(2)]
+    finally:
+        await worker.teardown()
+    assert [run.wb.batch.seq for run, _, _ in answers] == [0, 1]
+    assert answers[0][1].error is None
+    assert answers[1][1].error is not None and "geometry" in answers[1][1].error

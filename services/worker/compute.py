@@ -110,8 +110,13 @@ class JobRunner:
             return
         self.num_inline += 1
         outcome, elapsed = self._execute(job)
-        self._finished(job, outcome, elapsed)
-        nxt = self._next()
+        try:
+            self._finished(job, outcome, elapsed)
+        except Exception as exc:  # reported like a failed callback on the thread path
+            self._loop.call_exception_handler(
+                {"message": "job runner: done callback failed", "exception": exc}
+            )
+        nxt = self._next()  # whatever ``done`` did, the next job must run
         if nxt is not None:
             self._hand(nxt)
 
@@ -127,7 +132,10 @@ class JobRunner:
                     return
                 job = self._next()
                 if job is not None and job.inline:
-                    self._hand(job)  # to the loop, after the result above
+                    try:
+                        self._hand(job)  # to the loop, after the result above
+                    except RuntimeError:  # the loop closed in between (shutdown)
+                        return
                     job = None
 
     def _next(self) -> _Job | None:
@@ -159,17 +167,22 @@ class ExecuteTimeEstimate:
     of small batches high, so a big batch is overestimated (sent to the thread), never the
     other way round by much."""
 
-    def __init__(self, smoothing: float = 0.2) -> None:
+    def __init__(self, smoothing: float = 0.2, min_samples: int = 3) -> None:
         self.smoothing = smoothing
+        self.min_samples = min_samples  # no estimate from fewer batches than this
+        self.num_samples = 0
         self.seconds_per_token_loop: float | None = None  # None: nothing measured yet
 
     def observe(self, token_loops: int, seconds: float) -> None:
         if token_loops <= 0:
             return
+        self.num_samples += 1
         rate = seconds / token_loops
         old = self.seconds_per_token_loop
         self.seconds_per_token_loop = rate if old is None else old + self.smoothing * (rate - old)
 
     def estimate(self, token_loops: int) -> float | None:
         rate = self.seconds_per_token_loop
-        return None if rate is None else rate * token_loops
+        if rate is None or self.num_samples < self.min_samples:
+            return None
+        return rate * token_loops

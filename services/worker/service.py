@@ -119,6 +119,8 @@ class WorkerService(Service):
         self._scheduler: str | None = None
         self._scheduler_seen = 0.0  # when its last batch came
         self._needs_reset = False
+        self._runner_fresh = True  # no batch queued since the runner was (re)built
+        self.num_inline_batches = 0  # batches that ran on the event loop (compute.py)
         self._pending: dict[int, _Run] = {}  # arrived early: waits for its predecessors
         self._results: asyncio.Queue[tuple[_Run, BatchResult, float]] = asyncio.Queue()
         self.num_batches = 0
@@ -135,9 +137,11 @@ class WorkerService(Service):
                 OuroModel.from_checkpoint, self.checkpoint, dtype=self.dtype, device=self.device
             )
         cfg = self.config
-        await asyncio.to_thread(
-            self._make_runner, cfg.num_blocks, cfg.block_size, str(cfg.kv_layout)
-        )
+        geometry = (cfg.num_blocks, cfg.block_size, str(cfg.kv_layout))
+        await asyncio.to_thread(self._make_runner, *geometry)
+        # set here and when a reset is queued, never by the reset itself: a reset finishing
+        # on the thread must not undo the geometry of one queued after it
+        self._geometry = geometry
         self.compute = JobRunner(
             asyncio.get_running_loop(), self._computed, name=f"rlt-compute-{self.instance_id}"
         )
@@ -201,12 +205,12 @@ class WorkerService(Service):
             "buffered": len(self._pending),
             "batches": self.num_batches,
             "failed_batches": self.num_failed,
-            # where the batches ran: on the event loop (short CPU batches) or the thread
-            "inline_batches": self.compute.num_inline if self.compute is not None else 0,
-            "threaded_batches": self.compute.num_threaded if self.compute is not None else 0,
+            # batches queued to run on the event loop (short CPU batches); the rest ran on
+            # the compute thread
+            "inline_batches": self.num_inline_batches,
             # what the model runner did (passes, rows, time executing): for the bench and
             # for metrics; a new KV geometry starts a new runner, and these from zero
-            "runner": self.runner.stats.snapshot() if self.runner is not None else {},
+            "runner": runner.stats.snapshot() if runner is not None else {},
             "decode_s": self.decode_s,
         }
 
@@ -344,25 +348,31 @@ class WorkerService(Service):
         while (run := self._pending.pop(self._next_submit, None)) is not None:
             self._next_submit += 1
             geometry = self._geometry_of(run.wb)
-            used = self.runner is not None and self.runner.last_seq >= 0
+            # whether the runner the next job will find has run a batch: known here, in
+            # queue order (the runner itself may be mid-batch on the thread)
+            used = not self._runner_fresh
             if (self._needs_reset and used) or geometry != self._geometry:
                 try:
                     self._check_geometry(*geometry)
                 except Exception as exc:  # refused: this batch fails, the worker goes on
-                    self._results.put_nowait(
-                        (run, BatchResult(seq=run.wb.batch.seq, error=_describe(exc)), 0.0)
-                    )
+                    # answered in seq order, behind the batches queued before it
+                    refusal = BatchResult(seq=run.wb.batch.seq, error=_describe(exc))
+                    self.compute.submit(run, lambda r=refusal: r, inline=True)
                     continue
                 self._geometry = geometry  # what the queued reset will build
                 reset = _Reset(geometry)
                 self.compute.submit(reset, lambda r=reset: self._make_runner(*r.geometry))
+                self._runner_fresh = True
             self._needs_reset = False
+            self._runner_fresh = False
             run.token_loops = _token_loops(run.wb.batch)
-            self.compute.submit(run, lambda r=run: self._execute(r), inline=self._inline(run))
+            inline = self._inline(run)
+            self.num_inline_batches += inline
+            self.compute.submit(run, lambda r=run: self._execute(r), inline=inline)
 
     def _inline(self, run: _Run) -> bool:
         """Whether the batch may run on the event loop: expected to be short (unknown until
-        a batch ran on the thread)."""
+        a few batches ran on the thread)."""
         if self.inline_max_s <= 0:
             return False
         expected = self.execute_time.estimate(run.token_loops)
@@ -470,7 +480,6 @@ class WorkerService(Service):
         else:
             assert self.model is not None
             self.runner = ModelRunner(self.model, num_blocks, block_size, KVLayout(kv_layout))
-        self._geometry = (num_blocks, block_size, kv_layout)
 
 
 def _token_loops(batch: Batch) -> int:
