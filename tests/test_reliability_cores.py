@@ -190,6 +190,11 @@ def test_driver_deadlines_and_gone_clients(toy_checkpoint: Path) -> None:
     assert driver.idle and driver.scheduler.kv.num_free_blocks == 64
 
 
+def _declare_suspects(table: OpenRequests, now: float, connected_since: float) -> list:
+    """What admission does once nats-server confirms the suspects' schedulers are gone."""
+    return table.declare(list(table.suspects(now, connected_since)))
+
+
 @pytest.mark.unit
 def test_open_requests_table() -> None:
     table = OpenRequests(scheduler_lost_s=2.0, max_request_s=100.0)
@@ -202,12 +207,12 @@ def test_open_requests_table() -> None:
     table.notice(3, RequestNotice(request_id="WRONG", scheduler_id="s1", state="done"), 0.2)
     assert len(table) == 2
     table.heard_from("s1", 1.5)
-    assert table.lost(1.9, connected_since=0.0) == []
+    assert _declare_suspects(table, 1.9, connected_since=0.0) == []
     # "c" was never accepted: after scheduler_lost_s it is given up; "a"'s s1 is alive
-    assert [e.request_id for e in table.lost(2.1, connected_since=0.0)] == ["c"]
+    assert [e.request_id for e in _declare_suspects(table, 2.1, connected_since=0.0)] == ["c"]
     # our own outage does not count against s1
-    assert table.lost(5.0, connected_since=4.0) == []
-    assert [e.request_id for e in table.lost(6.5, connected_since=4.0)] == ["a"]
+    assert _declare_suspects(table, 5.0, connected_since=4.0) == []
+    assert [e.request_id for e in _declare_suspects(table, 6.5, connected_since=4.0)] == ["a"]
     table.opened(4, "d", "_INBOX.d", "", now=7.0)
     assert table.unanswered(4) is not None and len(table) == 0
 

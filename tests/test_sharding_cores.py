@@ -147,8 +147,8 @@ def test_shard_table_applies_only_good_reports() -> None:
     assert (load.waiting_tokens, load.waiting_prefill_tokens) == (100, 36)
     table.apply(_report("0", "s0b", 2, last_admission_seq={"adm": 5}), 1.1, 1000.0)
     assert table.load(table.shards["0"], 1.1).waiting_tokens == 0
-    assert table.lost(3.0, connected_since=0.0) == []
-    assert [s.shard_id for s in table.lost(3.2, connected_since=0.0)] == ["0"]
+    assert table.silent(3.0, connected_since=0.0) == []
+    assert [s.shard_id for s in table.silent(3.2, connected_since=0.0)] == ["0"]
 
 
 def test_routable_prefers_shards_with_a_worker() -> None:

@@ -646,10 +646,6 @@ class OpenRequests:
         """Removes and returns these entries: their scheduler is confirmed gone."""
         return [e for e in (self._pop(seq) for seq in seqs) if e is not None]
 
-    def lost(self, now: float, connected_since: float) -> list[OpenRequest]:
-        """Every suspect, removed (no confirmation): ``suspects`` then ``declare``."""
-        return self.declare(list(self.suspects(now, connected_since)))
-
     def schedulers(self) -> list[str]:
         """The schedulers heard from recently (those that may hold an unaccepted request)."""
         return list(self._heard)

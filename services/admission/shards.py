@@ -187,13 +187,6 @@ class ShardTable:
     def remove(self, shard_id: str) -> None:
         self.shards.pop(shard_id, None)
 
-    def lost(self, now: float, connected_since: float) -> list[Shard]:
-        """Removes and returns the silent shards (no confirmation)."""
-        gone = self.silent(now, connected_since)
-        for shard in gone:
-            self.remove(shard.shard_id)
-        return gone
-
     # ------------------------------------------------------------------ routing
     def sent(
         self, shard_id: str, seq: int, prompt_tokens: int, now: float, prefill: int | None = None
