@@ -373,7 +373,9 @@ def pipeline(s: BenchSettings) -> Comparison:
             "pinning: all of this machine's cores). The client timestamps events as they "
             "arrive. Bus overhead per step = (wall time not spent in ModelRunner.execute) / "
             "batches, pipeline minus in-process; with a process per service the scheduler "
-            "works while the worker computes, so this is the worker's idle time per step.",
+            "works while the worker computes, so this is the worker's time between batches: "
+            "waiting, and on the CPU its own receiving and publishing, which run between "
+            "short batches (RLT_WORKER_INLINE_MAX_MS).",
         ],
     )
 
