@@ -198,8 +198,8 @@ class SchedulerService(Service):
         self.timings = StepTimings()
         self._load_later: asyncio.Future[None] | None = None
         self.prefix_publisher: PrefixPublisher | None = None
-        # fencing: since when we may have been unreachable or stalled (None: not dark), a
-        # counter of dark spells, the check that ends one, and the watchdog's last tick
+        # fencing: since when we may have been unreachable or stalled (None: not dark), the
+        # latest cause, the check that ends a dark spell, and the watchdog's last tick
         self._dark_since: float | None = None
         self._dark_mark = 0.0  # the latest cause of going dark (grows with each new one)
         self._fence_task: asyncio.Task[None] | None = None

@@ -90,13 +90,11 @@ class JobRunner:
         self._thread.join(timeout)
 
     def _hand(self, job: _Job) -> None:
-        """Starts ``job`` on its runner (called by whoever finished the previous one)."""
-        if not job.inline:
-            self._to_thread.put(job)
-        elif threading.get_ident() == self._thread.ident:
-            self._loop.call_soon_threadsafe(self._start_inline, job)
-        else:
+        """On the loop: starts ``job`` on its runner."""
+        if job.inline:
             self._start_inline(job)
+        else:
+            self._to_thread.put(job)
 
     def _start_inline(self, job: _Job) -> None:
         task = self._loop.create_task(self._run_inline(job))
@@ -132,8 +130,8 @@ class JobRunner:
                     return
                 job = self._next()
                 if job is not None and job.inline:
-                    try:
-                        self._hand(job)  # to the loop, after the result above
+                    try:  # to the loop, after the result above
+                        self._loop.call_soon_threadsafe(self._start_inline, job)
                     except RuntimeError:  # the loop closed in between (shutdown)
                         return
                     job = None

@@ -111,7 +111,7 @@ class WorkerService(Service):
         self.inline_max_s = inline_max_s
         self.execute_time = ExecuteTimeEstimate()
         self._epoch: str | None = None
-        self._next_submit = 0  # next seq to queue for the compute thread
+        self._next_submit = 0  # next seq to queue for the job runner
         self._next_done = 0  # every seq before this one ran and its result is published
         # the scheduler instance whose epochs we run: another one may take us over only
         # once nats-server says that one's connection is gone (a stalled scheduler that
@@ -342,8 +342,8 @@ class WorkerService(Service):
 
     # ------------------------------------------------------------------ executing
     def _queue_ready(self) -> None:
-        """Queues, in seq order, every batch whose predecessors are queued: the compute
-        thread then runs them back to back."""
+        """Queues, in seq order, every batch whose predecessors are queued: the job runner
+        then runs them back to back."""
         assert self.compute is not None
         while (run := self._pending.pop(self._next_submit, None)) is not None:
             self._next_submit += 1
