@@ -37,6 +37,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny settings, seconds not minutes")
     p.add_argument(
@@ -79,6 +86,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         type=_positive,
         default=None,
         help="torch CPU threads (default 1 on cpu: a busy core stalls every multi-threaded op)",
+    )
+    p.add_argument(
+        "--routing-kv-prefixes",
+        type=_positive_float,
+        default=None,
+        metavar="N",
+        help="routing: KV room per shard for N of the 8 shared prefixes, beyond its clients' own "
+        "blocks (default: its share and half a prefix more, 2.5 with 4 shards)",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib PNGs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -120,6 +120,7 @@ class BenchSettings:
     rate: float | None = None
     block_size: int = 16
     model_size: str | None = None  # toy / small / 1.4b; None: a checkpoint of the user's
+    routing_kv_prefixes: float | None = None  # routing: prefixes' room per shard; None: default
 
     @property
     def vocab(self) -> TokenRange:
@@ -566,13 +567,14 @@ def routing(s: BenchSettings) -> Comparison:
         hot_share=0.75,
         name="hot_prefix",
     )
-    # KV per shard: its share of the clients' own blocks, plus room for its share of the
-    # prefixes and half a prefix more (the working set does not fit one shard: routing
-    # decides what is cached where); one shard with n x that holds all eight prefixes
+    # KV per shard: its share of the clients' own blocks, plus room for (by default) its
+    # share of the prefixes and half a prefix more (the working set does not fit one shard:
+    # routing decides what is cached where); one shard with n x that holds all eight prefixes
     bs, planes = s.block_size, s.limits.total_ut_steps
     prefix_blocks = math.ceil(prefix_tokens / bs)
     own_blocks = math.ceil((suffix[1] + output[1]) / bs) + 1
-    prefix_room = math.ceil((ROUTING_PREFIXES / n + 0.5) * prefix_blocks)
+    room = s.routing_kv_prefixes or ROUTING_PREFIXES / n + 0.5
+    prefix_room = math.ceil(room * prefix_blocks)
     per_shard = planes * (math.ceil(clients / n) * own_blocks + prefix_room)
     base = SchedulerConfig(
         max_num_seqs=clients,
@@ -636,8 +638,9 @@ def routing(s: BenchSettings) -> Comparison:
             f"Every arm runs the services as OS processes (rlt service ... --shard i) on a real "
             f"nats-server. KV per shard: {per_shard} blocks of {bs} tokens ({planes} planes): "
             f"the shard's share of the {clients} clients' own blocks plus room for "
-            f"{ROUTING_PREFIXES / n + 0.5:g} of the {ROUTING_PREFIXES} {prefix_tokens}-token "
-            f"prefixes (its share and half a prefix); the one-shard arm has {n}x that.",
+            f"{room:g} of the {ROUTING_PREFIXES} {prefix_tokens}-token prefixes"
+            f"{'' if s.routing_kv_prefixes else ' (its share and half a prefix)'}; "
+            f"the one-shard arm has {n}x that.",
             "Hit rate = prompt tokens served from the prefix cache / all prompt tokens "
             "(the finished events' num_cached_tokens). Imbalance = the busiest shard's "
             "requests / the mean over the shards.",

@@ -244,6 +244,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--rate", f"{args.rate:g}"]
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
+    if args.routing_kv_prefixes is not None:
+        parts += ["--routing-kv-prefixes", f"{args.routing_kv_prefixes:g}"]
     if sorted(args.only) != sorted(_all_names()):
         parts += ["--only", ",".join(args.only)]
     parts += ["--out", str(args.out)]
@@ -324,6 +326,7 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
         quick=args.quick,
         rate=args.rate,
         model_size=None if args.checkpoint else args.size,
+        routing_kv_prefixes=args.routing_kv_prefixes,
     )
     comparisons = build_comparisons([n for n in args.only if n != "scheduler"], settings)
     total = sum(
@@ -356,6 +359,7 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "concurrency": args.concurrency,
             "seed": args.seed,
             "rate": args.rate,
+            "routing_kv_prefixes": args.routing_kv_prefixes,
             "interleaving": "each repeat runs every (workload, arm) once, in a fixed order "
             "(A B A B ...)",
         },
