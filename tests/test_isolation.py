@@ -152,6 +152,13 @@ def test_abort_tombstones_are_per_tenant_short_lived_and_bounded() -> None:
     for i in range(5):
         t.add("", f"x{i}", 10.0)
     assert len(t) == 2
+    # aimed at one copy (admission seq): another copy of the same request is not ended
+    t = AbortTombstones(keep_s=5.0)
+    t.add("", "m", 0.0, admission_seq=7)
+    assert not t.take("", "m", 1.0, admission_seq=8) and t.take("", "m", 1.0, admission_seq=7)
+    t.add("", "m", 2.0)  # seq 0: any copy, and a later copy-aimed abort does not narrow it
+    t.add("", "m", 2.0, admission_seq=9)
+    assert t.take("", "m", 3.0, admission_seq=8)
 
 
 def test_reassembly_is_bounded_in_bytes_and_parts() -> None:
@@ -274,6 +281,15 @@ def test_driver_aborts_are_per_tenant_and_remembered(toy_checkpoint: Path) -> No
     assert item.seq == 3 and isinstance(item.event, FinishedEvent)
     assert item.event.finish_reason == "abort" and "early2" not in driver.scheduler.requests
     # metrics count every ending, the ones that never ran included
+    # a client's abort that overtook its submit (the scheduler reads them on two
+    # subscriptions): confirmed to the requester, and the copy it names ends on arrival
+    (ack,) = driver.abort("late", "_INBOX.c", tenant="", admission_seq=4)
+    assert isinstance(ack[1], FinishedEvent) and ack[1].finish_reason == "abort"
+    (delivery,) = driver.add(_admitted("late", 4))
+    assert isinstance(delivery[1], FinishedEvent) and delivery[1].finish_reason == "abort"
+    # one aimed at a copy that already ended here: not found
+    (out,) = driver.abort("late", "_INBOX.c", tenant="", admission_seq=4)
+    assert isinstance(out[1], ErrorEvent) and out[1].code == "not_found"
     registry = driver.telemetry.registry
     aborts = registry.get_sample_value("rlt:request_success_total", {"finished_reason": "abort"})
-    assert aborts == 3  # "r", "early", "early2"
+    assert aborts == 4  # "r", "early", "early2", "late"

@@ -144,6 +144,56 @@ async def test_request_lifetime_deadline(
         await wait_for(lambda: _reclaimed(services), 10, "KV freed")
 
 
+async def test_lifetime_deadline_is_kept_by_admission_when_the_scheduler_does_not(
+    nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path
+) -> None:
+    """The scheduler's own ``timeout`` counts from a little later than admission's clock;
+    when it has not come scheduler_lost_s past admission's deadline, admission ends the
+    request itself (and aborts it at its shard), never leaving the client in silence."""
+    admission_config = AdmissionConfig(max_request_s=0.5, scheduler_lost_s=1.0)
+    async with (
+        services_up(nats_server.url, toy_checkpoint, CONFIG, admission_config) as services,
+        Client.connect(nats_server.url) as client,
+    ):
+        await services["worker"].stop()  # it waits for a worker: it would never end
+        started = time.monotonic()
+        stream = await client.open(subjects.GENERATE, _long("deadline"))
+        terminal = check_stream(await stream.until_terminal(timeout=20))
+        assert isinstance(terminal, ErrorEvent) and terminal.code == "timeout", terminal
+        assert "RLT_MAX_REQUEST_S" in terminal.message
+        assert 1.4 < time.monotonic() - started < 10
+        await stream.assert_silent(0.5)
+        assert len(services["admission"].open) == 0
+        await wait_for(lambda: _reclaimed(services), 10, "aborted at its shard")
+
+
+async def test_admission_stopping_ends_what_it_relays_once_and_aborts_it(
+    nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path
+) -> None:
+    """A graceful stop of admission (SIGTERM) waits for the streams it relays; what is
+    still open at the deadline ends with one ``unavailable`` (no other admission can take
+    over its relay subject) and is aborted at its shard, and new requests are refused."""
+    async with (
+        services_up(nats_server.url, toy_checkpoint, CONFIG) as services,
+        Client.connect(nats_server.url) as client,
+    ):
+        admission = services["admission"]
+        await services["worker"].stop()  # the request waits for a worker meanwhile
+        stream = await client.open(subjects.GENERATE, _long("open-at-stop"))
+        sched = services["scheduler"].driver
+        await wait_for(lambda: "open-at-stop" in sched.streams, 10, "the request queued")
+        stopping = asyncio.create_task(admission.stop(drain_timeout=0.5))
+        await wait_for(lambda: admission.draining, 5, "admission draining")
+        refused = await client.generate(_long("late", max_tokens=3), timeout=10)
+        assert isinstance(refused[-1], ErrorEvent) and refused[-1].code == "unavailable"
+        terminal = check_stream(await stream.until_terminal(timeout=10))
+        assert isinstance(terminal, ErrorEvent) and terminal.code == "unavailable"
+        assert "admission shut down" in terminal.message
+        await stopping
+        await stream.assert_silent(0.3)
+        await wait_for(lambda: _reclaimed(services), 10, "aborted at its shard")
+
+
 async def test_limits_prompt_length_max_payload_and_reply_subjects(
     toy_checkpoint: Path, run_dir: Path, tmp_path: Path
 ) -> None:

@@ -215,6 +215,36 @@ def test_open_requests_table() -> None:
     assert [e.request_id for e in _declare_suspects(table, 6.5, connected_since=4.0)] == ["a"]
     table.opened(4, "d", "_INBOX.d", "", now=7.0)
     assert table.unanswered(4) is not None and len(table) == 0
+    # past max_request_s the scheduler's own timeout is awaited scheduler_lost_s more (it
+    # is no suspect meanwhile); then admission ends it itself
+    table.opened(5, "e", "_INBOX.e", "", now=10.0)
+    table.heard_from("s1", 112.0)
+    assert table.suspects(112.0, 0.0) == {} and table.expired(111.0) == []
+    assert [e.request_id for e in table.expired(112.5)] == ["e"] and len(table) == 0
+
+
+@pytest.mark.unit
+def test_open_requests_move_only_while_open_and_not_aborted() -> None:
+    table = OpenRequests(scheduler_lost_s=2.0)
+    admitted = _admitted("m", [1, 2, 3])
+    table.opened(1, "m", "_INBOX.m", "", now=0.0, shard="a", admitted=admitted)
+    entry = table.get(1)
+    assert entry is not None and table.is_open(entry) and table.can_move(entry, max_moves=2)
+    table.moved(entry, 2, "b", now=1.0)
+    assert table.is_open(entry) and entry.seq == 2 and table.get(1) is None
+    table.moved(entry, 3, "a", now=2.0)
+    assert not table.can_move(entry, max_moves=2)  # moved too often: it ends
+    assert table.can_move(entry, max_moves=3)
+    entry.abort_requested = True  # its abort may be lost with its shard: it ends
+    assert not table.can_move(entry, max_moves=3)
+    # ended while a move of it was pending (the caller awaited): not open, nothing to move
+    table.close(3)
+    assert not table.is_open(entry)
+    # a request another admission routed: nothing to resubmit
+    table.opened(4, "n", "_INBOX.n", "", now=3.0)
+    other = table.get(4)
+    assert other is not None and not table.can_move(other, max_moves=3)
+    assert [e.request_id for e in table.close_all()] == ["n"] and len(table) == 0
 
 
 class _Msg:

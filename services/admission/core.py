@@ -494,6 +494,8 @@ class OpenRequest:
     token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     moves: int = 0
+    # the client asked to abort it: if its shard is lost it ends, it does not move
+    abort_requested: bool = False
 
 
 class OpenRequests:
@@ -594,6 +596,21 @@ class OpenRequests:
     def close(self, seq: int) -> OpenRequest | None:
         return self._pop(seq)
 
+    def is_open(self, entry: OpenRequest) -> bool:
+        """Still open under the seq it holds (not ended, not moved meanwhile)."""
+        return self._open.get(entry.seq) is entry
+
+    @staticmethod
+    def can_move(entry: OpenRequest, max_moves: int) -> bool:
+        """Whether it may resume on another shard: admission has what it needs to resubmit
+        it, it has not moved ``max_moves`` times, and its client has not asked to abort it
+        (an abort in flight to a lost shard ends it instead)."""
+        return entry.admitted is not None and entry.moves < max_moves and not entry.abort_requested
+
+    def close_all(self) -> list[OpenRequest]:
+        """Removes and returns every entry (admission is stopping)."""
+        return [e for e in (self._pop(seq) for seq in list(self._open)) if e is not None]
+
     def find(self, request_id: str) -> OpenRequest | None:
         seq = self._by_id.get(request_id)
         return self._open.get(seq) if seq is not None else None
@@ -627,13 +644,12 @@ class OpenRequests:
         """The requests whose scheduler has been silent for ``scheduler_lost_s`` of our
         connected time (or that no scheduler accepted in time), by seq, left in the table:
         the service ends them only once nats-server confirms their scheduler is gone (a
-        stalled scheduler may still publish; see ``declare``). Forgets entries older than
-        ``max_request_s`` (the scheduler ends those itself)."""
+        stalled scheduler may still publish). Entries past ``max_request_s`` are left to
+        ``expired``."""
         out: dict[int, OpenRequest] = {}
-        for seq, entry in list(self._open.items()):
+        for seq, entry in self._open.items():
             if now - entry.sent_at > self.max_request_s:
-                self._pop(seq)
-                continue
+                continue  # the scheduler ends it with ``timeout`` (or ``expired`` does)
             ref = entry.sent_at if entry.owner is None else self._heard.get(entry.owner, 0.0)
             if now - max(ref, entry.sent_at, connected_since) > self.scheduler_lost_s:
                 out[seq] = entry
@@ -645,6 +661,14 @@ class OpenRequests:
     def declare(self, seqs: Iterable[int]) -> list[OpenRequest]:
         """Removes and returns these entries: their scheduler is confirmed gone."""
         return [e for e in (self._pop(seq) for seq in seqs) if e is not None]
+
+    def expired(self, now: float) -> list[OpenRequest]:
+        """Removes and returns the entries older than ``max_request_s`` whose scheduler's
+        own ``timeout`` has not come back within ``scheduler_lost_s`` more (its clock
+        starts a little later than ours): admission ends those itself."""
+        limit = self.max_request_s + self.scheduler_lost_s
+        old = [seq for seq, e in self._open.items() if now - e.sent_at > limit]
+        return [e for e in (self._pop(seq) for seq in old) if e is not None]
 
     def schedulers(self) -> list[str]:
         """The schedulers heard from recently (those that may hold an unaccepted request)."""

@@ -110,6 +110,9 @@ NO_WORKER_GRACE_S = 0.5
 _REFUSAL_LOG_S = 5.0
 # a gap this long in our own 0.25 s watch loop means we were stalled ourselves
 _OWN_STALL_S = 2.0
+# aborts of ids this admission does not hold ask every shard and wait up to 0.5 s for the
+# answers; beyond this many at once the requester hears ``overloaded`` instead
+_MAX_BROADCAST_ABORTS = 256
 
 
 class AdmissionService(Service):
@@ -165,6 +168,7 @@ class AdmissionService(Service):
         self._logged: dict[tuple[str, str], float] = {}
         self._last_discover = float("-inf")
         self._routing: dict[str, asyncio.Future[None]] = {}  # request id -> routed
+        self._broadcast_aborts = 0  # in flight
 
     async def setup(self) -> None:
         limits = load_model_limits(self.checkpoint)
@@ -189,7 +193,8 @@ class AdmissionService(Service):
 
     def endpoints(self) -> Sequence[Endpoint]:
         own = f"rlt-admission-{self.instance_id}"  # every admission replica hears every one
-        # inline handling keeps arrival order: an abort never overtakes its generate
+        # generate and abort are separate subscriptions (each its own task): an abort that
+        # arrives while its generate is being routed waits for it (``_routing``)
         return (
             Endpoint("generate", subjects.GENERATE, self._on_generate),
             Endpoint("abort", subjects.ABORT, self._on_abort),
@@ -213,6 +218,17 @@ class AdmissionService(Service):
                 "fence", subjects.admission_fence(self.instance_id), self._on_fence, micro=False
             ),
         )
+
+    async def drain(self, timeout: float) -> None:
+        """New requests are refused (``draining``); the streams we relay run to their end.
+        What is still open at the deadline ends with ``unavailable`` and is aborted at its
+        shard: no other admission can take over our relay subject."""
+        deadline = time.monotonic() + timeout
+        while len(self.open) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for entry in self.open.close_all():
+            await self._forward_abort(entry.request_id, entry, "", entry.trace_id, _tenant(entry))
+            await self._end(entry, "admission shut down before the request finished; retry it")
 
     async def on_ready(self) -> None:
         self.spawn(self._watch(), "open-requests")
@@ -351,7 +367,11 @@ class AdmissionService(Service):
         seq = admitted.admission_seq
         now = time.monotonic()
         self.open.opened(seq, rid, reply, prepared.trace_id, now, shard=choice, admitted=admitted)
-        await self._submit(admitted, now, overlap, traceparent)
+        try:
+            await self._submit(admitted, now, overlap, traceparent)
+        except Exception:
+            self.open.close(seq)  # the client hears an error: nothing may run it later
+            raise
         self.num_admitted += 1
         extra: dict[str, Any] = {}
         if log_content_enabled():  # user data: only when the operator asks for it
@@ -549,8 +569,14 @@ class AdmissionService(Service):
                 continue
             if entry.owner is None:
                 entry.owner = batch.scheduler_id
-            if event is not None:
+            if event is None:
+                continue
+            try:
                 await self._pass_on(entry, event, now)
+            except Exception:  # only this stream suffers; the batch's others go on
+                self.log.exception(
+                    "relayed event failed", **request_fields(entry.request_id, entry.trace_id)
+                )
 
     async def _pass_on(self, entry: OpenRequest, event: StreamEvent, now: float) -> None:
         if isinstance(event, ErrorEvent) and event.code == ErrorCode.UNAVAILABLE:
@@ -625,6 +651,13 @@ class AdmissionService(Service):
                 self.log.exception("shard check failed")
 
     async def _check_shards(self, now: float) -> None:
+        for entry in self.open.expired(now):
+            await self._forward_abort(entry.request_id, entry, "", entry.trace_id, _tenant(entry))
+            await self._end(
+                entry,
+                f"request exceeded RLT_MAX_REQUEST_S ({self.config.max_request_s:g} s)",
+                ErrorCode.TIMEOUT,
+            )
         since = max(self.bus_connected_since, self._judge_from)
         silent = self.shards.silent(now, since)
         suspects = self.open.suspects(now, since)
@@ -712,16 +745,20 @@ class AdmissionService(Service):
             self.open.close(entry.seq)
             # if its scheduler comes back, it drops this try without a word (fencing)
             self.fences.add(entry.owner, entry.request_id, entry.seq, time.monotonic())
-            await self._end(
-                entry, f"the scheduler holding this request stopped ({reason}); retry it"
-            )
+            if entry.abort_requested:  # it ends, as asked, only not with its usual event
+                message = f"aborted; its shard stopped before it confirmed ({reason})"
+            else:
+                message = f"the scheduler holding this request stopped ({reason}); retry it"
+            await self._end(entry, message)
 
     async def _move(self, entry: OpenRequest, reason: str) -> bool:
         """Resubmits ``entry`` to another healthy shard with the outputs the client has;
         False if it cannot move (no other healthy shard, or moved too often)."""
         assert self.core is not None
+        if not self.open.is_open(entry):
+            return True  # ended or moved while we awaited something: already handled
         admitted = entry.admitted
-        if admitted is None or entry.moves >= self.config.max_moves:
+        if admitted is None or not self.open.can_move(entry, self.config.max_moves):
             return False
         now = time.monotonic()
         old_shard, old_seq, old_owner = entry.shard, entry.seq, entry.owner
@@ -756,14 +793,21 @@ class AdmissionService(Service):
         )
         return True
 
-    async def _end(self, entry: OpenRequest, message: str) -> None:
-        self.num_lost += 1
+    async def _end(
+        self, entry: OpenRequest, message: str, code: ErrorCode = ErrorCode.UNAVAILABLE
+    ) -> None:
+        """The client's terminal event, sent by admission (the entry is closed already)."""
+        if code is ErrorCode.UNAVAILABLE:
+            self.num_lost += 1
         self.log.warning(
-            "open request lost", reason=message, **request_fields(entry.request_id, entry.trace_id)
+            "open request ended by admission",
+            code=str(code),
+            reason=message,
+            **request_fields(entry.request_id, entry.trace_id),
         )
         event = ErrorEvent(
             request_id=subjects.public_request_id(entry.request_id),
-            code=str(ErrorCode.UNAVAILABLE),
+            code=str(code),
             message=message,
         )
         try:
@@ -800,8 +844,15 @@ class AdmissionService(Service):
         entry = self.open.find(rid)
         if entry is None or _tenant(entry) != tenant:
             # another admission routed it, or it is unknown: every shard is asked
+            if self._broadcast_aborts >= _MAX_BROADCAST_ABORTS:
+                if reply:
+                    why = "too many aborts of requests this admission does not hold; retry"
+                    await self._reject(reply, AdmissionError(rid, ErrorCode.OVERLOADED, why))
+                return
+            self._broadcast_aborts += 1
             self.spawn(self._abort_anywhere(rid, reply, trace_id, tenant), "abort")
             return
+        entry.abort_requested = True
         await self._forward_abort(rid, entry, reply, trace_id, tenant)
         fields = request_fields(abort.request_id, trace_id)
         self.log.info("abort forwarded", tenant=tenant, **fields)
@@ -818,6 +869,14 @@ class AdmissionService(Service):
             tenant=tenant,
             broadcast=True,
         )
+        try:
+            await self._ask_every_shard(forward, reply, request_id, trace_id)
+        finally:
+            self._broadcast_aborts -= 1
+
+    async def _ask_every_shard(
+        self, forward: AbortForward, reply: str, request_id: str, trace_id: str
+    ) -> None:
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         held = False

@@ -88,7 +88,7 @@ class Service:
         self._micro: MicroService | None = None
         self._handlers: list[BoundedHandler] = []
         self._plain_subs: list[Subscription] = []
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # running ones (each removes itself)
         self._metrics: MetricsPublisher | None = None
         # bus state: liveness judgements (heartbeats, reports) only count time connected
         self.bus_connected = False
@@ -150,11 +150,12 @@ class Service:
         task.set_name(f"{self.name}:{name}")
 
         def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
             if not t.cancelled() and t.exception() is not None:
                 self.log.error("background task crashed", task=name, error=repr(t.exception()))
 
         task.add_done_callback(done)
-        self._tasks.append(task)
+        self._tasks.add(task)
         return task
 
     async def start(self) -> None:
@@ -245,9 +246,10 @@ class Service:
             await sub.unsubscribe()
         for bounded in self._handlers:
             await bounded.wait_idle(timeout=5.0)
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.teardown()
         if self._nc is not None and not self._nc.is_closed:
             try:

@@ -218,7 +218,7 @@ class SchedulerDriver:
             return []
         if self.draining:
             return self._refuse(req, track, ErrorCode.UNAVAILABLE, "scheduler is shutting down")
-        if self.tombstones.take(req.tenant, req.request_id, time.monotonic()):
+        if self.tombstones.take(req.tenant, req.request_id, time.monotonic(), req.admission_seq):
             # its abort came first: it ends now, without running
             self.log.info("request aborted before it arrived", **fields)
             self._notice(track, req.request_id, "accepted")
@@ -287,6 +287,7 @@ class SchedulerDriver:
         (with a copy of a finished event, kept to answer a retry). Metrics count it like any
         other ending (a refusal by its error code, an early abort as finished "abort")."""
         self.telemetry.on_events([event], self.core.inflight)
+        self._remember_ended(req.request_id, (req.admission_id, req.admission_seq))
         if req.relay_subject:
             self._relay(
                 req.relay_subject,
@@ -390,17 +391,22 @@ class SchedulerDriver:
     ) -> list[Delivery]:
         """Ends a live request of ``tenant`` with ``finish_reason: abort``. ``admission_seq``
         > 0 aborts only the stream admitted under that seq (a request admission moved away
-        from here). An abort for a request that is not here (yet) is remembered for a few
-        seconds (``tombstones``) and honoured if the request arrives; the requester hears
-        ``not_found`` now, unless the abort was a ``broadcast`` to every shard. The
-        requester's reply carries no outputs: those go to the request's own stream only."""
+        from here, or the copy admission knows of). An abort for a request that is not here
+        (yet) is remembered for a few seconds (``tombstones``) and honoured if the request
+        arrives; the requester hears ``not_found`` now, unless the abort was a ``broadcast``
+        to every shard, or it named a seq that has not been here (its submit is behind it:
+        the requester hears the abort confirmed). The requester's reply carries no outputs:
+        those go to the request's own stream only."""
         stream = self.streams.get(request_id)
-        if admission_seq and (stream is None or stream.admission_seq != admission_seq):
-            return []
+        if stream is not None and admission_seq and stream.admission_seq != admission_seq:
+            stream = None  # another copy: not the one aborted
         if stream is None or stream.tenant != tenant:
-            self.tombstones.add(tenant, request_id, time.monotonic())
+            self.tombstones.add(tenant, request_id, time.monotonic(), admission_seq)
             if not requester_reply or broadcast:
                 return []
+            ended = self._ended_keys.get(request_id)
+            if admission_seq and (ended is None or ended[1] != admission_seq):
+                return [(requester_reply, _aborted(request_id, 0))]
             message = f"unknown request id {request_id!r}"
             return [(requester_reply, error_event(request_id, ErrorCode.NOT_FOUND, message))]
         try:
@@ -551,10 +557,14 @@ class SchedulerDriver:
             self.by_no.pop(stream.no, None)
             if not stream.relay:  # a relayed terminal event tells admission itself
                 self._notice(stream.track, request_id, "done", finished)
-            self._ended_keys[request_id] = stream.key
-            while len(self._ended_keys) > 10_000:
-                self._ended_keys.popitem(last=False)
+            self._remember_ended(request_id, stream.key)
         return stream
+
+    def _remember_ended(self, request_id: str, key: StreamKey) -> None:
+        self._ended_keys[request_id] = key
+        self._ended_keys.move_to_end(request_id)
+        while len(self._ended_keys) > 10_000:
+            self._ended_keys.popitem(last=False)
 
     def _route(self, events: Iterable[StreamEvent]) -> list[Delivery]:
         out: list[Delivery] = []

@@ -4,7 +4,9 @@ Admission forwards a generate and a later abort in order, but the scheduler read
 and aborts on two subscriptions (and with several admission replicas, or a client's retry,
 the two may come from different places), so an abort can reach the scheduler first. It is
 remembered for ``keep_s`` and honoured when its request arrives: the request ends at once
-with ``finish_reason: abort`` instead of running.
+with ``finish_reason: abort`` instead of running. An abort aimed at one admission seq (a
+copy admission moved away, or a client's abort of the copy it knows) ends only that copy;
+an abort of seq 0 ends whichever arrives.
 """
 
 from __future__ import annotations
@@ -16,25 +18,33 @@ class AbortTombstones:
     def __init__(self, keep_s: float = 10.0, max_entries: int = 10_000) -> None:
         self.keep_s = keep_s
         self.max_entries = max_entries
-        self._items: OrderedDict[tuple[str, str], float] = OrderedDict()
+        # (tenant, request id) -> (when, admission seq or 0 for any)
+        self._items: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, tenant: str, request_id: str, now: float) -> None:
+    def add(self, tenant: str, request_id: str, now: float, admission_seq: int = 0) -> None:
         key = (tenant, request_id)
-        self._items.pop(key, None)
-        self._items[key] = now
+        old = self._items.pop(key, None)
+        if old is not None and old[1] == 0:
+            admission_seq = 0  # an abort of every copy stays one (else the newest copy's wins)
+        self._items[key] = (now, admission_seq)
         self.expire(now)
 
-    def take(self, tenant: str, request_id: str, now: float) -> bool:
-        """Whether an abort for this request is waiting (it is used up)."""
+    def take(self, tenant: str, request_id: str, now: float, admission_seq: int = 0) -> bool:
+        """Whether an abort for this copy of the request is waiting (it is used up)."""
         self.expire(now)
-        return self._items.pop((tenant, request_id), None) is not None
+        key = (tenant, request_id)
+        entry = self._items.get(key)
+        if entry is None or entry[1] not in (0, admission_seq):
+            return False
+        del self._items[key]
+        return True
 
     def expire(self, now: float) -> None:
         while self._items:
-            oldest_at = next(iter(self._items.values()))
+            oldest_at = next(iter(self._items.values()))[0]
             if now - oldest_at <= self.keep_s and len(self._items) <= self.max_entries:
                 break
             self._items.popitem(last=False)
