@@ -413,8 +413,7 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
             (subjects.SCHED_SUBMIT, AdmittedRequest, lambda m: driver.add(m, track=track)),
             (subjects.SCHED_ABORT, AbortForward, lambda m: driver.abort(
                 m.request_id, admission_seq=m.admission_seq, broadcast=m.broadcast)),
-            (subjects.SCHED_LOAD, SchedulerLoad, lambda m: (
-                admission.load.apply(m), shards.apply(m, 0.0, time.time()))),
+            (subjects.SCHED_LOAD, SchedulerLoad, lambda m: shards.apply(m, 0.0, time.time())),
             (subjects.SHARD_ANNOUNCE, ShardAnnounce, lambda m: shards.announce(m, 0.0)),
             (subjects.admission_relay("a"), RelayBatch, lambda m: [
                 table.relayed(m.shard_id, e) for e in m.events]),

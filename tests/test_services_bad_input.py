@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from messages.api import AbortRequest, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
-from messages.internal import AdmittedRequest, SchedulerLoad
+from messages.internal import AdmittedRequest, SchedulerLoad, ShardAnnounce
 from messages.sampling import SamplingParams
-from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError
+from services.admission.core import AdmissionConfig, AdmissionCore
+from services.admission.shards import ShardTable, ShardTableConfig
 from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
 from services.common.tokenizer import TextCodec
@@ -143,37 +144,53 @@ async def test_overload_is_refused_with_overloaded(
 
 # ---------------------------------------------------------------------- pure cores
 @pytest.mark.unit
-def test_admission_backpressure_counts_unacknowledged_sends(toy_checkpoint: Path) -> None:
+def test_admission_backpressure_is_per_shard_and_counts_unacknowledged_sends(
+    toy_checkpoint: Path,
+) -> None:
+    """What ``_route`` refuses with ``overloaded``: a shard's waiting queue as admission
+    sees it (its last report plus the sends since) against the per-shard limits."""
     core = AdmissionCore(
         load_model_limits(toy_checkpoint),
-        TextCodec.from_checkpoint(toy_checkpoint),
+        None,
         AdmissionConfig(max_waiting_requests=3, max_waiting_tokens=100),
         admission_id="a1",
     )
-    now = 100.0
-
-    def prepare(n: int) -> object:
-        return core.prepare(json.dumps({"prompt_token_ids": [1] * n}).encode())
-
-    for _ in range(3):
-        p = prepare(10)
-        core.check_backpressure(p, now=now)
-        core.admit(p, "_INBOX.x", now=now)
-    with pytest.raises(AdmissionError) as err:
-        core.check_backpressure(prepare(10), now=now)
-    assert err.value.code == "overloaded"
-    # the scheduler has seen two of them and runs one: one waiting + one unseen
-    core.load.apply(
-        SchedulerLoad(
-            scheduler_id="s", num_waiting=1, num_waiting_tokens=10, last_admission_seq={"a1": 2}
-        ),
-        now=now,
+    table = ShardTable("a1", block_size=16, config=ShardTableConfig(unseen_expiry_s=10.0))
+    table.announce(
+        ShardAnnounce(shard_id="0", scheduler_id="s", producer_id="p", block_size=16), 100.0
     )
-    core.check_backpressure(prepare(10), now=now)
-    with pytest.raises(AdmissionError, match="prompt tokens"):
-        core.check_backpressure(prepare(85), now=now)
+    table.apply(
+        SchedulerLoad(scheduler_id="s", shard_id="0", report_seq=1, time=1000.0), 100.0, 1000.0
+    )
+    shard = table.shards["0"]
+
+    def why(prompt: int, now: float = 100.0) -> str | None:
+        load = table.load(shard, now)
+        return core.over_limit(load.num_waiting, load.waiting_tokens, prompt)
+
+    for seq in (1, 2, 3):
+        assert why(10) is None
+        table.sent("0", seq, 10, 100.0)
+    assert "3 requests are waiting" in (why(10) or "")
+    # the scheduler has seen two of them and runs one: one waiting + one unseen
+    table.apply(
+        SchedulerLoad(
+            scheduler_id="s",
+            shard_id="0",
+            report_seq=2,
+            time=1000.0,
+            num_waiting=1,
+            num_waiting_tokens=10,
+            last_admission_seq={"a1": 2},
+        ),
+        100.0,
+        1000.0,
+    )
+    assert why(10) is None
+    assert "prompt tokens are waiting" in (why(85) or "")
     # an unacknowledged send is forgotten after a while (it was lost)
-    assert core.load.waiting(now + 60) == (1, 10)
+    load = table.load(shard, 160.0)
+    assert (load.num_waiting, load.waiting_tokens) == (1, 10)
 
 
 def _driver_and_runner(ckpt: Path, config: SchedulerConfig) -> tuple[SchedulerDriver, ModelRunner]:

@@ -29,7 +29,7 @@ from messages.api import (
     TokenEvent,
 )
 from messages.errors import ErrorCode, RequestError
-from messages.internal import AdmittedRequest, RelayedEvent, RequestNotice, SchedulerLoad
+from messages.internal import AdmittedRequest, RelayedEvent, RequestNotice
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits
 from services.common.fit import KVGeometry, check_request_fits
@@ -68,11 +68,6 @@ class AdmissionConfig:
     # backpressure: requests / prompt tokens queued at the scheduler (not yet running)
     max_waiting_requests: int = 1024
     max_waiting_tokens: int = 1 << 20
-    # a send the scheduler has not acknowledged in its load report after this long was lost
-    unseen_expiry_s: float = 10.0
-    # without a load report this recent, admission asks the scheduler directly whether it is
-    # there (reports come every 0.25 s), and refuses with "unavailable" if it is not
-    scheduler_stale_s: float = 1.0
     max_request_id_length: int = 256
     # KV geometry, to refuse requests that can never fit (None: leave it to the scheduler)
     block_size: int = 16
@@ -160,48 +155,6 @@ class Prepared:
     tenant: str = subjects.DEFAULT_TENANT
 
 
-class LoadTracker:
-    """The scheduler's waiting queue as this admission sees it: the last load report plus
-    what this admission sent since that report was taken."""
-
-    def __init__(self, admission_id: str, unseen_expiry_s: float) -> None:
-        self.admission_id = admission_id
-        self.unseen_expiry_s = unseen_expiry_s
-        self._seq = 0
-        self._unseen: deque[tuple[int, int, float]] = deque()  # (seq, tokens, sent_at)
-        self._unseen_tokens = 0
-        self._report: SchedulerLoad | None = None
-        self._report_at = float("-inf")
-
-    def next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
-    def record_sent(self, seq: int, num_tokens: int, now: float) -> None:
-        self._unseen.append((seq, num_tokens, now))
-        self._unseen_tokens += num_tokens
-
-    def apply(self, report: SchedulerLoad, now: float | None = None) -> None:
-        self._report = report
-        self._report_at = time.monotonic() if now is None else now
-        self._drop_while(lambda seq, _t: seq <= report.last_admission_seq.get(self.admission_id, 0))
-
-    def is_stale(self, now: float, max_age_s: float) -> bool:
-        """No report from a scheduler recently: it may be gone."""
-        return now - self._report_at > max_age_s
-
-    def waiting(self, now: float) -> tuple[int, int]:
-        self._drop_while(lambda _seq, sent_at: now - sent_at > self.unseen_expiry_s)
-        base_n = self._report.num_waiting if self._report else 0
-        base_t = self._report.num_waiting_tokens if self._report else 0
-        return base_n + len(self._unseen), base_t + self._unseen_tokens
-
-    def _drop_while(self, pred) -> None:  # type: ignore[no-untyped-def]
-        while self._unseen and pred(self._unseen[0][0], self._unseen[0][2]):
-            _, tokens, _ = self._unseen.popleft()
-            self._unseen_tokens -= tokens
-
-
 class AdmissionCore:
     def __init__(
         self,
@@ -214,7 +167,11 @@ class AdmissionCore:
         self.codec = codec
         self.config = config or AdmissionConfig()
         self.admission_id = admission_id or uuid.uuid4().hex[:12]
-        self.load = LoadTracker(self.admission_id, self.config.unseen_expiry_s)
+        self._seq = 0  # admission seqs: one per submit (a move is a new submit)
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
 
     # ------------------------------------------------------------------ generate
     def prepare(
@@ -264,15 +221,6 @@ class AdmissionCore:
             return f"the reply subject must be inside this tenant's inbox prefix {inbox}."
         return None
 
-    def check_backpressure(self, prepared: Prepared, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        n, tokens = self.load.waiting(now)
-        why = self.over_limit(n, tokens, len(prepared.prompt_token_ids))
-        if why is not None:
-            raise AdmissionError(
-                prepared.request_id, ErrorCode.OVERLOADED, f"server overloaded: {why}"
-            )
-
     def over_limit(self, num_waiting: int, waiting_tokens: int, num_prompt: int) -> str | None:
         """Why one more request of ``num_prompt`` tokens may not join a queue this long
         (None: it may). The limits hold per scheduler (per shard)."""
@@ -294,15 +242,11 @@ class AdmissionCore:
         prepared: Prepared,
         reply_subject: str,
         *,
-        now: float | None = None,
         shard_id: str = "",
         relay_subject: str = "",
     ) -> AdmittedRequest:
-        """Builds the message for the scheduler and counts it as waiting."""
-        seq = self.load.next_seq()
-        self.load.record_sent(
-            seq, len(prepared.prompt_token_ids), time.monotonic() if now is None else now
-        )
+        """Builds the message for the scheduler (the shard table counts it as waiting)."""
+        seq = self.next_seq()
         return AdmittedRequest(
             request_id=prepared.request_id,
             prompt_token_ids=prepared.prompt_token_ids,

@@ -545,7 +545,6 @@ class AdmissionService(Service):
             if refused is Refusal.UNKNOWN:
                 await self._ask_shards()  # a shard we missed announces itself again
             return
-        self.core.load.apply(report, now)
         self.open.heard_from(report.scheduler_id, now)
 
     def _log_refusal(self, shard: str, what: str, **fields: Any) -> None:
@@ -690,6 +689,8 @@ class AdmissionService(Service):
         for shard in silent:
             if verdicts.get(shard.scheduler_id) != "gone":
                 continue
+            if self.shards.shards.get(shard.shard_id) is not shard:
+                continue  # a new scheduler announced it while we probed: that path moved them
             self.shards.remove(shard.shard_id)
             self.recent.forget_shard(shard.shard_id)
             entries = self.open.on_shard(shard.shard_id)
@@ -767,7 +768,7 @@ class AdmissionService(Service):
             return False
         loads = [self.shards.load(s, now) for s in healthy]
         target = self.router.choose(loads, len(admitted.prompt_token_ids)).shard_id
-        seq = self.core.load.next_seq()
+        seq = self.core.next_seq()
         resumed = msgspec.structs.replace(
             admitted,
             admission_seq=seq,
