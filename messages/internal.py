@@ -187,6 +187,10 @@ class FenceQuery(msgspec.Struct, kw_only=True):
     of my requests did you end meanwhile?" It holds their stream events until it knows."""
 
     scheduler_id: str
+    # the admission seqs of the tries it holds for that admission (live, or with events
+    # waiting): only those can be fenced there, so the answer names no others (its size is
+    # bounded by the scheduler's own streams). Empty: every try fenced for this scheduler.
+    seqs: list[int] = msgspec.field(default_factory=list)
 
 
 class FenceUpdate(msgspec.Struct, kw_only=True):

@@ -140,6 +140,10 @@ def test_fence_log_is_per_scheduler_bounded_and_expires() -> None:
         log.add("s1", f"x{i}", 10 + i, 3.0)
     assert len(log) == 3 and [r for r, _ in log.for_scheduler("s1", 3.0)] == ["x0", "x1", "x2"]
     assert log.for_scheduler("s1", 14.0) == []
+    # a scheduler names the tries it holds: the answer is bounded by them
+    log.add("s1", "y", 20, 15.0)
+    log.add("s1", "z", 21, 15.0)
+    assert log.for_scheduler("s1", 15.0, seqs=[21, 99]) == [("z", 21)]
 
 
 def test_abort_tombstones_are_per_tenant_short_lived_and_bounded() -> None:

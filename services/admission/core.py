@@ -646,9 +646,17 @@ class FenceLog:
         self._items.append((now, scheduler_id, request_id, seq))
         self.expire(now)
 
-    def for_scheduler(self, scheduler_id: str, now: float) -> list[tuple[str, int]]:
+    def for_scheduler(
+        self, scheduler_id: str, now: float, seqs: Iterable[int] = ()
+    ) -> list[tuple[str, int]]:
+        """The tries fenced for ``scheduler_id``; only those among ``seqs`` when given."""
         self.expire(now)
-        return [(rid, seq) for _, sid, rid, seq in self._items if sid in (None, scheduler_id)]
+        among = set(seqs)
+        return [
+            (rid, seq)
+            for _, sid, rid, seq in self._items
+            if sid in (None, scheduler_id) and (not among or seq in among)
+        ]
 
     def expire(self, now: float) -> None:
         while self._items and (

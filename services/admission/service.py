@@ -731,7 +731,7 @@ class AdmissionService(Service):
         except msgspec.DecodeError as exc:
             self.log.warning("bad fence query", error=str(exc)[:200])
             return
-        fenced = self.fences.for_scheduler(query.scheduler_id, time.monotonic())
+        fenced = self.fences.for_scheduler(query.scheduler_id, time.monotonic(), query.seqs)
         update = FenceUpdate(
             admission_id=self.instance_id,
             fenced=fenced,

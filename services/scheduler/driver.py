@@ -428,6 +428,14 @@ class SchedulerDriver:
     def keys_of(self, admission_ids: set[str]) -> set[StreamKey]:
         return {s.key for s in self.streams.values() if s.admission_id in admission_ids}
 
+    def relayed_keys(self) -> set[StreamKey]:
+        """The tries with relayed events not yet sent."""
+        return {
+            (self._relay_admission[subject], item.seq)
+            for subject, items in self.relayed.items()
+            for item in items
+        }
+
     def drop_fenced(self, keys: set[StreamKey]) -> list[str]:
         """Admission ended these tries while we were cut off or stalled (fencing): they end
         here without another event or notice (their clients already have their terminal

@@ -757,13 +757,13 @@ class SchedulerService(Service):
         pending = self.driver.admissions()
         fenced: set[StreamKey] = set()
         lost_s = self.options.scheduler_lost_s
-        query = encode_msgpack(FenceQuery(scheduler_id=self.instance_id))
+        queries = self._fence_queries(pending)
         deadline = time.monotonic() + _FENCE_WAIT_S
         while pending and time.monotonic() < deadline:
             for admission_id in list(pending):
                 try:
                     msg = await self.nc.request(
-                        subjects.admission_fence(admission_id), query, timeout=1.0
+                        subjects.admission_fence(admission_id), queries[admission_id], timeout=1.0
                     )
                     update = decode_msgpack(msg.data, FenceUpdate)
                 except NoRespondersError:
@@ -777,6 +777,22 @@ class SchedulerService(Service):
             if pending:
                 await asyncio.sleep(0.25)
         return fenced, pending, lost_s
+
+    def _fence_queries(self, admission_ids: set[str]) -> dict[str, bytes]:
+        """Per admission, the query naming the tries we hold for it (live streams, held
+        client events, relayed events not yet sent): the only ones a fence can drop."""
+        assert self.driver is not None
+        keys = self.driver.keys_of(admission_ids) | self.driver.relayed_keys()
+        keys |= {m[3] for m in self._held if m[3] is not None}
+        return {
+            aid: encode_msgpack(
+                FenceQuery(
+                    scheduler_id=self.instance_id,
+                    seqs=sorted(seq for a, seq in keys if a == aid),
+                )
+            )
+            for aid in admission_ids
+        }
 
     async def _end_dark(
         self, fenced: set[StreamKey], unanswered: set[str], dark_s: float, lost_s: float
