@@ -44,8 +44,10 @@ class AbortForward(msgspec.Struct, kw_only=True):
     reply_subject: str = ""
     trace_id: str = ""
     tenant: str = ""  # only a request of this tenant is aborted
-    # > 0: only the stream admitted under this admission seq (a moved request's old copy)
+    # > 0: only the stream admitted under this admission seq (a moved request's old copy,
+    # or the copy the aborting admission knows), seqs being counted per admission
     admission_seq: int = 0
+    admission_id: str = ""
     # sent to every shard (admission did not know where it runs): unknown ids are not an error
     broadcast: bool = False
 

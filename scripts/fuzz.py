@@ -412,7 +412,8 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
         for prefix, typ, core in (
             (subjects.SCHED_SUBMIT, AdmittedRequest, lambda m: driver.add(m, track=track)),
             (subjects.SCHED_ABORT, AbortForward, lambda m: driver.abort(
-                m.request_id, admission_seq=m.admission_seq, broadcast=m.broadcast)),
+                m.request_id, admission_id=m.admission_id, admission_seq=m.admission_seq,
+                broadcast=m.broadcast)),
             (subjects.SCHED_LOAD, SchedulerLoad, lambda m: shards.apply(m, 0.0, time.time())),
             (subjects.SHARD_ANNOUNCE, ShardAnnounce, lambda m: shards.announce(m, 0.0)),
             (subjects.admission_relay("a"), RelayBatch, lambda m: [

@@ -158,11 +158,12 @@ def test_abort_tombstones_are_per_tenant_short_lived_and_bounded() -> None:
     assert len(t) == 2
     # aimed at one copy (admission seq): another copy of the same request is not ended
     t = AbortTombstones(keep_s=5.0)
-    t.add("", "m", 0.0, admission_seq=7)
-    assert not t.take("", "m", 1.0, admission_seq=8) and t.take("", "m", 1.0, admission_seq=7)
-    t.add("", "m", 2.0)  # seq 0: any copy, and a later copy-aimed abort does not narrow it
-    t.add("", "m", 2.0, admission_seq=9)
-    assert t.take("", "m", 3.0, admission_seq=8)
+    t.add("", "m", 0.0, ("a1", 7))
+    assert not t.take("", "m", 1.0, ("a1", 8)) and not t.take("", "m", 1.0, ("a2", 7))
+    assert t.take("", "m", 1.0, ("a1", 7))
+    t.add("", "m", 2.0)  # any copy, and a later copy-aimed abort does not narrow it
+    t.add("", "m", 2.0, ("a1", 9))
+    assert t.take("", "m", 3.0, ("a1", 8))
 
 
 def test_reassembly_is_bounded_in_bytes_and_parts() -> None:
@@ -256,8 +257,35 @@ def test_driver_fences_a_try_never_its_retry(toy_checkpoint: Path) -> None:
     assert driver.stream_key("r") == ("a1", 2)
     assert driver.drop_fenced({("a1", 2)}) == [("a1", 2)]
     assert not driver.streams and not driver.scheduler.requests
-    # nothing more is said about a fenced try: admission already ended it
-    assert [n.state for _, n in driver.take_notices()] == ["accepted", "accepted"]
+    # the first try's entry is told "done" when the retry takes the stream over; nothing
+    # more is said about a fenced try: admission already ended it
+    notices = [(track, n.state) for track, n in driver.take_notices()]
+    assert notices == [
+        ("rlt.v1.adm.a1.1", "accepted"),
+        ("rlt.v1.adm.a1.1", "done"),
+        ("rlt.v1.adm.a1.2", "accepted"),
+    ]
+
+
+def test_driver_aims_aborts_at_one_try_and_hands_a_retried_stream_over(
+    toy_checkpoint: Path,
+) -> None:
+    driver = SchedulerDriver(SchedulerConfig(), load_model_limits(toy_checkpoint))
+    driver.add(_admitted("x", 3, admission="a1"), track="rlt.v1.adm.a1.3")
+    # seqs are counted per admission: an abort of a2's seq 3 is not an abort of a1's
+    (out,) = driver.abort("x", "_INBOX.c", admission_id="a2", admission_seq=3)
+    assert isinstance(out[1], ErrorEvent) and out[1].code == "not_found"
+    assert "x" in driver.streams
+    # the client retries x through admission a2, and aborts it there; the abort overtakes
+    # the retry's submit: the retry re-attaches to the live stream, which then ends
+    driver.abort("x", "_INBOX.c", admission_id="a2", admission_seq=7)
+    driver.take_notices()
+    events = driver.add(_admitted("x", 7, admission="a2"), track="rlt.v1.adm.a2.7")
+    assert [e.finish_reason for _, e in events if isinstance(e, FinishedEvent)] == ["abort"]
+    assert "x" not in driver.streams and not driver.scheduler.requests
+    # a1, the admission it came through first, closes its entry without a word
+    notices = [(t, n.state) for t, n in driver.take_notices()]
+    assert ("rlt.v1.adm.a1.3", "done") in notices and ("rlt.v1.adm.a2.7", "accepted") in notices
 
 
 def test_driver_aborts_are_per_tenant_and_remembered(toy_checkpoint: Path) -> None:
@@ -287,12 +315,12 @@ def test_driver_aborts_are_per_tenant_and_remembered(toy_checkpoint: Path) -> No
     # metrics count every ending, the ones that never ran included
     # a client's abort that overtook its submit (the scheduler reads them on two
     # subscriptions): confirmed to the requester, and the copy it names ends on arrival
-    (ack,) = driver.abort("late", "_INBOX.c", tenant="", admission_seq=4)
+    (ack,) = driver.abort("late", "_INBOX.c", tenant="", admission_id="a1", admission_seq=4)
     assert isinstance(ack[1], FinishedEvent) and ack[1].finish_reason == "abort"
     (delivery,) = driver.add(_admitted("late", 4))
     assert isinstance(delivery[1], FinishedEvent) and delivery[1].finish_reason == "abort"
     # one aimed at a copy that already ended here: not found
-    (out,) = driver.abort("late", "_INBOX.c", tenant="", admission_seq=4)
+    (out,) = driver.abort("late", "_INBOX.c", tenant="", admission_id="a1", admission_seq=4)
     assert isinstance(out[1], ErrorEvent) and out[1].code == "not_found"
     registry = driver.telemetry.registry
     aborts = registry.get_sample_value("rlt:request_success_total", {"finished_reason": "abort"})

@@ -541,7 +541,7 @@ class OpenRequests:
         return self._pop(seq)
 
     def is_open(self, entry: OpenRequest) -> bool:
-        """Still open under the seq it holds (not ended, not moved meanwhile)."""
+        """Still open (not ended meanwhile; a move keeps it open under its new seq)."""
         return self._open.get(entry.seq) is entry
 
     @staticmethod

@@ -224,7 +224,8 @@ class AdmissionService(Service):
         What is still open at the deadline ends with ``unavailable`` and is aborted at its
         shard: no other admission can take over our relay subject."""
         deadline = time.monotonic() + timeout
-        while len(self.open) and time.monotonic() < deadline:
+        # (a generate being routed opens its entry after it, or is refused: see _forward)
+        while (len(self.open) or self._routing) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for entry in self.open.close_all():
             await self._forward_abort(entry.request_id, entry, "", entry.trace_id, _tenant(entry))
@@ -361,6 +362,8 @@ class AdmissionService(Service):
         finally:
             self._routing.pop(rid, None)
             routed.set_result(None)
+        if self.draining:  # we may be past drain's last look at the open requests
+            raise AdmissionError(rid, ErrorCode.UNAVAILABLE, "admission is shutting down")
         admitted = self.core.admit(
             prepared, reply, shard_id=choice, relay_subject=self.relay_subject
         )
@@ -518,7 +521,8 @@ class AdmissionService(Service):
                 scheduler=announce.scheduler_id,
             )
             for entry in self.open.on_shard(announce.shard_id):
-                if entry.owner == replaced:
+                # (an entry another path moved while we awaited has left the shard)
+                if entry.owner == replaced and entry.shard == announce.shard_id:
                     await self._move_or_end(entry, "its scheduler restarted")
         else:
             self.log.info(
@@ -666,7 +670,8 @@ class AdmissionService(Service):
             if not self.shards.healthy(now, exclude=shard.shard_id):
                 continue  # nowhere better: they wait for a worker there
             for entry in self.open.on_shard(shard.shard_id):
-                await self._move(entry, "its shard has no worker")
+                if entry.shard == shard.shard_id:  # not moved by another path meanwhile
+                    await self._move(entry, "its shard has no worker")
 
     async def _judge(self, silent: list[Shard], suspects: dict[int, OpenRequest]) -> None:
         """Moves (or ends) the requests of silent shards and schedulers once nats-server
@@ -701,7 +706,8 @@ class AdmissionService(Service):
                 open_requests=len(entries),
             )
             for entry in entries:
-                await self._move_or_end(entry, "its shard was lost")
+                if entry.shard == shard.shard_id:  # not moved by another path meanwhile
+                    await self._move_or_end(entry, "its shard was lost")
         # a request no scheduler accepted may sit in any stalled scheduler's inbound queue
         nobody_stalled = all(v != "stalled" for v in verdicts.values())
         for seq, entry in suspects.items():
@@ -757,7 +763,7 @@ class AdmissionService(Service):
         False if it cannot move (no other healthy shard, or moved too often)."""
         assert self.core is not None
         if not self.open.is_open(entry):
-            return True  # ended or moved while we awaited something: already handled
+            return True  # ended while we awaited something: already handled
         admitted = entry.admitted
         if admitted is None or not self.open.can_move(entry, self.config.max_moves):
             return False
@@ -932,6 +938,7 @@ class AdmissionService(Service):
             trace_id=trace_id,
             tenant=tenant,
             admission_seq=seq,
+            admission_id=self.instance_id if seq else "",
             broadcast=not shard,
         )
         subject = subjects.sched_abort(shard) if shard else subjects.SCHED_ABORT

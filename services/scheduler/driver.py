@@ -35,7 +35,7 @@ from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.telemetry import SchedulerTelemetry
-from services.scheduler.tombstones import AbortTombstones
+from services.scheduler.tombstones import ANY, AbortTombstones
 
 Delivery = tuple[str, StreamEvent]  # (client reply subject, event)
 # which try of a request a stream serves: (admission id, admission seq); fencing names it
@@ -206,6 +206,9 @@ class SchedulerDriver:
         if live is not None:
             # a client's retry of a live request (same request_id): no second generation;
             # the stream goes on to the retry's reply subject and tracking subject
+            if live.track and live.track != track:
+                # the admission it came through first closes its entry without a word
+                self._notice(live.track, req.request_id, "done")
             live.reply, live.track = req.reply_subject, track
             live.admission_id, live.admission_seq = req.admission_id, req.admission_seq
             if req.relay_subject:
@@ -215,16 +218,19 @@ class SchedulerDriver:
                 self._resync(req.request_id, live)
             self._notice(track, req.request_id, "accepted")
             self.log.info("request re-attached", **fields)
+            if self.tombstones.take(req.tenant, req.request_id, time.monotonic(), live.key):
+                return self._abort_live(req.request_id)  # the retry's abort came first
             return []
-        if self.draining:
-            return self._refuse(req, track, ErrorCode.UNAVAILABLE, "scheduler is shutting down")
-        if self.tombstones.take(req.tenant, req.request_id, time.monotonic(), req.admission_seq):
-            # its abort came first: it ends now, without running
+        try_ = (req.admission_id, req.admission_seq)
+        if self.tombstones.take(req.tenant, req.request_id, time.monotonic(), try_):
+            # its abort came first: it ends now, without running (as asked, even if we drain)
             self.log.info("request aborted before it arrived", **fields)
             self._notice(track, req.request_id, "accepted")
             return self._end_unstarted(
                 req, track, _aborted(req.request_id, len(req.prompt_token_ids))
             )
+        if self.draining:
+            return self._refuse(req, track, ErrorCode.UNAVAILABLE, "scheduler is shutting down")
         known = (
             (req.resume_token_ids, req.resume_exit_depths)
             if req.resume_token_ids or req.resume_exit_depths
@@ -386,29 +392,36 @@ class SchedulerDriver:
         requester_reply: str = "",
         tenant: str = "",
         *,
+        admission_id: str = "",
         admission_seq: int = 0,
         broadcast: bool = False,
     ) -> list[Delivery]:
         """Ends a live request of ``tenant`` with ``finish_reason: abort``. ``admission_seq``
-        > 0 aborts only the stream admitted under that seq (a request admission moved away
-        from here, or the copy admission knows of). An abort for a request that is not here
-        (yet) is remembered for a few seconds (``tombstones``) and honoured if the request
-        arrives; the requester hears ``not_found`` now, unless the abort was a ``broadcast``
-        to every shard, or it named a seq that has not been here (its submit is behind it:
-        the requester hears the abort confirmed). The requester's reply carries no outputs:
-        those go to the request's own stream only."""
-        stream = self.streams.get(request_id)
-        if stream is not None and admission_seq and stream.admission_seq != admission_seq:
-            stream = None  # another copy: not the one aborted
+        > 0 aborts only the try ``(admission_id, admission_seq)`` (a request admission moved
+        away from here, or the copy admission knows of). An abort for a request that is not
+        here (yet) is remembered for a few seconds (``tombstones``) and honoured if the
+        request arrives; the requester hears ``not_found`` now, unless the abort was a
+        ``broadcast`` to every shard, or it named a try that has not been here while no
+        other copy runs here (its submit is behind it: the requester hears the abort
+        confirmed). The requester's reply carries no outputs: those go to the request's own
+        stream only."""
+        aimed = (admission_id, admission_seq) if admission_seq else ANY
+        live = self.streams.get(request_id)
+        stream = live if live is not None and aimed in (ANY, live.key) else None
         if stream is None or stream.tenant != tenant:
-            self.tombstones.add(tenant, request_id, time.monotonic(), admission_seq)
+            self.tombstones.add(tenant, request_id, time.monotonic(), aimed)
             if not requester_reply or broadcast:
                 return []
-            ended = self._ended_keys.get(request_id)
-            if admission_seq and (ended is None or ended[1] != admission_seq):
+            coming = live is None and self._ended_keys.get(request_id) != aimed
+            if aimed != ANY and coming:
                 return [(requester_reply, _aborted(request_id, 0))]
             message = f"unknown request id {request_id!r}"
             return [(requester_reply, error_event(request_id, ErrorCode.NOT_FOUND, message))]
+        return self._abort_live(request_id, requester_reply, broadcast)
+
+    def _abort_live(
+        self, request_id: str, requester_reply: str = "", broadcast: bool = False
+    ) -> list[Delivery]:
         try:
             events = self.core.abort_request(request_id)
         except RequestError as exc:

@@ -380,6 +380,7 @@ class SchedulerService(Service):
                 abort.request_id,
                 abort.reply_subject,
                 abort.tenant,
+                admission_id=abort.admission_id,
                 admission_seq=abort.admission_seq,
                 broadcast=abort.broadcast,
             )
@@ -751,19 +752,21 @@ class SchedulerService(Service):
             await asyncio.sleep(0.05)
 
     async def _ask_admissions(self) -> tuple[set[StreamKey], set[str], float]:
-        """Asks every admission we hold streams for which of them it ended. Returns the
-        fenced tries, the admissions that never answered, and admission's lost time."""
-        assert self.driver is not None
-        pending = self.driver.admissions()
+        """Asks every admission we hold tries for (live streams, held client events,
+        relayed events not yet sent) which of them it ended. Returns the fenced tries, the
+        admissions that never answered, and admission's lost time."""
+        pending = {aid for aid, _ in self._fenceable()}
         fenced: set[StreamKey] = set()
         lost_s = self.options.scheduler_lost_s
-        queries = self._fence_queries(pending)
         deadline = time.monotonic() + _FENCE_WAIT_S
         while pending and time.monotonic() < deadline:
             for admission_id in list(pending):
+                # built at each try: admission may fence more of them while we ask
+                seqs = sorted(seq for aid, seq in self._fenceable() if aid == admission_id)
+                query = FenceQuery(scheduler_id=self.instance_id, seqs=seqs)
                 try:
                     msg = await self.nc.request(
-                        subjects.admission_fence(admission_id), queries[admission_id], timeout=1.0
+                        subjects.admission_fence(admission_id), encode_msgpack(query), timeout=1.0
                     )
                     update = decode_msgpack(msg.data, FenceUpdate)
                 except NoRespondersError:
@@ -778,21 +781,13 @@ class SchedulerService(Service):
                 await asyncio.sleep(0.25)
         return fenced, pending, lost_s
 
-    def _fence_queries(self, admission_ids: set[str]) -> dict[str, bytes]:
-        """Per admission, the query naming the tries we hold for it (live streams, held
-        client events, relayed events not yet sent): the only ones a fence can drop."""
-        assert self.driver is not None
-        keys = self.driver.keys_of(admission_ids) | self.driver.relayed_keys()
-        keys |= {m[3] for m in self._held if m[3] is not None}
-        return {
-            aid: encode_msgpack(
-                FenceQuery(
-                    scheduler_id=self.instance_id,
-                    seqs=sorted(seq for a, seq in keys if a == aid),
-                )
-            )
-            for aid in admission_ids
-        }
+    def _fenceable(self) -> set[StreamKey]:
+        """The tries a fence can drop here: live streams, held client events, relayed
+        events not yet sent."""
+        d = self.driver
+        assert d is not None
+        keys = d.keys_of(d.admissions()) | d.relayed_keys()
+        return keys | {m[3] for m in self._held if m[3] is not None}
 
     async def _end_dark(
         self, fenced: set[StreamKey], unanswered: set[str], dark_s: float, lost_s: float
@@ -803,7 +798,7 @@ class SchedulerService(Service):
         if unanswered and dark_s >= lost_s:
             # an admission that is gone may have ended these before it went: nobody can
             # say, so they end here without a word (a double fault; docs/services.md)
-            drop |= d.keys_of(unanswered)
+            drop |= {key for key in self._fenceable() if key[0] in unanswered}
             self.log.error(
                 "admissions unreachable after a long dark spell; their requests dropped",
                 admissions=sorted(unanswered),
