@@ -257,6 +257,11 @@ def test_driver_fences_a_try_never_its_retry(toy_checkpoint: Path) -> None:
     assert driver.stream_key("r") == ("a1", 2)
     assert driver.drop_fenced({("a1", 2)}) == [("a1", 2)]
     assert not driver.streams and not driver.scheduler.requests
+    # its ending is still counted (and its timing closed), though nothing is sent
+    errors = driver.telemetry.registry.get_sample_value(
+        "rlt:request_errors_total", {"code": "unavailable"}
+    )
+    assert errors == 1 and not driver.telemetry._timings
     # the first try's entry is told "done" when the retry takes the stream over; nothing
     # more is said about a fenced try: admission already ended it
     notices = [(track, n.state) for track, n in driver.take_notices()]

@@ -459,7 +459,9 @@ class SchedulerDriver:
                 continue
             del self.streams[rid]
             self.by_no.pop(stream.no, None)
-            self.core.fail_requests([rid], ErrorCode.UNAVAILABLE, "fenced")  # events dropped
+            # its events are dropped; telemetry still closes its timing and span
+            events = self.core.fail_requests([rid], ErrorCode.UNAVAILABLE, "fenced")
+            self.telemetry.on_events(events, self.core.inflight)
             dropped.append(stream.key)
             self.log.warning("request fenced: admission ended it", **request_fields(rid, ""))
         return dropped

@@ -279,7 +279,7 @@ class SchedulerService(Service):
         assert self.driver is not None
         self.driver.draining = True
         deadline = time.monotonic() + timeout
-        while not self.driver.idle and time.monotonic() < deadline:
+        while self._draining_waits() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if not self.driver.idle:
             await self._deliver(
@@ -293,6 +293,13 @@ class SchedulerService(Service):
         if self.prefix_publisher is not None:
             self.prefix_publisher.submit(self.driver.take_prefix_events())
             await self.prefix_publisher.flush(5.0)
+
+    def _draining_waits(self) -> bool:
+        assert self.driver is not None
+        # a fence check that can still finish (we are on the bus) must, before the held
+        # client events can go out
+        fence_due = self._dark_since is not None and self.bus_connected
+        return not self.driver.idle or fence_due
 
     async def on_bus_lost(self) -> None:
         # hold client events: published now they would reach nobody (the clients are
@@ -732,10 +739,13 @@ class SchedulerService(Service):
             await self._wait_back()
             dark_since = self._dark_since if self._dark_since is not None else time.monotonic()
             dark_s = time.monotonic() - dark_since
+            held_then = self._fenceable()  # what the dark spell may have cost
             fenced, unanswered, lost_s = await self._ask_admissions()
             if mark != self._dark_mark:
                 continue  # dark again meanwhile: ask again
-            await self._end_dark(fenced, unanswered, dark_s, lost_s)
+            await self._end_dark(fenced, unanswered, dark_s, lost_s, held_then)
+            if self._dark_since is not None or mark != self._dark_mark:
+                continue  # dark again while we released the held events: this task asks
             return
 
     async def _wait_back(self) -> None:
@@ -763,6 +773,9 @@ class SchedulerService(Service):
             for admission_id in list(pending):
                 # built at each try: admission may fence more of them while we ask
                 seqs = sorted(seq for aid, seq in self._fenceable() if aid == admission_id)
+                if not seqs:  # nothing of its left here (ended, or taken over by a retry)
+                    pending.discard(admission_id)
+                    continue
                 query = FenceQuery(scheduler_id=self.instance_id, seqs=seqs)
                 try:
                     msg = await self.nc.request(
@@ -790,7 +803,12 @@ class SchedulerService(Service):
         return keys | {m[3] for m in self._held if m[3] is not None}
 
     async def _end_dark(
-        self, fenced: set[StreamKey], unanswered: set[str], dark_s: float, lost_s: float
+        self,
+        fenced: set[StreamKey],
+        unanswered: set[str],
+        dark_s: float,
+        lost_s: float,
+        held_then: set[StreamKey],
     ) -> None:
         d = self.driver
         assert d is not None
@@ -798,7 +816,8 @@ class SchedulerService(Service):
         if unanswered and dark_s >= lost_s:
             # an admission that is gone may have ended these before it went: nobody can
             # say, so they end here without a word (a double fault; docs/services.md)
-            drop |= {key for key in self._fenceable() if key[0] in unanswered}
+            # (only the tries held when the check began: later ones were never fenced)
+            drop |= {key for key in held_then if key[0] in unanswered}
             self.log.error(
                 "admissions unreachable after a long dark spell; their requests dropped",
                 admissions=sorted(unanswered),
