@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from messages.api import ErrorEvent, FinishedEvent, TokenEvent
 from services.gateway.metrics import ClusterMetrics
 from services.gateway.protocol import (
+    MAX_STOP_CHARS,
+    MAX_STOPS,
     ApiError,
     Options,
     options,
@@ -149,6 +151,15 @@ def test_unsupported_chat_options_are_refused(fields: dict[str, object]) -> None
     with pytest.raises(ApiError) as err:
         parse_chat(_body(**base))
     assert err.value.status == 400
+
+
+def test_stop_strings_are_bounded() -> None:
+    base = {"prompt": "x"}
+    parse_completion(_body(**base, stop=["s"] * MAX_STOPS))
+    for stop in (["s"] * (MAX_STOPS + 1), ["y" * (MAX_STOP_CHARS + 1)]):
+        with pytest.raises(ApiError) as err:
+            parse_completion(_body(**base, stop=stop))
+        assert err.value.status == 400 and err.value.param == "stop"
 
 
 def test_bad_json_and_wrong_types_are_400() -> None:

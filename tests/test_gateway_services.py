@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from messages.sampling import SamplingParams
 from services.admission.core import AdmissionConfig
 from services.common.config import SchedulerConfig
+from services.gateway.protocol import MAX_BODY_BYTES
 from services.gateway.service import GatewayService
 from services.launcher import NatsServer
 from services.oracle import SerialOracle
@@ -267,6 +268,10 @@ async def test_refusals_keep_the_openai_error_shape_and_status(
         assert r.json()["error"]["code"] == "unavailable"
         r = await http.post("/v1/completions", json={"prompt": "hi", "stream": True})
         assert r.status_code == 503  # a stream refused before it started is an HTTP error
+        # a body over the gateway's limit is refused before it is all read
+        huge = b'{"prompt": "' + b"x" * (MAX_BODY_BYTES + 1) + b'"}'
+        r = await http.post("/v1/completions", content=huge)
+        assert r.status_code == 400 and "request body is over" in r.json()["error"]["message"]
 
         # a queue limit of 0: every request is "overloaded"
         overloaded = AdmissionConfig(max_waiting_requests=0)
@@ -284,6 +289,10 @@ async def test_refusals_keep_the_openai_error_shape_and_status(
             assert r.status_code == 404 and r.json()["error"]["param"] == "model"
             r = await http.post("/v1/completions", content=b"{oops")
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+            # too large for the bus: a clear 400 (a 503 would make clients retry it)
+            r = await http.post("/v1/completions", json={"prompt": "x" * 1_100_000})
+            err = r.json()["error"]
+            assert r.status_code == 400 and "max_payload" in err["message"], err
             r = await http.post("/v1/chat/completions", json=_chat(max_tokens=2))
             assert r.status_code == 200
             assert r.json()["choices"][0]["message"]["role"] == "assistant"

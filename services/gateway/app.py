@@ -32,6 +32,7 @@ from messages.api import ErrorEvent, GenerateRequest, StreamEvent
 from messages.errors import ErrorCode
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
+    MAX_BODY_BYTES,
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -119,11 +120,28 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 # ---------------------------------------------------------------------- generation
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused once it passes ``limit`` bytes (before it is all in memory)."""
+    too_large = ApiError(f"the request body is over {limit} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _generate(backend: Backend, request: Request, *, chat: bool) -> Response:
     route = request.url.path
     started = time.monotonic()
     try:
-        req = parse_chat(await request.body()) if chat else parse_completion(await request.body())
+        body = await _read_body(request, MAX_BODY_BYTES)
+        req = parse_chat(body) if chat else parse_completion(body)
         if req.model is not None and req.model != backend.model_name:
             raise ApiError(
                 f"The model `{req.model}` does not exist; this server serves "
@@ -256,11 +274,12 @@ class _Call:
     async def _next_or_gone(self, gone: asyncio.Future[None]) -> StreamEvent | None:
         """The next event, or None when the client went away first."""
         nxt = asyncio.ensure_future(self._next())
-        done, _ = await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if nxt in done:
-            return nxt.result()
-        nxt.cancel()
-        return None
+        try:
+            done, _ = await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not nxt.done():  # the client went first, or we are cancelled (shutdown)
+                nxt.cancel()
+        return nxt.result() if nxt in done else None
 
     def _abort_if_stopped(self) -> None:
         if self.answer.needs_abort:

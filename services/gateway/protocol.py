@@ -37,6 +37,12 @@ _STATUS: dict[str, tuple[int, str]] = {
 RETRY_AFTER_S = 1
 
 
+# limits on what a request may ask of the gateway itself
+MAX_STOPS = 64
+MAX_STOP_CHARS = 2048
+MAX_BODY_BYTES = 16 << 20  # far above any request the bus could carry (max_payload)
+
+
 class ApiError(Exception):
     """A request the gateway answers with an OpenAI error body."""
 
@@ -230,6 +236,12 @@ def _check_common(req: _Common) -> None:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if any(not s for s in stops):
         raise ApiError("stop strings must not be empty", param="stop")
+    # every stop string is searched for at every token, on the loop all streams share
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(
+            f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each",
+            param="stop",
+        )
 
 
 def _refuse_if(condition: Any, param: str, message: str | None = None) -> None:

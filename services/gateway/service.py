@@ -37,7 +37,13 @@ from services.gateway.app import build_app
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.process import bind_http, model_name_for
 from services.runtime import subjects
-from services.runtime.bus import HEADER_TRACE_ID, encode_json, is_no_responders, json_decoder
+from services.runtime.bus import (
+    HEADER_TRACE_ID,
+    encode_json,
+    fits,
+    is_no_responders,
+    json_decoder,
+)
 from services.runtime.logging import request_fields
 from services.runtime.metrics import (
     HEADER_INSTANCE,
@@ -262,10 +268,19 @@ class GatewayService(Service):
         subject, queue = self.inbox.open()
         assert request.request_id is not None
         headers = {TRACEPARENT: traceparent, HEADER_TRACE_ID: trace_id}
-        try:
-            await self.nc.publish(
-                subjects.GENERATE, encode_json(request), reply=subject, headers=headers
+        data = encode_json(request)
+        if not fits(self.nc, len(data)):  # a retry would not help: say what is wrong
+            message = (
+                f"the request is too large: {len(data)} bytes as JSON, over the bus's "
+                f"max_payload ({self.nc.max_payload} bytes); send a shorter prompt"
             )
+            event = ErrorEvent(
+                request_id=request.request_id, code=ErrorCode.INVALID_REQUEST, message=message
+            )
+            queue.put_nowait(Msg(None, subject=subject, data=encode_json(event)))  # type: ignore[arg-type]
+            return _Stream(self.inbox, subject, queue, request.request_id)
+        try:
+            await self.nc.publish(subjects.GENERATE, data, reply=subject, headers=headers)
         except Exception as exc:  # the bus is down: the client hears "unavailable"
             self.log.warning("generate not sent", error=repr(exc)[:200])
             queue.put_nowait(_no_responders(subject))
@@ -291,11 +306,11 @@ class GatewayService(Service):
     async def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready when admission, a scheduler and a worker answer their health pings (cached
         for a second, so probes cost the bus little)."""
+        if self.draining:  # before the cache: a load balancer must stop sending at once
+            return False, {"services": {"gateway": "draining"}}
         at, ready, details = self._ready_cache
         if time.monotonic() - at < 1.0:
             return ready, details
-        if self.draining:
-            return False, {"services": {"gateway": "draining"}}
         states = await asyncio.gather(*(self._ping(name) for name in READY_NEEDS))
         services = dict(zip(READY_NEEDS, states, strict=True))
         ready = all(state == "ready" for state in states)
