@@ -123,6 +123,12 @@ def test_chat_translation() -> None:
         ({"logprobs": 2}, "logprobs"),
         ({"echo": True}, "echo"),
         ({"suffix": "x"}, "suffix"),
+        ({"min_tokens": 50}, "min_tokens"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_choice": ["a", "b"]}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
     ],
 )
 def test_unsupported_completion_options_are_refused_by_name(
@@ -140,6 +146,7 @@ def test_unsupported_completion_options_are_refused_by_name(
     [
         {"logprobs": True},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"},
         {"response_format": {"type": "json_object"}},
         {"messages": []},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -104,6 +104,17 @@ class _Common(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None
     priority: int | None = None
+    # known elsewhere (OpenAI's legacy functions, vLLM's constrained decoding and output
+    # options) and not supported: declared so a request that sets them is refused by name
+    # instead of being answered as if they were honoured
+    min_tokens: int | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[Any] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: Any = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool | None = None
     # rlt's loop knobs
     min_loops: int | None = None
     max_loops: int | None = None
@@ -126,6 +137,8 @@ class ChatRequest(_Common, kw_only=True):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
@@ -164,6 +177,8 @@ def parse_chat(body: bytes) -> ChatRequest:
     _refuse_if(req.top_logprobs is not None, "top_logprobs")
     _refuse_if(bool(req.tools), "tools")
     _refuse_if(req.tool_choice not in (None, "none"), "tool_choice")
+    _refuse_if(bool(req.functions), "functions")
+    _refuse_if(req.function_call not in (None, "none"), "function_call")
     fmt = (req.response_format or {}).get("type", "text")
     _refuse_if(fmt != "text", "response_format", f"response_format {fmt!r} is not supported")
     _refuse_if(req.add_generation_prompt is False, "add_generation_prompt")
@@ -231,6 +246,13 @@ def _check_common(req: _Common) -> None:
     _refuse_if(req.frequency_penalty not in (None, 0, 0.0), "frequency_penalty")
     _refuse_if(req.repetition_penalty not in (None, 1, 1.0), "repetition_penalty")
     _refuse_if(req.min_p not in (None, 0, 0.0), "min_p")
+    _refuse_if(req.min_tokens not in (None, 0), "min_tokens")
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        _refuse_if(getattr(req, name) is not None, name)
+    _refuse_if(req.structured_outputs is not None, "structured_outputs")
+    _refuse_if(req.prompt_logprobs is not None, "prompt_logprobs")
+    # the streams' text always skips special tokens
+    _refuse_if(req.skip_special_tokens is False, "skip_special_tokens")
     if req.stream_options is not None and not req.stream:
         raise ApiError("stream_options is only allowed with stream=true", param="stream_options")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
