@@ -172,6 +172,38 @@ async def _ready(http: httpx.AsyncClient) -> bool:
     return (await http.get("/health")).status_code == 200
 
 
+async def test_a_stopping_gateway_ends_a_long_answer_with_an_error_frame(
+    nats_server: NatsServer, toy_checkpoint: Path
+) -> None:
+    """SIGTERM while a long answer streams: after the drain timeout its stream ends with an
+    ``unavailable`` error frame and ``[DONE]`` (never a cut-off body), and the request is
+    aborted upstream."""
+    config = SchedulerConfig(max_num_seqs=4, block_size=16, num_blocks=1024)
+    body = {"prompt": "hi", "max_tokens": 1800, "ignore_eos": True, "stream": True}
+    async with services_up(nats_server.url, toy_checkpoint, config) as services:
+        gateway = GatewayService(nats_server.url, toy_checkpoint, port=0, served_model_name="toy")
+        await gateway.start()
+        try:
+            url = f"http://127.0.0.1:{gateway.port}"
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                await wait_for(lambda: _ready(http), 10, "/health ready")
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    frames = (line async for line in r.aiter_lines() if line.startswith("data:"))
+                    assert "choices" in json.loads((await anext(frames))[5:])
+                    await services["worker"].stop()  # the answer stalls mid-stream
+                    stopping = asyncio.create_task(gateway.stop(drain_timeout=0.3))
+                    rest = [frame async for frame in frames]
+                    await stopping
+            assert rest[-1] == "data: [DONE]", rest[-3:]
+            error = json.loads(rest[-2][5:])["error"]
+            assert error["code"] == "unavailable" and "shut down" in error["message"]
+            sched = services["scheduler"].driver
+            await wait_for(lambda: not sched.streams, 10, "aborted upstream")
+        finally:
+            await gateway.stop()
+
+
 async def test_traceparent_reaches_every_service_log_and_span(
     nats_server: NatsServer, toy_checkpoint: Path
 ) -> None:

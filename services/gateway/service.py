@@ -77,15 +77,28 @@ class _Inbox:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self._queues: dict[str, asyncio.Queue[Msg]] = {}
+        self._requests: dict[str, str] = {}  # key -> the request id its stream answers
 
-    def open(self) -> tuple[str, asyncio.Queue[Msg]]:
+    def open(self, request_id: str = "") -> tuple[str, asyncio.Queue[Msg]]:
         key = secrets.token_hex(8)
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._queues[key] = queue
+        if request_id:
+            self._requests[key] = request_id
         return f"{self.prefix}.{key}", queue
 
     def close(self, subject: str) -> None:
-        self._queues.pop(subject.rsplit(".", 1)[-1], None)
+        key = subject.rsplit(".", 1)[-1]
+        self._queues.pop(key, None)
+        self._requests.pop(key, None)
+
+    def end_all(self, message: str) -> list[str]:
+        """Ends every open request stream with an ``unavailable`` error of its own (the
+        HTTP side sends it as its last frame); returns their request ids."""
+        for key, rid in self._requests.items():
+            event = ErrorEvent(request_id=rid, code=ErrorCode.UNAVAILABLE, message=message)
+            self._queues[key].put_nowait(Msg(None, data=encode_json(event)))  # type: ignore[arg-type]
+        return list(self._requests.values())
 
     def deliver(self, msg: Msg) -> None:
         queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
@@ -231,8 +244,19 @@ class GatewayService(Service):
         os.kill(os.getpid(), signal.SIGTERM)  # the same graceful stop as a signal from it
 
     async def drain(self, timeout: float) -> None:
+        """Answers in flight run on for ``timeout``; then each ends with an ``unavailable``
+        error (an error frame then ``[DONE]`` for a stream, a 503 otherwise) and is aborted
+        upstream, before the HTTP server stops."""
         deadline = time.monotonic() + timeout
         while len(self.inbox) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        cut = self.inbox.end_all("the gateway shut down before the answer finished; retry it")
+        for rid in cut:
+            self.abort_soon(rid, "")
+        if cut:
+            self.log.warning("answers cut by the shutdown", requests=len(cut))
+        give_up = time.monotonic() + 2.0  # their last frames go out
+        while len(self.inbox) and time.monotonic() < give_up:
             await asyncio.sleep(0.05)
         await self._stop_http()
 
@@ -265,8 +289,8 @@ class GatewayService(Service):
     async def open_stream(
         self, request: GenerateRequest, traceparent: str, trace_id: str
     ) -> _Stream:
-        subject, queue = self.inbox.open()
         assert request.request_id is not None
+        subject, queue = self.inbox.open(request.request_id)
         headers = {TRACEPARENT: traceparent, HEADER_TRACE_ID: trace_id}
         data = encode_json(request)
         if not fits(self.nc, len(data)):  # a retry would not help: say what is wrong
