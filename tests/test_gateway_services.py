@@ -331,6 +331,14 @@ async def test_refusals_keep_the_openai_error_shape_and_status(
             models = (await http.get("/v1/models")).json()
             assert [m["id"] for m in models["data"]] == ["toy"]
             assert models["data"][0]["max_model_len"] == 2048
+            # client.models.retrieve, and Starlette's own errors, in OpenAI's shape
+            assert (await http.get("/v1/models/toy")).json() == models["data"][0]
+            r = await http.get("/v1/models/other")
+            assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+            r = await http.get("/v1/nothing")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+            r = await http.get("/v1/completions")
+            assert r.status_code == 405 and "message" in r.json()["error"]
 
 
 def _chat(**extra: object) -> dict:

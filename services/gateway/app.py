@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import msgspec
 import prometheus_client
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -89,11 +90,26 @@ def build_app(backend: Backend) -> Starlette:
     async def models(_request: Request) -> Response:
         return _json(models_body(backend.model_name, backend.created, backend.max_model_len))
 
+    async def model(request: Request) -> Response:  # client.models.retrieve(name)
+        name = request.path_params["name"]
+        if name != backend.model_name:
+            message = (
+                f"The model `{name}` does not exist; this server serves `{backend.model_name}`"
+            )
+            return _json(error_body(ErrorCode.NOT_FOUND, message, "model"), 404)
+        listed = models_body(backend.model_name, backend.created, backend.max_model_len)
+        return _json(listed["data"][0])
+
     async def health(_request: Request) -> Response:
         ready, details = await backend.readiness()
         return _json(
             {"status": "ready" if ready else "unavailable", **details}, 200 if ready else 503
         )
+
+    async def internal_error(_request: Request, exc: Exception) -> Response:
+        # the details go to the log, not to the client
+        backend.log.error("gateway error", error=repr(exc)[:500])
+        return _json(error_body(ErrorCode.INTERNAL, "internal gateway error"), 500)
 
     async def metrics(_request: Request) -> Response:
         text = prometheus_client.generate_latest(backend.metrics.registry)
@@ -104,15 +120,19 @@ def build_app(backend: Backend) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{name:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],
-        exception_handlers={Exception: _internal_error},
+        exception_handlers={HTTPException: _http_error, Exception: internal_error},
     )
 
 
-async def _internal_error(_request: Request, exc: Exception) -> Response:
-    return _json(error_body(ErrorCode.INTERNAL, f"gateway error: {exc!r}"), 500)
+async def _http_error(_request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 / 405, in OpenAI's error shape (SDKs parse every error body)."""
+    assert isinstance(exc, HTTPException)
+    code = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.INVALID_REQUEST
+    return _json(error_body(code, str(exc.detail)), exc.status_code, dict(exc.headers or {}))
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
