@@ -228,6 +228,13 @@ def test_tenant_subjects() -> None:
         subjects.check_tenant("a.b")
 
 
+def test_a_tracking_subject_names_its_try() -> None:
+    """Notices are fenced by the try their tracking subject names (not the stream's)."""
+    assert subjects.track_try(subjects.admission_track("a1", 7)) == ("a1", 7)
+    assert subjects.track_try(subjects.admission_relay("a1")) is None
+    assert subjects.track_try("_INBOX.x.7") is None
+
+
 def test_credentials_in_urls_are_split_and_redacted() -> None:
     url = "nats://client:s3cret@127.0.0.1:4222,nats://client:s3cret@127.0.0.1:4223"
     plain, creds = split_credentials(url)

@@ -186,6 +186,15 @@ def admission_track(admission_id: str, seq: int) -> str:
     return f"{ADMISSION_TRACK_PREFIX}.{admission_id}.{seq}"
 
 
+def track_try(subject: str) -> tuple[str, int] | None:
+    """(admission id, seq) of an admission tracking subject, None for any other subject."""
+    head, _, seq = subject.rpartition(".")
+    prefix, _, admission_id = head.rpartition(".")
+    if prefix != ADMISSION_TRACK_PREFIX or not admission_id or not seq.isdigit():
+        return None
+    return admission_id, int(seq)
+
+
 def admission_tracks_of(admission_id: str) -> str:
     return f"{ADMISSION_TRACK_PREFIX}.{admission_id}.*"
 

@@ -691,7 +691,10 @@ class SchedulerService(Service):
             if notice.finished is not None and not fits(self.nc, len(data)):
                 # the copy of a huge finished event for admission's retry record: left out
                 data = encode_msgpack(replace(notice, finished=None))
-            await self._send(subject, data, key=self.driver.stream_key(notice.request_id))
+            # the try it is about (its tracking subject names it), not the stream's current
+            # one: a hand-over "done" to a retry's first admission is about the old try
+            key = subjects.track_try(subject) or self.driver.stream_key(notice.request_id)
+            await self._send(subject, data, key=key)
 
     async def _send(
         self, subject: str, data: bytes, reply: str = "", key: StreamKey | None = None
