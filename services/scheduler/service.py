@@ -593,6 +593,8 @@ class SchedulerService(Service):
     async def _publish_batch(self, wb: WorkerBatch) -> None:
         d = self.driver
         assert d is not None
+        if wb.epoch != d.epoch:
+            return  # its worker was lost while earlier batches went out: it is replanned
         batch = wb.batch
         self.log.debug(
             "batch sent", phase=str(batch.phase), rows=len(batch.rows), **{BATCH_SEQ: batch.seq}
