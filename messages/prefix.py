@@ -13,6 +13,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from hashlib import blake2b
+from typing import Annotated
 
 import msgspec
 
@@ -99,20 +100,24 @@ def blocks_digest(block_hashes: Iterable[int]) -> str:
 
 
 # --------------------------------------------------------------------------------- events
+# a block hash is 64 unsigned bits (snapshots pack them so): anything else is malformed
+BlockHash = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class BlockStored(msgspec.Struct, kw_only=True, tag="block_stored", tag_field="kind"):
     """Consecutive chained blocks became cached; ``parent_hash`` is the first one's parent.
 
     The blocks are written by batch ``batch_seq``; others may read them only in later batches.
     """
 
-    block_hashes: list[int] = msgspec.field(default_factory=list)
+    block_hashes: list[BlockHash] = msgspec.field(default_factory=list)
     parent_hash: int | None = None
     num_tokens_per_block: int = 0
     batch_seq: int = 0
 
 
 class BlockRemoved(msgspec.Struct, kw_only=True, tag="block_removed", tag_field="kind"):
-    block_hashes: list[int] = msgspec.field(default_factory=list)
+    block_hashes: list[BlockHash] = msgspec.field(default_factory=list)
 
 
 class AllBlocksCleared(msgspec.Struct, kw_only=True, tag="all_blocks_cleared", tag_field="kind"):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import msgspec
 import pytest
+import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +23,12 @@ from messages.prefix import (
 )
 from services.prefix_cache import PrefixIndex
 from services.scheduler.prefix_events import PrefixEventLog, new_epoch
-from services.scheduler.prefix_publisher import PendingEnvelopes, message_id, split_envelope
+from services.scheduler.prefix_publisher import (
+    PendingEnvelopes,
+    PrefixPublisher,
+    message_id,
+    split_envelope,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -105,6 +114,70 @@ def test_pending_envelopes_coalesce_into_messages_with_stable_ids() -> None:
     assert message_id(parts[0], parts[-1]).startswith("p:e:")
     small = PendingEnvelopes(max_message_bytes=400, max_pending_bytes=100)
     assert not small.add(_emit(log, *(_stored(i) for i in range(20))))  # over: caller rebases
+
+
+class _GatedPublisher(PrefixPublisher):
+    """The publisher's loop with its JetStream call replaced by a gate the test opens (the
+    race under test is in the loop's bookkeeping, not in NATS)."""
+
+    def __init__(self, log: PrefixEventLog) -> None:
+        nc = SimpleNamespace(max_payload=1 << 20)
+        super().__init__(
+            nc,  # type: ignore[arg-type]
+            "p",
+            rebase=lambda: log.rebase([_stored(999)]),
+            log=structlog.get_logger(),
+            max_pending_bytes=2_000,
+        )
+        self.gate = asyncio.Event()
+        self.sent: list[list[PrefixEventBatch]] = []
+
+    async def _publish(self, body: bytes, msg_id: str) -> bool:
+        await self.gate.wait()
+        self.sent.append(msgspec.msgpack.decode(body, type=list[PrefixEventBatch]))
+        return True
+
+
+async def test_a_rebase_while_a_message_is_in_flight_keeps_the_new_queue() -> None:
+    log = PrefixEventLog("p")
+    first = log.epoch
+    publisher = _GatedPublisher(log)
+    loop = asyncio.create_task(publisher.publish_loop())
+    try:
+        publisher.submit([_emit(log, _stored(1, 2))])
+        await asyncio.sleep(0.01)  # the head is in flight, held at the gate
+        # meanwhile the queue outgrows its bound: the publisher rebases to a new epoch once
+        # (the rest of the old epoch's batches are inside the snapshot, not queued after it)
+        publisher.submit([_emit(log, _stored(*range(i * 10, i * 10 + 10))) for i in range(40)])
+        assert publisher.num_rebases == 1
+        epoch = publisher.pending.head()[0][0].epoch  # type: ignore[index]
+        assert epoch == log.epoch > first
+        publisher.submit([_emit(log, _stored(5000))])  # the new epoch goes on
+        publisher.gate.set()
+        assert await publisher.flush(2.0)
+        assert not loop.done()  # the loop survived (it used to pop the new queue's entries)
+        # the old message went out, then the new epoch from its first envelope on
+        assert publisher.sent[0][0].epoch == first
+        later = [b for message in publisher.sent[1:] for b in message]
+        assert later and all(b.epoch == epoch for b in later)
+        assert [b.event_seq for b in later] == list(range(1, len(later) + 1))
+    finally:
+        loop.cancel()
+
+
+def test_a_negative_block_hash_is_malformed() -> None:
+    """Snapshots pack hashes as 64 unsigned bits: one negative hash applied would make every
+    later snapshot fail, so the envelope is refused at decoding (a gap, as any bad message)."""
+    raw = {"producer_id": "p", "epoch": "e", "event_seq": 1}
+    for kind in ("block_stored", "block_removed"):
+        bad = {**raw, "events": [{"kind": kind, "block_hashes": [-5]}]}
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.msgpack.decode(msgspec.msgpack.encode(bad), type=PrefixEventBatch)
+    top = {**raw, "events": [{"kind": "block_stored", "block_hashes": [(1 << 64) - 1]}]}
+    batch = msgspec.msgpack.decode(msgspec.msgpack.encode(top), type=PrefixEventBatch)
+    index = PrefixIndex()
+    index.apply(batch)
+    assert PrefixIndex.from_snapshot(index.to_snapshot()).num_blocks() == 1
 
 
 # ------------------------------------------------------------------ index basics

@@ -69,8 +69,11 @@ class PrefixCacheService(Service):
         self.snapshots = SnapshotStore(self.nc, self.index_name, self.log)
         snapshot = await jetstream.retry_transient(self.snapshots.load, 60.0, self.log, "snapshot")
         if snapshot is not None:
-            self.index = PrefixIndex.from_snapshot(snapshot)
-            self.restored_seq = snapshot.stream_seq
+            try:
+                self.index = PrefixIndex.from_snapshot(snapshot)
+                self.restored_seq = snapshot.stream_seq
+            except ValueError as exc:  # a corrupt snapshot: start empty, replay the stream
+                self.log.error("prefix index snapshot unreadable; starting empty", error=str(exc))
         self.load_s = time.monotonic() - started
         self.log.info(
             "prefix index loaded",

@@ -174,6 +174,9 @@ class PrefixPublisher:
         self.num_retries = 0
         self.num_rebases = 0
         self.last_stream_seq = 0
+        self._generation = 0  # bumped by every rebase: what was in flight is not the head
+        # the last rebase's epoch: batches of older epochs are inside its snapshot already
+        self._floor = ""
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -181,6 +184,8 @@ class PrefixPublisher:
     def submit(self, batches: Iterable[PrefixEventBatch]) -> None:
         """Queues envelopes (in event_seq order) and returns at once."""
         for batch in batches:
+            if batch.epoch < self._floor:  # (epochs sort by time: prefix_events.new_epoch)
+                continue
             if not self.pending.add(batch):
                 self._rebase(f"over {self.pending.max_pending_bytes} bytes wait for the stream")
         if len(self.pending):
@@ -189,8 +194,10 @@ class PrefixPublisher:
 
     def _rebase(self, why: str) -> None:
         self.pending.clear()
+        self._generation += 1
         self.num_rebases += 1
         snapshot = self.rebase()
+        self._floor = snapshot.epoch
         self.log.warning("prefix events rebased", reason=why, epoch=snapshot.epoch)
         self.pending.add(snapshot)
 
@@ -217,6 +224,10 @@ class PrefixPublisher:
         await jetstream.retry_transient(
             lambda: jetstream.ensure_event_stream(self.nc, log=self.log), 60.0, self.log, "stream"
         )
+        await self.publish_loop()
+
+    async def publish_loop(self) -> None:
+        """Publishes the queue's head until the queue is empty, then waits for more."""
         while True:
             head = self.pending.head()
             if head is None:
@@ -225,7 +236,13 @@ class PrefixPublisher:
                 await self._wake.wait()
                 continue
             parts, body, msg_id = head
-            if not await self._publish(body, msg_id):
+            generation = self._generation
+            stored = await self._publish(body, msg_id)
+            if generation != self._generation:
+                # rebased while it was in flight: the queue holds the new epoch now (what
+                # was sent belongs to the old one, which the index ignores)
+                continue
+            if not stored:
                 self._rebase("the event stream refused a message")
                 continue
             self.pending.pop(len(parts))
