@@ -226,3 +226,44 @@ async def test_worker_answers_a_refused_batch_behind_the_batches_queued_before_i
     assert [run.wb.batch.seq for run, _, _ in answers] == [0, 1]
     assert answers[0][1].error is None
     assert answers[1][1].error is not None and "geometry" in answers[1][1].error
+
+
+async def test_a_failed_kv_reset_is_retried_by_the_next_batch(toy_checkpoint: Path) -> None:
+    """A KV reset that fails (out of memory mid-allocation) leaves no runner: the batches
+    queued behind it fail with a clear error, and the next batch queued resets again."""
+    config = SchedulerConfig(block_size=4, num_blocks=64)
+    worker = WorkerService("nats://127.0.0.1:1", toy_checkpoint, config, inline_max_s=0.0)
+    await worker.setup()
+    make_runner = worker._make_runner
+    failures = [MemoryError("CUDA out of memory (simulated)")]
+
+    def flaky(*geometry: object) -> None:
+        if failures:
+            worker.runner = None  # as the real reset does before it allocates
+            raise failures.pop()
+        make_runner(*geometry)  # type: ignore[arg-type]
+
+    worker._make_runner = flaky  # type: ignore[method-assign]
+    worker._epoch = "sched.1"
+
+    async def run(seq: int) -> BatchResult:
+        wb = WorkerBatch(
+            epoch="sched.1",
+            batch=Batch(seq=seq, phase=Phase.RECURRENT, rows=[]),
+            num_blocks=32,  # a new geometry: a reset first
+            block_size=4,
+            kv_layout=str(config.kv_layout),
+        )
+        worker._pending[seq] = _Run(wb, "reply", time.perf_counter())
+        worker._queue_ready()
+        _, result, _ = await asyncio.wait_for(worker._results.get(), 10)
+        return result
+
+    try:
+        failed = await run(0)
+        assert failed.error is not None and "KV reset failed" in failed.error
+        ok = await run(1)
+        assert ok.error is None and worker.runner is not None
+        assert worker.runner.k_cache.shape[1:3] == (32, 4)  # the new geometry was built
+    finally:
+        await worker.teardown()

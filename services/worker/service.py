@@ -288,7 +288,7 @@ class WorkerService(Service):
         if batch.seq < self._next_submit or batch.seq in self._pending:
             self.log.warning("duplicate batch dropped", **{BATCH_SEQ: batch.seq})
             return
-        reply = msg.reply or subjects.WORKER_RESULT
+        reply = msg.reply or subjects.worker_result(wb.epoch)  # where its scheduler listens
         self._pending[batch.seq] = _Run(wb, reply, time.perf_counter())
         self._log_requests(batch)
         self.telemetry.on_batch(batch)
@@ -382,7 +382,8 @@ class WorkerService(Service):
         """On the compute thread or the loop. None: the batch's epoch is over, nothing ran."""
         if run.wb.epoch != self._epoch:
             return None
-        assert self.runner is not None
+        if self.runner is None:  # its KV reset failed (logged): the next batch retries it
+            return BatchResult(seq=run.wb.batch.seq, error="no model runner: the KV reset failed")
         try:
             result = self.runner.execute(run.wb.batch)
         except Exception as exc:
@@ -395,6 +396,8 @@ class WorkerService(Service):
         if isinstance(job, _Reset):
             if isinstance(outcome, BaseException):
                 self.log.error("runner reset failed", error=_describe(outcome))
+                # the next batch queued finds no geometry built: it checks and resets again
+                self._geometry = (0, 0, "")
             return
         if isinstance(outcome, BaseException):  # not even an error result: a worker bug
             outcome = BatchResult(seq=job.wb.batch.seq, error=_describe(outcome))
@@ -462,9 +465,10 @@ class WorkerService(Service):
             )
 
     def _kv_bytes(self) -> int:
-        if not isinstance(self.runner, ModelRunner):
+        runner = self.runner  # once: the compute thread may replace it meanwhile
+        if not isinstance(runner, ModelRunner):
             return 0
-        return 2 * self.runner.k_cache.numel() * self.runner.k_cache.element_size()
+        return 2 * runner.k_cache.numel() * runner.k_cache.element_size()
 
     def _make_runner(self, num_blocks: int, block_size: int, kv_layout: str) -> None:
         # on the compute thread (or at setup): allocating device KV can take a while
@@ -518,19 +522,23 @@ def _is_older_epoch(epoch: str, current: str | None) -> bool:
 
 
 def _kv_memory_limit(device: str, current_kv_bytes: int) -> int:
-    """Bytes a new KV cache may take: ``RLT_WORKER_MAX_KV_BYTES`` if set, else what the
-    device has free (plus the cache being replaced), with some headroom."""
+    """Bytes a new KV cache may take: ``RLT_WORKER_MAX_KV_BYTES`` if set, else the cache
+    being replaced plus what the device has free, with headroom on the free part only (a
+    cache rebuilt at the size it has always fits)."""
     configured = os.environ.get("RLT_WORKER_MAX_KV_BYTES")
     if configured:
         return int(configured)
     if device.startswith("cuda") and torch.cuda.is_available():
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(0.95 * (free + current_kv_bytes))
+        dev = torch.device(device)
+        free, _total = torch.cuda.mem_get_info(dev)
+        # what torch's allocator holds unused is free to us too (mem_get_info omits it)
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return current_kv_bytes + int(0.95 * (free + cached))
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(0.8 * (int(line.split()[1]) * 1024 + current_kv_bytes))
+                    return current_kv_bytes + int(0.8 * int(line.split()[1]) * 1024)
     except OSError:
         pass
     return 1 << 62  # unknown platform: no check
