@@ -118,6 +118,7 @@ class WorkerService(Service):
         # resumes must not find its worker reset by someone else, nor reset it itself)
         self._scheduler: str | None = None
         self._scheduler_seen = 0.0  # when its last batch came
+        self._publishing = False  # a result is being sent (in parts, it may take a while)
         self._needs_reset = False
         self._runner_fresh = True  # no batch queued since the runner was (re)built
         self.num_inline_batches = 0  # batches that ran on the event loop (compute.py)
@@ -177,10 +178,15 @@ class WorkerService(Service):
         return self.compute is None or self.compute.idle
 
     async def drain(self, timeout: float) -> None:
-        # the scheduler stops sending and moves its requests once what is in flight is back
+        # the scheduler stops sending and moves its requests once what is in flight is back;
+        # until it has read our draining heartbeat it may still send: wait for a quiet spell
         await self._heartbeat()
         deadline = time.monotonic() + timeout
-        while not (self._idle and self._results.empty()) and time.monotonic() < deadline:
+        quiet_s = 2 * self.heartbeat_interval_s
+        while time.monotonic() < deadline:
+            quiet = time.monotonic() - self._scheduler_seen >= quiet_s
+            if quiet and self._idle and self._results.empty() and not self._publishing:
+                return
             await asyncio.sleep(0.02)
 
     async def teardown(self) -> None:
@@ -425,10 +431,13 @@ class WorkerService(Service):
                 worker_s=time.perf_counter() - run.arrived,
                 simulated=self.simulated,
             )
+            self._publishing = True
             try:
                 await publish_chunked(self.nc, run.reply, encode_msgpack(out))
             except Exception as exc:  # lost: the scheduler learns it from our heartbeat
                 self.log.warning("result not sent", error=repr(exc)[:200], **{BATCH_SEQ: seq})
+            finally:
+                self._publishing = False
             if result.error is not None:
                 self.num_failed += 1
                 self.log.error("batch failed", error=result.error[:500], **{BATCH_SEQ: seq})
