@@ -14,10 +14,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+import structlog
 
+from messages.prefix import BlockStored, PrefixEventBatch
 from services.launcher import NatsServer, free_port
-from services.runtime import jetstream
+from services.prefix_cache import PrefixIndex
+from services.prefix_cache.stream import EventReader
+from services.runtime import jetstream, subjects
 
 pytest.register_assert_rewrite("tests.conftest_nats")
 
@@ -121,3 +126,30 @@ async def test_event_stream_limits_and_replicas_on_a_single_server(
             assert info.config.max_age == 120 and info.config.max_bytes == 1 << 20
             assert info.config.subjects == ["rlt.v1.prefix.events.>"]
             assert info.config.duplicate_window == 120
+
+
+async def test_a_message_deleted_mid_stream_is_skipped_once_not_retried_forever() -> None:
+    """A hole in the middle of the event stream (``nats stream rmm``, or JetStream losing a
+    message): the consumer restarts once to rule out a delivery hiccup, then drops what
+    the index cannot vouch for and reads on, instead of restarting at the hole forever."""
+    with NatsServer(port=free_port()) as server:
+        async with client(server.url) as nc:
+            await jetstream.ensure_event_stream(nc)
+            js = nc.jetstream()
+            for seq in (1, 2, 3):
+                stored = BlockStored(block_hashes=[seq * 100], num_tokens_per_block=16)
+                batch = PrefixEventBatch(producer_id="p", epoch="e", event_seq=seq, events=[stored])
+                body = msgspec.msgpack.encode([batch])
+                await js.publish(subjects.prefix_events("p"), body)
+            await js.delete_msg(jetstream.EVENT_STREAM, 2)
+            index = PrefixIndex()
+            reader = EventReader(nc, index, "hole-test", structlog.get_logger())
+            task = asyncio.create_task(reader.run())
+            try:
+                await wait_for(lambda: index.stream_seq == 3, 15, "read past the hole")
+            finally:
+                task.cancel()
+            assert reader.num_lost == 1 and reader.num_resyncs == 2
+            # what came after the hole is there; what came before it was dropped with it
+            assert index.lookup([300]).num_blocks == 1
+            assert index.lookup([100]).num_blocks == 0

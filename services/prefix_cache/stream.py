@@ -38,6 +38,10 @@ _ENVELOPES = msgspec.msgpack.Decoder(list[PrefixEventBatch])
 class _Resync(Exception):
     """The stream sequence jumped: find out why and restart the consumer."""
 
+    def __init__(self, after: int, to: int) -> None:
+        super().__init__(f"stream seq jumped from {after} to {to}")
+        self.jump = (after, to)
+
 
 class EventReader:
     def __init__(self, nc: NATS, index: PrefixIndex, name: str, log: Any) -> None:
@@ -53,6 +57,7 @@ class EventReader:
         self.caught_up = asyncio.Event()  # the index has read what the stream held at start
         self._stream_created: Any = None
         self._target = 0  # the stream's last seq when we started reading
+        self._last_jump: tuple[int, int] | None = None
 
     async def run(self) -> None:
         while True:
@@ -60,8 +65,9 @@ class EventReader:
                 await self._read()
             except asyncio.CancelledError:
                 raise
-            except _Resync:
+            except _Resync as resync:
                 self.num_resyncs += 1
+                self._after_jump(*resync.jump)
             except Exception as exc:  # node loss, consumer gone, reconnecting: start over
                 self.log.warning("event stream read failed; resuming", error=repr(exc)[:200])
                 await asyncio.sleep(0.5)
@@ -106,6 +112,18 @@ class EventReader:
             self._lost(f"stream messages {index.stream_seq + 1}..{state.first_seq - 1} aged out")
             index.stream_seq = state.first_seq - 1
 
+    def _after_jump(self, after: int, to: int) -> None:
+        """A consumer restarted at ``after + 1`` that jumps again to ``to``: those messages
+        are gone from the middle of the stream (deleted, or lost by JetStream), and no
+        restart will bring them; what the index cannot vouch for is dropped, and reading
+        goes on from ``to``."""
+        if self._last_jump == (after, to):
+            self._lost(f"stream messages {after + 1}..{to - 1} are gone")
+            self.index.stream_seq = to - 1
+            self._last_jump = None
+        else:
+            self._last_jump = (after, to)
+
     def _lost(self, why: str) -> None:
         self.num_lost += 1
         self.log.warning("prefix events lost; every producer's blocks dropped", reason=why)
@@ -133,7 +151,7 @@ class EventReader:
             if seq <= index.stream_seq:
                 continue  # delivered again after a resync
             if seq > index.stream_seq + 1:
-                raise _Resync()
+                raise _Resync(index.stream_seq, seq)
             try:
                 envelopes = _ENVELOPES.decode(msg.data)
             except msgspec.DecodeError as exc:  # not ours (or fuzz): skip, never stop reading
