@@ -21,7 +21,7 @@ import structlog
 from messages.prefix import BlockStored, PrefixEventBatch
 from services.launcher import NatsServer, free_port
 from services.prefix_cache import PrefixIndex
-from services.prefix_cache.stream import EventReader
+from services.prefix_cache.stream import EventReader, SnapshotStore
 from services.runtime import jetstream, subjects
 
 pytest.register_assert_rewrite("tests.conftest_nats")
@@ -153,3 +153,21 @@ async def test_a_message_deleted_mid_stream_is_skipped_once_not_retried_forever(
             # what came after the hole is there; what came before it was dropped with it
             assert index.lookup([300]).num_blocks == 1
             assert index.lookup([100]).num_blocks == 0
+
+
+async def test_a_dropped_producer_is_saved_though_no_stream_message_moved() -> None:
+    """Dropping a dead shard's producer changes the index without a stream message: the next
+    snapshot must still be written, or an index restart brings the dead shard back."""
+    with NatsServer(port=free_port()) as server:
+        async with client(server.url) as nc:
+            index = PrefixIndex()
+            stored = BlockStored(block_hashes=[7], num_tokens_per_block=16)
+            index.apply(PrefixEventBatch(producer_id="p", epoch="e", event_seq=1, events=[stored]))
+            index.stream_seq = 1
+            store = SnapshotStore(nc, "drop-test", structlog.get_logger())
+            assert await store.save(index) and not await store.save(index)
+            index.drop_producer("p")
+            assert await store.save(index)  # the same stream_seq, a new state
+            restored = await SnapshotStore(nc, "drop-test", structlog.get_logger()).load()
+            assert restored is not None
+            assert PrefixIndex.from_snapshot(restored).producers() == []

@@ -60,6 +60,9 @@ class PrefixIndex:
         self._holders: dict[int, set[str]] = {}  # block hash -> producers caching it
         self.stream_seq = 0  # the last stream message applied (kept by the NATS shell)
         self.num_gaps = 0
+        # changes not made by a stream message (a producer dropped, everything forgotten):
+        # a snapshot is due after them too, though stream_seq did not move
+        self.num_local_changes = 0
 
     # ------------------------------------------------------------------ events in
     def apply(self, batch: PrefixEventBatch) -> ApplyOutcome:
@@ -96,12 +99,17 @@ class PrefixIndex:
         messages and nobody can tell whose."""
         for pid, state in self._producers.items():
             self._clear_blocks(pid, state)
+        self.num_local_changes += 1
 
     def drop_producer(self, producer_id: str) -> None:
         """Forgets a producer (e.g. it went away for good)."""
         state = self._producers.pop(producer_id, None)
         if state is not None:
             self._clear_blocks(producer_id, state)
+            self.num_local_changes += 1
+
+    def producers(self) -> list[str]:
+        return list(self._producers)
 
     # ------------------------------------------------------------------ queries
     def lookup(self, block_hashes: Sequence[int], per_producer: bool = False) -> PrefixLookupReply:

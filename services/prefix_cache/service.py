@@ -72,6 +72,9 @@ class PrefixCacheService(Service):
             try:
                 self.index = PrefixIndex.from_snapshot(snapshot)
                 self.restored_seq = snapshot.stream_seq
+                # its producers must report like any other, or their blocks leave
+                for pid in self.index.producers():
+                    self.liveness.heard(pid, time.monotonic())
             except ValueError as exc:  # a corrupt snapshot: start empty, replay the stream
                 self.log.error("prefix index snapshot unreadable; starting empty", error=str(exc))
         self.load_s = time.monotonic() - started

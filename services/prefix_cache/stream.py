@@ -185,6 +185,7 @@ class SnapshotStore:
         self.object_name = f"snapshot-{name}"
         self.log = log
         self.written_seq = -1
+        self._written_mark: tuple[int, int] | None = None  # (stream_seq, local changes)
         self.num_written = 0
         self._store: Any = None
 
@@ -205,15 +206,18 @@ class SnapshotStore:
             self.log.error("unreadable index snapshot ignored", error=str(exc)[:200])
             return None
         self.written_seq = snapshot.stream_seq
+        self._written_mark = (snapshot.stream_seq, 0)  # what an index restored from it says
         return snapshot
 
     async def save(self, index: PrefixIndex) -> bool:
-        """Writes a snapshot if the index moved since the last one."""
-        if index.stream_seq == self.written_seq:
+        """Writes a snapshot if the index changed since the last one."""
+        mark = (index.stream_seq, index.num_local_changes)
+        if mark == self._written_mark:
             return False
         snapshot = index.to_snapshot()  # synchronous: a consistent cut of the index
         store = await self._bucket()
         await store.put(self.object_name, encode_msgpack(snapshot))
         self.written_seq = snapshot.stream_seq
+        self._written_mark = mark
         self.num_written += 1
         return True
