@@ -59,6 +59,13 @@ def test_silent_producers_are_reported_once() -> None:
     assert live.gone(2.6, connected_since=0.0) == []  # once
     assert live.gone(5.0, connected_since=4.0) == []  # our own outage does not count
     assert live.gone(6.5, connected_since=4.0) == ["b"]
+    # producers the index holds (a snapshot, a replay) that never reported here must start
+    # reporting; watching again does not reset the clock of one already watched or heard
+    live.watch(["c", "d"], 10.0)
+    live.heard("d", 11.0)
+    live.watch(["c", "d"], 11.5)
+    assert live.gone(12.5, connected_since=0.0) == ["c"]
+    assert live.gone(13.5, connected_since=0.0) == ["d"]
 
 
 # ---------------------------------------------------------------------- router

@@ -19,6 +19,12 @@ class ProducerLiveness:
         if producer_id:
             self._heard[producer_id] = now
 
+    def watch(self, producer_ids: list[str], now: float) -> None:
+        """Producers in the index (from a snapshot or the stream's replay) that never
+        reported here: from now on they must, or their blocks leave."""
+        for pid in producer_ids:
+            self._heard.setdefault(pid, now)
+
     def gone(self, now: float, connected_since: float) -> list[str]:
         """Producers silent for ``lost_s`` (each returned once, until heard again)."""
         out = [

@@ -72,11 +72,9 @@ class PrefixCacheService(Service):
             try:
                 self.index = PrefixIndex.from_snapshot(snapshot)
                 self.restored_seq = snapshot.stream_seq
-                # its producers must report like any other, or their blocks leave
-                for pid in self.index.producers():
-                    self.liveness.heard(pid, time.monotonic())
             except ValueError as exc:  # a corrupt snapshot: start empty, replay the stream
                 self.log.error("prefix index snapshot unreadable; starting empty", error=str(exc))
+                self.snapshots.forget_written()  # the next save replaces it
         self.load_s = time.monotonic() - started
         self.log.info(
             "prefix index loaded",
@@ -151,6 +149,8 @@ class PrefixCacheService(Service):
             await asyncio.sleep(1.0)
             if not self.bus_connected:
                 continue
+            # every producer in the index must report, however it got there
+            self.liveness.watch(self.index.producers(), time.monotonic())
             for pid in self.liveness.gone(time.monotonic(), self.bus_connected_since):
                 blocks = len(self.index.cached_blocks().get(pid, ()))
                 self.index.drop_producer(pid)

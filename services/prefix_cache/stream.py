@@ -209,6 +209,10 @@ class SnapshotStore:
         self._written_mark = (snapshot.stream_seq, 0)  # what an index restored from it says
         return snapshot
 
+    def forget_written(self) -> None:
+        """The stored snapshot is not what the index holds (it could not be read)."""
+        self.written_seq, self._written_mark = -1, None
+
     async def save(self, index: PrefixIndex) -> bool:
         """Writes a snapshot if the index changed since the last one."""
         mark = (index.stream_seq, index.num_local_changes)

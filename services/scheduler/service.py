@@ -750,6 +750,7 @@ class SchedulerService(Service):
                 continue  # dark again meanwhile: ask again
             await self._end_dark(fenced, unanswered, dark_s, lost_s, held_then)
             if self._dark_since is not None or mark != self._dark_mark:
+                await asyncio.sleep(0.05)  # (never a busy loop when nothing else awaits)
                 continue  # dark again while we released the held events: this task asks
             return
 

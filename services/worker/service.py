@@ -119,6 +119,7 @@ class WorkerService(Service):
         self._scheduler: str | None = None
         self._scheduler_seen = 0.0  # when its last batch came
         self._publishing = False  # a result is being sent (in parts, it may take a while)
+        self._last_reset: _Reset | None = None  # the newest reset queued
         self._needs_reset = False
         self._runner_fresh = True  # no batch queued since the runner was (re)built
         self.num_inline_batches = 0  # batches that ran on the event loop (compute.py)
@@ -366,7 +367,7 @@ class WorkerService(Service):
                     self.compute.submit(run, lambda r=refusal: r, inline=True)
                     continue
                 self._geometry = geometry  # what the queued reset will build
-                reset = _Reset(geometry)
+                reset = self._last_reset = _Reset(geometry)
                 self.compute.submit(reset, lambda r=reset: self._make_runner(*r.geometry))
                 self._runner_fresh = True
             self._needs_reset = False
@@ -402,8 +403,10 @@ class WorkerService(Service):
         if isinstance(job, _Reset):
             if isinstance(outcome, BaseException):
                 self.log.error("runner reset failed", error=_describe(outcome))
-                # the next batch queued finds no geometry built: it checks and resets again
-                self._geometry = (0, 0, "")
+                if job is self._last_reset:
+                    # the next batch queued finds no geometry built: it checks and resets
+                    # again (a reset queued after this one owns the geometry otherwise)
+                    self._geometry = (0, 0, "")
             return
         if isinstance(outcome, BaseException):  # not even an error result: a worker bug
             outcome = BatchResult(seq=job.wb.batch.seq, error=_describe(outcome))
