@@ -488,13 +488,14 @@ class OpenRequests:
     def entries(self) -> list[OpenRequest]:
         return list(self._open.values())
 
-    def on_shard(self, shard: str, owner: str | None = None) -> list[OpenRequest]:
-        """Open requests routed to ``shard`` (and accepted by ``owner``, if given)."""
-        return [
-            e
-            for e in self._open.values()
+    def on_shard(self, shard: str, owner: str | None = None) -> dict[int, OpenRequest]:
+        """Open requests routed to ``shard`` (and accepted by ``owner``, if given), by the
+        seq they are open under now (a caller that awaits passes it on: see ``is_open``)."""
+        return {
+            seq: e
+            for seq, e in self._open.items()
             if e.shard == shard and (owner is None or e.owner in (None, owner))
-        ]
+        }
 
     def moved(self, entry: OpenRequest, new_seq: int, shard: str, now: float) -> None:
         """``entry`` is resubmitted to ``shard`` under ``new_seq``: anything still arriving
@@ -540,9 +541,10 @@ class OpenRequests:
     def close(self, seq: int) -> OpenRequest | None:
         return self._pop(seq)
 
-    def is_open(self, entry: OpenRequest) -> bool:
-        """Still open (not ended meanwhile; a move keeps it open under its new seq)."""
-        return self._open.get(entry.seq) is entry
+    def is_open(self, entry: OpenRequest, seq: int | None = None) -> bool:
+        """Still open; with ``seq`` (the one the caller saw), also not moved since (a move
+        gives it a new seq)."""
+        return self._open.get(entry.seq if seq is None else seq) is entry
 
     @staticmethod
     def can_move(entry: OpenRequest, max_moves: int) -> bool:
@@ -553,7 +555,7 @@ class OpenRequests:
 
     def close_all(self) -> list[OpenRequest]:
         """Removes and returns every entry (admission is stopping)."""
-        return [e for e in (self._pop(seq) for seq in list(self._open)) if e is not None]
+        return self.declare(list(self._open))
 
     def find(self, request_id: str) -> OpenRequest | None:
         seq = self._by_id.get(request_id)
@@ -611,8 +613,7 @@ class OpenRequests:
         own ``timeout`` has not come back within ``scheduler_lost_s`` more (its clock
         starts a little later than ours): admission ends those itself."""
         limit = self.max_request_s + self.scheduler_lost_s
-        old = [seq for seq, e in self._open.items() if now - e.sent_at > limit]
-        return [e for e in (self._pop(seq) for seq in old) if e is not None]
+        return self.declare([seq for seq, e in self._open.items() if now - e.sent_at > limit])
 
     def schedulers(self) -> list[str]:
         """The schedulers heard from recently (those that may hold an unaccepted request)."""

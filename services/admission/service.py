@@ -228,8 +228,9 @@ class AdmissionService(Service):
         while (len(self.open) or self._routing) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for entry in self.open.close_all():
-            await self._forward_abort(entry.request_id, entry, "", entry.trace_id, _tenant(entry))
-            await self._end(entry, "admission shut down before the request finished; retry it")
+            await self._abort_and_end(
+                entry, "admission shut down before the request finished; retry it"
+            )
 
     async def on_ready(self) -> None:
         self.spawn(self._watch(), "open-requests")
@@ -520,10 +521,9 @@ class AdmissionService(Service):
                 old_scheduler=replaced,
                 scheduler=announce.scheduler_id,
             )
-            for entry in self.open.on_shard(announce.shard_id):
-                # (an entry another path moved while we awaited has left the shard)
-                if entry.owner == replaced and entry.shard == announce.shard_id:
-                    await self._move_or_end(entry, "its scheduler restarted")
+            for seq, entry in self.open.on_shard(announce.shard_id).items():
+                if entry.owner == replaced:
+                    await self._move_or_end(entry, "its scheduler restarted", seq)
         else:
             self.log.info(
                 "shard announced", shard=announce.shard_id, scheduler=announce.scheduler_id
@@ -584,7 +584,7 @@ class AdmissionService(Service):
     async def _pass_on(self, entry: OpenRequest, event: StreamEvent, now: float) -> None:
         if isinstance(event, ErrorEvent) and event.code == ErrorCode.UNAVAILABLE:
             # the shard gave up on it (shutting down, no worker for too long): elsewhere?
-            if await self._move(entry, f"its shard said: {event.message}"):
+            if await self._move(entry, f"its shard said: {event.message}", entry.seq):
                 return
             self.open.close(entry.seq)
         data = encode_json(_for_client(event))
@@ -624,7 +624,7 @@ class AdmissionService(Service):
         if is_no_responders(msg):
             entry = self.open.get(seq)
             if entry is not None:
-                await self._move_or_end(entry, "no scheduler serves its shard")
+                await self._move_or_end(entry, "no scheduler serves its shard", seq)
             return
         try:
             notice = decode_msgpack(msg.data, RequestNotice)
@@ -655,12 +655,8 @@ class AdmissionService(Service):
 
     async def _check_shards(self, now: float) -> None:
         for entry in self.open.expired(now):
-            await self._forward_abort(entry.request_id, entry, "", entry.trace_id, _tenant(entry))
-            await self._end(
-                entry,
-                f"request exceeded RLT_MAX_REQUEST_S ({self.config.max_request_s:g} s)",
-                ErrorCode.TIMEOUT,
-            )
+            limit = f"RLT_MAX_REQUEST_S ({self.config.max_request_s:g} s)"
+            await self._abort_and_end(entry, f"request exceeded {limit}", ErrorCode.TIMEOUT)
         since = max(self.bus_connected_since, self._judge_from)
         silent = self.shards.silent(now, since)
         suspects = self.open.suspects(now, since)
@@ -669,9 +665,8 @@ class AdmissionService(Service):
         for shard in self.shards.without_worker(now, NO_WORKER_GRACE_S):
             if not self.shards.healthy(now, exclude=shard.shard_id):
                 continue  # nowhere better: they wait for a worker there
-            for entry in self.open.on_shard(shard.shard_id):
-                if entry.shard == shard.shard_id:  # not moved by another path meanwhile
-                    await self._move(entry, "its shard has no worker")
+            for seq, entry in self.open.on_shard(shard.shard_id).items():
+                await self._move(entry, "its shard has no worker", seq)
 
     async def _judge(self, silent: list[Shard], suspects: dict[int, OpenRequest]) -> None:
         """Moves (or ends) the requests of silent shards and schedulers once nats-server
@@ -705,15 +700,14 @@ class AdmissionService(Service):
                 scheduler=shard.scheduler_id,
                 open_requests=len(entries),
             )
-            for entry in entries:
-                if entry.shard == shard.shard_id:  # not moved by another path meanwhile
-                    await self._move_or_end(entry, "its shard was lost")
+            for seq, entry in entries.items():
+                await self._move_or_end(entry, "its shard was lost", seq)
         # a request no scheduler accepted may sit in any stalled scheduler's inbound queue
         nobody_stalled = all(v != "stalled" for v in verdicts.values())
         for seq, entry in suspects.items():
             gone = verdicts.get(entry.owner) == "gone" if entry.owner else nobody_stalled
-            if gone and self.open.get(seq) is entry:  # not moved or ended above
-                await self._move_or_end(entry, "the scheduler holding it stopped")
+            if gone:
+                await self._move_or_end(entry, "the scheduler holding it stopped", seq)
 
     async def _probe(self, scheduler_id: str) -> str:
         """ "gone": nats-server has no subscriber for that scheduler any more (its connection
@@ -747,8 +741,8 @@ class AdmissionService(Service):
         if fenced:
             self.log.info("fence sent", scheduler=query.scheduler_id, requests=len(fenced))
 
-    async def _move_or_end(self, entry: OpenRequest, reason: str) -> None:
-        if not await self._move(entry, reason):
+    async def _move_or_end(self, entry: OpenRequest, reason: str, seen_seq: int) -> None:
+        if not await self._move(entry, reason, seen_seq):
             self.open.close(entry.seq)
             # if its scheduler comes back, it drops this try without a word (fencing)
             self.fences.add(entry.owner, entry.request_id, entry.seq, time.monotonic())
@@ -758,12 +752,13 @@ class AdmissionService(Service):
                 message = f"the scheduler holding this request stopped ({reason}); retry it"
             await self._end(entry, message)
 
-    async def _move(self, entry: OpenRequest, reason: str) -> bool:
-        """Resubmits ``entry`` to another healthy shard with the outputs the client has;
-        False if it cannot move (no other healthy shard, or moved too often)."""
+    async def _move(self, entry: OpenRequest, reason: str, seen_seq: int) -> bool:
+        """Resubmits ``entry``, seen open under ``seen_seq``, to another healthy shard with the
+        outputs the client has; False if it cannot move (no other healthy shard, or moved
+        too often). True, doing nothing, if it ended or moved since the caller saw it."""
         assert self.core is not None
-        if not self.open.is_open(entry):
-            return True  # ended while we awaited something: already handled
+        if not self.open.is_open(entry, seen_seq):
+            return True  # handled while the caller awaited something
         admitted = entry.admitted
         if admitted is None or not self.open.can_move(entry, self.config.max_moves):
             return False
@@ -799,6 +794,13 @@ class AdmissionService(Service):
             **request_fields(entry.request_id, entry.trace_id),
         )
         return True
+
+    async def _abort_and_end(
+        self, entry: OpenRequest, message: str, code: ErrorCode = ErrorCode.UNAVAILABLE
+    ) -> None:
+        """Ends a closed entry that may still run at its shard: stopped there, then told."""
+        await self._forward_abort(entry.request_id, entry, "", entry.trace_id, _tenant(entry))
+        await self._end(entry, message, code)
 
     async def _end(
         self, entry: OpenRequest, message: str, code: ErrorCode = ErrorCode.UNAVAILABLE

@@ -96,8 +96,7 @@ class _Inbox:
         """Ends every open request stream with an ``unavailable`` error of its own (the
         HTTP side sends it as its last frame); returns their request ids."""
         for key, rid in self._requests.items():
-            event = ErrorEvent(request_id=rid, code=ErrorCode.UNAVAILABLE, message=message)
-            self._queues[key].put_nowait(Msg(None, data=encode_json(event)))  # type: ignore[arg-type]
+            self._queues[key].put_nowait(_error_msg(rid, ErrorCode.UNAVAILABLE, message))
         return list(self._requests.values())
 
     def deliver(self, msg: Msg) -> None:
@@ -298,10 +297,7 @@ class GatewayService(Service):
                 f"the request is too large: {len(data)} bytes as JSON, over the bus's "
                 f"max_payload ({self.nc.max_payload} bytes); send a shorter prompt"
             )
-            event = ErrorEvent(
-                request_id=request.request_id, code=ErrorCode.INVALID_REQUEST, message=message
-            )
-            queue.put_nowait(Msg(None, subject=subject, data=encode_json(event)))  # type: ignore[arg-type]
+            queue.put_nowait(_error_msg(request.request_id, ErrorCode.INVALID_REQUEST, message))
             return _Stream(self.inbox, subject, queue, request.request_id)
         try:
             await self.nc.publish(subjects.GENERATE, data, reply=subject, headers=headers)
@@ -371,6 +367,12 @@ class GatewayService(Service):
             )
         except ValueError as exc:
             self.log.warning("unreadable metrics", service=service, error=repr(exc)[:200])
+
+
+def _error_msg(request_id: str, code: ErrorCode, message: str) -> Msg:
+    """An error event of the gateway's own, queued where the stream's events arrive."""
+    event = ErrorEvent(request_id=request_id, code=code, message=message)
+    return Msg(None, data=encode_json(event))  # type: ignore[arg-type]
 
 
 def _no_responders(subject: str) -> Msg:

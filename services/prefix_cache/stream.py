@@ -184,7 +184,6 @@ class SnapshotStore:
         self.nc = nc
         self.object_name = f"snapshot-{name}"
         self.log = log
-        self.written_seq = -1
         self._written_mark: tuple[int, int] | None = None  # (stream_seq, local changes)
         self.num_written = 0
         self._store: Any = None
@@ -205,13 +204,17 @@ class SnapshotStore:
         except msgspec.DecodeError as exc:  # a snapshot we cannot read: start from the stream
             self.log.error("unreadable index snapshot ignored", error=str(exc)[:200])
             return None
-        self.written_seq = snapshot.stream_seq
         self._written_mark = (snapshot.stream_seq, 0)  # what an index restored from it says
         return snapshot
 
+    @property
+    def written_seq(self) -> int:
+        """The stream seq of the stored snapshot (-1: none known)."""
+        return self._written_mark[0] if self._written_mark is not None else -1
+
     def forget_written(self) -> None:
         """The stored snapshot is not what the index holds (it could not be read)."""
-        self.written_seq, self._written_mark = -1, None
+        self._written_mark = None
 
     async def save(self, index: PrefixIndex) -> bool:
         """Writes a snapshot if the index changed since the last one."""
@@ -221,7 +224,6 @@ class SnapshotStore:
         snapshot = index.to_snapshot()  # synchronous: a consistent cut of the index
         store = await self._bucket()
         await store.put(self.object_name, encode_msgpack(snapshot))
-        self.written_seq = snapshot.stream_seq
         self._written_mark = mark
         self.num_written += 1
         return True

@@ -438,12 +438,11 @@ class SchedulerDriver:
         stream = self.streams.get(request_id)
         return stream.key if stream is not None else self._ended_keys.get(request_id)
 
-    def keys_of(self, admission_ids: set[str]) -> set[StreamKey]:
-        return {s.key for s in self.streams.values() if s.admission_id in admission_ids}
-
-    def relayed_keys(self) -> set[StreamKey]:
-        """The tries with relayed events not yet sent."""
-        return {
+    def tries(self) -> set[StreamKey]:
+        """The tries held here: live streams admitted by an admission, and those with
+        relayed events not yet sent."""
+        live = {s.key for s in self.streams.values() if s.admission_id}
+        return live | {
             (self._relay_admission[subject], item.seq)
             for subject, items in self.relayed.items()
             for item in items
@@ -465,10 +464,6 @@ class SchedulerDriver:
             dropped.append(stream.key)
             self.log.warning("request fenced: admission ended it", **request_fields(rid, ""))
         return dropped
-
-    def admissions(self) -> set[str]:
-        """The admissions whose requests we hold streams for."""
-        return {s.admission_id for s in self.streams.values() if s.admission_id}
 
     # ------------------------------------------------------------------ the loop
     def step(self, *, schedule: bool = True) -> list[Delivery]:

@@ -174,7 +174,6 @@ class PrefixPublisher:
         self.num_retries = 0
         self.num_rebases = 0
         self.last_stream_seq = 0
-        self._generation = 0  # bumped by every rebase: what was in flight is not the head
         # the last rebase's epoch: batches of older epochs are inside its snapshot already
         self._floor = ""
         self._wake = asyncio.Event()
@@ -194,8 +193,7 @@ class PrefixPublisher:
 
     def _rebase(self, why: str) -> None:
         self.pending.clear()
-        self._generation += 1
-        self.num_rebases += 1
+        self.num_rebases += 1  # (what was in flight before it is not the queue's head)
         snapshot = self.rebase()
         self._floor = snapshot.epoch
         self.log.warning("prefix events rebased", reason=why, epoch=snapshot.epoch)
@@ -236,9 +234,9 @@ class PrefixPublisher:
                 await self._wake.wait()
                 continue
             parts, body, msg_id = head
-            generation = self._generation
+            rebases = self.num_rebases
             stored = await self._publish(body, msg_id)
-            if generation != self._generation:
+            if rebases != self.num_rebases:
                 # rebased while it was in flight: the queue holds the new epoch now (what
                 # was sent belongs to the old one, which the index ignores)
                 continue

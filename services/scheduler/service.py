@@ -776,9 +776,12 @@ class SchedulerService(Service):
         lost_s = self.options.scheduler_lost_s
         deadline = time.monotonic() + _FENCE_WAIT_S
         while pending and time.monotonic() < deadline:
+            # built at each round: admission may fence more of them while we ask
+            held: dict[str, list[int]] = {}
+            for aid, seq in self._fenceable():
+                held.setdefault(aid, []).append(seq)
             for admission_id in list(pending):
-                # built at each try: admission may fence more of them while we ask
-                seqs = sorted(seq for aid, seq in self._fenceable() if aid == admission_id)
+                seqs = sorted(held.get(admission_id, ()))
                 if not seqs:  # nothing of its left here (ended, or taken over by a retry)
                     pending.discard(admission_id)
                     continue
@@ -803,10 +806,8 @@ class SchedulerService(Service):
     def _fenceable(self) -> set[StreamKey]:
         """The tries a fence can drop here: live streams, held client events, relayed
         events not yet sent."""
-        d = self.driver
-        assert d is not None
-        keys = d.keys_of(d.admissions()) | d.relayed_keys()
-        return keys | {m[3] for m in self._held if m[3] is not None}
+        assert self.driver is not None
+        return self.driver.tries() | {m[3] for m in self._held if m[3] is not None}
 
     async def _end_dark(
         self,

@@ -369,10 +369,10 @@ class WorkerService(Service):
                 self._geometry = geometry  # what the queued reset will build
                 reset = self._last_reset = _Reset(geometry)
                 self.compute.submit(reset, lambda r=reset: self._make_runner(*r.geometry))
-                self._runner_fresh = True
             self._needs_reset = False
             self._runner_fresh = False
-            run.token_loops = _token_loops(run.wb.batch)
+            if self.inline_max_s > 0:  # only the inline choice reads the estimate
+                run.token_loops = _token_loops(run.wb.batch)
             inline = self._inline(run)
             self.num_inline_batches += inline
             self.compute.submit(run, lambda r=run: self._execute(r), inline=inline)
@@ -412,7 +412,7 @@ class WorkerService(Service):
             outcome = BatchResult(seq=job.wb.batch.seq, error=_describe(outcome))
         if outcome is None or job.wb.epoch != self._epoch:
             return  # the scheduler restarted while this ran; its result is moot
-        if outcome.error is None:
+        if outcome.error is None and self.inline_max_s > 0:
             self.execute_time.observe(job.token_loops, elapsed)
         self._results.put_nowait((job, outcome, elapsed))
 
