@@ -29,6 +29,7 @@ def _configs() -> st.SearchStrategy[SchedulerConfig]:
         kv_layout=st.just(KVLayout.LAST_EXITED),
         refill=st.booleans(),
         enable_prefix_caching=st.booleans(),
+        share_inflight_prefill=st.booleans(),
         async_scheduling=st.booleans(),
         max_inflight_batches=st.integers(1, 8),
         kv_admission=st.sampled_from(list(KVAdmission)),

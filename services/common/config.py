@@ -90,6 +90,9 @@ class SchedulerConfig:
     # continuous depth batching: an exited row starts its next token in the next pass
     refill: bool = True
     enable_prefix_caching: bool = False
+    # prefix caching: a waiting request whose next prompt block a running prefill is
+    # computing waits for it to be published instead of computing it a second time
+    share_inflight_prefill: bool = True
     async_scheduling: bool = True
     max_inflight_batches: int = 2
     kv_admission: KVAdmission = KVAdmission.WATERMARK

@@ -80,6 +80,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--enable-prefix-caching", action="store_true")
     g.add_argument(
+        "--no-share-inflight-prefill",
+        action="store_true",
+        help="prefix caching: a request whose prefix another is still prefilling computes it "
+        "again instead of waiting for those blocks (the default waits and claims them)",
+    )
+    g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -208,6 +214,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         kv_layout=KVLayout(args.kv_layout),
         refill=not args.no_refill,
         enable_prefix_caching=args.enable_prefix_caching,
+        share_inflight_prefill=not args.no_share_inflight_prefill,
         max_inflight_batches=args.max_inflight_batches,
         kv_admission=KVAdmission(args.kv_admission),
         kv_watermark=args.kv_watermark,
@@ -235,6 +242,7 @@ def engine_args(config: SchedulerConfig) -> list[str]:
     switches = {
         "--no-refill": not config.refill,
         "--enable-prefix-caching": config.enable_prefix_caching,
+        "--no-share-inflight-prefill": not config.share_inflight_prefill,
     }
     return args + [flag for flag, on in switches.items() if on]
 

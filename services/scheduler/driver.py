@@ -24,7 +24,7 @@ from messages.internal import (
     SchedulerLoad,
     WorkerResult,
 )
-from messages.prefix import PrefixEventBatch, cacheable_prefix_blocks
+from messages.prefix import PrefixEventBatch
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.tokenizer import TextCodec
 from services.runtime import subjects
@@ -32,7 +32,6 @@ from services.runtime.logging import get_logger, log_content_enabled, request_fi
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.nats_executor import NatsExecutor
-from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.tombstones import ANY, AbortTombstones
@@ -533,21 +532,12 @@ class SchedulerDriver:
             num_blocks=kv.num_blocks,
             num_free_blocks=kv.num_free_blocks,
             num_active_blocks=(kv.num_blocks - kv.num_free_blocks) // kv.num_planes,
-            num_waiting_prefill_tokens=sum(self._uncached_tokens(r) for r in waiting),
+            num_waiting_prefill_tokens=s.num_prefill_tokens_due(),
             step_time_s=self.step_time_s,
             has_worker=self.has_worker,
             draining=self.draining,
             simulated=self.simulated,
         )
-
-    def _uncached_tokens(self, request: Request) -> int:
-        """The prompt tokens of a waiting request its prefix cache does not hold now."""
-        n = request.num_prompt_tokens
-        if not request.block_hashes:
-            return n
-        bs = self.config.block_size
-        usable = cacheable_prefix_blocks(n, bs)
-        return n - self.scheduler.kv.lookup_prefix(request.block_hashes[:usable]) * bs
 
     def gone_subject(self, request_id: str) -> str:
         """Reply subject for this stream's events ("" if the stream is not live)."""

@@ -86,6 +86,9 @@ class SchedulerStats:
     # ones never written because the request stopped early (EOS, stop ids, abort)
     num_reserved_blocks: int = 0
     num_reserved_unused_blocks: int = 0
+    # admissions put off because the request's next prompt block was being written by a
+    # running prefill (share_inflight_prefill), counted once per step it waited
+    num_prefix_deferrals: int = 0
 
 
 class Scheduler:
@@ -289,6 +292,25 @@ class Scheduler:
         return None
 
     def _admit_waiting(self) -> None:
+        if not self._waiting:
+            return
+        writers = self._prefix_writers() if self.config.share_inflight_prefill else None
+        deferred: list[tuple[tuple[int, int], Request]] = []
+        try:
+            self._admit_in_order(writers, deferred)
+        finally:
+            for item in deferred:
+                heapq.heappush(self._waiting, item)
+
+    def _admit_in_order(
+        self,
+        writers: dict[int, str] | None,
+        deferred: list[tuple[tuple[int, int], Request]],
+    ) -> None:
+        """Admits waiting requests in queue order while seats and KV allow. A request whose
+        next uncached prompt block a running prefill is writing (``writers``) steps aside
+        into ``deferred``: it claims that block once published instead of computing it again,
+        and requests behind it may go first meanwhile (it waits for data, not for room)."""
         by_kv = self.config.kv_admission is not KVAdmission.INCREMENTAL
         committed: Commitment | None = None  # the exact sum, once KV is tight
         while self._waiting and len(self.running) < self.config.max_num_seqs:
@@ -296,6 +318,10 @@ class Scheduler:
             if request.is_finished:
                 heapq.heappop(self._waiting)
                 continue  # aborted while waiting
+            if writers and self._next_block_in_flight(request, writers):
+                deferred.append(heapq.heappop(self._waiting))
+                self.stats.num_prefix_deferrals += 1
+                continue
             made_room = False
             if by_kv and not self._kv_admits(request, self._running_footprints):
                 committed = self._committed() if committed is None else committed
@@ -313,8 +339,49 @@ class Scheduler:
             request.phase = Phase.PREFILLING_PRELUDE if self.config.split_prefill else Phase.PREFILL
             self._insert_running(request)
             self._pending_new.append(request)
+            if writers is not None:
+                self._add_writer(request, writers)
             if made_room:
                 return  # the requests it preempted do not come straight back in this batch
+
+    def _prefix_writers(self) -> dict[int, str]:
+        """Prompt blocks the running prefills will publish and have not yet: hash -> the
+        request writing it (empty while prefix caching is off: no request has hashes)."""
+        writers: dict[int, str] = {}
+        for request in self.running:
+            if request.phase in PREFILL_PHASES:
+                self._add_writer(request, writers)
+        return writers
+
+    @staticmethod
+    def _add_writer(request: Request, writers: dict[int, str]) -> None:
+        for block_hash in request.block_hashes[request.num_published_blocks :]:
+            writers.setdefault(block_hash, request.request_id)
+
+    def _next_block_in_flight(self, request: Request, writers: dict[int, str]) -> bool:
+        """Whether the first prompt block ``request`` cannot claim now is being written by a
+        running prefill (chain hashes: the same hash is the same prefix at the same index)."""
+        usable = cacheable_prefix_blocks(request.num_prompt_tokens, self.config.block_size)
+        hashes = request.block_hashes[:usable]
+        hits = self.kv.lookup_prefix(hashes, before_batch_seq=self._next_seq)
+        return hits < len(hashes) and hashes[hits] in writers
+
+    def num_prefill_tokens_due(self) -> int:
+        """Prompt tokens the waiting requests will compute: neither cached now nor being
+        written by a running prefill they will wait for (the load a router weighs)."""
+        writers = self._prefix_writers() if self.config.share_inflight_prefill else {}
+        bs = self.config.block_size
+        total = 0
+        for _, request in self._waiting:
+            if request.is_finished:
+                continue
+            usable = cacheable_prefix_blocks(request.num_prompt_tokens, bs)
+            hashes = request.block_hashes[:usable]
+            covered = self.kv.lookup_prefix(hashes)
+            while covered < len(hashes) and hashes[covered] in writers:
+                covered += 1
+            total += request.num_prompt_tokens - covered * bs
+        return total
 
     def _unallocated(self, request: Request, claimed: int = 0) -> Commitment:
         """Blocks of the request's footprint it does not hold yet (nor would get from a
