@@ -82,9 +82,12 @@ def test_prefix_router_weighs_overlap_against_load() -> None:
     # reason to go elsewhere: a new request would share those blocks
     warm = [_load("0"), _load("1", active=10, running=1), _load("2")]
     assert router.choose(warm, 160, {"1": 8}).shard_id == "1"
-    # 8 blocks saved twice (prefill and memory): 17 more active blocks outweigh them
-    busy = [_load("0"), _load("1", active=17), _load("2")]
-    assert router.choose(busy, 160, {"1": 8}).shard_id != "1"
+    # 8 blocks saved three times (prefill at weight 2, and memory): 23 more active blocks
+    # do not outweigh them, 25 do
+    busy = [_load("0"), _load("1", active=23), _load("2")]
+    assert router.choose(busy, 160, {"1": 8}).shard_id == "1"
+    busier = [_load("0"), _load("1", active=25), _load("2")]
+    assert router.choose(busier, 160, {"1": 8}).shard_id != "1"
     # queued prompts count as prefill to come
     queued = [_load("0", waiting=16 * 20), _load("1"), _load("2")]
     assert router.choose(queued, 160, None).shard_id != "0"

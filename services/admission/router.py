@@ -19,7 +19,7 @@ Policies (``--router``):
   blocks against prefill and decode load, its "potential" active blocks and its optional
   active-request term): a cached prefix saves prefill and memory, but a shard whose load
   exceeds another's by more than that no longer wins. Lowest cost wins; ties go to the fewer
-  requests, then round robin. Defaults (overlap_weight 1, request_weight 2) are measured:
+  requests, then round robin. Defaults (overlap_weight 2, request_weight 2) are measured:
   docs/sharding.md.
 - ``least-loaded``: the same cost with every overlap 0.
 - ``round-robin``: shard ids in turn, whatever their load.
@@ -104,7 +104,7 @@ class Router:
         self,
         policy: RoutePolicy | str,
         block_size: int,
-        overlap_weight: float = 1.0,
+        overlap_weight: float = 2.0,
         request_weight: float = 2.0,
     ) -> None:
         self.policy = RoutePolicy(policy)

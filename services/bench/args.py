@@ -93,7 +93,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="routing: KV room per shard for N of the 8 shared prefixes, beyond its clients' own "
-        "blocks (default: its share and half a prefix more, 2.5 with 4 shards)",
+        "blocks (default: its share, 2 with 4 shards: together they hold each prefix once)",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib PNGs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

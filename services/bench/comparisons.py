@@ -568,12 +568,12 @@ def routing(s: BenchSettings) -> Comparison:
         name="hot_prefix",
     )
     # KV per shard: its share of the clients' own blocks, plus room for (by default) its
-    # share of the prefixes and half a prefix more (the working set does not fit one shard:
-    # routing decides what is cached where); one shard with n x that holds all eight prefixes
+    # share of the prefixes: the shards together hold every prefix once, if routing keeps
+    # each on one shard; one shard with n x that holds all eight
     bs, planes = s.block_size, s.limits.total_ut_steps
     prefix_blocks = math.ceil(prefix_tokens / bs)
     own_blocks = math.ceil((suffix[1] + output[1]) / bs) + 1
-    room = s.routing_kv_prefixes or ROUTING_PREFIXES / n + 0.5
+    room = s.routing_kv_prefixes or ROUTING_PREFIXES / n
     prefix_room = math.ceil(room * prefix_blocks)
     per_shard = planes * (math.ceil(clients / n) * own_blocks + prefix_room)
     base = SchedulerConfig(
@@ -639,7 +639,7 @@ def routing(s: BenchSettings) -> Comparison:
             f"nats-server. KV per shard: {per_shard} blocks of {bs} tokens ({planes} planes): "
             f"the shard's share of the {clients} clients' own blocks plus room for "
             f"{room:g} of the {ROUTING_PREFIXES} {prefix_tokens}-token prefixes"
-            f"{'' if s.routing_kv_prefixes else ' (its share and half a prefix)'}; "
+            f"{'' if s.routing_kv_prefixes else ' (its share: together they hold each once)'}; "
             f"the one-shard arm has {n}x that.",
             "Hit rate = prompt tokens served from the prefix cache / all prompt tokens "
             "(the finished events' num_cached_tokens). Imbalance = the busiest shard's "

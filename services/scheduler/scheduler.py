@@ -129,6 +129,7 @@ class Scheduler:
         # async refill: a request whose decode row is in flight sends its next loop as a
         # follow-on row instead of sitting out a batch (cohort batching holds rows anyway)
         self._follow_ons = config.async_scheduling and config.refill
+        self._share_inflight = config.enable_prefix_caching and config.share_inflight_prefill
 
     # ------------------------------------------------------------------ requests in/out
     def add_request(
@@ -294,7 +295,7 @@ class Scheduler:
     def _admit_waiting(self) -> None:
         if not self._waiting:
             return
-        writers = self._prefix_writers() if self.config.share_inflight_prefill else None
+        writers = self._prefix_writers() if self._share_inflight else None
         deferred: list[tuple[tuple[int, int], Request]] = []
         try:
             self._admit_in_order(writers, deferred)
@@ -369,7 +370,7 @@ class Scheduler:
     def num_prefill_tokens_due(self) -> int:
         """Prompt tokens the waiting requests will compute: neither cached now nor being
         written by a running prefill they will wait for (the load a router weighs)."""
-        writers = self._prefix_writers() if self.config.share_inflight_prefill else {}
+        writers = self._prefix_writers() if self._share_inflight else {}
         bs = self.config.block_size
         total = 0
         for _, request in self._waiting:
