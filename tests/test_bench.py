@@ -130,6 +130,14 @@ def test_quick_bench_schema_and_ratios(
     prefix_runs = by_name["prefix_cache"]["runs"]
     assert all(r["metrics"]["prefix_hit_rate"] == 0 for r in prefix_runs if r["arm"] == "off")
     assert any(r["metrics"]["prefix_hit_rate"] > 0 for r in prefix_runs if r["arm"] == "on")
+    # a burst: only requests that wait for a prefix still in flight can hit
+    burst = {
+        (r["arm"], r["repeat"]): r["metrics"]["prefix_hit_rate"]
+        for r in prefix_runs
+        if r["workload"] == "shared_prefix_burst"
+    }
+    for repeat in range(2):
+        assert burst[("on", repeat)] > burst[("on_no_share", repeat)]
     # WCPB: capacity measured per arm, then one open-loop workload per offered load
     wcpb = by_name["wcpb"]
     assert [w["name"] for w in wcpb["workloads"]] == ["mixed_load35", "mixed_load60"]
