@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
+from messages.api import FinishedEvent
 from messages.batch import RowKind
 from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
@@ -106,6 +108,7 @@ def test_the_reader_runs_cold_when_the_writer_is_aborted(toy_model, oracle) -> N
         aborts={"writer": 0},
     )
     assert record.finished["writer"].finish_reason == "abort"
+    assert record.engine.scheduler.stats.num_prefix_deferrals == 1  # parked before the abort
     assert record.finished["reader"].num_cached_tokens < 16
     expected = oracle_result(oracle, reader.prompt, reader.params.resolve(D, 512), config)
     assert_matches_oracle(record.finished["reader"], expected, "reader after abort")
@@ -123,9 +126,57 @@ def test_the_load_report_counts_a_prefix_in_flight_once(toy_model) -> None:
     engine.add_request("reader1", [*PREFIX, 9, 9, 9], GREEDY)
     engine.add_request("reader2", [*PREFIX[:8], 5, 5], GREEDY)  # shares two blocks
     engine.add_request("cold", [*OTHER, 1], GREEDY)
-    assert scheduler.num_prefill_tokens_due() == 18 + 19 + 10 + 9  # nothing runs yet
+    # nothing runs yet: the four shared blocks are computed once, by whichever goes first,
+    # plus each prompt's own tail
+    assert scheduler.num_prefill_tokens_due() == 16 + 2 + 3 + 2 + 9
     engine.step()  # the writer alone is admitted; its blocks are in flight
     assert [r.request_id for r in scheduler.running] == ["writer"]
     assert scheduler.num_prefill_tokens_due() == 3 + 2 + 9
     engine.run_until_done()
-    assert scheduler.num_prefill_tokens_due() == 0
+    # without sharing, every waiting prompt is computed whole
+    off = LLMEngine(toy_model, dataclasses.replace(config, share_inflight_prefill=False))
+    off.add_request("writer", [*PREFIX, 2, 3], GREEDY)
+    off.add_request("reader1", [*PREFIX, 9, 9, 9], GREEDY)
+    assert off.scheduler.num_prefill_tokens_due() == 18 + 19
+
+
+@pytest.mark.unit
+def test_a_less_urgent_writer_is_not_waited_for(toy_model) -> None:
+    """A reader of higher priority than the running prefill writing its prefix does not
+    wait for it (that writer's rows are selected after everything more urgent)."""
+    config = _config(wavefront_chunked_prefill=True, async_scheduling=False)
+    low = msgspec.structs.replace(GREEDY, priority=5)
+    engine = LLMEngine(toy_model, config)
+    engine.add_request("writer", [*PREFIX, 2, 3], low)
+    engine.step()
+    engine.add_request("urgent", [*PREFIX, 9, 9], GREEDY)
+    engine.add_request("patient", [*PREFIX, 8, 8], msgspec.structs.replace(GREEDY, priority=9))
+    engine.step()
+    running = {r.request_id for r in engine.scheduler.running}
+    assert running == {"writer", "urgent"}  # patient waits for the writer's blocks
+    assert engine.scheduler.stats.num_prefix_deferrals == 1
+    engine.run_until_done()
+
+
+@pytest.mark.unit
+def test_parked_readers_are_looked_at_when_their_writer_moves_not_every_step(toy_model):
+    """A burst of readers over a prefix in flight costs a look per reader per published
+    block, not per step: the step loop stays cheap however many wait."""
+    config = _config(wavefront_chunked_prefill=True, async_scheduling=True,
+                     max_num_batched_tokens=6, prefill_chunk_size=2)  # fmt: skip
+    engine = LLMEngine(toy_model, config)
+    engine.add_request("writer", [*PREFIX, 2, 3], GREEDY)
+    readers = [f"reader{i}" for i in range(40)]
+    for i, rid in enumerate(readers):
+        engine.add_request(rid, [*PREFIX, i % 7, 1], GREEDY)
+    steps_waited = 0
+    scheduler = engine.scheduler
+    while not any(r.request_id.startswith("reader") for r in scheduler.running):
+        engine.step()
+        steps_waited += 1
+    parks = scheduler.stats.num_prefix_deferrals
+    assert parks <= len(readers) * 4  # at most once per awaited block (4 shared blocks)
+    assert steps_waited > 4  # so one look per step would have been more
+    events = engine.run_until_done()
+    finished = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
+    assert all(finished[rid].num_cached_tokens == 16 for rid in readers)

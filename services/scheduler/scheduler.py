@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
 from services.common.fit import check_request_fits
 from services.scheduler.batch import ScheduledBatch, ScheduledTask
+from services.scheduler.inflight_prefix import ParkedReaders, add_writer, prefix_writers
 from services.scheduler.kv_admission import Commitment, Preemption, admits
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.prefix_events import PrefixEventLog
@@ -130,6 +132,7 @@ class Scheduler:
         # follow-on row instead of sitting out a batch (cohort batching holds rows anyway)
         self._follow_ons = config.async_scheduling and config.refill
         self._share_inflight = config.enable_prefix_caching and config.share_inflight_prefill
+        self._parked = ParkedReaders()
 
     # ------------------------------------------------------------------ requests in/out
     def add_request(
@@ -276,7 +279,8 @@ class Scheduler:
         return bool(self.requests)
 
     def num_waiting(self) -> int:
-        return sum(1 for _, r in self._waiting if not r.is_finished)
+        waiting = sum(1 for _, r in self._waiting if not r.is_finished)
+        return waiting + sum(1 for r in self._parked if not r.is_finished)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch | None:
@@ -293,36 +297,27 @@ class Scheduler:
         return None
 
     def _admit_waiting(self) -> None:
-        if not self._waiting:
-            return
-        writers = self._prefix_writers() if self._share_inflight else None
-        deferred: list[tuple[tuple[int, int], Request]] = []
-        try:
-            self._admit_in_order(writers, deferred)
-        finally:
-            for item in deferred:
-                heapq.heappush(self._waiting, item)
-
-    def _admit_in_order(
-        self,
-        writers: dict[int, str] | None,
-        deferred: list[tuple[tuple[int, int], Request]],
-    ) -> None:
-        """Admits waiting requests in queue order while seats and KV allow. A request whose
-        next uncached prompt block a running prefill is writing (``writers``) steps aside
-        into ``deferred``: it claims that block once published instead of computing it again,
-        and requests behind it may go first meanwhile (it waits for data, not for room)."""
+        """Admits waiting requests in queue order while seats and KV allow. With in-flight
+        sharing, a request whose next uncached prompt block a running prefill of the same or
+        higher priority is writing is parked on it (``inflight_prefix.py``) and queued again
+        once the writer published it or stopped; requests behind it may be admitted
+        meanwhile (and take seats and KV). Once back, it is the head like any other."""
+        if self._parked:
+            for entry in self._parked.ready():
+                heapq.heappush(self._waiting, entry)
         by_kv = self.config.kv_admission is not KVAdmission.INCREMENTAL
         committed: Commitment | None = None  # the exact sum, once KV is tight
+        writers: dict[int, Request] | None = None  # built when a request first needs it
         while self._waiting and len(self.running) < self.config.max_num_seqs:
             _, request = self._waiting[0]
             if request.is_finished:
                 heapq.heappop(self._waiting)
                 continue  # aborted while waiting
-            if writers and self._next_block_in_flight(request, writers):
-                deferred.append(heapq.heappop(self._waiting))
-                self.stats.num_prefix_deferrals += 1
-                continue
+            if self._share_inflight and request.block_hashes:
+                if writers is None:
+                    writers = prefix_writers(self.running)
+                if self._park_if_in_flight(request, writers):
+                    continue
             made_room = False
             if by_kv and not self._kv_admits(request, self._running_footprints):
                 committed = self._committed() if committed is None else committed
@@ -341,47 +336,55 @@ class Scheduler:
             self._insert_running(request)
             self._pending_new.append(request)
             if writers is not None:
-                self._add_writer(request, writers)
+                add_writer(request, writers)
             if made_room:
                 return  # the requests it preempted do not come straight back in this batch
 
-    def _prefix_writers(self) -> dict[int, str]:
-        """Prompt blocks the running prefills will publish and have not yet: hash -> the
-        request writing it (empty while prefix caching is off: no request has hashes)."""
-        writers: dict[int, str] = {}
-        for request in self.running:
-            if request.phase in PREFILL_PHASES:
-                self._add_writer(request, writers)
-        return writers
-
-    @staticmethod
-    def _add_writer(request: Request, writers: dict[int, str]) -> None:
-        for block_hash in request.block_hashes[request.num_published_blocks :]:
-            writers.setdefault(block_hash, request.request_id)
-
-    def _next_block_in_flight(self, request: Request, writers: dict[int, str]) -> bool:
-        """Whether the first prompt block ``request`` cannot claim now is being written by a
-        running prefill (chain hashes: the same hash is the same prefix at the same index)."""
+    def _park_if_in_flight(self, request: Request, writers: dict[int, Request]) -> bool:
+        """Parks the head of the queue if the first prompt block it cannot claim now is being
+        written by a running prefill no less urgent than it (chain hashes: the same hash is
+        the same prefix at the same index). A less urgent writer is not waited for: its
+        rows are selected after everything of higher priority."""
         usable = cacheable_prefix_blocks(request.num_prompt_tokens, self.config.block_size)
         hashes = request.block_hashes[:usable]
         hits = self.kv.lookup_prefix(hashes, before_batch_seq=self._next_seq)
-        return hits < len(hashes) and hashes[hits] in writers
+        if hits == len(hashes):
+            return False
+        writer = writers.get(hashes[hits])
+        if writer is None or writer.params.priority > request.params.priority:
+            return False
+        self._parked.park(heapq.heappop(self._waiting), hashes[hits], hits, writer)
+        self.stats.num_prefix_deferrals += 1
+        return True
 
     def num_prefill_tokens_due(self) -> int:
-        """Prompt tokens the waiting requests will compute: neither cached now nor being
-        written by a running prefill they will wait for (the load a router weighs)."""
-        writers = self._prefix_writers() if self._share_inflight else {}
+        """Prompt tokens the waiting requests will compute (the load a router weighs): with
+        in-flight sharing a block is computed once, by a running prefill or by the first
+        waiting request that needs it; everyone else claims it."""
         bs = self.config.block_size
+        in_flight: set[int] = set(prefix_writers(self.running)) if self._share_inflight else set()
+        # a burst's readers walk the same run of in-flight blocks: the first walk from a
+        # block is remembered (its end and the hash there), and a reader whose chain has
+        # that hash at that index shares the whole run (chain hashes), so it skips it
+        runs: dict[int, tuple[int, int]] = {}
         total = 0
-        for _, request in self._waiting:
+        for request in itertools.chain((r for _, r in self._waiting), self._parked):
             if request.is_finished:
                 continue
             usable = cacheable_prefix_blocks(request.num_prompt_tokens, bs)
             hashes = request.block_hashes[:usable]
-            covered = self.kv.lookup_prefix(hashes)
-            while covered < len(hashes) and hashes[covered] in writers:
-                covered += 1
+            covered = start = self.kv.lookup_prefix(hashes)
+            if covered < len(hashes) and in_flight:
+                end, end_hash = runs.get(hashes[covered], (covered, 0))
+                if end > covered and end <= len(hashes) and hashes[end - 1] == end_hash:
+                    covered = end
+                while covered < len(hashes) and hashes[covered] in in_flight:
+                    covered += 1
+                if covered > start:
+                    runs[hashes[start]] = (covered, hashes[covered - 1])
             total += request.num_prompt_tokens - covered * bs
+            if self._share_inflight:
+                in_flight.update(hashes[covered:])
         return total
 
     def _unallocated(self, request: Request, claimed: int = 0) -> Commitment:
