@@ -8,12 +8,14 @@ import dataclasses
 
 import msgspec
 import pytest
+from prometheus_client import generate_latest
 
 from messages.api import FinishedEvent
 from messages.batch import RowKind
 from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
+from services.scheduler.telemetry import SchedulerTelemetry
 from tests.engine_harness import Arrival, assert_matches_oracle, oracle_result, run_workload
 
 D = 4
@@ -180,3 +182,31 @@ def test_parked_readers_are_looked_at_when_their_writer_moves_not_every_step(toy
     events = engine.run_until_done()
     finished = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
     assert all(finished[rid].num_cached_tokens == 16 for rid in readers)
+
+
+@pytest.mark.unit
+def test_parks_are_exported_and_survive_a_scheduler_reset(toy_model) -> None:
+    """``rlt:prefix_inflight_waits_total`` counts parks, and keeps counting up when the
+    driver builds a new Scheduler (a reset after a lost worker)."""
+    config = _config(wavefront_chunked_prefill=True, async_scheduling=False)
+    engines = []
+    for _ in range(2):
+        engine = LLMEngine(toy_model, config)
+        engine.add_request("writer", [*PREFIX, 2, 3], GREEDY)
+        engine.add_request("reader", [*PREFIX, 9], GREEDY)
+        engine.run_until_done()
+        engines.append(engine)
+    current = [engines[0].scheduler]
+    telemetry = SchedulerTelemetry(lambda: current[0], total_ut_steps=D, prefix_caching=True)
+
+    def waits() -> float:
+        text = generate_latest(telemetry.registry).decode()
+        (line,) = [x for x in text.splitlines() if x.startswith("rlt:prefix_inflight_waits_total")]
+        return float(line.split()[-1])
+
+    # parked once per shared block (the writer publishes one per step here)
+    first, second = (e.scheduler.stats.num_prefix_deferrals for e in engines)
+    assert first == second == 4
+    assert waits() == 4
+    current[0] = engines[1].scheduler
+    assert waits() == 8

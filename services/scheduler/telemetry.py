@@ -15,7 +15,9 @@ measured here, from the request's arrival at the scheduler:
 - ``rlt:prefix_cache_queries_total`` / ``_hits_total``: prompt tokens looked up / found,
   each time a request is (re)admitted with prefix caching on;
 - ``rlt:num_preemptions_total``: recompute preemptions, including the requeues after a
-  lost worker.
+  lost worker;
+- ``rlt:prefix_inflight_waits_total``: waiting requests parked on a prompt block a running
+  prefill was computing (in-flight prefix sharing), once per block waited for.
 
 Looped-model metrics (a loop = one pass of the shared core for one token):
 
@@ -77,19 +79,35 @@ class _Timing:
 class _LiveState(Collector):
     """Gauges and counters read from the scheduler when scraped (the published text)."""
 
+    # counters read from SchedulerStats: (field, metric name, help)
+    _COUNTERS = (
+        (
+            "num_preemptions",
+            "rlt:num_preemptions",
+            "Recompute preemptions (requeues after a lost worker included).",
+        ),
+        (
+            "num_prefix_deferrals",
+            "rlt:prefix_inflight_waits",
+            "Waiting requests parked on a prompt block a running prefill was computing.",
+        ),
+    )
+
     def __init__(self, scheduler: Callable[[], Scheduler]) -> None:
         self._scheduler = scheduler
         # a reset driver builds a new Scheduler whose stats start at 0: keep counting up
-        self._preemptions_before = 0
+        self._before = dict.fromkeys((f for f, _, _ in self._COUNTERS), 0)
         self._last_stats: object = None
-        self._last_preemptions = 0
+        self._last = dict(self._before)
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         s = self._scheduler()
         if s.stats is not self._last_stats:
-            self._preemptions_before += self._last_preemptions
+            for name, last in self._last.items():
+                self._before[name] += last
             self._last_stats = s.stats
-        self._last_preemptions = s.stats.num_preemptions
+        for name in self._last:
+            self._last[name] = getattr(s.stats, name)
         kv = s.kv
         yield GaugeMetricFamily(
             "rlt:num_requests_running", "Requests in the running set.", value=len(s.running)
@@ -103,11 +121,8 @@ class _LiveState(Collector):
             "blocks count as free).",
             value=1.0 - kv.num_free_blocks / kv.num_blocks if kv.num_blocks else 0.0,
         )
-        yield CounterMetricFamily(
-            "rlt:num_preemptions",
-            "Recompute preemptions (requeues after a lost worker included).",
-            value=self._preemptions_before + s.stats.num_preemptions,
-        )
+        for name, metric, doc in self._COUNTERS:
+            yield CounterMetricFamily(metric, doc, value=self._before[name] + self._last[name])
 
 
 class SchedulerTelemetry:
