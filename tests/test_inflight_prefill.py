@@ -210,3 +210,29 @@ def test_parks_are_exported_and_survive_a_scheduler_reset(toy_model) -> None:
     assert waits() == 4
     current[0] = engines[1].scheduler
     assert waits() == 8
+
+
+@pytest.mark.oracle
+def test_a_preempted_writer_hands_its_readers_back(toy_model, oracle) -> None:
+    """The writer is preempted mid-prefill: its parked reader is queued again, waits for the
+    writer's second try (the writer is ahead of it in the queue) and still claims the
+    prefix; both equal the oracle and every KV block comes back."""
+    config = _config(wavefront_chunked_prefill=True, async_scheduling=False)
+    engine = LLMEngine(toy_model, config)
+    writer = Arrival("writer", [*PREFIX, 2, 3], GREEDY)
+    reader = Arrival("reader", [*PREFIX, 9, 9], GREEDY)
+    for a in (writer, reader):
+        engine.add_request(a.request_id, a.prompt, a.params)
+    engine.step()
+    scheduler = engine.scheduler
+    assert [r.request_id for r in scheduler.running] == ["writer"]
+    scheduler._preempt(scheduler.requests["writer"])
+    events = engine.run_until_done()
+    finished = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
+    assert finished["reader"].num_cached_tokens == 16
+    assert scheduler.stats.num_preemptions == 1
+    for a in (writer, reader):
+        expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
+        assert_matches_oracle(finished[a.request_id], expected, a.request_id)
+    scheduler.kv.check_consistency()
+    assert scheduler.kv.num_free_blocks == config.num_blocks
