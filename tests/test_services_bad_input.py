@@ -142,6 +142,37 @@ async def test_overload_is_refused_with_overloaded(
     assert set(codes) <= {"overloaded", "length"}
 
 
+@pytest.mark.services
+async def test_a_bug_while_admitting_answers_that_client_by_its_id_and_spares_others(
+    nats_server: NatsServer, toy_checkpoint: Path, run_dir: Path
+) -> None:
+    """An unexpected exception in admission (a bug) ends that request with one ``internal``
+    error event carrying the client's request id; the service goes on serving."""
+    async with (
+        services_up(nats_server.url, toy_checkpoint, CONFIG) as services,
+        Client.connect(nats_server.url) as client,
+    ):
+        core = services["admission"].core
+        prepare = core.prepare
+
+        def failing_prepare(data: bytes, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+            if b"boom" in data:
+                raise RuntimeError("injected fault")
+            return prepare(data, *args, **kwargs)
+
+        core.prepare = failing_prepare  # type: ignore[method-assign]
+        boom = await client.open(
+            subjects.GENERATE, GenerateRequest(request_id="boom-1", prompt_token_ids=[1, 2])
+        )
+        event = await boom.next(timeout=10)
+        assert isinstance(event, ErrorEvent) and event.code == "internal", event
+        assert event.request_id == "boom-1"
+        await boom.assert_silent(0.05)
+        good = GenerateRequest(request_id="after", prompt_token_ids=[1, 2, 3], max_tokens=4)
+        terminal = check_stream(await client.generate(good))
+        assert isinstance(terminal, FinishedEvent) and len(terminal.token_ids) == 4
+
+
 # ---------------------------------------------------------------------- pure cores
 @pytest.mark.unit
 def test_admission_backpressure_is_per_shard_and_counts_unacknowledged_sends(

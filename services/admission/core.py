@@ -268,7 +268,7 @@ class AdmissionCore:
             abort = _ABORT_DECODER.decode(data)
         except (msgspec.DecodeError, RecursionError) as exc:
             raise AdmissionError(
-                _salvage_request_id(data), ErrorCode.INVALID_REQUEST, _decode_message(exc)
+                salvage_request_id(data), ErrorCode.INVALID_REQUEST, _decode_message(exc)
             ) from None
         self._check_request_id(abort.request_id)
         return abort
@@ -279,7 +279,7 @@ class AdmissionCore:
             return _GENERATE_DECODER.decode(data)
         except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
             raise AdmissionError(
-                _salvage_request_id(data), ErrorCode.INVALID_REQUEST, _decode_message(exc)
+                salvage_request_id(data), ErrorCode.INVALID_REQUEST, _decode_message(exc)
             ) from None
 
     def _request_id(self, given: str | None) -> str:
@@ -411,7 +411,7 @@ def _decode_message(exc: msgspec.DecodeError | RecursionError) -> str:
     return f"invalid JSON: {exc}"
 
 
-def _salvage_request_id(data: bytes) -> str:
+def salvage_request_id(data: bytes) -> str:
     """Best effort: the request id of a request that failed validation, for the error event."""
     try:
         obj = _ANY_DECODER.decode(data)

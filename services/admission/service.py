@@ -80,6 +80,7 @@ from services.admission.core import (
     Retry,
     classify_retry,
     clean_trace_id,
+    salvage_request_id,
 )
 from services.admission.router import IndexGate, RecentRoutes, Router
 from services.admission.shards import Refusal, Shard, ShardLoad, ShardTable, ShardTableConfig
@@ -303,8 +304,9 @@ class AdmissionService(Service):
             await self._reject(reply, exc)
         except Exception as exc:  # a bug here must still answer the client, exactly once
             self.log.exception("generate failed")
+            rid = salvage_request_id(msg.data)  # the client's own id, for its error event
             await self._reject(
-                reply, AdmissionError("", ErrorCode.INTERNAL, f"admission error: {exc!r}")
+                reply, AdmissionError(rid, ErrorCode.INTERNAL, f"admission error: {exc!r}")
             )
 
     async def _admit(
@@ -842,7 +844,8 @@ class AdmissionService(Service):
         except Exception as exc:  # a bug here must still answer, and never end the handler
             self.log.exception("abort failed")
             if reply:
-                await self._reject(reply, AdmissionError("", ErrorCode.INTERNAL, repr(exc)[:200]))
+                rid = salvage_request_id(msg.data)
+                await self._reject(reply, AdmissionError(rid, ErrorCode.INTERNAL, repr(exc)[:200]))
             return
         trace_id = clean_trace_id((msg.headers or {}).get(HEADER_TRACE_ID)) or ""
         rid = subjects.scoped_request_id(tenant, abort.request_id)
