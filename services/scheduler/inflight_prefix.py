@@ -57,8 +57,8 @@ class ParkedReaders:
     def __init__(self) -> None:
         self._waits: dict[int, _Wait] = {}  # awaited block hash -> its writer and readers
 
-    def __len__(self) -> int:
-        return sum(len(w.entries) for w in self._waits.values())
+    def __bool__(self) -> bool:
+        return bool(self._waits)
 
     def __iter__(self) -> Iterator[Request]:
         for wait in self._waits.values():

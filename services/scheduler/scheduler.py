@@ -88,8 +88,8 @@ class SchedulerStats:
     # ones never written because the request stopped early (EOS, stop ids, abort)
     num_reserved_blocks: int = 0
     num_reserved_unused_blocks: int = 0
-    # admissions put off because the request's next prompt block was being written by a
-    # running prefill (share_inflight_prefill), counted once per step it waited
+    # waiting requests parked on a prompt block a running prefill was writing
+    # (share_inflight_prefill), once per block waited for
     num_prefix_deferrals: int = 0
 
 
