@@ -104,7 +104,7 @@ def test_chat_translation() -> None:
     assert gen.max_tokens == 9  # max_completion_tokens is the newer name and wins
     assert gen.messages == [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "ab"},
+        {"role": "user", "content": "a\nb"},  # parts one per line, as vLLM joins them
     ]
     assert gen.chat_template_kwargs == {"enable_thinking": False}
 

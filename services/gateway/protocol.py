@@ -293,8 +293,9 @@ def _is_int(value: Any) -> bool:
 
 
 def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages for the chat template: content parts of type "text" are joined into the
-    string the template expects; other parts (images, audio) are refused."""
+    """Messages for the chat template: content parts of type "text" are joined, one per
+    line as vLLM joins them, into the string the template expects; other parts (images,
+    audio) are refused."""
     out: list[dict[str, Any]] = []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -310,7 +311,7 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         param="messages",
                     )
                 texts.append(str(part.get("text", "")))
-            message = {**message, "content": "".join(texts)}
+            message = {**message, "content": "\n".join(texts)}
         elif content is None:
             message = {**message, "content": ""}
         elif not isinstance(content, str):
