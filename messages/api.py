@@ -30,12 +30,29 @@ class AbortRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_id: str
 
 
+class TopLogprob(msgspec.Struct, gc=False, kw_only=True):
+    token_id: int
+    logprob: float
+    token: str = ""  # the token decoded on its own (empty without a tokenizer)
+
+
+class TokenLogprobs(msgspec.Struct, gc=False, kw_only=True):
+    """The generated token's log-probability under the model's distribution at its exit
+    depth (the logits before temperature and top-k/top-p), and the ``logprobs`` most likely
+    tokens, most likely first."""
+
+    logprob: float
+    token: str = ""  # the token decoded on its own (empty without a tokenizer)
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
 class TokenEvent(msgspec.Struct, gc=False, kw_only=True, tag="token", tag_field="type"):
     request_id: str
     index: int
     token_id: int
     exit_depth: int
     text: str = ""
+    logprobs: TokenLogprobs | None = None  # when the request asked for them (``logprobs``)
 
 
 class FinishedEvent(msgspec.Struct, gc=False, kw_only=True, tag="finished", tag_field="type"):

@@ -44,6 +44,8 @@ class WorkerSampling(msgspec.Struct, gc=False, kw_only=True):
     min_loops: int
     max_loops: int
     exit_threshold: float
+    # return each sampled token's log-probability and this many alternatives; -1: none
+    logprobs: int = -1
 
 
 class NewRequest(msgspec.Struct, gc=False, kw_only=True):
@@ -99,6 +101,15 @@ class Batch(msgspec.Struct, gc=False, kw_only=True):
     traceparents: dict[str, str] = msgspec.field(default_factory=dict)
 
 
+class SampledLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """A sampled token's log-probability under the model's distribution (the logits before
+    temperature and top-k/top-p), and the most likely tokens' ids and log-probabilities."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class RowResult(msgspec.Struct, gc=False, kw_only=True):
     """Outcome of one row: decode rows report survival and exit; coda rows a token."""
 
@@ -109,6 +120,7 @@ class RowResult(msgspec.Struct, gc=False, kw_only=True):
     exited: bool = False
     exit_loops: int = 0  # the token exited after this many loops (1..total_ut_steps)
     token_id: int = -1
+    logprobs: SampledLogprobs | None = None  # asked for by the request (WorkerSampling)
     # this row alone failed (e.g. its sampling overflowed): its request ends with an error,
     # the other rows of the batch are applied as usual
     error: str | None = None

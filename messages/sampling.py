@@ -28,6 +28,8 @@ API_DEFAULTS = RequestDefaults()
 # would drop every token. Both only ever mean "greedy": use temperature 0 for that.
 MIN_TEMPERATURE = 1e-4
 MIN_TOP_P = 1.2e-38
+# the most alternatives a token may come with (``logprobs``), as vLLM's default max_logprobs
+MAX_LOGPROBS = 20
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -49,6 +51,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0
+    # with each generated token, its log-probability and those of the ``logprobs`` most
+    # likely tokens (0: the token's own only); None: no log-probabilities
+    logprobs: int | None = None
 
     def validate(self) -> None:
         """Model-independent range checks of the fields that are set; raises RequestError."""
@@ -83,6 +88,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for tok in self.stop_token_ids:
             _check_int("stop_token_ids entry", tok, lo=0, hi=2**31 - 1)
         _check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
 
     def resolve(
         self, total_ut_steps: int, vocab_size: int, defaults: RequestDefaults = API_DEFAULTS

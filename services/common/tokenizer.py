@@ -114,6 +114,11 @@ class TextCodec:
         """Text of ``token_ids`` with special tokens skipped (as the streams show it)."""
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
+    def piece(self, token_id: int) -> str:
+        """One token decoded on its own, special tokens included (what log-probabilities
+        name a token by; a byte of a longer character decodes to U+FFFD)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

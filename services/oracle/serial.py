@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 KV_LAYOUTS = ("last_exited", "shared")
+TOP_LOGPROBS = 20  # alternatives each OracleStep records (the API's most)
 
 Sampler = Callable[[torch.Tensor, int], int]
 
@@ -43,6 +44,10 @@ class OracleStep:
     # min |cdf - threshold| over the loops where the threshold test was evaluated; +inf if
     # none. Small values flag exits that rounding differences could move.
     threshold_margin: float
+    # log_softmax of those logits (float32): the token's own, and the 20 most likely
+    # (id, log-probability), most likely first
+    logprob: float = 0.0
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -456,7 +461,7 @@ class SerialOracle:
         # Coda on a [1, H] row, the same op shape as every decode step.
         logits = self._coda(h_prompt[-1:])[0]
         token = self._sample(sample, logits, 0)
-        steps = [OracleStep(token, D, _top2_gap(logits), math.inf)]
+        steps = [_step(token, D, logits, math.inf)]
 
         while True:
             if token in stops:
@@ -488,7 +493,7 @@ class SerialOracle:
                 kv.copy_up(position, exit_depth - 1)
             logits = self._coda(h[0])
             token = self._sample(sample, logits, index)
-            steps.append(OracleStep(token, exit_depth, _top2_gap(logits), tracker.margin))
+            steps.append(_step(token, exit_depth, logits, tracker.margin))
 
         return OracleResult(
             token_ids=[s.token_id for s in steps],
@@ -536,6 +541,19 @@ class SerialOracle:
 def _greedy(logits: torch.Tensor, _index: int) -> int:
     # torch.argmax returns the first maximal index, i.e. the lowest id on exact ties.
     return int(torch.argmax(logits))
+
+
+def _step(token: int, exit_depth: int, logits: torch.Tensor, margin: float) -> OracleStep:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logprobs, min(TOP_LOGPROBS, logprobs.numel()))
+    return OracleStep(
+        token,
+        exit_depth,
+        _top2_gap(logits),
+        margin,
+        logprob=float(logprobs[token]),
+        top_logprobs=list(zip(ids.tolist(), values.tolist(), strict=True)),
+    )
 
 
 def _top2_gap(logits: torch.Tensor) -> float:

@@ -5,7 +5,7 @@ text, which is always exactly the concatenation of the stream's token texts. Tex
 ends in an incomplete UTF-8 sequence is held back until a later token completes it; when
 the request ends by ``stop`` or ``length``, whatever is still held back (e.g. a trailing
 U+FFFD) goes out with the last token. An aborted or failed request ends with the text it
-streamed.
+streamed. Log-probabilities name their tokens by each token decoded on its own.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ class OutputProcessor:
     def __init__(self, codec: TextCodec | None) -> None:
         self.codec = codec
         self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self._pieces: dict[int, str] = {}  # token id -> the token decoded on its own
 
     def process(self, events: list[StreamEvent]) -> list[StreamEvent]:
         if self.codec is None:
@@ -34,6 +35,8 @@ class OutputProcessor:
                     detok = self._detoks[rid] = IncrementalDetokenizer(self.codec)
                 event.text = detok.push(event.token_id)
                 last_token[rid] = event
+                if event.logprobs is not None:
+                    self._name_tokens(event)
             elif isinstance(event, FinishedEvent):
                 detok = self._detoks.pop(rid, None)
                 if detok is None:
@@ -45,6 +48,19 @@ class OutputProcessor:
             elif isinstance(event, ErrorEvent):
                 self._detoks.pop(rid, None)
         return events
+
+    def _name_tokens(self, event: TokenEvent) -> None:
+        assert event.logprobs is not None and self.codec is not None
+        event.logprobs.token = self._piece(event.token_id)
+        for top in event.logprobs.top_logprobs:
+            top.token = self._piece(top.token_id)
+
+    def _piece(self, token_id: int) -> str:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            assert self.codec is not None
+            piece = self._pieces[token_id] = self.codec.piece(token_id)
+        return piece
 
     def prime(self, request_id: str, token_ids: list[int]) -> None:
         """A resumed request: its detokenizer takes the tokens the client already has (their

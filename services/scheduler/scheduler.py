@@ -15,7 +15,14 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent
+from messages.api import (
+    ErrorEvent,
+    FinishedEvent,
+    StreamEvent,
+    TokenEvent,
+    TokenLogprobs,
+    TopLogprob,
+)
 from messages.batch import (
     Batch,
     BatchResult,
@@ -24,6 +31,7 @@ from messages.batch import (
     Phase,
     RowKind,
     RowResult,
+    SampledLogprobs,
     WorkerSampling,
 )
 from messages.errors import ErrorCode, RequestError
@@ -870,6 +878,7 @@ class Scheduler:
                 min_loops=p.min_loops,
                 max_loops=p.max_loops,
                 exit_threshold=p.exit_threshold,
+                logprobs=-1 if p.logprobs is None else p.logprobs,
             ),
         )
 
@@ -927,7 +936,7 @@ class Scheduler:
                 self._apply_decode_output(task, row, events)
             elif task.compute_logits:
                 request.pending_token_rows -= 1
-                self._append_token(request, row.token_id, self.total_depths, events)
+                self._append_token(request, row, self.total_depths, events)
         return events
 
     def fail_batch(self, batch: ScheduledBatch, message: str) -> list[StreamEvent]:
@@ -1068,11 +1077,12 @@ class Scheduler:
         request.decode_remaining = 1.0
         if task.forced_exit_loops:
             return  # replayed position: its token is already known
-        self._append_token(request, row.token_id, exit_loops, events)
+        self._append_token(request, row, exit_loops, events)
 
     def _append_token(
-        self, request: Request, token_id: int, exit_loops: int, events: list[StreamEvent]
+        self, request: Request, row: RowResult, exit_loops: int, events: list[StreamEvent]
     ) -> None:
+        token_id = row.token_id
         request.output_token_ids.append(token_id)
         # the public API names this loop count "exit_depth" (docs/ARCHITECTURE.md)
         request.output_exit_depths.append(exit_loops)
@@ -1082,6 +1092,7 @@ class Scheduler:
                 index=len(request.output_token_ids) - 1,
                 token_id=token_id,
                 exit_depth=exit_loops,
+                logprobs=None if row.logprobs is None else _token_logprobs(row.logprobs),
             )
         )
         params = request.params
@@ -1115,6 +1126,16 @@ class Scheduler:
                 num_cached_tokens=request.num_cached_tokens,
             )
         )
+
+
+def _token_logprobs(sampled: SampledLogprobs) -> TokenLogprobs:
+    """The worker's log-probabilities as the stream carries them (token texts are filled in
+    with the event's text, by the output processor)."""
+    top = [
+        TopLogprob(token_id=t, logprob=lp)
+        for t, lp in zip(sampled.top_ids, sampled.top_logprobs, strict=False)
+    ]
+    return TokenLogprobs(logprob=sampled.logprob, top_logprobs=top)
 
 
 def _mixed_depths(tasks: list[ScheduledTask]) -> bool:

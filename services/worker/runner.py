@@ -23,7 +23,16 @@ from kernels import (
     select_attention_backend,
     write_kv,
 )
-from messages.batch import Batch, BatchResult, BatchRow, Phase, RowKind, RowResult, WorkerSampling
+from messages.batch import (
+    Batch,
+    BatchResult,
+    BatchRow,
+    Phase,
+    RowKind,
+    RowResult,
+    SampledLogprobs,
+    WorkerSampling,
+)
 from services.common.config import KVLayout
 from services.common.exit_policy import should_exit, update_survival
 from services.common.sampling import SamplingError, sample_token
@@ -402,6 +411,8 @@ class ModelRunner:
         logits = self.model.coda(torch.stack([h for _, h in coda_rows]))
         samplings = [self.requests[state.row.request_id].sampling for state, _ in coda_rows]
         tokens = self._sample(logits, samplings, [state.row for state, _ in coda_rows])
+        if any(s.logprobs >= 0 for s in samplings):
+            _attach_logprobs(logits, samplings, tokens, [state.result for state, _ in coda_rows])
         for (state, _), token in zip(coda_rows, tokens, strict=True):
             r = state.row
             if isinstance(token, str):
@@ -459,3 +470,32 @@ class ModelRunner:
                 except (SamplingError, RuntimeError) as exc:  # torch's own sampling errors
                     tokens[i] = f"sampling failed: {exc}"
         return tokens
+
+
+def _attach_logprobs(
+    logits: torch.Tensor,
+    samplings: list[WorkerSampling],
+    tokens: list[int | str],
+    results: list[RowResult],
+) -> None:
+    """The sampled token's log-probability and the top alternatives, for the rows whose
+    request asked for them: one batched log-softmax over the raw logits (before temperature
+    and top-k/top-p, as vLLM reports by default) and one transfer to the host."""
+    rows = [i for i, s in enumerate(samplings) if s.logprobs >= 0 and isinstance(tokens[i], int)]
+    if not rows:
+        return
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    chosen_ids = torch.tensor([tokens[i] for i in rows], device=logits.device)
+    chosen = logprobs.gather(1, chosen_ids[:, None])[:, 0].tolist()
+    k = min(max(samplings[i].logprobs for i in rows), logprobs.shape[-1])
+    top_ids: list[list[int]] = [[] for _ in rows]
+    top_values: list[list[float]] = [[] for _ in rows]
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    for j, i in enumerate(rows):
+        n = samplings[i].logprobs
+        results[i].logprobs = SampledLogprobs(
+            logprob=chosen[j], top_ids=top_ids[j][:n], top_logprobs=top_values[j][:n]
+        )
