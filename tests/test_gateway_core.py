@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from messages.api import ErrorEvent, FinishedEvent, TokenEvent
+from messages.api import ErrorEvent, FinishedEvent, TokenEvent, TokenLogprobs, TopLogprob
 from services.gateway.metrics import ClusterMetrics
 from services.gateway.protocol import (
     MAX_STOP_CHARS,
@@ -120,7 +120,6 @@ def test_chat_translation() -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stop": ""}, "stop"),
         ({"stop": ["a", ""]}, "stop"),
-        ({"logprobs": 2}, "logprobs"),
         ({"echo": True}, "echo"),
         ({"suffix": "x"}, "suffix"),
         ({"min_tokens": 50}, "min_tokens"),
@@ -144,7 +143,8 @@ def test_unsupported_completion_options_are_refused_by_name(
 @pytest.mark.parametrize(
     "fields",
     [
-        {"logprobs": True},
+        {"top_logprobs": 2},  # without logprobs: true
+        {"logprobs": False, "top_logprobs": 2},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"},
         {"response_format": {"type": "json_object"}},
@@ -356,6 +356,100 @@ def test_sse_frames_for_chat_and_completions() -> None:
             "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": None}],
         }
     ]
+
+
+def _lp_tok(i: int, text: str, token: str, logprob: float, top: list[tuple[str, float]]):
+    event = _tok(i, text)
+    event.logprobs = TokenLogprobs(
+        logprob=logprob,
+        token=token,
+        top_logprobs=[TopLogprob(token_id=j, logprob=v, token=t) for j, (t, v) in enumerate(top)],
+    )
+    return event
+
+
+def test_logprobs_requests_reach_the_nats_api() -> None:
+    comp = parse_completion(_body(prompt="x", logprobs=3))
+    assert options(comp).logprobs == 3 and to_generate(comp, "r").logprobs == 3
+    chat = parse_chat(_body(messages=[{"role": "user", "content": "x"}], logprobs=True))
+    assert options(chat).logprobs == 0 and to_generate(chat, "r").logprobs == 0
+    chat = parse_chat(
+        _body(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=4)
+    )
+    assert options(chat).logprobs == 4 and to_generate(chat, "r").logprobs == 4
+    plain = parse_completion(_body(prompt="x"))
+    assert options(plain).logprobs is None and to_generate(plain, "r").logprobs is None
+    plain = parse_chat(_body(messages=[{"role": "user", "content": "x"}], logprobs=False))
+    assert to_generate(plain, "r").logprobs is None
+
+
+def test_logprobs_in_openais_two_shapes() -> None:
+    events = [
+        _lp_tok(0, "", "\ufffd", -0.5, [("\ufffd", -0.5), ("b", -1.5)]),  # text held back
+        _lp_tok(1, "hé", "é", -0.25, [("é", -0.25), ("x", -2.0)]),
+        _lp_tok(2, " a", " a", -3.0, [("z", -0.1), ("y", -0.2)]),  # sampled, not in the top
+    ]
+    comp = Answer("r", _opts(logprobs=2, stream=False))
+    for e in events:
+        comp.on_event(e)
+    comp.on_event(_fin(3, "length"))
+    body = comp.body(chat=False, model="toy", created=1)["choices"][0]["logprobs"]
+    assert body == {
+        "tokens": ["\ufffd", "é", " a"],
+        "token_logprobs": [-0.5, -0.25, -3.0],
+        # the token itself is always in its map (up to logprobs + 1 entries)
+        "top_logprobs": [
+            {"\ufffd": -0.5, "b": -1.5},
+            {"é": -0.25, "x": -2.0},
+            {"z": -0.1, "y": -0.2, " a": -3.0},
+        ],
+        "text_offset": [0, 1, 2],  # where each starts in the tokens' own texts joined
+    }
+    chat = Answer("r", _opts(logprobs=2, stream=False))
+    for e in events:
+        chat.on_event(e)
+    content = chat.body(chat=True, model="toy", created=1)["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["\ufffd", "é", " a"]
+    assert content[1] == {
+        "token": "é",
+        "logprob": -0.25,
+        "bytes": [0xC3, 0xA9],
+        "top_logprobs": [
+            {"token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9]},
+            {"token": "x", "logprob": -2.0, "bytes": [0x78]},
+        ],
+    }
+    # asked for none: null, as OpenAI answers
+    none = Answer("r", _opts(stream=False))
+    none.on_event(events[0])
+    assert none.body(chat=True, model="toy", created=1)["choices"][0]["logprobs"] is None
+
+
+def test_streamed_logprobs_ride_with_their_tokens_text() -> None:
+    a = Answer("r", _opts(logprobs=1, return_token_ids=False))
+    enc = SseEncoder(False, "r", "toy", 1, a.options)
+    out = enc.deltas(a.on_event(_lp_tok(0, "", "\ufffd", -0.5, [("\ufffd", -0.5)])))
+    out += enc.deltas(a.on_event(_lp_tok(1, "hé", "é", -0.25, [("é", -0.25)])))
+    out += enc.deltas(a.on_event(_lp_tok(2, "!", "!", -1.0, [("?", -0.5)])))
+    out += enc.deltas(a.on_event(_fin(3, "length")))
+    frames = [f["choices"][0] for f in _frames(out)]
+    assert [f["text"] for f in frames] == ["hé", "!", ""]
+    # the held-back token's log-probability goes out with the frame that shows its text
+    assert frames[0]["logprobs"]["tokens"] == ["\ufffd", "é"]
+    assert frames[0]["logprobs"]["text_offset"] == [0, 1]
+    assert frames[1]["logprobs"]["tokens"] == ["!"]
+    assert frames[1]["logprobs"]["text_offset"] == [2]
+    assert frames[1]["logprobs"]["top_logprobs"] == [{"?": -0.5, "!": -1.0}]
+    assert frames[2]["logprobs"] is None and frames[2]["finish_reason"] == "length"
+
+    c = Answer("r", _opts(logprobs=0, return_token_ids=False))
+    chat = SseEncoder(True, "r", "toy", 1, c.options)
+    frames = _frames(chat.deltas(c.on_event(_lp_tok(0, "é", "é", -0.25, []))))
+    assert frames[0]["choices"][0]["logprobs"] is None  # the role chunk
+    assert frames[1]["choices"][0]["logprobs"] == {
+        "content": [{"token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9], "top_logprobs": []}],
+        "refusal": None,
+    }
 
 
 def test_options_from_requests() -> None:

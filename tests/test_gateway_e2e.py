@@ -214,6 +214,59 @@ def test_openai_client_chat_equals_the_oracle(
     assert chunks[-1].usage.completion_tokens == 9
 
 
+def test_openai_client_logprobs_equal_the_oracle(
+    up: Up, oracle: SerialOracle, codec: TextCodec
+) -> None:
+    """Each token's log-probability and its alternatives, through both endpoints and a
+    stream, equal the oracle's log-softmax at the token's exit depth."""
+    client = _client(up)
+    prompt = [17, 42, 99, 5, 230, 8]
+    want = oracle.generate(prompt, max_tokens=9, min_loops=1, exit_threshold=0.7)
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=9, temperature=0, logprobs=3, extra_body=GREEDY
+    )
+    lp = r.choices[0].logprobs
+    assert r.choices[0].model_extra["token_ids"] == want.token_ids
+    assert lp.tokens == [codec.piece(t) for t in want.token_ids]
+    assert lp.token_logprobs == pytest.approx([s.logprob for s in want.steps], abs=1e-4)
+    for top, step in zip(lp.top_logprobs, want.steps, strict=True):
+        # the three most likely, and the token itself (greedy: one of them)
+        expected = {codec.piece(t): v for t, v in step.top_logprobs[:3]}
+        assert top == pytest.approx(expected, abs=1e-4)
+    # offsets count the tokens' own texts, as vLLM's do
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(9)]
+
+    messages = [{"role": "user", "content": "Name a prime number."}]
+    chat_prompt = codec.encode_chat(messages, add_generation_prompt=True)
+    want = oracle.generate(chat_prompt, max_tokens=9, min_loops=1, exit_threshold=0.7)
+    chunks = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=9,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        extra_body=GREEDY,
+    )
+    content = [
+        c
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content
+    ]
+    assert [c.token for c in content] == [codec.piece(t) for t in want.token_ids]
+    for c, step in zip(content, want.steps, strict=True):
+        assert c.logprob == pytest.approx(step.logprob, abs=1e-4)
+        assert c.bytes == list(c.token.encode())
+        assert [t.token for t in c.top_logprobs] == [
+            codec.piece(t) for t, _ in step.top_logprobs[:2]
+        ]
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(
+            [v for _, v in step.top_logprobs[:2]], abs=1e-4
+        )
+
+
 def test_curl_sees_the_first_frame_before_the_last_token_exists(up: Up) -> None:
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True}
     cmd = ["curl", "-sN", f"{up.http_url}/v1/completions", "-H", "Content-Type: application/json"]

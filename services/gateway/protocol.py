@@ -10,8 +10,10 @@ Accepted beyond OpenAI's fields (vLLM's extra body fields, the loop knobs):
 ``exit_threshold``, ``priority``, ``chat_template_kwargs``, ``include_stop_str_in_output``
 and ``return_token_ids`` (the choice carries ``token_ids`` and, rlt's own, ``exit_depths``).
 Unknown fields are ignored, as OpenAI-compatible servers do; known options rlt cannot honour
-(``n`` > 1, ``logprobs``, ``logit_bias``, penalties, ``echo``, ``suffix``, tools, ...) are
-refused with a 400 that names them, never silently dropped.
+(``n`` > 1, ``logit_bias``, penalties, ``echo``, ``suffix``, tools, ...) are refused with
+a 400 that names them, never silently dropped. ``logprobs`` (completions: how many
+alternatives; chat: ``logprobs`` and ``top_logprobs``) come back in OpenAI's two shapes
+(``completion_logprobs``, ``chat_logprobs``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from messages.api import GenerateRequest
+from messages.api import GenerateRequest, TokenLogprobs
 from messages.errors import ErrorCode
 
 # rlt error code -> (HTTP status, OpenAI error type)
@@ -158,13 +160,15 @@ class Options:
     stops: tuple[str, ...]
     include_stop_str: bool
     return_token_ids: bool
+    # the alternatives each token comes with (0: its own log-probability only); None: no
+    # log-probabilities
+    logprobs: int | None = None
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
     req = _decode(_COMPLETION_DECODER, body)
     _check_common(req)
     _refuse_if(req.echo, "echo")
-    _refuse_if(req.logprobs is not None, "logprobs")
     _refuse_if(req.suffix is not None, "suffix")
     _prompt_fields(req.prompt)  # shape check now, before anything is sent
     return req
@@ -173,8 +177,8 @@ def parse_completion(body: bytes) -> CompletionRequest:
 def parse_chat(body: bytes) -> ChatRequest:
     req = _decode(_CHAT_DECODER, body)
     _check_common(req)
-    _refuse_if(req.logprobs, "logprobs")
-    _refuse_if(req.top_logprobs is not None, "top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
     _refuse_if(bool(req.tools), "tools")
     _refuse_if(req.tool_choice not in (None, "none"), "tool_choice")
     _refuse_if(bool(req.functions), "functions")
@@ -197,7 +201,15 @@ def options(req: CompletionRequest | ChatRequest) -> Options:
         stops=stops,
         include_stop_str=bool(req.include_stop_str_in_output),
         return_token_ids=bool(req.return_token_ids),
+        logprobs=_logprobs(req),
     )
+
+
+def _logprobs(req: CompletionRequest | ChatRequest) -> int | None:
+    """How many alternatives each token comes with (the NATS API's ``logprobs``)."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def to_generate(req: CompletionRequest | ChatRequest, request_id: str) -> GenerateRequest:
@@ -216,6 +228,7 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str) -> Genera
         value = getattr(req, name)
         if value is not None:
             fields[name] = value
+    fields["logprobs"] = _logprobs(req)  # its range is checked with the other fields
     if isinstance(req, ChatRequest):
         if req.max_completion_tokens is not None:
             fields["max_tokens"] = req.max_completion_tokens
@@ -344,6 +357,43 @@ class Usage:
         }
 
 
+def completion_logprobs(entries: list[TokenLogprobs], offsets: list[int]) -> dict[str, Any]:
+    """The completions API's (legacy) shape: per token its text, log-probability, offset
+    (where it starts in the tokens' texts joined, as vLLM counts it) and a map of
+    alternatives that always holds the token itself (so up to ``logprobs`` + 1 entries, as
+    OpenAI documents)."""
+    top = []
+    for e in entries:
+        alternatives = {t.token: t.logprob for t in e.top_logprobs}
+        alternatives.setdefault(e.token, e.logprob)
+        top.append(alternatives)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list[TokenLogprobs]) -> dict[str, Any]:
+    """The chat API's shape: per token its text, UTF-8 bytes, log-probability and the
+    ``top_logprobs`` most likely alternatives."""
+
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {
+                **one(e.token, e.logprob),
+                "top_logprobs": [one(t.token, t.logprob) for t in e.top_logprobs],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
 def completion_body(
     request_id: str,
     model: str,
@@ -352,8 +402,15 @@ def completion_body(
     finish_reason: str | None,
     usage: Usage,
     extra: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, **extra}
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        **extra,
+    }
     return {
         "id": request_id,
         "object": "text_completion",
@@ -372,11 +429,12 @@ def chat_body(
     finish_reason: str | None,
     usage: Usage,
     extra: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
         **extra,
     }

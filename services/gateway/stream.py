@@ -17,8 +17,16 @@ from typing import Any
 
 import msgspec
 
-from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent
-from services.gateway.protocol import Options, Usage, chat_body, completion_body, error_body
+from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent, TokenLogprobs
+from services.gateway.protocol import (
+    Options,
+    Usage,
+    chat_body,
+    chat_logprobs,
+    completion_body,
+    completion_logprobs,
+    error_body,
+)
 from services.gateway.stops import StopMatcher
 
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -31,6 +39,9 @@ class Delta:
     token_ids: list[int]
     exit_depths: list[int]
     finish_reason: str | None = None
+    # with logprobs: each token's, and its text offset (``completion_logprobs``)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -40,6 +51,8 @@ class Answer:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: ErrorEvent | None = None
     num_prompt_tokens: int = 0
@@ -84,12 +97,19 @@ class Answer:
             return []  # the engine ran on after a stop string matched: not shown
         self.token_ids.append(event.token_id)
         self.exit_depths.append(event.exit_depth)
-        shown = self._stops.push(event.text)
-        self.text += shown
+        delta = Delta("", [event.token_id], [event.exit_depth])
+        if self.options.logprobs is not None and event.logprobs is not None:
+            # as vLLM counts it: where the token starts in the concatenation of the tokens'
+            # own texts (a token whose bytes end mid-character has no place in the text)
+            offset = self.offsets[-1] + len(self.logprobs[-1].token) if self.offsets else 0
+            delta.logprobs, delta.offsets = [event.logprobs], [offset]
+            self.logprobs.append(event.logprobs)
+            self.offsets.append(offset)
+        delta.text = self._stops.push(event.text)
+        self.text += delta.text
         if self._stops.matched is not None:
-            self.finish_reason = "stop"
-            return [Delta(shown, [event.token_id], [event.exit_depth], "stop")]
-        return [Delta(shown, [event.token_id], [event.exit_depth])]
+            self.finish_reason = delta.finish_reason = "stop"
+        return [delta]
 
     def choice_extra(self) -> dict[str, Any]:
         if not self.options.return_token_ids:
@@ -107,7 +127,17 @@ class Answer:
             self.finish_reason,
             self.usage(),
             self.choice_extra(),
+            logprobs_body(chat, self.options, self.logprobs, self.offsets),
         )
+
+
+def logprobs_body(
+    chat: bool, options: Options, entries: list[TokenLogprobs], offsets: list[int]
+) -> dict[str, Any] | None:
+    """A choice's ``logprobs``: None unless the request asked for them."""
+    if options.logprobs is None:
+        return None
+    return chat_logprobs(entries) if chat else completion_logprobs(entries, offsets)
 
 
 class SseEncoder:
@@ -126,10 +156,12 @@ class SseEncoder:
         # tokens whose text the detokenizer still holds: they go out with the next frame
         self._ids: list[int] = []
         self._depths: list[int] = []
+        self._logprobs: list[TokenLogprobs] = []
+        self._offsets: list[int] = []
         # a frame that only carries text is most frames: its bytes around the text are
         # fixed, so it is built by concatenation (the same bytes the general path makes)
         self._text_frame: tuple[bytes, bytes] | None = None
-        if not options.return_token_ids:
+        if not options.return_token_ids and options.logprobs is None:
             marker = "\x00"
             probe = self._frame({"content": marker} if chat else marker, None)
             before, after = probe.split(_JSON.encode(marker))
@@ -145,6 +177,8 @@ class SseEncoder:
             if self.options.return_token_ids:  # the only frames that carry them
                 self._ids += d.token_ids
                 self._depths += d.exit_depths
+            self._logprobs += d.logprobs
+            self._offsets += d.offsets
             if not d.text and d.finish_reason is None:
                 continue  # bytes held by the detokenizer: nothing to show yet
             if self._text_frame is not None and d.finish_reason is None:
@@ -168,6 +202,11 @@ class SseEncoder:
         else:
             choice["text"] = delta
         choice["logprobs"] = None
+        if self._logprobs:
+            choice["logprobs"] = logprobs_body(
+                self.chat, self.options, self._logprobs, self._offsets
+            )
+            self._logprobs, self._offsets = [], []
         choice["finish_reason"] = finish_reason
         if self.options.return_token_ids:
             choice["token_ids"], self._ids = self._ids, []
