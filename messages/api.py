@@ -46,13 +46,18 @@ class TokenLogprobs(msgspec.Struct, gc=False, kw_only=True):
     top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
 
 
-class TokenEvent(msgspec.Struct, gc=False, kw_only=True, tag="token", tag_field="type"):
+class TokenEvent(
+    msgspec.Struct, gc=False, kw_only=True, tag="token", tag_field="type", omit_defaults=True
+):
+    """One generated token. Every field but ``logprobs`` is always sent; ``logprobs`` only
+    when the request asked for them (so a token event costs no more bytes otherwise)."""
+
     request_id: str
     index: int
     token_id: int
     exit_depth: int
-    text: str = ""
-    logprobs: TokenLogprobs | None = None  # when the request asked for them (``logprobs``)
+    text: str  # the text this token adds (services/scheduler/output.py)
+    logprobs: TokenLogprobs | None = None
 
 
 class FinishedEvent(msgspec.Struct, gc=False, kw_only=True, tag="finished", tag_field="type"):

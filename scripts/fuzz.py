@@ -280,7 +280,9 @@ def valid_messages(ids: dict[str, str]) -> list[tuple[str, Any, Callable[[Any], 
                     events=[
                         RelayedEvent(
                             seq=1,
-                            event=TokenEvent(request_id="x", index=0, token_id=3, exit_depth=2),
+                            event=TokenEvent(
+                                request_id="x", index=0, token_id=3, exit_depth=2, text=""
+                            ),
                         ),
                         RelayedEvent(seq=2, known_token_ids=[1], known_exit_depths=[4]),
                     ],

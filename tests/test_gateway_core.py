@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -121,6 +122,8 @@ def test_chat_translation() -> None:
         ({"stop": ""}, "stop"),
         ({"stop": ["a", ""]}, "stop"),
         ({"echo": True}, "echo"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"suffix": "x"}, "suffix"),
         ({"min_tokens": 50}, "min_tokens"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
@@ -144,6 +147,7 @@ def test_unsupported_completion_options_are_refused_by_name(
     "fields",
     [
         {"top_logprobs": 2},  # without logprobs: true
+        {"logprobs": True, "top_logprobs": 21},
         {"logprobs": False, "top_logprobs": 2},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"},
@@ -154,6 +158,7 @@ def test_unsupported_completion_options_are_refused_by_name(
     ],
 )
 def test_unsupported_chat_options_are_refused(fields: dict[str, object]) -> None:
+    """(The param each names is checked for the completions endpoint above.)"""
     base = {"messages": [{"role": "user", "content": "hi"}], **fields}
     with pytest.raises(ApiError) as err:
         parse_chat(_body(**base))
@@ -423,6 +428,13 @@ def test_logprobs_in_openais_two_shapes() -> None:
     none = Answer("r", _opts(stream=False))
     none.on_event(events[0])
     assert none.body(chat=True, model="toy", created=1)["choices"][0]["logprobs"] is None
+    # a shard that computed none (an older worker): each token is still listed, unknown
+    old = Answer("r", _opts(logprobs=2, stream=False))
+    old.on_event(_tok(0, "x"))
+    old.on_event(events[1])
+    body = json.loads(msgspec.json.encode(old.body(chat=False, model="toy", created=1)))
+    assert body["choices"][0]["logprobs"]["tokens"] == ["x", "é"]
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.25]
 
 
 def test_streamed_logprobs_ride_with_their_tokens_text() -> None:

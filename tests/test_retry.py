@@ -115,7 +115,7 @@ def test_call_state_retries_on_unavailable_with_backoff_and_passes_each_token_on
     assert not call.unavailable(1.0)  # not final: again after the backoff
     assert not call.due(1.4) and call.due(1.5)
     call.sent(1.5)
-    tok = TokenEvent(request_id="r", index=0, token_id=1, exit_depth=0)
+    tok = TokenEvent(request_id="r", index=0, token_id=1, exit_depth=0, text="")
     assert call.token(tok) and not call.token(tok)  # a re-run's repeated index is dropped
     call.reconnected(2.0)
     assert call.due(2.0)

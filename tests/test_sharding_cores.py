@@ -176,7 +176,7 @@ def test_routable_prefers_shards_with_a_worker() -> None:
 # ---------------------------------------------------------------------- relay
 def _tok(i: int, token: int = 7) -> RelayedEvent:
     return RelayedEvent(
-        seq=1, event=TokenEvent(request_id="r", index=i, token_id=token, exit_depth=2)
+        seq=1, event=TokenEvent(request_id="r", index=i, token_id=token, exit_depth=2, text="")
     )
 
 
@@ -194,7 +194,9 @@ def test_relay_passes_each_index_once_and_fences_moved_requests() -> None:
     table.moved(entry, 2, "1", 1.0)
     # the old copy's events (old seq) are dropped; the new shard's continue the stream
     assert table.relayed("0", _tok(2)) == (None, None)
-    new = RelayedEvent(seq=2, event=TokenEvent(request_id="r", index=2, token_id=5, exit_depth=1))
+    new = RelayedEvent(
+        seq=2, event=TokenEvent(request_id="r", index=2, token_id=5, exit_depth=1, text="")
+    )
     assert table.relayed("1", new)[1] is not None
     # "unavailable" leaves the entry open (the caller may move it); a finished event closes it
     unavailable = ErrorEvent(request_id="r", code="unavailable", message="x")

@@ -35,7 +35,8 @@ def test_concatenated_token_text_equals_final_text(toy_checkpoint, ids, reason, 
     outputs = OutputProcessor(codec)
     streamed: list[str] = []
     events: list[StreamEvent] = [
-        TokenEvent(request_id="r", index=i, token_id=t, exit_depth=4) for i, t in enumerate(ids)
+        TokenEvent(request_id="r", index=i, token_id=t, exit_depth=4, text="")
+        for i, t in enumerate(ids)
     ]
     final = FinishedEvent(
         request_id="r", finish_reason=reason, token_ids=ids, exit_depths=[4] * len(ids),

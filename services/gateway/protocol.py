@@ -25,6 +25,7 @@ import msgspec
 
 from messages.api import GenerateRequest, TokenLogprobs
 from messages.errors import ErrorCode
+from messages.sampling import MAX_LOGPROBS
 
 # rlt error code -> (HTTP status, OpenAI error type)
 _STATUS: dict[str, tuple[int, str]] = {
@@ -169,6 +170,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     req = _decode(_COMPLETION_DECODER, body)
     _check_common(req)
     _refuse_if(req.echo, "echo")
+    _check_logprobs(req.logprobs, "logprobs")
     _refuse_if(req.suffix is not None, "suffix")
     _prompt_fields(req.prompt)  # shape check now, before anything is sent
     return req
@@ -179,6 +181,7 @@ def parse_chat(body: bytes) -> ChatRequest:
     _check_common(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    _check_logprobs(req.top_logprobs, "top_logprobs")
     _refuse_if(bool(req.tools), "tools")
     _refuse_if(req.tool_choice not in (None, "none"), "tool_choice")
     _refuse_if(bool(req.functions), "functions")
@@ -277,6 +280,11 @@ def _check_common(req: _Common) -> None:
             f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each",
             param="stop",
         )
+
+
+def _check_logprobs(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}", param=param)
 
 
 def _refuse_if(condition: Any, param: str, message: str | None = None) -> None:

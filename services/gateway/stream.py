@@ -12,6 +12,7 @@ chat endpoint.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,12 +99,15 @@ class Answer:
         self.token_ids.append(event.token_id)
         self.exit_depths.append(event.exit_depth)
         delta = Delta("", [event.token_id], [event.exit_depth])
-        if self.options.logprobs is not None and event.logprobs is not None:
+        if self.options.logprobs is not None:
+            # a shard that computes none (an older worker): the token is still listed, its
+            # log-probability unknown (null), so the lists cover every token counted
+            entry = event.logprobs or TokenLogprobs(logprob=math.nan, token=event.text)
             # as vLLM counts it: where the token starts in the concatenation of the tokens'
             # own texts (a token whose bytes end mid-character has no place in the text)
             offset = self.offsets[-1] + len(self.logprobs[-1].token) if self.offsets else 0
-            delta.logprobs, delta.offsets = [event.logprobs], [offset]
-            self.logprobs.append(event.logprobs)
+            delta.logprobs, delta.offsets = [entry], [offset]
+            self.logprobs.append(entry)
             self.offsets.append(offset)
         delta.text = self._stops.push(event.text)
         self.text += delta.text

@@ -25,6 +25,9 @@ class OutputProcessor:
 
     def process(self, events: list[StreamEvent]) -> list[StreamEvent]:
         if self.codec is None:
+            for event in events:
+                if isinstance(event, TokenEvent) and event.logprobs is not None:
+                    self._name_tokens(event)
             return events
         last_token: dict[str, TokenEvent] = {}
         for event in events:
@@ -50,16 +53,20 @@ class OutputProcessor:
         return events
 
     def _name_tokens(self, event: TokenEvent) -> None:
-        assert event.logprobs is not None and self.codec is not None
+        assert event.logprobs is not None
         event.logprobs.token = self._piece(event.token_id)
         for top in event.logprobs.top_logprobs:
             top.token = self._piece(top.token_id)
 
     def _piece(self, token_id: int) -> str:
+        """The token decoded on its own; without a tokenizer (or for an id it does not
+        know) vLLM's ``token_id:N``, so distinct tokens keep distinct names."""
         piece = self._pieces.get(token_id)
-        if piece is None:
-            assert self.codec is not None
-            piece = self._pieces[token_id] = self.codec.piece(token_id)
+        if piece is not None:
+            return piece
+        if self.codec is None or not 0 <= token_id < self.codec.vocab_size:
+            return f"token_id:{token_id}"
+        piece = self._pieces[token_id] = self.codec.piece(token_id)  # at most the vocabulary
         return piece
 
     def prime(self, request_id: str, token_ids: list[int]) -> None:

@@ -1092,6 +1092,7 @@ class Scheduler:
                 index=len(request.output_token_ids) - 1,
                 token_id=token_id,
                 exit_depth=exit_loops,
+                text="",  # filled in by the output processor
                 logprobs=None if row.logprobs is None else _token_logprobs(row.logprobs),
             )
         )

@@ -81,6 +81,10 @@ class _WorkerRequest:
     next_decode: BatchRow | None = None
 
 
+# the least log-probability reported (vLLM's floor): -inf and NaN have no JSON form
+LOGPROB_FLOOR = -9999.0
+
+
 @dataclass
 class _RowState:
     index: int
@@ -480,22 +484,28 @@ def _attach_logprobs(
 ) -> None:
     """The sampled token's log-probability and the top alternatives, for the rows whose
     request asked for them: one batched log-softmax over the raw logits (before temperature
-    and top-k/top-p, as vLLM reports by default) and one transfer to the host."""
+    and top-k/top-p, as vLLM reports by default) and one transfer to the host. Values are
+    floored at ``LOGPROB_FLOOR`` (as vLLM does): JSON has no -inf or NaN, and a row with an
+    infinite logit has no finite distribution."""
     rows = [i for i, s in enumerate(samplings) if s.logprobs >= 0 and isinstance(tokens[i], int)]
     if not rows:
         return
     index = torch.tensor(rows, device=logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    logprobs = torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, posinf=0.0).clamp_(min=LOGPROB_FLOOR)
     chosen_ids = torch.tensor([tokens[i] for i in rows], device=logits.device)
-    chosen = logprobs.gather(1, chosen_ids[:, None])[:, 0].tolist()
+    columns = [logprobs.gather(1, chosen_ids[:, None])]
     k = min(max(samplings[i].logprobs for i in rows), logprobs.shape[-1])
-    top_ids: list[list[int]] = [[] for _ in rows]
-    top_values: list[list[float]] = [[] for _ in rows]
     if k:
         values, ids = logprobs.topk(k, dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
+        # ids ride as float64 (exact below 2**53) so one copy brings everything over
+        columns += [values, ids.double()]
+    host = torch.cat([c.double() for c in columns], dim=1).tolist()
     for j, i in enumerate(rows):
-        n = samplings[i].logprobs
+        n = min(samplings[i].logprobs, k)
+        row = host[j]
         results[i].logprobs = SampledLogprobs(
-            logprob=chosen[j], top_ids=top_ids[j][:n], top_logprobs=top_values[j][:n]
+            logprob=row[0],
+            top_ids=[int(t) for t in row[1 + k : 1 + k + n]],
+            top_logprobs=row[1 : 1 + n],
         )

@@ -33,9 +33,18 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from messages.batch import Batch, BatchResult, BatchRow, Phase, RowKind, RowResult, WorkerSampling
+from messages.batch import (
+    Batch,
+    BatchResult,
+    BatchRow,
+    Phase,
+    RowKind,
+    RowResult,
+    SampledLogprobs,
+    WorkerSampling,
+)
 from services.common.model_config import OuroConfig
-from services.worker.runner import RunnerStats, batch_result
+from services.worker.runner import LOGPROB_FLOOR, RunnerStats, batch_result
 
 # NVIDIA H200 SXM: 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16 (published datasheet figures)
 H200_HBM_BYTES_PER_S = 4.8e12
@@ -242,6 +251,14 @@ class SimRunner:
     def _sample(self, r: _Row, req: _SimRequest, last_position: int) -> int:
         token = self.token_at(req.sampling.seed, last_position + 1)
         r.result.token_id = token
+        if req.sampling.logprobs >= 0:  # simulated too: the token is certain, nothing else
+            vocab = self.cfg.vocab_size
+            others = [(token + i) % vocab for i in range(1, req.sampling.logprobs)]
+            r.result.logprobs = SampledLogprobs(
+                logprob=0.0,
+                top_ids=[token, *others][: req.sampling.logprobs],
+                top_logprobs=[0.0, *[LOGPROB_FLOOR] * len(others)][: req.sampling.logprobs],
+            )
         req.next_decode = BatchRow(
             request_id=r.row.request_id,
             kind=RowKind.DECODE,
