@@ -73,6 +73,7 @@ def as_request(rid: str, ids: list[int], p: SamplingParams) -> GenerateRequest:
         max_loops=p.max_loops,
         exit_threshold=p.exit_threshold,
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
     )
 
 

@@ -4,9 +4,9 @@
   token, they spread over the shards, and requests sharing a prefix land on the shard that
   holds it (``num_cached_tokens`` > 0, the same ``shard`` in their finished events);
 - kill -9 one shard's worker mid-generation, and separately its scheduler: every stream
-  ends with exactly one terminal event, no token index twice or missing, the tokens equal
-  an uninterrupted run; the shard's prefix blocks leave the index; a shard that comes back
-  rejoins;
+  ends with exactly one terminal event, no token index twice or missing, the tokens (and
+  the log-probabilities of the streams that ask) equal an uninterrupted run; the shard's
+  prefix blocks leave the index; a shard that comes back rejoins;
 - the prefix index down: requests are still served (routing by load, said in the log);
 - bad shard reports (malformed, stale, from an unknown shard) are ignored with a log line.
 """
@@ -17,9 +17,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
-from messages.api import FinishedEvent
+from messages.api import FinishedEvent, TokenEvent
 from messages.internal import SchedulerLoad
+from messages.sampling import SamplingParams
+from services.engine.engine import LLMEngine
 from services.launcher import NatsServer, free_port
 from services.oracle import SerialOracle
 from services.runtime import subjects
@@ -32,6 +35,7 @@ from tests.service_cases import (  # noqa: E402
     ENGINE_ARGS,
     as_request,
     check_against_engine,
+    engine_config,
     make_cases,
 )
 from tests.service_procs import (  # noqa: E402
@@ -122,6 +126,8 @@ async def _kill_mid_run(
     toy_checkpoint: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     cases = make_cases(3, 8, max_tokens=150)
+    # half of them with log-probabilities: they go on across the move, none lost or doubled
+    cases = [(ids, replace(p, logprobs=2) if i % 2 == 0 else p) for i, (ids, p) in enumerate(cases)]
     col = await StreamCollector(nc).start()
     for i, (ids, p) in enumerate(cases):
         # 16+ tokens: whole blocks get cached and published to the prefix index
@@ -136,9 +142,38 @@ async def _kill_mid_run(
         check_stream(col.events[i])  # indices 0..n-1 once each, then exactly one terminal
     cases_with_prefix = [([*range(1, 17), *ids], p) for ids, p in cases]
     check_against_engine(col, cases_with_prefix, toy_checkpoint)
+    _check_logprobs(col, cases_with_prefix, toy_checkpoint)
     moved = (await health(nc, "admission"))["moved"] - before
     assert moved > 0, "no request was on the killed shard"
     assert all(col.terminals(i)[0].shard == "1" for i in idx)  # type: ignore[union-attr]
+
+
+def _check_logprobs(
+    col: StreamCollector, cases: list[tuple[list[int], SamplingParams]], checkpoint: Path
+) -> None:
+    """Each stream that asked has every token's log-probabilities, equal to an
+    uninterrupted in-process run's; the others have none."""
+    engine = LLMEngine.from_checkpoint(checkpoint, engine_config())
+    asked = [i for i, (_, p) in enumerate(cases) if p.logprobs is not None]
+    for i in asked:
+        engine.add_request(f"r{i}", cases[i][0], cases[i][1])
+    expected: dict[str, list[TokenEvent]] = {}
+    for event in engine.run_until_done():
+        if isinstance(event, TokenEvent):
+            expected.setdefault(event.request_id, []).append(event)
+    for i in range(len(cases)):
+        got = col.tokens(i)
+        if i not in asked:
+            assert all(e.logprobs is None for e in got)
+            continue
+        want = expected[f"r{i}"]
+        assert [e.token_id for e in got] == [e.token_id for e in want]
+        for g, w in zip(got, want, strict=True):
+            assert g.logprobs is not None and w.logprobs is not None
+            assert g.logprobs.logprob == pytest.approx(w.logprobs.logprob, abs=1e-4)
+            assert [t.token_id for t in g.logprobs.top_logprobs] == [
+                t.token_id for t in w.logprobs.top_logprobs
+            ]
 
 
 async def _no_blocks_of(nc, producer: str) -> bool:  # type: ignore[no-untyped-def]
