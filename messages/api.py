@@ -39,9 +39,11 @@ class TopLogprob(msgspec.Struct, gc=False, kw_only=True):
 class TokenLogprobs(msgspec.Struct, gc=False, kw_only=True):
     """The generated token's log-probability under the model's distribution at its exit
     depth (the logits before temperature and top-k/top-p), and the ``logprobs`` most likely
-    tokens, most likely first."""
+    tokens, most likely first. For a prompt token: the full-depth prediction of it from the
+    tokens before (None for the first, which nothing predicts)."""
 
-    logprob: float
+    token_id: int
+    logprob: float | None
     token: str = ""  # the token decoded on its own (empty without a tokenizer)
     top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
 
@@ -49,7 +51,7 @@ class TokenLogprobs(msgspec.Struct, gc=False, kw_only=True):
 class TokenEvent(
     msgspec.Struct, gc=False, kw_only=True, tag="token", tag_field="type", omit_defaults=True
 ):
-    """One generated token. Every field but ``logprobs`` is always sent; ``logprobs`` only
+    """One generated token. Every field but the log-probabilities is always sent; those only
     when the request asked for them (so a token event costs no more bytes otherwise)."""
 
     request_id: str
@@ -58,6 +60,10 @@ class TokenEvent(
     exit_depth: int
     text: str  # the text this token adds (services/scheduler/output.py)
     logprobs: TokenLogprobs | None = None
+    # the first token's event (index 0), when the request asked for ``prompt_logprobs``:
+    # one entry per prompt token, in order
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_text: str | None = None  # with them: the prompt's text (empty without a tokenizer)
 
 
 class FinishedEvent(msgspec.Struct, gc=False, kw_only=True, tag="finished", tag_field="type"):

@@ -46,6 +46,8 @@ class WorkerSampling(msgspec.Struct, gc=False, kw_only=True):
     exit_threshold: float
     # return each sampled token's log-probability and this many alternatives; -1: none
     logprobs: int = -1
+    # the same for the prompt's tokens (from its final-depth prefill rows); -1: none
+    prompt_logprobs: int = -1
 
 
 class NewRequest(msgspec.Struct, gc=False, kw_only=True):
@@ -110,6 +112,16 @@ class SampledLogprobs(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Log-probabilities of prompt tokens ``start``, ``start + 1``, ... under the model's
+    prediction from the tokens before each (a prefill row's final depth)."""
+
+    start: int
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 class RowResult(msgspec.Struct, gc=False, kw_only=True):
     """Outcome of one row: decode rows report survival and exit; coda rows a token."""
 
@@ -121,6 +133,7 @@ class RowResult(msgspec.Struct, gc=False, kw_only=True):
     exit_loops: int = 0  # the token exited after this many loops (1..total_ut_steps)
     token_id: int = -1
     logprobs: SampledLogprobs | None = None  # asked for by the request (WorkerSampling)
+    prompt_logprobs: PromptLogprobs | None = None  # a final-depth prefill row's, if asked
     # this row alone failed (e.g. its sampling overflowed): its request ends with an error,
     # the other rows of the batch are applied as usual
     error: str | None = None

@@ -54,6 +54,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # with each generated token, its log-probability and those of the ``logprobs`` most
     # likely tokens (0: the token's own only); None: no log-probabilities
     logprobs: int | None = None
+    # the same for every prompt token after the first (the model's prediction of it from
+    # the tokens before), sent with the first generated token; such a request computes its
+    # whole prompt (no prefix-cache hit), as in vLLM
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Model-independent range checks of the fields that are set; raises RequestError."""
@@ -90,6 +94,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
 
     def resolve(
         self, total_ut_steps: int, vocab_size: int, defaults: RequestDefaults = API_DEFAULTS

@@ -366,6 +366,7 @@ def test_sse_frames_for_chat_and_completions() -> None:
 def _lp_tok(i: int, text: str, token: str, logprob: float, top: list[tuple[str, float]]):
     event = _tok(i, text)
     event.logprobs = TokenLogprobs(
+        token_id=event.token_id,
         logprob=logprob,
         token=token,
         top_logprobs=[TopLogprob(token_id=j, logprob=v, token=t) for j, (t, v) in enumerate(top)],

@@ -1,6 +1,8 @@
 """Log-probabilities: each generated token's, and its most likely alternatives, equal the
 serial oracle's log-softmax of the logits the token was chosen from (at its exit depth),
-for greedy and sampled requests, in every prefill mode, beside requests that ask for none."""
+for greedy and sampled requests, in every prefill mode, beside requests that ask for none;
+prompt log-probabilities equal the oracle's full-depth prompt logits, also when the prompt
+is cached (it is computed anyway) or preempted mid-prefill."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.scheduler.engine_core import EngineCore
+from services.worker import runner as runner_module
 from services.worker.model.toy import toy_config
 from services.worker.runner import LOGPROB_FLOOR, _attach_logprobs
 from services.worker.sim import SimCostModel, SimRunner
@@ -122,8 +125,13 @@ def test_logprobs_name_their_tokens_with_a_tokenizer(toy_model, toy_checkpoint) 
     codec = TextCodec.from_checkpoint(toy_checkpoint)
     assert codec is not None
     engine = LLMEngine(toy_model, SchedulerConfig(block_size=4, num_blocks=64), codec=codec)
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, logprobs=2, prompt_logprobs=1, ignore_eos=True
+    )
     events = _run(engine, {"r": params})["r"]
+    prompt = PROMPT[:5]
+    assert events[0].prompt_text == codec.decode(prompt)
+    assert [e.token for e in events[0].prompt_logprobs] == [codec.piece(t) for t in prompt]
     for event in events:
         assert event.logprobs is not None
         assert event.logprobs.token == codec.piece(event.token_id)
@@ -199,3 +207,118 @@ def test_out_of_range_logprobs_are_refused(value) -> None:
 def test_logprobs_in_range_are_accepted() -> None:
     for value in (None, 0, MAX_LOGPROBS):
         SamplingParams(logprobs=value).validate()
+
+
+def _prompt_reference(oracle, prompt: list[int], top: int) -> list[tuple[float, list[int]]]:
+    """(log-probability of prompt token p, the ``top`` best ids) for p >= 1, from the
+    oracle's full-depth logits of position p - 1."""
+    logprobs = torch.log_softmax(oracle.prompt_logits(prompt), dim=-1)
+    out = []
+    for p in range(1, len(prompt)):
+        best = torch.topk(logprobs[p - 1], top).indices.tolist() if top else []
+        out.append((float(logprobs[p - 1, prompt[p]]), best))
+    return out
+
+
+def _check_prompt_logprobs(event: TokenEvent, oracle, prompt: list[int], top: int) -> None:
+    entries = event.prompt_logprobs
+    assert entries is not None and event.index == 0
+    assert [e.token_id for e in entries] == prompt
+    assert entries[0].logprob is None and entries[0].top_logprobs == []  # nothing predicts it
+    for entry, (want, best) in zip(
+        entries[1:], _prompt_reference(oracle, prompt, top), strict=True
+    ):
+        assert entry.logprob == pytest.approx(want, abs=TOL)
+        assert [t.token_id for t in entry.top_logprobs] == best
+
+
+PROMPT_CONFIGS = {
+    "atomic": dict(prefill_chunk_size=3),
+    "wcpb_async": dict(
+        prefill_chunk_size=2,
+        split_prefill=True,
+        wavefront_chunked_prefill=True,
+        async_scheduling=True,
+    ),
+    "prefix_cached": dict(prefill_chunk_size=4, enable_prefix_caching=True),
+}
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("mode", PROMPT_CONFIGS)
+def test_prompt_logprobs_equal_the_oracles_prompt_logits(toy_model, oracle, mode: str) -> None:
+    config = SchedulerConfig(**{"block_size": 4, "num_blocks": 256, **PROMPT_CONFIGS[mode]})
+    engine = LLMEngine(toy_model, config)
+    long_prompt = [*PROMPT, 3, 9, 27, 81, 243, 217, 139, 5]  # 16 tokens: whole blocks
+    common = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    if mode == "prefix_cached":  # its blocks in the cache before the asking request comes
+        engine.add_request("warm", long_prompt, SamplingParams(**common))
+        engine.run_until_done()
+    requests = {
+        "prompt3": (long_prompt, SamplingParams(prompt_logprobs=3, logprobs=1, **common)),
+        "plain": (long_prompt[:12], SamplingParams(**common)),
+        "prompt0": (long_prompt[:9], SamplingParams(prompt_logprobs=0, **common)),
+        "other": (long_prompt[2:], SamplingParams(**common)),
+    }
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    events = [e for e in engine.run_until_done() if isinstance(e, TokenEvent)]
+    first = {e.request_id: e for e in events if e.index == 0}
+    _check_prompt_logprobs(first["prompt3"], oracle, long_prompt, 3)
+    _check_prompt_logprobs(first["prompt0"], oracle, long_prompt[:9], 0)
+    # only the first token carries them, and only for the requests that asked
+    assert all(e.prompt_logprobs is None for e in events if e not in first.values())
+    assert first["plain"].prompt_logprobs is None and first["other"].prompt_logprobs is None
+    # the generated tokens are the oracle's, as without them
+    want = oracle.generate(long_prompt, max_tokens=6, ignore_eos=True)
+    assert [e.token_id for e in events if e.request_id == "prompt3"] == want.token_ids
+    assert not engine.scheduler.requests  # every request ended
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("mode", ["atomic", "split", "wcpb"])
+def test_prompt_logprobs_survive_a_preemption_mid_prefill(toy_model, oracle, mode) -> None:
+    """A more urgent request takes the KV of one half through its prompt: the prompt is
+    computed again and its log-probabilities go out once, equal to the oracle's."""
+    config = SchedulerConfig(
+        block_size=4,
+        num_blocks=24,  # the slow request's whole footprint
+        prefill_chunk_size=2,
+        max_num_batched_tokens=4,
+        split_prefill=mode != "atomic",
+        wavefront_chunked_prefill=mode == "wcpb",
+    )
+    engine = LLMEngine(toy_model, config)
+    prompt = [*PROMPT, 3, 9, 27, 81, 243, 217, 139, 5]
+    common = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("slow", prompt, SamplingParams(prompt_logprobs=2, priority=1, **common))
+    request = engine.scheduler.requests["slow"]
+
+    def scored() -> int:
+        return sum(e.logprob is not None for e in request.prompt_logprobs or [])
+
+    events = []
+    while not scored():
+        events += engine.step()
+    assert scored() < len(prompt) - 1  # part of the prompt scored
+    engine.add_request("urgent", prompt[:5], SamplingParams(priority=0, **common))
+    events += engine.run_until_done()
+    assert engine.scheduler.stats.num_preemptions > 0
+    tokens = [e for e in events if isinstance(e, TokenEvent) and e.request_id == "slow"]
+    with_prompt = [e for e in tokens if e.prompt_logprobs is not None]
+    assert len(with_prompt) == 1
+    _check_prompt_logprobs(with_prompt[0], oracle, prompt, 2)
+    want = oracle.generate(prompt, max_tokens=6, ignore_eos=True)
+    assert [e.token_id for e in tokens] == want.token_ids
+
+
+@pytest.mark.oracle
+def test_prompt_logprobs_scored_in_slices_equal_the_oracle(toy_model, oracle, monkeypatch) -> None:
+    """The worker scores a batch's prompt positions a slice at a time (bounded memory)."""
+    monkeypatch.setattr(runner_module, "_PROMPT_SLICE", 3)
+    engine = LLMEngine(toy_model, SchedulerConfig(block_size=4, num_blocks=64))
+    prompt = [*PROMPT, 3, 9, 27]
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=4, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    first = next(e for e in engine.run_until_done() if isinstance(e, TokenEvent))
+    _check_prompt_logprobs(first, oracle, prompt, 4)

@@ -12,7 +12,6 @@ chat endpoint.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,7 +101,9 @@ class Answer:
         if self.options.logprobs is not None:
             # a shard that computes none (an older worker): the token is still listed, its
             # log-probability unknown (null), so the lists cover every token counted
-            entry = event.logprobs or TokenLogprobs(logprob=math.nan, token=event.text)
+            entry = event.logprobs or TokenLogprobs(
+                token_id=event.token_id, logprob=None, token=event.text
+            )
             # as vLLM counts it: where the token starts in the concatenation of the tokens'
             # own texts (a token whose bytes end mid-character has no place in the text)
             offset = self.offsets[-1] + len(self.logprobs[-1].token) if self.offsets else 0

@@ -26,7 +26,7 @@ class OutputProcessor:
     def process(self, events: list[StreamEvent]) -> list[StreamEvent]:
         if self.codec is None:
             for event in events:
-                if isinstance(event, TokenEvent) and event.logprobs is not None:
+                if isinstance(event, TokenEvent):
                     self._name_tokens(event)
             return events
         last_token: dict[str, TokenEvent] = {}
@@ -38,8 +38,7 @@ class OutputProcessor:
                     detok = self._detoks[rid] = IncrementalDetokenizer(self.codec)
                 event.text = detok.push(event.token_id)
                 last_token[rid] = event
-                if event.logprobs is not None:
-                    self._name_tokens(event)
+                self._name_tokens(event)
             elif isinstance(event, FinishedEvent):
                 detok = self._detoks.pop(rid, None)
                 if detok is None:
@@ -53,10 +52,18 @@ class OutputProcessor:
         return events
 
     def _name_tokens(self, event: TokenEvent) -> None:
-        assert event.logprobs is not None
-        event.logprobs.token = self._piece(event.token_id)
-        for top in event.logprobs.top_logprobs:
-            top.token = self._piece(top.token_id)
+        """The names of the tokens in the event's log-probabilities, if it has any."""
+        entries = event.prompt_logprobs or []
+        if entries and self.codec is not None:
+            event.prompt_text = self.codec.decode([e.token_id for e in entries])
+        elif entries:
+            event.prompt_text = ""
+        if event.logprobs is not None:
+            entries = [*entries, event.logprobs]
+        for entry in entries:
+            entry.token = self._piece(entry.token_id)
+            for top in entry.top_logprobs:
+                top.token = self._piece(top.token_id)
 
     def _piece(self, token_id: int) -> str:
         """The token decoded on its own; without a tokenizer (or for an id it does not

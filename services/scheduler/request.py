@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from messages.api import TokenLogprobs
 from messages.batch import Phase
 from messages.sampling import SamplingParams
 from services.common.fit import kv_tokens
@@ -34,6 +35,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_exit_depths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    # asked for prompt logprobs and not sent yet: one entry per prompt token, filled in by
+    # position as final-depth prefill rows come back (sent with the first token). While
+    # set, the request claims no cached prefix: every prompt position must be computed
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     # prefill (split / wavefront): prelude frontier and one [origin, right_d) per depth
     prefill_window_origin: int = 0

@@ -29,9 +29,9 @@ from messages.batch import (
     BatchRow,
     NewRequest,
     Phase,
+    PromptLogprobs,
     RowKind,
     RowResult,
-    SampledLogprobs,
     WorkerSampling,
 )
 from messages.errors import ErrorCode, RequestError
@@ -186,6 +186,11 @@ class Scheduler:
             request.block_hashes = prompt_block_hashes(
                 request.prompt_token_ids, self.config.block_size, self.cache_salt
             )
+        if resolved.prompt_logprobs is not None and not known_ids:
+            # the first prompt token has no prediction: None, as vLLM's first entry
+            request.prompt_logprobs = [
+                TokenLogprobs(token_id=t, logprob=None) for t in request.prompt_token_ids
+            ]
         self._arrivals += 1
         self.requests[request_id] = request
         heapq.heappush(self._waiting, (request.priority_key, request))
@@ -353,8 +358,7 @@ class Scheduler:
         written by a running prefill no less urgent than it (chain hashes: the same hash is
         the same prefix at the same index). A less urgent writer is not waited for: its
         rows are selected after everything of higher priority."""
-        usable = cacheable_prefix_blocks(request.num_prompt_tokens, self.config.block_size)
-        hashes = request.block_hashes[:usable]
+        hashes = self._claimable_hashes(request)
         hits = self.kv.lookup_prefix(hashes, before_batch_seq=self._next_seq)
         if hits == len(hashes):
             return False
@@ -379,8 +383,7 @@ class Scheduler:
         for request in itertools.chain((r for _, r in self._waiting), self._parked):
             if request.is_finished:
                 continue
-            usable = cacheable_prefix_blocks(request.num_prompt_tokens, bs)
-            hashes = request.block_hashes[:usable]
+            hashes = self._claimable_hashes(request)
             covered = start = self.kv.lookup_prefix(hashes)
             if covered < len(hashes) and in_flight:
                 end, end_hash = runs.get(hashes[covered], (covered, 0))
@@ -418,9 +421,8 @@ class Scheduler:
         ``extra_free``: blocks assumed freed (preemption candidates)."""
         claimed = parked = 0
         if self.config.enable_prefix_caching:
-            usable = cacheable_prefix_blocks(request.num_prompt_tokens, self.config.block_size)
             claimed, parked = self.kv.claimable_prefix(
-                request.block_hashes[:usable], before_batch_seq=self._next_seq
+                self._claimable_hashes(request), before_batch_seq=self._next_seq
             )
         planes = self.kv.num_planes
         return admits(
@@ -452,14 +454,23 @@ class Scheduler:
                 return True
         return False
 
+    def _claimable_hashes(self, request: Request) -> list[int]:
+        """The prompt blocks a cache hit may cover (never the last prompt token); none while
+        the request waits for its prompt logprobs: those need every position computed."""
+        if request.prompt_logprobs is not None:
+            return []
+        usable = cacheable_prefix_blocks(request.num_prompt_tokens, self.config.block_size)
+        return request.block_hashes[:usable]
+
     def _claim_cached_prefix(self, request: Request) -> int:
         """Attaches the longest cached prefix (never the last prompt token) and returns the
         prefill origin it gives. The scheduler's own table is the authority on hits."""
         if not self.config.enable_prefix_caching:
             return 0
-        usable = cacheable_prefix_blocks(request.num_prompt_tokens, self.config.block_size)
         hits = self.kv.claim_prefix(
-            request.request_id, request.block_hashes[:usable], before_batch_seq=self._next_seq
+            request.request_id,
+            self._claimable_hashes(request),
+            before_batch_seq=self._next_seq,
         )
         request.num_published_blocks = hits
         request.num_cached_tokens = hits * self.config.block_size
@@ -879,6 +890,7 @@ class Scheduler:
                 max_loops=p.max_loops,
                 exit_threshold=p.exit_threshold,
                 logprobs=-1 if p.logprobs is None else p.logprobs,
+                prompt_logprobs=-1 if request.prompt_logprobs is None else p.prompt_logprobs,
             ),
         )
 
@@ -934,7 +946,10 @@ class Scheduler:
                 request.pending_token_rows -= 1
                 request.pending_decode_loops -= 1
                 self._apply_decode_output(task, row, events)
-            elif task.compute_logits:
+                continue
+            if row.prompt_logprobs is not None:
+                _fill_prompt_logprobs(request, row.prompt_logprobs)
+            if task.compute_logits:
                 request.pending_token_rows -= 1
                 self._append_token(request, row, self.total_depths, events)
         return events
@@ -1093,9 +1108,11 @@ class Scheduler:
                 token_id=token_id,
                 exit_depth=exit_loops,
                 text="",  # filled in by the output processor
-                logprobs=None if row.logprobs is None else _token_logprobs(row.logprobs),
+                logprobs=None if row.logprobs is None else _token_logprobs(row, token_id),
+                prompt_logprobs=request.prompt_logprobs,
             )
         )
+        request.prompt_logprobs = None  # sent (or never asked for)
         params = request.params
         if token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in self.limits.eos_token_ids
@@ -1129,14 +1146,33 @@ class Scheduler:
         )
 
 
-def _token_logprobs(sampled: SampledLogprobs) -> TokenLogprobs:
+def _token_logprobs(row: RowResult, token_id: int) -> TokenLogprobs:
     """The worker's log-probabilities as the stream carries them (token texts are filled in
     with the event's text, by the output processor)."""
-    top = [
-        TopLogprob(token_id=t, logprob=lp)
-        for t, lp in zip(sampled.top_ids, sampled.top_logprobs, strict=False)
-    ]
-    return TokenLogprobs(logprob=sampled.logprob, top_logprobs=top)
+    sampled = row.logprobs
+    assert sampled is not None
+    return TokenLogprobs(
+        token_id=token_id,
+        logprob=sampled.logprob,
+        top_logprobs=_top(sampled.top_ids, sampled.top_logprobs),
+    )
+
+
+def _top(ids: list[int], logprobs: list[float]) -> list[TopLogprob]:
+    return [TopLogprob(token_id=t, logprob=lp) for t, lp in zip(ids, logprobs, strict=False)]
+
+
+def _fill_prompt_logprobs(request: Request, scored: PromptLogprobs) -> None:
+    """A final-depth prefill row's prompt log-probabilities, by position (a chunk computed
+    again after a preemption overwrites its earlier copy); nothing once they were sent."""
+    entries = request.prompt_logprobs
+    if entries is None:
+        return
+    rows = zip(scored.logprobs, scored.top_ids, scored.top_logprobs, strict=False)
+    for position, (logprob, ids, values) in enumerate(rows, start=scored.start):
+        if 0 < position < len(entries):
+            entry = entries[position]
+            entry.logprob, entry.top_logprobs = logprob, _top(ids, values)
 
 
 def _mixed_depths(tasks: list[ScheduledTask]) -> bool:

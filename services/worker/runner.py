@@ -28,6 +28,7 @@ from messages.batch import (
     BatchResult,
     BatchRow,
     Phase,
+    PromptLogprobs,
     RowKind,
     RowResult,
     SampledLogprobs,
@@ -83,6 +84,7 @@ class _WorkerRequest:
 
 # the least log-probability reported (vLLM's floor): -inf and NaN have no JSON form
 LOGPROB_FLOOR = -9999.0
+_PROMPT_SLICE = 256  # prompt positions scored at once (the table is positions x vocab)
 
 
 @dataclass
@@ -235,6 +237,7 @@ class ModelRunner:
     def _run_recurrent(self, states: list[_RowState]) -> None:
         first_pass = True
         coda_rows: list[tuple[_RowState, torch.Tensor]] = []
+        prompt_rows: list[tuple[_RowState, torch.Tensor]] = []  # asked for prompt logprobs
         while True:
             active = [s for s in states if s.loops_left > 0]
             if not active:
@@ -248,8 +251,10 @@ class ModelRunner:
             self.stats.core_passes += 1
             self.stats.core_rows += hidden.shape[0]
             self.last_batch_passes.append((len(active), hidden.shape[0]))
-            self._scatter_outputs(active, out, gates, coda_rows)
+            self._scatter_outputs(active, out, gates, coda_rows, prompt_rows)
         self._run_coda(coda_rows)
+        if prompt_rows:
+            self._prompt_logprobs(prompt_rows)
 
     def _gather_inputs(
         self, active: list[_RowState], first_pass: bool
@@ -327,6 +332,7 @@ class ModelRunner:
         out: torch.Tensor,
         gates: torch.Tensor,
         coda_rows: list[tuple[_RowState, torch.Tensor]],
+        prompt_rows: list[tuple[_RowState, torch.Tensor]],
     ) -> None:
         decode_index = [i for i, s in enumerate(active) if s.is_decode]
         offsets: list[int] = []
@@ -358,6 +364,8 @@ class ModelRunner:
                 self._prefill_buffer(req)[r.token_start : r.token_start + r.token_count] = h
                 if r.compute_logits and loops_run == self.total_depths:
                     coda_rows.append((state, h[-1]))
+                if req.sampling.prompt_logprobs >= 0 and loops_run == self.total_depths:
+                    prompt_rows.append((state, h))
                 if loops_run == self.total_depths and (
                     r.token_start + r.token_count == req.prompt.numel()
                 ):
@@ -438,6 +446,43 @@ class ModelRunner:
                 output_index=r.output_index + 1,
             )
 
+    def _prompt_logprobs(self, prompt_rows: list[tuple[_RowState, torch.Tensor]]) -> None:
+        """Prefill rows at their final depth, for requests that asked for prompt logprobs:
+        position p's logits score prompt token p + 1. One coda and one log-softmax over all
+        their positions, one copy to the host."""
+        hidden: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        spans: list[tuple[_RowState, int, int, int]] = []  # row, first scored, count, top
+        for state, h in prompt_rows:
+            req = self.requests[state.row.request_id]
+            start = state.row.token_start
+            count = min(h.shape[0], req.prompt.numel() - 1 - start)  # the last has no next
+            if count <= 0:
+                continue
+            hidden.append(h[:count])
+            targets.append(req.prompt[start + 1 : start + 1 + count])
+            spans.append((state, start + 1, count, req.sampling.prompt_logprobs))
+        if not spans:
+            return
+        hidden_rows, ids = torch.cat(hidden), torch.cat(targets)
+        top = max(n for *_, n in spans)
+        host: list[list[float]] = []
+        # in slices: a [positions, vocab] float32 table of a whole batch could be large
+        for lo in range(0, ids.numel(), _PROMPT_SLICE):
+            logits = self.model.coda(hidden_rows[lo : lo + _PROMPT_SLICE])
+            host += _logprob_table(logits, ids[lo : lo + _PROMPT_SLICE], top)
+        k = len(host[0]) // 2  # columns: the token's, then k values, then k ids
+        row = 0
+        for state, start, count, n in spans:
+            rows = host[row : row + count]
+            row += count
+            state.result.prompt_logprobs = PromptLogprobs(
+                start=start,
+                logprobs=[r[0] for r in rows],
+                top_ids=[[int(t) for t in r[1 + k : 1 + k + n]] for r in rows],
+                top_logprobs=[r[1 : 1 + n] for r in rows],
+            )
+
     def _sample(
         self, logits: torch.Tensor, samplings: list[WorkerSampling], rows: list[BatchRow]
     ) -> list[int | str]:
@@ -483,29 +528,36 @@ def _attach_logprobs(
     results: list[RowResult],
 ) -> None:
     """The sampled token's log-probability and the top alternatives, for the rows whose
-    request asked for them: one batched log-softmax over the raw logits (before temperature
-    and top-k/top-p, as vLLM reports by default) and one transfer to the host. Values are
-    floored at ``LOGPROB_FLOOR`` (as vLLM does): JSON has no -inf or NaN, and a row with an
-    infinite logit has no finite distribution."""
+    request asked for them (``_logprob_table``)."""
     rows = [i for i, s in enumerate(samplings) if s.logprobs >= 0 and isinstance(tokens[i], int)]
     if not rows:
         return
     index = torch.tensor(rows, device=logits.device)
-    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-    logprobs = torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, posinf=0.0).clamp_(min=LOGPROB_FLOOR)
-    chosen_ids = torch.tensor([tokens[i] for i in rows], device=logits.device)
-    columns = [logprobs.gather(1, chosen_ids[:, None])]
-    k = min(max(samplings[i].logprobs for i in rows), logprobs.shape[-1])
-    if k:
-        values, ids = logprobs.topk(k, dim=-1)
-        # ids ride as float64 (exact below 2**53) so one copy brings everything over
-        columns += [values, ids.double()]
-    host = torch.cat([c.double() for c in columns], dim=1).tolist()
-    for j, i in enumerate(rows):
-        n = min(samplings[i].logprobs, k)
-        row = host[j]
+    chosen = torch.tensor([tokens[i] for i in rows], device=logits.device)
+    host = _logprob_table(
+        logits.index_select(0, index), chosen, max(samplings[i].logprobs for i in rows)
+    )
+    k = len(host[0]) // 2
+    for row, i in zip(host, rows, strict=True):
+        n = samplings[i].logprobs
         results[i].logprobs = SampledLogprobs(
             logprob=row[0],
             top_ids=[int(t) for t in row[1 + k : 1 + k + n]],
             top_logprobs=row[1 : 1 + n],
         )
+
+
+def _logprob_table(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> list[list[float]]:
+    """Per row of ``logits``: the log-probability of its ``chosen`` token, then the ``top``
+    best log-probabilities, then their ids (as floats: one copy brings it all to the host).
+    One batched log-softmax over the raw logits (before temperature and top-k/top-p, as
+    vLLM reports by default); values are floored at ``LOGPROB_FLOOR`` (as vLLM does): JSON
+    has no -inf or NaN, and a row with an infinite logit has no finite distribution."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logprobs = torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, posinf=0.0).clamp_(min=LOGPROB_FLOOR)
+    columns = [logprobs.gather(1, chosen[:, None])]
+    k = min(top, logprobs.shape[-1])
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        columns += [values, ids.double()]  # ids exact as float64 (below 2**53)
+    return torch.cat([c.double() for c in columns], dim=1).tolist()
