@@ -121,7 +121,6 @@ def test_chat_translation() -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stop": ""}, "stop"),
         ({"stop": ["a", ""]}, "stop"),
-        ({"echo": True}, "echo"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
         ({"suffix": "x"}, "suffix"),
@@ -129,7 +128,7 @@ def test_chat_translation() -> None:
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"guided_choice": ["a", "b"]}, "guided_choice"),
         ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"skip_special_tokens": False}, "skip_special_tokens"),
     ],
 )
@@ -436,6 +435,76 @@ def test_logprobs_in_openais_two_shapes() -> None:
     body = json.loads(msgspec.json.encode(old.body(chat=False, model="toy", created=1)))
     assert body["choices"][0]["logprobs"]["tokens"] == ["x", "é"]
     assert body["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.25]
+
+
+def _prompt_entries() -> list[TokenLogprobs]:
+    return [
+        TokenLogprobs(token_id=7, logprob=None, token="Hi"),
+        TokenLogprobs(
+            token_id=8,
+            logprob=-2.0,
+            token=" there",
+            top_logprobs=[
+                TopLogprob(token_id=9, logprob=-0.5, token="!"),
+                TopLogprob(token_id=8, logprob=-2.0, token=" there"),
+            ],
+        ),
+    ]
+
+
+def test_echo_and_prompt_logprobs_reach_the_engine() -> None:
+    echo = parse_completion(_body(prompt="Hi there", echo=True, logprobs=1))
+    assert options(echo).echo and options(echo).echo_text == "Hi there"
+    assert to_generate(echo, "r").prompt_logprobs == 1  # the prompt's, for the echo
+    bare = parse_completion(_body(prompt=[7, 8], echo=True))
+    assert options(bare).echo_text is None  # the engine's decoding of the ids
+    assert to_generate(bare, "r").prompt_logprobs == 0  # the prompt's text comes with them
+    both = parse_completion(_body(prompt="x", echo=True, logprobs=1, prompt_logprobs=3))
+    assert to_generate(both, "r").prompt_logprobs == 3
+    chat = parse_chat(_body(messages=[{"role": "user", "content": "x"}], prompt_logprobs=2))
+    assert options(chat).prompt_logprobs == 2 and to_generate(chat, "r").prompt_logprobs == 2
+    plain = parse_completion(_body(prompt="x", logprobs=2))
+    assert to_generate(plain, "r").prompt_logprobs is None
+
+
+def test_an_echo_puts_the_prompt_first() -> None:
+    first = _lp_tok(0, " you", " you", -0.1, [(" you", -0.1)])
+    first.prompt_logprobs, first.prompt_text = _prompt_entries(), "Hi there"
+    a = Answer("r", _opts(stream=False, echo=True, echo_text=None, logprobs=1))
+    a.on_event(first)
+    a.on_event(_fin(1, "length"))
+    choice = a.body(chat=False, model="toy", created=1)["choices"][0]
+    assert choice["text"] == "Hi there you"
+    assert choice["logprobs"] == {
+        "tokens": ["Hi", " there", " you"],
+        "token_logprobs": [None, -2.0, -0.1],
+        # nothing predicts the first prompt token; then at most logprobs alternatives + itself
+        "top_logprobs": [None, {"!": -0.5, " there": -2.0}, {" you": -0.1}],
+        "text_offset": [0, 2, 8],
+    }
+    # the request's own text is echoed as it was sent; a stop string never matches it
+    b = Answer("r", _opts(stream=False, echo=True, echo_text="Hi  there", stops=("there",)))
+    b.on_event(first)
+    assert b.text == "Hi  there you" and b.finish_reason is None
+
+
+def test_vllm_prompt_logprobs_come_with_the_first_frame() -> None:
+    first = _lp_tok(0, "!", "!", -0.1, [])
+    first.prompt_logprobs = _prompt_entries()
+    want = [None, {"9": {"logprob": -0.5, "decoded_token": "!"},
+                   "8": {"logprob": -2.0, "decoded_token": " there"}}]  # fmt: skip
+    a = Answer("r", _opts(stream=False, prompt_logprobs=1))
+    a.on_event(first)
+    # one alternative asked for: the best, and the prompt token itself
+    assert a.body(chat=True, model="toy", created=1)["choices"][0]["prompt_logprobs"] == [
+        None,
+        {"9": want[1]["9"], "8": want[1]["8"]},
+    ]
+    s = Answer("r", _opts(prompt_logprobs=0, return_token_ids=False))
+    enc = SseEncoder(False, "r", "toy", 1, s.options)
+    frames = _frames(enc.deltas(s.on_event(first)) + enc.deltas(s.on_event(_tok(1, "?"))))
+    assert frames[0]["choices"][0]["prompt_logprobs"] == [None, {"8": want[1]["8"]}]
+    assert "prompt_logprobs" not in frames[1]["choices"][0]
 
 
 def test_streamed_logprobs_ride_with_their_tokens_text() -> None:

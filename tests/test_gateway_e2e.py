@@ -3,7 +3,8 @@ the gateway in child processes), driven by the official ``openai`` client, ``cur
 httpx:
 
 - completions and chat completions, streamed and not: greedy tokens and exit depths equal
-  the serial oracle, usage numbers are right, string stops cut the text;
+  the serial oracle, usage numbers are right, string stops cut the text; log-probabilities
+  (of the generated tokens, and of an echoed prompt as lm-eval asks) equal the oracle's;
 - server-sent events leave as tokens are made: the first frame reaches curl before the
   scheduler finished the request (its log says when);
 - a client that disconnects mid-stream has its request aborted and its KV freed, seen
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from openai import OpenAI
 
 from messages.sampling import SamplingParams
@@ -265,6 +267,47 @@ def test_openai_client_logprobs_equal_the_oracle(
         assert [t.logprob for t in c.top_logprobs] == pytest.approx(
             [v for _, v in step.top_logprobs[:2]], abs=1e-4
         )
+
+
+def test_an_echo_scores_the_prompt_as_lm_eval_asks(
+    up: Up, oracle: SerialOracle, codec: TextCodec
+) -> None:
+    """lm-eval's loglikelihood request (echo, logprobs=1, one token): the prompt's tokens,
+    each scored by the oracle's full-depth prediction, then the generated token."""
+    client = _client(up)
+    prompt = [17, 42, 99, 5, 230, 8, 31, 4]
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    lp = r.choices[0].logprobs
+    logprobs = torch.log_softmax(oracle.prompt_logits(prompt), dim=-1)
+    want = [float(logprobs[p - 1, prompt[p]]) for p in range(1, len(prompt))]
+    assert lp.tokens[: len(prompt)] == [codec.piece(t) for t in prompt]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(want, abs=1e-4)
+    for p in range(1, len(prompt)):  # the best alternative, and the prompt token itself
+        best = int(torch.argmax(logprobs[p - 1]))
+        assert lp.top_logprobs[p][codec.piece(best)] == pytest.approx(
+            float(logprobs[p - 1, best]), abs=1e-4
+        )
+    generated = oracle.generate(prompt, max_tokens=1, ignore_eos=True)
+    assert lp.token_logprobs[-1] == pytest.approx(generated.steps[0].logprob, abs=1e-4)
+    assert len(lp.tokens) == len(prompt) + 1
+    assert r.choices[0].text == codec.decode(prompt) + codec.decode(generated.token_ids)
+    assert r.usage.completion_tokens == 1  # the echo is not generated
+
+    # vLLM's prompt_logprobs field, on the chat endpoint
+    messages = [{"role": "user", "content": "Name a prime number."}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, extra_body={"prompt_logprobs": 0}
+    )
+    scored = chat.choices[0].model_extra["prompt_logprobs"]
+    chat_prompt = codec.encode_chat(messages, add_generation_prompt=True)
+    logprobs = torch.log_softmax(oracle.prompt_logits(chat_prompt), dim=-1)
+    assert scored[0] is None and len(scored) == len(chat_prompt)
+    for p in range(1, len(chat_prompt)):
+        entry = scored[p][str(chat_prompt[p])]
+        assert entry["logprob"] == pytest.approx(float(logprobs[p - 1, chat_prompt[p]]), abs=1e-4)
 
 
 def test_curl_sees_the_first_frame_before_the_last_token_exists(up: Up) -> None:

@@ -10,10 +10,11 @@ Accepted beyond OpenAI's fields (vLLM's extra body fields, the loop knobs):
 ``exit_threshold``, ``priority``, ``chat_template_kwargs``, ``include_stop_str_in_output``
 and ``return_token_ids`` (the choice carries ``token_ids`` and, rlt's own, ``exit_depths``).
 Unknown fields are ignored, as OpenAI-compatible servers do; known options rlt cannot honour
-(``n`` > 1, ``logit_bias``, penalties, ``echo``, ``suffix``, tools, ...) are refused with
-a 400 that names them, never silently dropped. ``logprobs`` (completions: how many
-alternatives; chat: ``logprobs`` and ``top_logprobs``) come back in OpenAI's two shapes
-(``completion_logprobs``, ``chat_logprobs``).
+(``n`` > 1, ``logit_bias``, penalties, ``suffix``, tools, ...) are refused with a 400 that
+names them, never silently dropped. ``logprobs`` (completions: how many alternatives; chat:
+``logprobs`` and ``top_logprobs``) come back in OpenAI's two shapes (``completion_logprobs``,
+``chat_logprobs``); completions' ``echo`` puts the prompt (and its log-probabilities) first,
+and vLLM's ``prompt_logprobs`` comes back in vLLM's shape (``vllm_prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -164,12 +165,16 @@ class Options:
     # the alternatives each token comes with (0: its own log-probability only); None: no
     # log-probabilities
     logprobs: int | None = None
+    # completions' echo: the answer starts with the prompt (its own text when the request
+    # gave text, else the engine's decoding of its token ids)
+    echo: bool = False
+    echo_text: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's, in vLLM's shape
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
     req = _decode(_COMPLETION_DECODER, body)
     _check_common(req)
-    _refuse_if(req.echo, "echo")
     _check_logprobs(req.logprobs, "logprobs")
     _refuse_if(req.suffix is not None, "suffix")
     _prompt_fields(req.prompt)  # shape check now, before anything is sent
@@ -197,6 +202,7 @@ def parse_chat(body: bytes) -> ChatRequest:
 
 
 def options(req: CompletionRequest | ChatRequest) -> Options:
+    echo = isinstance(req, CompletionRequest) and bool(req.echo)
     stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return Options(
         stream=bool(req.stream),
@@ -205,7 +211,20 @@ def options(req: CompletionRequest | ChatRequest) -> Options:
         include_stop_str=bool(req.include_stop_str_in_output),
         return_token_ids=bool(req.return_token_ids),
         logprobs=_logprobs(req),
+        echo=echo,
+        echo_text=req.prompt if echo and isinstance(req.prompt, str) else None,
+        prompt_logprobs=req.prompt_logprobs,
     )
+
+
+def _prompt_logprobs(req: CompletionRequest | ChatRequest) -> int | None:
+    """What the engine computes for the prompt: vLLM's ``prompt_logprobs``, and for an echo
+    the prompt's text (which comes with them) and, with ``logprobs``, as many alternatives."""
+    wanted = [req.prompt_logprobs]
+    if isinstance(req, CompletionRequest) and req.echo:
+        wanted.append(req.logprobs or 0)
+    asked = [n for n in wanted if n is not None]
+    return max(asked) if asked else None
 
 
 def _logprobs(req: CompletionRequest | ChatRequest) -> int | None:
@@ -231,7 +250,8 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str) -> Genera
         value = getattr(req, name)
         if value is not None:
             fields[name] = value
-    fields["logprobs"] = _logprobs(req)  # its range is checked with the other fields
+    fields["logprobs"] = _logprobs(req)
+    fields["prompt_logprobs"] = _prompt_logprobs(req)
     if isinstance(req, ChatRequest):
         if req.max_completion_tokens is not None:
             fields["max_tokens"] = req.max_completion_tokens
@@ -266,7 +286,7 @@ def _check_common(req: _Common) -> None:
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         _refuse_if(getattr(req, name) is not None, name)
     _refuse_if(req.structured_outputs is not None, "structured_outputs")
-    _refuse_if(req.prompt_logprobs is not None, "prompt_logprobs")
+    _check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     # the streams' text always skips special tokens
     _refuse_if(req.skip_special_tokens is False, "skip_special_tokens")
     if req.stream_options is not None and not req.stream:
@@ -370,8 +390,11 @@ def completion_logprobs(entries: list[TokenLogprobs], offsets: list[int]) -> dic
     (where it starts in the tokens' texts joined, as vLLM counts it) and a map of
     alternatives that always holds the token itself (so up to ``logprobs`` + 1 entries, as
     OpenAI documents)."""
-    top = []
+    top: list[dict[str, float | None] | None] = []
     for e in entries:
+        if e.logprob is None and not e.top_logprobs:
+            top.append(None)  # an echoed prompt's first token: nothing predicts it
+            continue
         alternatives = {t.token: t.logprob for t in e.top_logprobs}
         alternatives.setdefault(e.token, e.logprob)
         top.append(alternatives)
@@ -400,6 +423,22 @@ def chat_logprobs(entries: list[TokenLogprobs]) -> dict[str, Any]:
         ],
         "refusal": None,
     }
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprobs]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else a map from
+    token id to its log-probability and text, holding the prompt token and the N most
+    likely (vLLM also gives each a ``rank``; rlt does not compute ranks)."""
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e.logprob is None and not e.top_logprobs:
+            out.append(None)
+            continue
+        scored = {str(t.token_id): {"logprob": t.logprob, "decoded_token": t.token}
+                  for t in e.top_logprobs}  # fmt: skip
+        scored.setdefault(str(e.token_id), {"logprob": e.logprob, "decoded_token": e.token})
+        out.append(scored)
+    return out
 
 
 def completion_body(

@@ -26,6 +26,7 @@ from services.gateway.protocol import (
     completion_body,
     completion_logprobs,
     error_body,
+    vllm_prompt_logprobs,
 )
 from services.gateway.stops import StopMatcher
 
@@ -42,6 +43,8 @@ class Delta:
     # with logprobs: each token's, and its text offset (``completion_logprobs``)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    # vLLM's prompt_logprobs, with the first token's delta when asked for
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Answer:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     engine_done: bool = False  # the engine's terminal event arrived
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
     _stops: StopMatcher = field(init=False)
 
     def __post_init__(self) -> None:
@@ -95,9 +99,11 @@ class Answer:
     def _on_token(self, event: TokenEvent) -> list[Delta]:
         if self.finish_reason is not None or self.error is not None:
             return []  # the engine ran on after a stop string matched: not shown
+        first = not self.token_ids
         self.token_ids.append(event.token_id)
         self.exit_depths.append(event.exit_depth)
         delta = Delta("", [event.token_id], [event.exit_depth])
+        echoed = self._on_prompt(event, delta) if first else ""
         if self.options.logprobs is not None:
             # a shard that computes none (an older worker): the token is still listed, its
             # log-probability unknown (null), so the lists cover every token counted
@@ -110,16 +116,40 @@ class Answer:
             delta.logprobs, delta.offsets = [entry], [offset]
             self.logprobs.append(entry)
             self.offsets.append(offset)
-        delta.text = self._stops.push(event.text)
+        delta.text = echoed + self._stops.push(event.text)  # stops never match the prompt
         self.text += delta.text
         if self._stops.matched is not None:
             self.finish_reason = delta.finish_reason = "stop"
         return [delta]
 
+    def _on_prompt(self, event: TokenEvent, delta: Delta) -> str:
+        """The first token's event brings the prompt's log-probabilities and text (when the
+        request asked): vLLM's ``prompt_logprobs``, and an echo's text and entries; returns
+        the text to echo."""
+        entries = event.prompt_logprobs or []
+        opts = self.options
+        if opts.prompt_logprobs is not None:
+            trimmed = [_top_only(e, opts.prompt_logprobs) for e in entries]
+            self.prompt_logprobs = delta.prompt_logprobs = vllm_prompt_logprobs(trimmed)
+        if not opts.echo:
+            return ""
+        if opts.logprobs is not None:
+            for entry in entries:
+                offset = self.offsets[-1] + len(self.logprobs[-1].token) if self.offsets else 0
+                entry = _top_only(entry, opts.logprobs)
+                delta.logprobs.append(entry)
+                delta.offsets.append(offset)
+                self.logprobs.append(entry)
+                self.offsets.append(offset)
+        return opts.echo_text if opts.echo_text is not None else (event.prompt_text or "")
+
     def choice_extra(self) -> dict[str, Any]:
-        if not self.options.return_token_ids:
-            return {}
-        return {"token_ids": self.token_ids, "exit_depths": self.exit_depths}
+        extra: dict[str, Any] = {}
+        if self.options.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = self.prompt_logprobs
+        if self.options.return_token_ids:
+            extra.update(token_ids=self.token_ids, exit_depths=self.exit_depths)
+        return extra
 
     def body(self, chat: bool, model: str, created: int) -> dict[str, Any]:
         """The non-streaming response."""
@@ -134,6 +164,14 @@ class Answer:
             self.choice_extra(),
             logprobs_body(chat, self.options, self.logprobs, self.offsets),
         )
+
+
+def _top_only(entry: TokenLogprobs, n: int) -> TokenLogprobs:
+    """The entry with at most ``n`` alternatives (the engine computed the most any part of
+    the request asked for)."""
+    if len(entry.top_logprobs) <= n:
+        return entry
+    return msgspec.structs.replace(entry, top_logprobs=entry.top_logprobs[:n])
 
 
 def logprobs_body(
@@ -163,10 +201,12 @@ class SseEncoder:
         self._depths: list[int] = []
         self._logprobs: list[TokenLogprobs] = []
         self._offsets: list[int] = []
+        self._prompt_logprobs: list[dict[str, Any] | None] | None = None
         # a frame that only carries text is most frames: its bytes around the text are
         # fixed, so it is built by concatenation (the same bytes the general path makes)
         self._text_frame: tuple[bytes, bytes] | None = None
-        if not options.return_token_ids and options.logprobs is None:
+        plain = options.logprobs is None and options.prompt_logprobs is None
+        if not options.return_token_ids and plain:
             marker = "\x00"
             probe = self._frame({"content": marker} if chat else marker, None)
             before, after = probe.split(_JSON.encode(marker))
@@ -184,6 +224,8 @@ class SseEncoder:
                 self._depths += d.exit_depths
             self._logprobs += d.logprobs
             self._offsets += d.offsets
+            if d.prompt_logprobs is not None:
+                self._prompt_logprobs = d.prompt_logprobs
             if not d.text and d.finish_reason is None:
                 continue  # bytes held by the detokenizer: nothing to show yet
             if self._text_frame is not None and d.finish_reason is None:
@@ -213,6 +255,8 @@ class SseEncoder:
             )
             self._logprobs, self._offsets = [], []
         choice["finish_reason"] = finish_reason
+        if self._prompt_logprobs is not None:  # vLLM sends them with the first frame
+            choice["prompt_logprobs"], self._prompt_logprobs = self._prompt_logprobs, None
         if self.options.return_token_ids:
             choice["token_ids"], self._ids = self._ids, []
             choice["exit_depths"], self._depths = self._depths, []
