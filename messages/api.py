@@ -42,8 +42,8 @@ class TokenLogprobs(msgspec.Struct, gc=False, kw_only=True):
     tokens, most likely first. For a prompt token: the full-depth prediction of it from the
     tokens before (None for the first, which nothing predicts)."""
 
-    token_id: int
     logprob: float | None
+    token_id: int = -1  # (-1 from a version that did not send it)
     token: str = ""  # the token decoded on its own (empty without a tokenizer)
     top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
 
@@ -63,7 +63,6 @@ class TokenEvent(
     # the first token's event (index 0), when the request asked for ``prompt_logprobs``:
     # one entry per prompt token, in order
     prompt_logprobs: list[TokenLogprobs] | None = None
-    prompt_text: str | None = None  # with them: the prompt's text (empty without a tokenizer)
 
 
 class FinishedEvent(msgspec.Struct, gc=False, kw_only=True, tag="finished", tag_field="type"):

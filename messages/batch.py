@@ -122,8 +122,9 @@ class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: list[list[float]]
 
 
-class RowResult(msgspec.Struct, gc=False, kw_only=True):
-    """Outcome of one row: decode rows report survival and exit; coda rows a token."""
+class RowResult(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
+    """Outcome of one row: decode rows report survival and exit; coda rows a token. Fields
+    at their defaults are not sent (most of a row's are, most steps)."""
 
     row_index: int
     # a follow-on row the worker could not resolve (its predecessor failed): nothing ran

@@ -74,6 +74,7 @@ def as_request(rid: str, ids: list[int], p: SamplingParams) -> GenerateRequest:
         exit_threshold=p.exit_threshold,
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
     )
 
 

@@ -147,6 +147,7 @@ def test_unsupported_completion_options_are_refused_by_name(
     [
         {"top_logprobs": 2},  # without logprobs: true
         {"logprobs": True, "top_logprobs": 21},
+        {"echo": True},  # vLLM's chat echo
         {"logprobs": False, "top_logprobs": 2},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"},
@@ -454,11 +455,18 @@ def _prompt_entries() -> list[TokenLogprobs]:
 
 def test_echo_and_prompt_logprobs_reach_the_engine() -> None:
     echo = parse_completion(_body(prompt="Hi there", echo=True, logprobs=1))
-    assert options(echo).echo and options(echo).echo_text == "Hi there"
+    assert options(echo).echo_text == "Hi there"
     assert to_generate(echo, "r").prompt_logprobs == 1  # the prompt's, for the echo
-    bare = parse_completion(_body(prompt=[7, 8], echo=True))
-    assert options(bare).echo_text is None  # the engine's decoding of the ids
-    assert to_generate(bare, "r").prompt_logprobs == 0  # the prompt's text comes with them
+    listed = parse_completion(_body(prompt=["Hi there"], echo=True))
+    assert options(listed).echo_text == "Hi there"
+    # an echo without logprobs costs the engine nothing: token ids are decoded here
+    ids = parse_completion(_body(prompt=[7, 8], echo=True))
+    assert options(ids, decode=lambda t: f"<{t}>").echo_text == "<[7, 8]>"
+    assert to_generate(ids, "r").prompt_logprobs is None
+    with pytest.raises(ApiError) as err:  # no tokenizer to decode them with
+        options(ids)
+    assert err.value.param == "echo"
+    assert options(parse_completion(_body(prompt="x"))).echo_text is None
     both = parse_completion(_body(prompt="x", echo=True, logprobs=1, prompt_logprobs=3))
     assert to_generate(both, "r").prompt_logprobs == 3
     chat = parse_chat(_body(messages=[{"role": "user", "content": "x"}], prompt_logprobs=2))
@@ -469,8 +477,8 @@ def test_echo_and_prompt_logprobs_reach_the_engine() -> None:
 
 def test_an_echo_puts_the_prompt_first() -> None:
     first = _lp_tok(0, " you", " you", -0.1, [(" you", -0.1)])
-    first.prompt_logprobs, first.prompt_text = _prompt_entries(), "Hi there"
-    a = Answer("r", _opts(stream=False, echo=True, echo_text=None, logprobs=1))
+    first.prompt_logprobs = _prompt_entries()
+    a = Answer("r", _opts(stream=False, echo_text="Hi there", logprobs=1))
     a.on_event(first)
     a.on_event(_fin(1, "length"))
     choice = a.body(chat=False, model="toy", created=1)["choices"][0]
@@ -483,7 +491,7 @@ def test_an_echo_puts_the_prompt_first() -> None:
         "text_offset": [0, 2, 8],
     }
     # the request's own text is echoed as it was sent; a stop string never matches it
-    b = Answer("r", _opts(stream=False, echo=True, echo_text="Hi  there", stops=("there",)))
+    b = Answer("r", _opts(stream=False, echo_text="Hi  there", stops=("there",)))
     b.on_event(first)
     assert b.text == "Hi  there you" and b.finish_reason is None
 
@@ -491,20 +499,28 @@ def test_an_echo_puts_the_prompt_first() -> None:
 def test_vllm_prompt_logprobs_come_with_the_first_frame() -> None:
     first = _lp_tok(0, "!", "!", -0.1, [])
     first.prompt_logprobs = _prompt_entries()
-    want = [None, {"9": {"logprob": -0.5, "decoded_token": "!"},
-                   "8": {"logprob": -2.0, "decoded_token": " there"}}]  # fmt: skip
+    best = {"logprob": -0.5, "decoded_token": "!"}
+    own = {"logprob": -2.0, "decoded_token": " there"}
     a = Answer("r", _opts(stream=False, prompt_logprobs=1))
     a.on_event(first)
-    # one alternative asked for: the best, and the prompt token itself
-    assert a.body(chat=True, model="toy", created=1)["choices"][0]["prompt_logprobs"] == [
+    # one alternative asked for: the best, and the prompt token itself; where vLLM puts
+    # them: in a completion's choice, in a chat response itself
+    assert a.body(chat=False, model="toy", created=1)["choices"][0]["prompt_logprobs"] == [
         None,
-        {"9": want[1]["9"], "8": want[1]["8"]},
+        {"9": best, "8": own},
     ]
-    s = Answer("r", _opts(prompt_logprobs=0, return_token_ids=False))
-    enc = SseEncoder(False, "r", "toy", 1, s.options)
-    frames = _frames(enc.deltas(s.on_event(first)) + enc.deltas(s.on_event(_tok(1, "?"))))
-    assert frames[0]["choices"][0]["prompt_logprobs"] == [None, {"8": want[1]["8"]}]
-    assert "prompt_logprobs" not in frames[1]["choices"][0]
+    chat = a.body(chat=True, model="toy", created=1)
+    assert chat["prompt_logprobs"] == [None, {"9": best, "8": own}]
+    assert "prompt_logprobs" not in chat["choices"][0]
+    for is_chat in (False, True):
+        s = Answer("r", _opts(prompt_logprobs=0, return_token_ids=False))
+        enc = SseEncoder(is_chat, "r", "toy", 1, s.options)
+        out = enc.deltas(s.on_event(first)) + enc.deltas(s.on_event(_tok(1, "?")))
+        frames = _frames(out)[1:] if is_chat else _frames(out)  # (chat: the role chunk)
+        where = frames[0] if is_chat else frames[0]["choices"][0]
+        assert where["prompt_logprobs"] == [None, {"8": own}]
+        assert all("prompt_logprobs" not in f and "prompt_logprobs" not in f["choices"][0]
+                   for f in frames[1:])  # fmt: skip
 
 
 def test_streamed_logprobs_ride_with_their_tokens_text() -> None:

@@ -301,7 +301,7 @@ def test_an_echo_scores_the_prompt_as_lm_eval_asks(
     chat = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=2, extra_body={"prompt_logprobs": 0}
     )
-    scored = chat.choices[0].model_extra["prompt_logprobs"]
+    scored = chat.model_extra["prompt_logprobs"]  # vLLM: in the response, not the choice
     chat_prompt = codec.encode_chat(messages, add_generation_prompt=True)
     logprobs = torch.log_softmax(oracle.prompt_logits(chat_prompt), dim=-1)
     assert scored[0] is None and len(scored) == len(chat_prompt)

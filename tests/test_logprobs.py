@@ -130,7 +130,6 @@ def test_logprobs_name_their_tokens_with_a_tokenizer(toy_model, toy_checkpoint) 
     )
     events = _run(engine, {"r": params})["r"]
     prompt = PROMPT[:5]
-    assert events[0].prompt_text == codec.decode(prompt)
     assert [e.token for e in events[0].prompt_logprobs] == [codec.piece(t) for t in prompt]
     for event in events:
         assert event.logprobs is not None
@@ -295,7 +294,7 @@ def test_prompt_logprobs_survive_a_preemption_mid_prefill(toy_model, oracle, mod
     request = engine.scheduler.requests["slow"]
 
     def scored() -> int:
-        return sum(e.logprob is not None for e in request.prompt_logprobs or [])
+        return sum(slot is not None for slot in request.prompt_logprobs or [])
 
     events = []
     while not scored():

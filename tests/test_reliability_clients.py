@@ -23,11 +23,13 @@ import nats
 import pytest
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
+from services.admission import core as admission_core
 from services.admission.core import AdmissionConfig
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.launcher import NatsServer, free_port
 from services.runtime import subjects
+from services.scheduler.service import SchedulerService
 
 pytest.register_assert_rewrite("tests.conftest_nats")
 
@@ -195,7 +197,7 @@ async def test_admission_stopping_ends_what_it_relays_once_and_aborts_it(
 
 
 async def test_limits_prompt_length_max_payload_and_reply_subjects(
-    toy_checkpoint: Path, run_dir: Path, tmp_path: Path
+    toy_checkpoint: Path, run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     conf = tmp_path / "small.conf"
     conf.write_text("max_payload: 8192\n")  # tiny, so the limits are reachable on the toy
@@ -224,6 +226,34 @@ async def test_limits_prompt_length_max_payload_and_reply_subjects(
             # a finished event that could not fit: refused up front, never a timeout
             err = await error_of({"prompt_token_ids": [1, 2], "max_tokens": 600})
             assert err.code == "invalid_request" and "max_payload" in err.message
+            # prompt log-probabilities that could not fit the first token event: refused
+            err = await error_of({"prompt_token_ids": [1] * 60, "prompt_logprobs": 20})
+            assert err.code == "invalid_request" and "prompt_logprobs" in err.message
+            # ... while a few fit, with the first token
+            events = await client.generate(
+                {"prompt_token_ids": [1, 2, 3], "prompt_logprobs": 1, "max_tokens": 2},
+                timeout=10,
+            )
+            assert isinstance(events[-1], FinishedEvent)
+            assert [e.token_id for e in events[0].prompt_logprobs] == [1, 2, 3]
+            # should the estimate be short, the scheduler measures the event as the client
+            # gets it, and ends the request with a clear error rather than lose its token 0
+            monkeypatch.setattr(admission_core, "_PROMPT_ALTERNATIVE_BYTES", 0)
+            too_big = {"prompt_token_ids": [(5 * i) % 400 + 1 for i in range(40)],
+                       "prompt_logprobs": 20, "max_tokens": 3}  # fmt: skip
+            err = await error_of(too_big)
+            assert err.code == "internal" and "max_payload" in err.message, err
+            assert "prompt_logprobs" in err.message
+            await wait_for(lambda: _reclaimed(services), 10, "the request ended at its shard")
+            # and admission would too, were the scheduler to send it (an event that fits as
+            # msgpack, the scheduler's form, but not as JSON, the client's)
+            monkeypatch.setattr(SchedulerService, "_fits_client", lambda _self, item: item)
+            too_big["prompt_token_ids"] = too_big["prompt_token_ids"][:9]
+            (*_, err) = await client.generate(too_big, timeout=10)
+            assert isinstance(err, ErrorEvent) and "max_payload" in err.message, err
+            assert "lower" not in err.message  # admission's words, not the scheduler's
+            await wait_for(lambda: _reclaimed(services), 10, "aborted at its shard")
+
             # a client message over max_payload is refused by NATS itself, at the client
             with pytest.raises(nats.errors.MaxPayloadError):
                 await client.nc.publish(subjects.GENERATE, b"x" * 9000, reply="_INBOX.big")

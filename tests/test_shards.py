@@ -111,6 +111,15 @@ async def test_three_shards_equal_the_oracle_and_shared_prefixes_find_their_shar
             # the index has the prefix for exactly that shard's producer
             index = (await health(nc, "prefix-cache"))["cached_blocks"]
             assert f"scheduler-{first.shard}" in index
+            # a request scoring its prompt computes all of it, wherever it lands
+            scoring = replace(shared[0][1], prompt_logprobs=0)
+            await col2.send(9, as_request("prefix-scored", shared[0][0], scoring))
+            await col2.wait_done([9], 60)
+            got = check_stream(col2.events[9])
+            assert isinstance(got, FinishedEvent) and got.num_cached_tokens == 0
+            prompt_scores = col2.tokens(9)[0].prompt_logprobs
+            assert [e.token_id for e in prompt_scores] == shared[0][0]
+            assert all(e.logprob is not None for e in prompt_scores[1:])
 
 
 async def _idle(nc) -> bool:  # type: ignore[no-untyped-def]

@@ -46,6 +46,11 @@ _SUBJECT_RE = re.compile(r"^[^.\s*>]+(\.[^.\s*>]+)*$")
 _RESERVED_REPLY_PREFIXES = ("rlt.", "$", "_RLT_INBOX")
 # the JSON a finished event spends per generated token, on average (id, depth, text)
 _FINISHED_BYTES_PER_TOKEN = 16
+# the JSON the first token event spends per prompt token on prompt_logprobs, and per
+# alternative of each (ids, values, texts; measured about 86 and 63, with room for longer
+# token texts)
+_PROMPT_LOGPROB_BYTES = 100
+_PROMPT_ALTERNATIVE_BYTES = 80
 _GENERATE_DECODER = msgspec.json.Decoder(GenerateRequest)
 _ABORT_DECODER = msgspec.json.Decoder(AbortRequest)
 _ANY_DECODER = msgspec.json.Decoder()
@@ -195,7 +200,7 @@ class AdmissionCore:
                 # through another admission, samples exactly the same tokens
                 params = msgspec.structs.replace(params, seed=seed_from_request_id(request_id))
             assert params.max_tokens is not None
-            self._check_fits(len(prompt), params.max_tokens)
+            self._check_fits(len(prompt), params.max_tokens, params.prompt_logprobs)
             _check_encodable(params)
         except RequestError as exc:
             raise AdmissionError(request_id, exc.code, exc.message) from None
@@ -361,7 +366,9 @@ class AdmissionCore:
         if num_chars > max_chars:
             raise RequestError(f"prompt is too long ({num_chars} characters, limit {max_chars})")
 
-    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
+    def _check_fits(
+        self, num_prompt: int, max_tokens: int, prompt_logprobs: int | None = None
+    ) -> None:
         cfg = self.config
         kv = None
         if cfg.num_blocks is not None:
@@ -380,6 +387,18 @@ class AdmissionCore:
                     f"max_tokens {max_tokens} would make a finished event (~{finished_bytes} "
                     f"bytes) over the bus's max_payload of {cfg.max_payload} bytes"
                 )
+            if prompt_logprobs is not None:
+                # they travel in one event, the first token's
+                per_token = _PROMPT_LOGPROB_BYTES + _PROMPT_ALTERNATIVE_BYTES * prompt_logprobs
+                first_bytes = 1024 + per_token * num_prompt
+                if first_bytes > cfg.max_payload:
+                    raise RequestError(
+                        f"prompt_logprobs={prompt_logprobs} for a prompt of {num_prompt} tokens "
+                        f"would make the first token event ~{first_bytes} bytes, over the "
+                        f"bus's max_payload of {cfg.max_payload} bytes: ask fewer "
+                        f"alternatives (each costs ~{_PROMPT_ALTERNATIVE_BYTES} bytes a prompt "
+                        "token), a shorter prompt, or raise max_payload"
+                    )
 
 
 def clean_trace_id(value: str | None) -> str | None:

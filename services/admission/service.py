@@ -93,6 +93,7 @@ from services.runtime.bus import (
     decode_msgpack,
     encode_json,
     encode_msgpack,
+    fits,
     is_no_responders,
 )
 from services.runtime.logging import log_content_enabled, request_fields
@@ -434,7 +435,9 @@ class AdmissionService(Service):
         hashes: list[int] = []
         overlaps: dict[str, int] | None = None
         caching = any(s.prefix_caching for s in candidates)
-        if self.router.uses_overlap and caching and len(open_loads) > 1:
+        # a request scoring its prompt computes all of it: no shard's cache helps it
+        scores_prompt = prepared.params.prompt_logprobs is not None
+        if self.router.uses_overlap and caching and len(open_loads) > 1 and not scores_prompt:
             bs = self.shards.block_size
             hashes = prompt_block_hashes(prompt, bs)[: cacheable_prefix_blocks(len(prompt), bs)]
             if hashes:
@@ -590,6 +593,14 @@ class AdmissionService(Service):
                 return
             self.open.close(entry.seq)
         data = encode_json(_for_client(event))
+        if not fits(self.nc, len(data)):  # the scheduler and prepare() are meant to prevent it
+            self.open.close(entry.seq)
+            message = (
+                f"the {type(event).__name__} of {len(data)} bytes exceeds the NATS "
+                f"max_payload of {self.nc.max_payload} bytes"
+            )
+            await self._abort_and_end(entry, message, ErrorCode.INTERNAL)
+            return
         reply = ""
         if isinstance(event, TokenEvent):
             # nats-server answers this with "no responders" once the client is gone

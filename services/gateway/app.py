@@ -31,12 +31,14 @@ from starlette.types import Receive, Scope, Send
 
 from messages.api import ErrorEvent, GenerateRequest, StreamEvent
 from messages.errors import ErrorCode
+from services.common.tokenizer import TextCodec
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
     MAX_BODY_BYTES,
     ApiError,
     ChatRequest,
     CompletionRequest,
+    Options,
     error_body,
     models_body,
     options,
@@ -65,6 +67,7 @@ class Backend(Protocol):
     model_name: str
     created: int
     max_model_len: int
+    codec: TextCodec | None  # the checkpoint's tokenizer: only to echo token-id prompts
     draining: bool
     request_timeout_s: float
     metrics: GatewayMetrics
@@ -171,10 +174,11 @@ async def _generate(backend: Backend, request: Request, *, chat: bool) -> Respon
             )
         if backend.draining:
             raise ApiError("the gateway is shutting down", ErrorCode.UNAVAILABLE)
+        opts = options(req, backend.codec.decode if backend.codec else None)
     except ApiError as exc:
         backend.metrics.http_requests.labels(route, str(exc.status)).inc()
         return _json(exc.body(), exc.status, exc.headers())
-    call = _Call(backend, req, chat, route, started, request.headers.get(TRACEPARENT))
+    call = _Call(backend, req, opts, chat, route, started, request.headers.get(TRACEPARENT))
     return await call.run(request.receive)
 
 
@@ -185,6 +189,7 @@ class _Call:
         self,
         backend: Backend,
         req: CompletionRequest | ChatRequest,
+        opts: Options,
         chat: bool,
         route: str,
         started: float,
@@ -194,7 +199,7 @@ class _Call:
         self.chat = chat
         self.route = route
         self.started = started
-        self.options = options(req)
+        self.options = opts
         self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.generate = to_generate(req, self.request_id)
         self.created = int(time.time())

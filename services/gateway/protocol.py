@@ -19,6 +19,7 @@ and vLLM's ``prompt_logprobs`` comes back in vLLM's shape (``vllm_prompt_logprob
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +137,7 @@ class CompletionRequest(_Common, kw_only=True):
 
 class ChatRequest(_Common, kw_only=True):
     messages: list[dict[str, Any]] | None = None
+    echo: bool | None = None  # vLLM's (echo the last message): not supported
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -165,9 +167,8 @@ class Options:
     # the alternatives each token comes with (0: its own log-probability only); None: no
     # log-probabilities
     logprobs: int | None = None
-    # completions' echo: the answer starts with the prompt (its own text when the request
-    # gave text, else the engine's decoding of its token ids)
-    echo: bool = False
+    # completions' echo: the answer starts with this, the prompt's text (the request's own,
+    # or its token ids decoded by the checkpoint's tokenizer); None: no echo
     echo_text: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt's, in vLLM's shape
 
@@ -184,6 +185,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
 def parse_chat(body: bytes) -> ChatRequest:
     req = _decode(_CHAT_DECODER, body)
     _check_common(req)
+    _refuse_if(req.echo, "echo")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
     _check_logprobs(req.top_logprobs, "top_logprobs")
@@ -201,8 +203,22 @@ def parse_chat(body: bytes) -> ChatRequest:
     return req
 
 
-def options(req: CompletionRequest | ChatRequest) -> Options:
-    echo = isinstance(req, CompletionRequest) and bool(req.echo)
+def options(
+    req: CompletionRequest | ChatRequest, decode: Callable[[list[int]], str] | None = None
+) -> Options:
+    """What the gateway does with ``req``; ``decode`` (the checkpoint's tokenizer) gives an
+    echo of token ids its text."""
+    echo_text = None
+    if isinstance(req, CompletionRequest) and req.echo:
+        prompt = _prompt_fields(req.prompt)
+        if "prompt" in prompt:
+            echo_text = prompt["prompt"]
+        elif decode is not None:
+            echo_text = decode(prompt["prompt_token_ids"])
+        else:
+            raise ApiError(
+                "echo of a token-id prompt needs a checkpoint with a tokenizer", param="echo"
+            )
     stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return Options(
         stream=bool(req.stream),
@@ -211,18 +227,17 @@ def options(req: CompletionRequest | ChatRequest) -> Options:
         include_stop_str=bool(req.include_stop_str_in_output),
         return_token_ids=bool(req.return_token_ids),
         logprobs=_logprobs(req),
-        echo=echo,
-        echo_text=req.prompt if echo and isinstance(req.prompt, str) else None,
+        echo_text=echo_text,
         prompt_logprobs=req.prompt_logprobs,
     )
 
 
 def _prompt_logprobs(req: CompletionRequest | ChatRequest) -> int | None:
     """What the engine computes for the prompt: vLLM's ``prompt_logprobs``, and for an echo
-    the prompt's text (which comes with them) and, with ``logprobs``, as many alternatives."""
+    with ``logprobs`` as many alternatives (an echo without them costs the engine nothing)."""
     wanted = [req.prompt_logprobs]
     if isinstance(req, CompletionRequest) and req.echo:
-        wanted.append(req.logprobs or 0)
+        wanted.append(req.logprobs)
     asked = [n for n in wanted if n is not None]
     return max(asked) if asked else None
 
@@ -477,7 +492,9 @@ def chat_body(
     usage: Usage,
     extra: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
+    top: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``top``: fields of the response itself (vLLM's chat ``prompt_logprobs``)."""
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": text},
@@ -492,6 +509,7 @@ def chat_body(
         "model": model,
         "choices": [choice],
         "usage": usage.body(),
+        **(top or {}),
     }
 
 

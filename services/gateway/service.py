@@ -33,6 +33,7 @@ from nats.aio.msg import Msg
 from messages.api import AbortRequest, ErrorEvent, GenerateRequest, StreamEvent
 from messages.errors import ErrorCode
 from services.common.checkpoint import load_model_limits
+from services.common.tokenizer import TextCodec
 from services.gateway.app import build_app
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.process import bind_http, model_name_for
@@ -179,6 +180,7 @@ class GatewayService(Service):
         self.request_timeout_s = request_timeout_s
         self.created = int(time.time())
         self.max_model_len = 0
+        self.codec: TextCodec | None = None
         self.tracer = Tracer(self.name)
         self.metrics = GatewayMetrics(
             self.model_name, stale_after_s=max(15.0, 10 * metrics_interval_s())
@@ -193,6 +195,7 @@ class GatewayService(Service):
     # ------------------------------------------------------------------ lifecycle
     async def setup(self) -> None:
         self.max_model_len = load_model_limits(self.checkpoint).max_position_embeddings
+        self.codec = await asyncio.to_thread(TextCodec.from_checkpoint, self.checkpoint)
         if self.listen_fd is not None:
             self._socket = socket.socket(fileno=self.listen_fd)
             self._socket.setblocking(False)

@@ -131,7 +131,7 @@ class Answer:
         if opts.prompt_logprobs is not None:
             trimmed = [_top_only(e, opts.prompt_logprobs) for e in entries]
             self.prompt_logprobs = delta.prompt_logprobs = vllm_prompt_logprobs(trimmed)
-        if not opts.echo:
+        if opts.echo_text is None:
             return ""
         if opts.logprobs is not None:
             for entry in entries:
@@ -141,29 +141,27 @@ class Answer:
                 delta.offsets.append(offset)
                 self.logprobs.append(entry)
                 self.offsets.append(offset)
-        return opts.echo_text if opts.echo_text is not None else (event.prompt_text or "")
+        return opts.echo_text
 
-    def choice_extra(self) -> dict[str, Any]:
+    def choice_extra(self, chat: bool = False) -> dict[str, Any]:
         extra: dict[str, Any] = {}
-        if self.options.prompt_logprobs is not None:
-            extra["prompt_logprobs"] = self.prompt_logprobs
+        if self.options.prompt_logprobs is not None and not chat:
+            extra["prompt_logprobs"] = self.prompt_logprobs  # vLLM: in a completion's choice
         if self.options.return_token_ids:
             extra.update(token_ids=self.token_ids, exit_depths=self.exit_depths)
         return extra
 
     def body(self, chat: bool, model: str, created: int) -> dict[str, Any]:
         """The non-streaming response."""
-        build = chat_body if chat else completion_body
-        return build(
-            self.request_id,
-            model,
-            created,
-            self.text,
-            self.finish_reason,
-            self.usage(),
-            self.choice_extra(),
-            logprobs_body(chat, self.options, self.logprobs, self.offsets),
-        )
+        logprobs = logprobs_body(chat, self.options, self.logprobs, self.offsets)
+        parts = (self.request_id, model, created, self.text, self.finish_reason, self.usage())
+        if not chat:
+            return completion_body(*parts, self.choice_extra(), logprobs)
+        # vLLM puts a chat's prompt_logprobs in the response, not in its choice
+        top = {}
+        if self.options.prompt_logprobs is not None:
+            top["prompt_logprobs"] = self.prompt_logprobs
+        return chat_body(*parts, self.choice_extra(chat=True), logprobs, top)
 
 
 def _top_only(entry: TokenLogprobs, n: int) -> TokenLogprobs:
@@ -255,12 +253,13 @@ class SseEncoder:
             )
             self._logprobs, self._offsets = [], []
         choice["finish_reason"] = finish_reason
-        if self._prompt_logprobs is not None:  # vLLM sends them with the first frame
-            choice["prompt_logprobs"], self._prompt_logprobs = self._prompt_logprobs, None
+        chunk: dict[str, Any] = {**self._head, "choices": [choice]}
+        if self._prompt_logprobs is not None:  # with the first frame: a chat's in the chunk
+            (chunk if self.chat else choice)["prompt_logprobs"] = self._prompt_logprobs
+            self._prompt_logprobs = None
         if self.options.return_token_ids:
             choice["token_ids"], self._ids = self._ids, []
             choice["exit_depths"], self._depths = self._depths, []
-        chunk: dict[str, Any] = {**self._head, "choices": [choice]}
         if self.options.include_usage:
             chunk["usage"] = None  # only the last chunk carries usage (OpenAI's rule)
         return _sse(chunk)

@@ -26,7 +26,7 @@ class OutputProcessor:
     def process(self, events: list[StreamEvent]) -> list[StreamEvent]:
         if self.codec is None:
             for event in events:
-                if isinstance(event, TokenEvent):
+                if isinstance(event, TokenEvent) and (event.logprobs or event.prompt_logprobs):
                     self._name_tokens(event)
             return events
         last_token: dict[str, TokenEvent] = {}
@@ -38,7 +38,8 @@ class OutputProcessor:
                     detok = self._detoks[rid] = IncrementalDetokenizer(self.codec)
                 event.text = detok.push(event.token_id)
                 last_token[rid] = event
-                self._name_tokens(event)
+                if event.logprobs is not None or event.prompt_logprobs is not None:
+                    self._name_tokens(event)
             elif isinstance(event, FinishedEvent):
                 detok = self._detoks.pop(rid, None)
                 if detok is None:
@@ -54,10 +55,6 @@ class OutputProcessor:
     def _name_tokens(self, event: TokenEvent) -> None:
         """The names of the tokens in the event's log-probabilities, if it has any."""
         entries = event.prompt_logprobs or []
-        if entries and self.codec is not None:
-            event.prompt_text = self.codec.decode([e.token_id for e in entries])
-        elif entries:
-            event.prompt_text = ""
         if event.logprobs is not None:
             entries = [*entries, event.logprobs]
         for entry in entries:

@@ -35,10 +35,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_exit_depths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    # asked for prompt logprobs and not sent yet: one entry per prompt token, filled in by
+    # asked for prompt logprobs and not sent yet: one slot per prompt token, filled in by
     # position as final-depth prefill rows come back (sent with the first token). While
     # set, the request claims no cached prefix: every prompt position must be computed
-    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     # prefill (split / wavefront): prelude frontier and one [origin, right_d) per depth
     prefill_window_origin: int = 0

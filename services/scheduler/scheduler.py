@@ -187,10 +187,7 @@ class Scheduler:
                 request.prompt_token_ids, self.config.block_size, self.cache_salt
             )
         if resolved.prompt_logprobs is not None and not known_ids:
-            # the first prompt token has no prediction: None, as vLLM's first entry
-            request.prompt_logprobs = [
-                TokenLogprobs(token_id=t, logprob=None) for t in request.prompt_token_ids
-            ]
+            request.prompt_logprobs = [None] * request.num_prompt_tokens
         self._arrivals += 1
         self.requests[request_id] = request
         heapq.heappush(self._waiting, (request.priority_key, request))
@@ -383,7 +380,7 @@ class Scheduler:
         for request in itertools.chain((r for _, r in self._waiting), self._parked):
             if request.is_finished:
                 continue
-            hashes = self._claimable_hashes(request)
+            hashes = self._claimable_hashes(request)  # none if it computes its whole prompt
             covered = start = self.kv.lookup_prefix(hashes)
             if covered < len(hashes) and in_flight:
                 end, end_hash = runs.get(hashes[covered], (covered, 0))
@@ -395,7 +392,8 @@ class Scheduler:
                     runs[hashes[start]] = (covered, hashes[covered - 1])
             total += request.num_prompt_tokens - covered * bs
             if self._share_inflight:
-                in_flight.update(hashes[covered:])
+                usable = cacheable_prefix_blocks(request.num_prompt_tokens, bs)
+                in_flight.update(request.block_hashes[covered:usable])
         return total
 
     def _unallocated(self, request: Request, claimed: int = 0) -> Commitment:
@@ -1109,7 +1107,7 @@ class Scheduler:
                 exit_depth=exit_loops,
                 text="",  # filled in by the output processor
                 logprobs=None if row.logprobs is None else _token_logprobs(row, token_id),
-                prompt_logprobs=request.prompt_logprobs,
+                prompt_logprobs=_prompt_entries(request),
             )
         )
         request.prompt_logprobs = None  # sent (or never asked for)
@@ -1165,14 +1163,29 @@ def _top(ids: list[int], logprobs: list[float]) -> list[TopLogprob]:
 def _fill_prompt_logprobs(request: Request, scored: PromptLogprobs) -> None:
     """A final-depth prefill row's prompt log-probabilities, by position (a chunk computed
     again after a preemption overwrites its earlier copy); nothing once they were sent."""
-    entries = request.prompt_logprobs
-    if entries is None:
+    slots = request.prompt_logprobs
+    if slots is None:
         return
+    prompt = request.prompt_token_ids
     rows = zip(scored.logprobs, scored.top_ids, scored.top_logprobs, strict=False)
     for position, (logprob, ids, values) in enumerate(rows, start=scored.start):
-        if 0 < position < len(entries):
-            entry = entries[position]
-            entry.logprob, entry.top_logprobs = logprob, _top(ids, values)
+        if 0 < position < len(slots):
+            slots[position] = TokenLogprobs(
+                token_id=prompt[position], logprob=logprob, top_logprobs=_top(ids, values)
+            )
+
+
+def _prompt_entries(request: Request) -> list[TokenLogprobs] | None:
+    """The prompt's entries as the first token event carries them: the first token with
+    no log-probability (nothing predicts it, as in vLLM), and so any position no row
+    scored (the simulated device scores none)."""
+    slots = request.prompt_logprobs
+    if slots is None:
+        return None
+    return [
+        slot or TokenLogprobs(token_id=token, logprob=None)
+        for slot, token in zip(slots, request.prompt_token_ids, strict=True)
+    ]
 
 
 def _mixed_depths(tasks: list[ScheduledTask]) -> bool:

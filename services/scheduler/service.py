@@ -641,9 +641,10 @@ class SchedulerService(Service):
 
     def _fail_too_large(self, event: StreamEvent, size: int) -> str:
         assert self.driver is not None
+        lower = "prompt_logprobs" if isinstance(event, TokenEvent) else "max_tokens"
         message = (
             f"the {type(event).__name__} of {size} bytes exceeds the NATS max_payload of "
-            f"{self.nc.max_payload} bytes; lower max_tokens or raise max_payload"
+            f"{self.nc.max_payload} bytes; lower {lower} or raise max_payload"
         )
         self.log.error("event too large", size=size, request_id=event.request_id)
         self.driver.fail_request(event.request_id, ErrorCode.INTERNAL, message)
@@ -669,6 +670,7 @@ class SchedulerService(Service):
                 RelayBatch(shard_id=self.shard_id, scheduler_id=self.instance_id, events=part)
             )
 
+        items = [self._fits_client(item) for item in items]
         data = encode(items)
         if fits(self.nc, len(data)):
             return [data]
@@ -681,6 +683,18 @@ class SchedulerService(Service):
             return []  # a resync too big to send: the stream goes on without it
         data = encode([RelayedEvent(seq=item.seq, event=self._too_large_event(event, len(data)))])
         return [data]
+
+    def _fits_client(self, item: RelayedEvent) -> RelayedEvent:
+        """Admission sends each event on as JSON, larger than here: a first token event with
+        the prompt's log-probabilities (the one event that size can surprise) is measured
+        as the client will get it."""
+        event = item.event
+        if not isinstance(event, TokenEvent) or event.prompt_logprobs is None:
+            return item
+        size = len(encode_json(event))
+        if fits(self.nc, size):
+            return item
+        return RelayedEvent(seq=item.seq, event=self._too_large_event(event, size))
 
     def _too_large_event(self, event: StreamEvent, size: int) -> StreamEvent:
         message = self._fail_too_large(event, size)
