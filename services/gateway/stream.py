@@ -110,12 +110,7 @@ class Answer:
             entry = event.logprobs or TokenLogprobs(
                 token_id=event.token_id, logprob=None, token=event.text
             )
-            # as vLLM counts it: where the token starts in the concatenation of the tokens'
-            # own texts (a token whose bytes end mid-character has no place in the text)
-            offset = self.offsets[-1] + len(self.logprobs[-1].token) if self.offsets else 0
-            delta.logprobs, delta.offsets = [entry], [offset]
-            self.logprobs.append(entry)
-            self.offsets.append(offset)
+            self._add_logprobs(entry, delta)
         delta.text = echoed + self._stops.push(event.text)  # stops never match the prompt
         self.text += delta.text
         if self._stops.matched is not None:
@@ -135,13 +130,18 @@ class Answer:
             return ""
         if opts.logprobs is not None:
             for entry in entries:
-                offset = self.offsets[-1] + len(self.logprobs[-1].token) if self.offsets else 0
-                entry = _top_only(entry, opts.logprobs)
-                delta.logprobs.append(entry)
-                delta.offsets.append(offset)
-                self.logprobs.append(entry)
-                self.offsets.append(offset)
+                self._add_logprobs(_top_only(entry, opts.logprobs), delta)
         return opts.echo_text
+
+    def _add_logprobs(self, entry: TokenLogprobs, delta: Delta) -> None:
+        """One token's entry, with its text offset as vLLM counts it: where the token starts
+        in the tokens' own texts joined (a token whose bytes end mid-character has no place
+        in the answer's text)."""
+        offset = self.offsets[-1] + len(self.logprobs[-1].token) if self.offsets else 0
+        delta.logprobs.append(entry)
+        delta.offsets.append(offset)
+        self.logprobs.append(entry)
+        self.offsets.append(offset)
 
     def choice_extra(self, chat: bool = False) -> dict[str, Any]:
         extra: dict[str, Any] = {}
