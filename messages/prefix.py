@@ -179,4 +179,6 @@ class PrefixIndexSnapshot(msgspec.Struct, kw_only=True):
     version: int = 1
     stream_seq: int = 0
     producers: list[ProducerSnapshot] = msgspec.field(default_factory=list)
+    # producers dropped as gone -> their epoch then (what is left of it stays ignored)
+    dropped: dict[str, str] = msgspec.field(default_factory=dict)
     written_at: float = 0.0  # unix seconds

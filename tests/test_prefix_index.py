@@ -238,6 +238,38 @@ def test_lookup_picks_longest_single_producer_run_then_lowest_id() -> None:
     assert index.cached_blocks() == {} and index.lookup([1]).num_blocks == 0
 
 
+def test_a_dropped_producers_backlog_does_not_bring_its_blocks_back() -> None:
+    index, log = PrefixIndex(), PrefixEventLog("p", epoch="e1")
+    index.apply(_emit(log, _stored(1, 2)))
+    backlog = _emit(log, _stored(3))  # published before it died, read after the drop
+    index.drop_producer("p")
+    assert index.apply(backlog).dropped and index.cached_blocks() == {}
+    assert index.lookup([3]).num_blocks == 0
+    # ... across a snapshot too (a restarted index replays the stream after it)
+    wire = msgspec.msgpack.encode(index.to_snapshot())
+    restored = PrefixIndex.from_snapshot(msgspec.msgpack.decode(wire, type=PrefixIndexSnapshot))
+    assert restored.apply(backlog).dropped and restored.cached_blocks() == {}
+    # it comes back restarted: a new epoch applies
+    new = PrefixEventLog("p", epoch="e2")
+    assert index.apply(new.announce()).applied
+    index.apply(_emit(new, _stored(5)))
+    assert index.cached_blocks() == {"p": {5}}
+    assert index.apply(_emit(log, _stored(4))).stale_epoch  # the old epoch stays dead
+
+
+def test_a_producer_dropped_while_only_silent_is_applied_again_once_it_reports() -> None:
+    index, log = PrefixIndex(), PrefixEventLog("p", epoch="e")
+    index.apply(_emit(log, _stored(1)))
+    index.drop_producer("p")
+    assert not index.revive("q")  # never dropped: nothing to do
+    missed = _emit(log, _stored(2))
+    assert index.apply(missed).dropped
+    assert index.revive("p")  # its load reports arrive again
+    out = index.apply(_emit(log, _stored(3)))
+    # what it stored while dropped was not seen: only blocks stored after count
+    assert out.applied and out.gap and index.cached_blocks() == {"p": {3}}
+
+
 def test_snapshot_round_trip_then_the_tail_applies_on_top() -> None:
     index, log = PrefixIndex(), PrefixEventLog("p", epoch="e")
     index.apply(_emit(log, _stored(1, 2**64 - 1, 3)))

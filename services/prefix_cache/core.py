@@ -40,6 +40,7 @@ class ApplyOutcome:
     duplicate: bool = False  # applied before (a re-delivery); ignored
     stale_epoch: bool = False  # from an epoch older than the producer's current one; ignored
     new_epoch: bool = False  # the producer's old epoch was dropped
+    dropped: bool = False  # from an epoch of a producer dropped as gone; ignored
     gap: bool = False  # envelopes were missing: the producer's blocks were dropped first
 
 
@@ -58,6 +59,10 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._producers: dict[str, _Producer] = {}
         self._holders: dict[int, set[str]] = {}  # block hash -> producers caching it
+        # producers dropped as gone -> the epoch they had: the unread rest of that epoch
+        # (a backlog) must not bring their blocks back; a later epoch (a restart) or a
+        # report from them (``revive``: they were only silent) lifts it
+        self._dropped: dict[str, str] = {}
         self.stream_seq = 0  # the last stream message applied (kept by the NATS shell)
         self.num_gaps = 0
         # changes not made by a stream message (a producer dropped, everything forgotten):
@@ -69,6 +74,12 @@ class PrefixIndex:
         pid = batch.producer_id
         state = self._producers.get(pid)
         outcome = ApplyOutcome()
+        dropped = self._dropped.get(pid)
+        if dropped is not None:
+            if batch.epoch <= dropped:
+                outcome.dropped = True
+                return outcome
+            del self._dropped[pid]  # it came back as a new incarnation
         if state is None:
             state = self._producers[pid] = _Producer(epoch=batch.epoch)
         elif batch.epoch < state.epoch:
@@ -102,11 +113,21 @@ class PrefixIndex:
         self.num_local_changes += 1
 
     def drop_producer(self, producer_id: str) -> None:
-        """Forgets a producer (e.g. it went away for good)."""
+        """Forgets a producer that went away, and ignores what is left of its epoch."""
         state = self._producers.pop(producer_id, None)
         if state is not None:
             self._clear_blocks(producer_id, state)
+            self._dropped[producer_id] = state.epoch
             self.num_local_changes += 1
+
+    def revive(self, producer_id: str) -> bool:
+        """A dropped producer turned out to be alive (it reports again): its envelopes are
+        applied again (from a gap: what it stored meanwhile was not seen). True if it had
+        been dropped."""
+        if self._dropped.pop(producer_id, None) is None:
+            return False
+        self.num_local_changes += 1
+        return True
 
     def producers(self) -> list[str]:
         return list(self._producers)
@@ -177,6 +198,7 @@ class PrefixIndex:
                 )
                 for pid, st in self._producers.items()
             ],
+            dropped=dict(self._dropped),
             written_at=time.time(),
         )
 
@@ -184,6 +206,7 @@ class PrefixIndex:
     def from_snapshot(cls, snapshot: PrefixIndexSnapshot) -> PrefixIndex:
         index = cls()
         index.stream_seq = snapshot.stream_seq
+        index._dropped = dict(snapshot.dropped)
         for ps in snapshot.producers:
             blocks = _unpack(ps.blocks)
             index._producers[ps.producer_id] = _Producer(

@@ -4,7 +4,10 @@ A scheduler reports its load several times a second, naming its prefix producer.
 whose reports stop for ``lost_s`` of time the index was connected is gone: the index drops
 its blocks, so no router sends requests after a prefix no live shard holds. A producer the
 index never heard a report from is left alone (e.g. reports are not reaching this replica
-yet); a producer that comes back simply publishes again.
+yet). What is left of a dropped producer's epoch on the stream (a backlog the index had not
+read) is ignored, so it cannot bring the blocks back; a producer that comes back, restarted
+(a new epoch) or only silent for a while (it reports again), publishes again
+(``PrefixIndex.drop_producer`` / ``revive``).
 """
 
 from __future__ import annotations

@@ -143,6 +143,8 @@ class PrefixCacheService(Service):
         except msgspec.DecodeError:
             return  # admission logs bad reports; the index only needs the good ones
         self.liveness.heard(report.producer_id, time.monotonic())
+        if self.index.revive(report.producer_id):
+            self.log.info("dropped producer reports again", producer=report.producer_id)
 
     async def _drop_silent_producers(self) -> None:
         while True:
