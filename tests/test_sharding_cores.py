@@ -470,3 +470,29 @@ def test_fenced_tries_lose_their_unsent_relayed_events(
     assert {item.seq for item in items} == {3}
     indices = [item.event.index for item in items if isinstance(item.event, TokenEvent)]
     assert indices == list(range(len(indices))) and indices
+
+
+def test_a_scheduler_forgets_admissions_that_stopped_submitting(toy_checkpoint: Path) -> None:
+    """Its load reports name each admission's newest submission; admission instances come
+    and go (restarts), so one silent for ADMISSION_FORGET_S leaves the reports."""
+    import msgspec
+
+    from services.common.checkpoint import load_model_limits
+    from services.scheduler.driver import ADMISSION_FORGET_S, SchedulerDriver
+
+    driver = SchedulerDriver(SchedulerConfig(), load_model_limits(toy_checkpoint))
+    params = msgspec.structs.replace(SamplingParams(max_tokens=2), seed=1)
+    for i, admission in enumerate(["old", "new"]):
+        driver.add(
+            AdmittedRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=[1, 2, 3],
+                params=params,
+                reply_subject=f"_INBOX.{i}",
+                admission_id=admission,
+                admission_seq=7 + i,
+            )
+        )
+    assert driver.load().last_admission_seq == {"old": 7, "new": 8}
+    driver._admission_heard["old"] -= ADMISSION_FORGET_S + 1  # silent since
+    assert driver.load().last_admission_seq == {"new": 8}

@@ -42,6 +42,9 @@ StreamKey = tuple[str, int]
 Notice = tuple[str, RequestNotice]  # (admission tracking subject, notice)
 # recent batch round trips (submit -> result) weigh this much in the load report's step time
 _STEP_TIME_WEIGHT = 0.2
+# an admission instance silent this long is dropped from the load reports (admission's own
+# record of unconfirmed submissions expires after 10 s: unseen_expiry_s)
+ADMISSION_FORGET_S = 600.0
 
 
 @dataclass
@@ -88,7 +91,11 @@ class SchedulerDriver:
         self.producer_id = producer_id or instance
         self.log = log or get_logger("scheduler")
         self.draining = False
+        # per admission instance, the newest admission seq it submitted here (reported, so
+        # it knows what arrived), and when: an admission that sent nothing for
+        # ADMISSION_FORGET_S is forgotten (restarts make new ones; reports must not grow)
         self.last_admission_seq: dict[str, int] = {}
+        self._admission_heard: dict[str, float] = {}
         self.notices: list[Notice] = []
         # relay subject -> events for that admission, in the order they happened
         self.relayed: dict[str, list[RelayedEvent]] = {}
@@ -191,6 +198,7 @@ class SchedulerDriver:
         if req.admission_id:
             seen = self.last_admission_seq.get(req.admission_id, 0)
             self.last_admission_seq[req.admission_id] = max(seen, req.admission_seq)
+            self._admission_heard[req.admission_id] = time.monotonic()
         fields = request_fields(req.request_id, req.trace_id)
         if req.shard_id and req.shard_id != self.shard_id:
             self.log.warning("request for another shard refused", shard=req.shard_id, **fields)
@@ -514,8 +522,17 @@ class SchedulerDriver:
     def oldest_inflight_age(self, now: float) -> float:
         return self.executor.age_of(self.core.oldest_inflight_seq(), now)
 
+    def forget_idle_admissions(self, now: float) -> None:
+        """Admission instances that submitted nothing for ``ADMISSION_FORGET_S``: gone, or
+        idle (their own record of what is unconfirmed expires well before)."""
+        idle = [a for a, at in self._admission_heard.items() if now - at > ADMISSION_FORGET_S]
+        for admission in idle:
+            del self._admission_heard[admission]
+            self.last_admission_seq.pop(admission, None)
+
     def load(self) -> SchedulerLoad:
         s = self.scheduler
+        self.forget_idle_admissions(time.monotonic())
         waiting = [r for r in s.requests.values() if r.phase == Phase.WAITING]
         self._report_seq += 1
         kv = s.kv
