@@ -448,8 +448,8 @@ class ModelRunner:
 
     def _prompt_logprobs(self, prompt_rows: list[tuple[_RowState, torch.Tensor]]) -> None:
         """Prefill rows at their final depth, for requests that asked for prompt logprobs:
-        position p's logits score prompt token p + 1. One coda and one log-softmax over all
-        their positions, one copy to the host."""
+        position p's logits score prompt token p + 1. A coda, a log-softmax and a copy to
+        the host per ``_PROMPT_SLICE`` of their positions."""
         hidden: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
         spans: list[tuple[_RowState, int, int, int]] = []  # row, first scored, count, top
