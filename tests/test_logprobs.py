@@ -16,7 +16,7 @@ from messages.api import FinishedEvent, TokenEvent
 from messages.batch import RowResult, WorkerSampling
 from messages.errors import RequestError
 from messages.sampling import MAX_LOGPROBS, SamplingParams
-from services.common.config import ModelLimits, SchedulerConfig
+from services.common.config import KVLayout, ModelLimits, SchedulerConfig
 from services.common.sampling import sample_token
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
@@ -71,6 +71,7 @@ CONFIGS = {
     # KV for one request and a half: preempted ones recompute their tokens, whose
     # log-probabilities must be neither sent again nor lost
     "preempted": dict(prefill_chunk_size=2, async_scheduling=True, num_blocks=24),
+    "shared": dict(prefill_chunk_size=3, kv_layout=KVLayout.SHARED),
 }
 
 
@@ -94,7 +95,10 @@ def test_logprobs_equal_the_oracle_beside_requests_without_them(
         },
     )
     assert (engine.scheduler.stats.num_preemptions > 0) == (mode == "preempted")
-    greedy = oracle.generate(PROMPT[:5], max_tokens=10, min_loops=1, exit_threshold=0.6)
+    policy = dict(max_tokens=10, min_loops=1, exit_threshold=0.6, ignore_eos=True)
+    if mode == "shared":  # the oracle computes the same prompt chunks
+        policy.update(kv_layout="shared", prefill_chunk_size=config.prefill_chunk_size)
+    greedy = oracle.generate(PROMPT[:5], **policy)
     _assert_equals_oracle(tokens["greedy5"], greedy, 5)
     # greedy: the token is the most likely one
     assert all(e.logprobs.top_logprobs[0].token_id == e.token_id for e in tokens["greedy5"])
@@ -105,18 +109,16 @@ def test_logprobs_equal_the_oracle_beside_requests_without_them(
     # the token is the seeded sampler's, as without logprobs
     want = oracle.generate(
         PROMPT[:7],
-        max_tokens=10,
-        min_loops=1,
-        exit_threshold=0.6,
+        **policy,
         sampler=lambda logits, i: sample_token(
             logits, temperature=0.8, top_k=40, top_p=0.95, seed=7, output_index=i
         ),
     )
     _assert_equals_oracle(tokens["sampled3"], want, 3)
 
-    own = oracle.generate(PROMPT[:8], max_tokens=10, min_loops=1, exit_threshold=0.6)
+    own = oracle.generate(PROMPT[:8], **policy)
     _assert_equals_oracle(tokens["own_only"], own, 0)
-    most = oracle.generate(PROMPT[:9], max_tokens=10, min_loops=1, exit_threshold=0.6)
+    most = oracle.generate(PROMPT[:9], **policy)
     _assert_equals_oracle(tokens["most"], most, MAX_LOGPROBS)
 
 
@@ -208,10 +210,12 @@ def test_logprobs_in_range_are_accepted() -> None:
         SamplingParams(logprobs=value).validate()
 
 
-def _prompt_reference(oracle, prompt: list[int], top: int) -> list[tuple[float, list[int]]]:
+def _prompt_reference(
+    oracle, prompt: list[int], top: int, **layout: object
+) -> list[tuple[float, list[int]]]:
     """(log-probability of prompt token p, the ``top`` best ids) for p >= 1, from the
-    oracle's full-depth logits of position p - 1."""
-    logprobs = torch.log_softmax(oracle.prompt_logits(prompt), dim=-1)
+    oracle's full-depth logits of position p - 1 (``layout``: its KV layout and chunks)."""
+    logprobs = torch.log_softmax(oracle.prompt_logits(prompt, **layout), dim=-1)
     out = []
     for p in range(1, len(prompt)):
         best = torch.topk(logprobs[p - 1], top).indices.tolist() if top else []
@@ -219,13 +223,15 @@ def _prompt_reference(oracle, prompt: list[int], top: int) -> list[tuple[float, 
     return out
 
 
-def _check_prompt_logprobs(event: TokenEvent, oracle, prompt: list[int], top: int) -> None:
+def _check_prompt_logprobs(
+    event: TokenEvent, oracle, prompt: list[int], top: int, **layout: object
+) -> None:
     entries = event.prompt_logprobs
     assert entries is not None and event.index == 0
     assert [e.token_id for e in entries] == prompt
     assert entries[0].logprob is None and entries[0].top_logprobs == []  # nothing predicts it
     for entry, (want, best) in zip(
-        entries[1:], _prompt_reference(oracle, prompt, top), strict=True
+        entries[1:], _prompt_reference(oracle, prompt, top, **layout), strict=True
     ):
         assert entry.logprob == pytest.approx(want, abs=TOL)
         assert [t.token_id for t in entry.top_logprobs] == best
@@ -240,6 +246,9 @@ PROMPT_CONFIGS = {
         async_scheduling=True,
     ),
     "prefix_cached": dict(prefill_chunk_size=4, enable_prefix_caching=True),
+    # SHARED: a chunk's later positions see its earlier ones at the depth they reached, so
+    # the result depends on where chunks end; the oracle is told the same chunks
+    "shared": dict(prefill_chunk_size=3, kv_layout=KVLayout.SHARED),
 }
 
 
@@ -263,13 +272,16 @@ def test_prompt_logprobs_equal_the_oracles_prompt_logits(toy_model, oracle, mode
         engine.add_request(rid, prompt, params)
     events = [e for e in engine.run_until_done() if isinstance(e, TokenEvent)]
     first = {e.request_id: e for e in events if e.index == 0}
-    _check_prompt_logprobs(first["prompt3"], oracle, long_prompt, 3)
-    _check_prompt_logprobs(first["prompt0"], oracle, long_prompt[:9], 0)
+    layout = {}
+    if mode == "shared":
+        layout = {"kv_layout": "shared", "prefill_chunk_size": config.prefill_chunk_size}
+    _check_prompt_logprobs(first["prompt3"], oracle, long_prompt, 3, **layout)
+    _check_prompt_logprobs(first["prompt0"], oracle, long_prompt[:9], 0, **layout)
     # only the first token carries them, and only for the requests that asked
     assert all(e.prompt_logprobs is None for e in events if e not in first.values())
     assert first["plain"].prompt_logprobs is None and first["other"].prompt_logprobs is None
     # the generated tokens are the oracle's, as without them
-    want = oracle.generate(long_prompt, max_tokens=6, ignore_eos=True)
+    want = oracle.generate(long_prompt, max_tokens=6, ignore_eos=True, **layout)
     assert [e.token_id for e in events if e.request_id == "prompt3"] == want.token_ids
     assert not engine.scheduler.requests  # every request ended
 
