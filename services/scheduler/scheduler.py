@@ -380,7 +380,9 @@ class Scheduler:
         for request in itertools.chain((r for _, r in self._waiting), self._parked):
             if request.is_finished:
                 continue
-            hashes = self._claimable_hashes(request)  # none if it computes its whole prompt
+            usable = self._usable_hashes(request)
+            # none if it computes its whole prompt (it still writes them for the others)
+            hashes = usable if request.prompt_logprobs is None else []
             covered = start = self.kv.lookup_prefix(hashes)
             if covered < len(hashes) and in_flight:
                 end, end_hash = runs.get(hashes[covered], (covered, 0))
@@ -392,8 +394,7 @@ class Scheduler:
                     runs[hashes[start]] = (covered, hashes[covered - 1])
             total += request.num_prompt_tokens - covered * bs
             if self._share_inflight:
-                usable = cacheable_prefix_blocks(request.num_prompt_tokens, bs)
-                in_flight.update(request.block_hashes[covered:usable])
+                in_flight.update(usable[covered:])
         return total
 
     def _unallocated(self, request: Request, claimed: int = 0) -> Commitment:
@@ -452,13 +453,15 @@ class Scheduler:
                 return True
         return False
 
-    def _claimable_hashes(self, request: Request) -> list[int]:
-        """The prompt blocks a cache hit may cover (never the last prompt token); none while
-        the request waits for its prompt logprobs: those need every position computed."""
-        if request.prompt_logprobs is not None:
-            return []
+    def _usable_hashes(self, request: Request) -> list[int]:
+        """The prompt blocks a cache hit could cover (never the last prompt token)."""
         usable = cacheable_prefix_blocks(request.num_prompt_tokens, self.config.block_size)
         return request.block_hashes[:usable]
+
+    def _claimable_hashes(self, request: Request) -> list[int]:
+        """Those the request may claim: none while it waits for its prompt logprobs, which
+        need every position computed."""
+        return [] if request.prompt_logprobs is not None else self._usable_hashes(request)
 
     def _claim_cached_prefix(self, request: Request) -> int:
         """Attaches the longest cached prefix (never the last prompt token) and returns the
@@ -1096,6 +1099,9 @@ class Scheduler:
         self, request: Request, row: RowResult, exit_loops: int, events: list[StreamEvent]
     ) -> None:
         token_id = row.token_id
+        prompt = None
+        if request.prompt_logprobs is not None:  # asked for: they go with the first token
+            prompt, request.prompt_logprobs = _prompt_entries(request), None
         request.output_token_ids.append(token_id)
         # the public API names this loop count "exit_depth" (docs/ARCHITECTURE.md)
         request.output_exit_depths.append(exit_loops)
@@ -1107,10 +1113,9 @@ class Scheduler:
                 exit_depth=exit_loops,
                 text="",  # filled in by the output processor
                 logprobs=None if row.logprobs is None else _token_logprobs(row, token_id),
-                prompt_logprobs=_prompt_entries(request),
+                prompt_logprobs=prompt,
             )
         )
-        request.prompt_logprobs = None  # sent (or never asked for)
         params = request.params
         if token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in self.limits.eos_token_ids
@@ -1175,13 +1180,12 @@ def _fill_prompt_logprobs(request: Request, scored: PromptLogprobs) -> None:
             )
 
 
-def _prompt_entries(request: Request) -> list[TokenLogprobs] | None:
+def _prompt_entries(request: Request) -> list[TokenLogprobs]:
     """The prompt's entries as the first token event carries them: the first token with
     no log-probability (nothing predicts it, as in vLLM), and so any position no row
     scored (the simulated device scores none)."""
     slots = request.prompt_logprobs
-    if slots is None:
-        return None
+    assert slots is not None
     return [
         slot or TokenLogprobs(token_id=token, logprob=None)
         for slot, token in zip(slots, request.prompt_token_ids, strict=True)

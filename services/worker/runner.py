@@ -466,21 +466,20 @@ class ModelRunner:
             return
         hidden_rows, ids = torch.cat(hidden), torch.cat(targets)
         top = max(n for *_, n in spans)
-        host: list[list[float]] = []
+        table: list[_Scored] = []
         # in slices: a [positions, vocab] float32 table of a whole batch could be large
         for lo in range(0, ids.numel(), _PROMPT_SLICE):
             logits = self.model.coda(hidden_rows[lo : lo + _PROMPT_SLICE])
-            host += _logprob_table(logits, ids[lo : lo + _PROMPT_SLICE], top)
-        k = len(host[0]) // 2  # columns: the token's, then k values, then k ids
+            table += _logprob_table(logits, ids[lo : lo + _PROMPT_SLICE], top)
         row = 0
         for state, start, count, n in spans:
-            rows = host[row : row + count]
+            rows = table[row : row + count]
             row += count
             state.result.prompt_logprobs = PromptLogprobs(
                 start=start,
-                logprobs=[r[0] for r in rows],
-                top_ids=[[int(t) for t in r[1 + k : 1 + k + n]] for r in rows],
-                top_logprobs=[r[1 : 1 + n] for r in rows],
+                logprobs=[chosen for chosen, _, _ in rows],
+                top_ids=[top_ids[:n] for _, top_ids, _ in rows],
+                top_logprobs=[values[:n] for _, _, values in rows],
             )
 
     def _sample(
@@ -534,30 +533,32 @@ def _attach_logprobs(
         return
     index = torch.tensor(rows, device=logits.device)
     chosen = torch.tensor([tokens[i] for i in rows], device=logits.device)
-    host = _logprob_table(
+    table = _logprob_table(
         logits.index_select(0, index), chosen, max(samplings[i].logprobs for i in rows)
     )
-    k = len(host[0]) // 2
-    for row, i in zip(host, rows, strict=True):
+    for (logprob, top_ids, values), i in zip(table, rows, strict=True):
         n = samplings[i].logprobs
         results[i].logprobs = SampledLogprobs(
-            logprob=row[0],
-            top_ids=[int(t) for t in row[1 + k : 1 + k + n]],
-            top_logprobs=row[1 : 1 + n],
+            logprob=logprob, top_ids=top_ids[:n], top_logprobs=values[:n]
         )
 
 
-def _logprob_table(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> list[list[float]]:
-    """Per row of ``logits``: the log-probability of its ``chosen`` token, then the ``top``
-    best log-probabilities, then their ids (as floats: one copy brings it all to the host).
-    One batched log-softmax over the raw logits (before temperature and top-k/top-p, as
-    vLLM reports by default); values are floored at ``LOGPROB_FLOOR`` (as vLLM does): JSON
-    has no -inf or NaN, and a row with an infinite logit has no finite distribution."""
+# per row: the chosen token's log-probability, the best ids and their log-probabilities
+_Scored = tuple[float, list[int], list[float]]
+
+
+def _logprob_table(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> list[_Scored]:
+    """Per row of ``logits``: the log-probability of its ``chosen`` token and the ``top``
+    best tokens', from one batched log-softmax over the raw logits (before temperature and
+    top-k/top-p, as vLLM reports by default) and one copy to the host (ids ride as float64,
+    exact below 2**53). Values are floored at ``LOGPROB_FLOOR`` (as vLLM does): JSON has no
+    -inf or NaN, and a row with an infinite logit has no finite distribution."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     logprobs = torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, posinf=0.0).clamp_(min=LOGPROB_FLOOR)
     columns = [logprobs.gather(1, chosen[:, None])]
     k = min(top, logprobs.shape[-1])
     if k:
         values, ids = logprobs.topk(k, dim=-1)
-        columns += [values, ids.double()]  # ids exact as float64 (below 2**53)
-    return torch.cat([c.double() for c in columns], dim=1).tolist()
+        columns += [values, ids.double()]
+    host = torch.cat([c.double() for c in columns], dim=1).tolist()
+    return [(r[0], [int(t) for t in r[1 + k :]], r[1 : 1 + k]) for r in host]

@@ -251,13 +251,12 @@ class SimRunner:
     def _sample(self, r: _Row, req: _SimRequest, last_position: int) -> int:
         token = self.token_at(req.sampling.seed, last_position + 1)
         r.result.token_id = token
-        if req.sampling.logprobs >= 0:  # simulated too: the token is certain, nothing else
-            vocab = self.cfg.vocab_size
-            others = [(token + i) % vocab for i in range(1, req.sampling.logprobs)]
+        n = req.sampling.logprobs
+        if n >= 0:  # simulated too: the token is certain, nothing else is possible
             r.result.logprobs = SampledLogprobs(
                 logprob=0.0,
-                top_ids=[token, *others][: req.sampling.logprobs],
-                top_logprobs=[0.0, *[LOGPROB_FLOOR] * len(others)][: req.sampling.logprobs],
+                top_ids=[(token + i) % self.cfg.vocab_size for i in range(n)],
+                top_logprobs=[0.0, *[LOGPROB_FLOOR] * (n - 1)][:n],
             )
         req.next_decode = BatchRow(
             request_id=r.row.request_id,
