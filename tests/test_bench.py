@@ -15,7 +15,13 @@ import pytest
 import structlog
 import torch
 
-from services.bench.metrics import RequestRecord, RunRecord, percentile, run_metrics
+from services.bench.metrics import (
+    EngineCounters,
+    RequestRecord,
+    RunRecord,
+    percentile,
+    run_metrics,
+)
 from services.bench.probe import RunnerProbe
 from services.bench.workloads import (
     EARLY_EXIT,
@@ -180,6 +186,14 @@ def test_quick_bench_pipeline(
         assert runs[arm]["core_passes"] > 0 and runs[arm]["batches"] > 0
     targets = [r for r in comp["ratios"] if r["target"] is not None]
     assert len(targets) == 4 and all("per_repeat" in r and "reached" in r for r in targets)
+    # where the gap is: time executing and TTFT split at the opening burst, for both modes
+    for mode in ("sync", "async"):
+        labels = {r["label"] for r in comp["ratios"] if r["label"].endswith(f"({mode})")}
+        assert f"time executing a batch, pipeline / in-process ({mode})" in labels
+        assert f"TTFT p50 of the opening burst, pipeline / in-process ({mode})" in labels
+    for arm in ("in_process_async", "pipeline_async"):
+        assert runs[arm]["execute_us_per_batch"] > 0
+        assert runs[arm]["ttft_ms_opening_p50"] > 0 and runs[arm]["ttft_ms_later_p50"] > 0
     assert not list(tmp_path.glob("*.png"))
 
 
@@ -240,6 +254,19 @@ def test_run_metrics_from_timestamps() -> None:
     assert m["mean_exit_depth"] == pytest.approx(14 / 5)
     assert m["prefix_hit_rate"] == pytest.approx(4 / 20)
     assert m["core_passes"] is None  # no counters: reported as n/a, never as 0
+    assert m["execute_us_per_batch"] is None
+    # a sent with the opening burst (at the run's start), b later
+    assert m["ttft_ms_opening_p50"] == pytest.approx(100.0)
+    assert m["ttft_ms_later_p50"] == pytest.approx(200.0)
+
+
+@pytest.mark.unit
+def test_run_metrics_time_executing_per_batch() -> None:
+    counters = EngineCounters(batches=4, execute_s=0.01)
+    m = run_metrics(RunRecord(start=0.0, end=0.02, requests=[], counters=counters))
+    assert m["execute_us_per_batch"] == pytest.approx(2500.0)
+    assert m["host_us_per_batch"] == pytest.approx(2500.0)  # the other half of the wall time
+    assert m["ttft_ms_opening_p50"] is None  # no requests: n/a
 
 
 @pytest.mark.unit

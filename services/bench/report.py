@@ -30,6 +30,9 @@ METRIC_LABELS = {
     "decode_passes_per_decode_token": "decode passes/decode token",
     "prefix_hit_rate": "prefix hit rate",
     "host_us_per_batch": "host µs/batch",
+    "execute_us_per_batch": "execute µs/batch",
+    "ttft_ms_opening_p50": "TTFT p50 ms, opening burst",
+    "ttft_ms_later_p50": "TTFT p50 ms, after it",
     "wall_s": "wall s",
     "preemptions": "preemptions",
     "recomputed_prompt_tokens": "recomputed prompt tokens",
@@ -226,10 +229,12 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
             "Per batch, µs (a process per service): the scheduler's step (apply results, "
             "schedule, submit), encoding and publishing the batch, delivering the client "
             "events; the worker decoding it; the NATS round trip (batch out, result back, "
-            "minus the time the worker held it); the worker's idle time (host µs/batch).",
+            "minus the time the worker held it); the worker's idle time (host µs/batch) and "
+            "its time executing (execute µs/batch; the in-process arms' is in the table above's "
+            "ratios).",
             "",
         ]
-        cols = [*BREAKDOWN_LABELS, "host_us_per_batch"]
+        cols = [*BREAKDOWN_LABELS, "host_us_per_batch", "execute_us_per_batch"]
         lines += _table(
             ["workload", "arm", *(BREAKDOWN_LABELS.get(m, METRIC_LABELS.get(m, m)) for m in cols)],
             [
