@@ -113,8 +113,10 @@ def test_chat_translation() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
         ({"best_of": 3}, "best_of"),
+        ({"n": 2, "best_of": 3}, "best_of"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),

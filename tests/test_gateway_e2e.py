@@ -42,6 +42,7 @@ from messages.sampling import SamplingParams
 from services.bench.processes import child_pid, child_pids, cmdline
 from services.common.config import SchedulerConfig
 from services.common.tokenizer import TextCodec
+from services.engine.engine import LLMEngine
 from services.launcher import free_port
 from services.oracle import SerialOracle
 from tests.engine_harness import assert_matches_oracle, oracle_result
@@ -214,6 +215,77 @@ def test_openai_client_chat_equals_the_oracle(
     assert text == choice.message.content
     assert chunks[-1].usage.prompt_tokens == len(prompt)
     assert chunks[-1].usage.completion_tokens == 9
+
+
+def test_n_choices_equal_the_engine_with_their_seeds(
+    up: Up, oracle: SerialOracle, codec: TextCodec, toy_checkpoint: Path
+) -> None:
+    """``n`` choices through the openai client: greedy, every choice is the oracle's answer;
+    sampled with a seed, choice i is what the in-process engine makes with seed + i (vLLM's
+    rule), streamed or not; usage counts the prompt once."""
+    client = _client(up)
+    prompt = [17, 42, 99, 5, 230, 8]
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=9, temperature=0, n=2, extra_body=GREEDY
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice in r.choices:
+        ids, depths = choice.model_extra["token_ids"], choice.model_extra["exit_depths"]
+        _check_oracle(oracle, prompt, ids, depths, choice.finish_reason)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 2 * 9
+
+    sampled = {"temperature": 1.0, "top_p": 1.0, "seed": 11}
+    extra = {**GREEDY, "top_k": 0}
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=9, n=3, extra_body=extra, **sampled
+    )
+    engine = LLMEngine.from_checkpoint(toy_checkpoint, CONFIG)
+    params = [
+        SamplingParams(max_tokens=9, temperature=1.0, top_p=1.0, top_k=0, seed=11 + i,
+                       ignore_eos=True, min_loops=1, exit_threshold=0.7)
+        for i in range(3)
+    ]  # fmt: skip
+    want = engine.generate([prompt] * 3, params)
+    got = [(c.model_extra["token_ids"], c.model_extra["exit_depths"]) for c in r.choices]
+    assert got == [(w.token_ids, w.exit_depths) for w in want]
+    assert len({tuple(ids) for ids, _ in got}) > 1  # the seeds differ, so do the samples
+    assert [c.text for c in r.choices] == [codec.decode(w.token_ids) for w in want]
+    assert r.usage.completion_tokens == 27
+    assert r.usage.model_extra["core_loops"] == sum(sum(d) for _, d in got)
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=9,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+            **sampled,
+        )
+    )
+    *body, last = chunks
+    assert last.usage.completion_tokens == 27 and last.usage.prompt_tokens == len(prompt)
+    texts, ids = ["", "", ""], [[], [], []]
+    for chunk in body:
+        (c,) = chunk.choices
+        texts[c.index] += c.text
+        ids[c.index] += c.model_extra["token_ids"]
+    assert texts == [c.text for c in r.choices]
+    assert ids == [w.token_ids for w in want]
+
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a prime number."}],
+        max_tokens=5,
+        n=2,
+        extra_body=extra,
+        **sampled,
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert all(c.message.role == "assistant" for c in chat.choices)
+    assert chat.usage.completion_tokens == 10
 
 
 def test_openai_client_logprobs_equal_the_oracle(

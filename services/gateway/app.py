@@ -18,6 +18,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -39,6 +40,7 @@ from services.gateway.protocol import (
     ChatRequest,
     CompletionRequest,
     Options,
+    choice_requests,
     error_body,
     models_body,
     options,
@@ -46,7 +48,14 @@ from services.gateway.protocol import (
     parse_completion,
     to_generate,
 )
-from services.gateway.stream import DONE_FRAME, Answer, SseEncoder
+from services.gateway.stream import (
+    DONE_FRAME,
+    Answer,
+    Delta,
+    SseEncoder,
+    answers_body,
+    combined_usage,
+)
 from services.runtime.logging import request_fields
 from services.runtime.tracing import ATTR_REQUEST_ID, TRACEPARENT, Tracer, parse_traceparent
 
@@ -182,8 +191,25 @@ async def _generate(backend: Backend, request: Request, *, chat: bool) -> Respon
     return await call.run(request.receive)
 
 
+@dataclass
+class _Choice:
+    """One of a request's ``n`` answers: an engine request and its stream of its own."""
+
+    index: int
+    generate: GenerateRequest
+    answer: Answer
+    stream: EventStream | None = None
+    aborted: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.answer.request_id
+
+
 class _Call:
-    """One generation request, from the first NATS publish to the last byte."""
+    """One generation request, from the first NATS publish to the last byte. Its ``n``
+    choices run as ``n`` engine requests side by side; one that fails fails the call (the
+    others are aborted), as OpenAI answers a request whole or not at all."""
 
     def __init__(
         self,
@@ -201,104 +227,138 @@ class _Call:
         self.started = started
         self.options = opts
         self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.generate = to_generate(req, self.request_id)
+        requests = choice_requests(to_generate(req, self.request_id), req.n or 1)
+        self.choices = [
+            _Choice(i, g, Answer(g.request_id or self.request_id, opts))
+            for i, g in enumerate(requests)
+        ]
         self.created = int(time.time())
         self.span = backend.tracer.start(
             "gateway.request",
             parse_traceparent(traceparent),
             attributes={ATTR_REQUEST_ID: self.request_id, "http.route": route},
         )
-        self.answer = Answer(self.request_id, self.options)
         self.deadline = time.monotonic() + backend.request_timeout_s
-        self.stream: EventStream | None = None
         self.status = 200
-        self.aborted = False
+        self.opened = False
+        self.closed = False
 
     @property
     def trace_id(self) -> str:
         return self.span.trace_id
 
+    @property
+    def answers(self) -> list[Answer]:
+        return [c.answer for c in self.choices]
+
+    def _failed(self) -> ErrorEvent | None:
+        return next((a.error for a in self.answers if a.error is not None), None)
+
     async def run(self, receive: Receive) -> Response:
-        self.stream = await self.backend.open_stream(
-            self.generate, self.span.traceparent, self.trace_id
-        )
+        self.opened = True
+        for choice in self.choices:
+            choice.stream = await self.backend.open_stream(
+                choice.generate, self.span.traceparent, self.trace_id
+            )
         gone = asyncio.ensure_future(_wait_disconnect(receive))
+        first: list[list[Delta]] = []
         try:
-            first = await self._next_or_gone(gone)
-            if first is None:
-                return self._client_gone()
-            deltas = self.answer.on_event(first)
-            if self.answer.error is not None:
-                return self._error_response(self.answer.error)
+            # every choice's first event before the status: a refusal is a 4xx/5xx
+            for choice in self.choices:
+                event = await self._next_or_gone(choice, gone)
+                if event is None:
+                    return self._client_gone()
+                first.append(choice.answer.on_event(event))
+                if choice.answer.error is not None:
+                    return self._error_response(choice.answer.error)
             if not self.options.stream:
-                while not self.answer.engine_done:
-                    self._abort_if_stopped()
-                    event = await self._next_or_gone(gone)
-                    if event is None:
-                        return self._client_gone()
-                    self.answer.on_event(event)
-                if self.answer.error is not None:
-                    return self._error_response(self.answer.error)
+                for choice in self.choices:
+                    while not choice.answer.engine_done:
+                        self._abort_if_stopped(choice)
+                        event = await self._next_or_gone(choice, gone)
+                        if event is None:
+                            return self._client_gone()
+                        choice.answer.on_event(event)
+                    if choice.answer.error is not None:
+                        return self._error_response(choice.answer.error)
                 self._finish()
-                return _json(self.answer.body(self.chat, self.backend.model_name, self.created))
+                return _json(
+                    answers_body(
+                        self.chat, self.request_id, self.backend.model_name, self.created,
+                        self.answers,
+                    )
+                )  # fmt: skip
         except BaseException:
             self._end_early()
             raise
         finally:
             gone.cancel()
-        encoder = SseEncoder(
-            self.chat, self.request_id, self.backend.model_name, self.created, self.options
-        )
-        first_frames = encoder.deltas(deltas)
-        return SseResponse(self._frames(encoder, first_frames), self._client_gone)
+        model, opts = self.backend.model_name, self.options
+        encoders = [
+            SseEncoder(self.chat, self.request_id, model, self.created, opts, c.index)
+            for c in self.choices
+        ]
+        frames = b"".join(e.deltas(d) for e, d in zip(encoders, first, strict=True))
+        return SseResponse(self._frames(encoders, frames), self._client_gone)
 
-    async def _frames(self, encoder: SseEncoder, first: bytes) -> AsyncIterator[bytes]:
+    async def _frames(self, encoders: list[SseEncoder], first: bytes) -> AsyncIterator[bytes]:
+        events = _Events(self)
         try:
             if first:
                 yield first
-            answer = self.answer
-            while not answer.done:
-                deltas = answer.on_event(await self._next())
+            while (live := [c for c in self.choices if not c.answer.done]) and not self._failed():
+                choice, event = await events.next(live)
+                answer = choice.answer
+                deltas = answer.on_event(event)
                 # events that are already here go out in the same write
-                while not answer.done and (more := self._next_nowait()) is not None:
+                while not answer.done and (more := self._next_nowait(choice)) is not None:
                     deltas += answer.on_event(more)
-                frames = encoder.deltas(deltas)
+                self._abort_if_stopped(choice)
+                frames = encoders[choice.index].deltas(deltas)
                 if frames:
                     yield frames
-            self._abort_if_stopped()
-            if answer.error is not None:
-                self.status = _status_of(answer.error.code)
-                yield encoder.error(answer.error.code, answer.error.message)
+            events.cancel()
+            for choice in self.choices:  # one whose first token already met a stop string
+                self._abort_if_stopped(choice)
+            error = self._failed()
+            if error is not None:
+                self._abort_all()
+                self.status = _status_of(error.code)
+                yield encoders[0].error(error.code, error.message)
             elif self.options.include_usage:
-                while not answer.engine_done:  # the prompt counts come with the last event
-                    answer.on_event(await self._next())
-                yield encoder.usage(answer.usage())
+                for choice in self.choices:  # the prompt counts come with the last event
+                    while not choice.answer.engine_done:
+                        choice.answer.on_event(await self._next(choice))
+                yield encoders[0].usage(combined_usage(self.answers))
             yield DONE_FRAME
             self._finish()
         except BaseException:
+            events.cancel()
             self._end_early()
             raise
 
-    async def _next(self) -> StreamEvent:
-        assert self.stream is not None
+    async def _next(self, choice: _Choice) -> StreamEvent:
+        assert choice.stream is not None
         remaining = self.deadline - time.monotonic()
         try:
-            return await self.stream.next(max(remaining, 0.0))
+            return await choice.stream.next(max(remaining, 0.0))
         except TimeoutError:
-            self._abort()
+            self._abort(choice)
             return ErrorEvent(
-                request_id=self.request_id,
+                request_id=choice.request_id,
                 code=str(ErrorCode.TIMEOUT),
                 message=f"no answer within {self.backend.request_timeout_s:.0f}s",
             )
 
-    def _next_nowait(self) -> StreamEvent | None:
-        assert self.stream is not None
-        return self.stream.next_nowait()
+    def _next_nowait(self, choice: _Choice) -> StreamEvent | None:
+        assert choice.stream is not None
+        return choice.stream.next_nowait()
 
-    async def _next_or_gone(self, gone: asyncio.Future[None]) -> StreamEvent | None:
-        """The next event, or None when the client went away first."""
-        nxt = asyncio.ensure_future(self._next())
+    async def _next_or_gone(
+        self, choice: _Choice, gone: asyncio.Future[None]
+    ) -> StreamEvent | None:
+        """The choice's next event, or None when the client went away first."""
+        nxt = asyncio.ensure_future(self._next(choice))
         try:
             done, _ = await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -306,18 +366,22 @@ class _Call:
                 nxt.cancel()
         return nxt.result() if nxt in done else None
 
-    def _abort_if_stopped(self) -> None:
-        if self.answer.needs_abort:
-            self._abort()
+    def _abort_if_stopped(self, choice: _Choice) -> None:
+        if choice.answer.needs_abort:
+            self._abort(choice)
 
-    def _abort(self) -> None:
-        if not self.aborted and not self.answer.engine_done:
-            self.aborted = True
-            self.backend.abort_soon(self.request_id, self.trace_id)
+    def _abort(self, choice: _Choice) -> None:
+        if not choice.aborted and not choice.answer.engine_done:
+            choice.aborted = True
+            self.backend.abort_soon(choice.request_id, self.trace_id)
+
+    def _abort_all(self) -> None:
+        for choice in self.choices:
+            self._abort(choice)
 
     def _client_gone(self) -> Response:
         if self.status != 499:
-            self._abort()
+            self._abort_all()
             self.backend.metrics.client_disconnects.inc()
             self.status = 499  # nginx's "client closed request": never sent, only logged
             self._finish()
@@ -325,39 +389,68 @@ class _Call:
 
     def _end_early(self) -> None:
         """Cancelled or failed mid-way: the engine must not run on for nobody."""
-        if not self.answer.engine_done:
-            self._abort()
-        if self.stream is not None:
+        self._abort_all()
+        if self.opened:
             self._finish()
 
     def _error_response(self, event: ErrorEvent) -> Response:
+        self._abort_all()  # the other choices: nobody will read them
         exc = ApiError(event.message, event.code)
         self.status = exc.status
         self._finish()
         return _json(exc.body(), exc.status, exc.headers())
 
     def _finish(self) -> None:
-        if self.stream is None:
+        if self.closed:
             return
-        self.stream.close()
-        self.stream = None
-        backend, answer = self.backend, self.answer
+        self.closed = True
+        for choice in self.choices:
+            if choice.stream is not None:
+                choice.stream.close()
+                choice.stream = None
+        backend, first = self.backend, self.choices[0].answer
         backend.metrics.http_requests.labels(self.route, str(self.status)).inc()
-        error = answer.error
+        error = self._failed()
         self.span.end(
             error=f"{error.code}: {error.message[:200]}" if error is not None else None,
-            **{"http.status_code": self.status, "rlt.finish_reason": answer.finish_reason},
+            **{"http.status_code": self.status, "rlt.finish_reason": first.finish_reason},
         )
         backend.log.info(
             "http request",
             route=self.route,
             status=self.status,
             stream=self.options.stream,
-            finish_reason=answer.finish_reason,
-            num_tokens=len(answer.token_ids),
+            choices=len(self.choices),
+            finish_reason=first.finish_reason,
+            num_tokens=sum(len(a.token_ids) for a in self.answers),
             latency_s=round(time.monotonic() - self.started, 4),
             **request_fields(self.request_id, self.trace_id),
         )
+
+
+class _Events:
+    """The next event of any choice still running, as they arrive. With one choice left
+    it awaits that stream directly; with several, one pending read per choice, kept across
+    calls so that no event is lost."""
+
+    def __init__(self, call: _Call) -> None:
+        self._call = call
+        self._reads: dict[int, asyncio.Future[StreamEvent]] = {}
+
+    async def next(self, live: list[_Choice]) -> tuple[_Choice, StreamEvent]:
+        if len(live) == 1 and live[0].index not in self._reads:
+            return live[0], await self._call._next(live[0])
+        for choice in live:
+            if choice.index not in self._reads:
+                self._reads[choice.index] = asyncio.ensure_future(self._call._next(choice))
+        await asyncio.wait(self._reads.values(), return_when=asyncio.FIRST_COMPLETED)
+        index = min(i for i, read in self._reads.items() if read.done())
+        return self._call.choices[index], self._reads.pop(index).result()
+
+    def cancel(self) -> None:
+        for read in self._reads.values():
+            read.cancel()
+        self._reads.clear()
 
 
 def _status_of(code: str) -> int:

@@ -10,11 +10,13 @@ Accepted beyond OpenAI's fields (vLLM's extra body fields, the loop knobs):
 ``exit_threshold``, ``priority``, ``chat_template_kwargs``, ``include_stop_str_in_output``
 and ``return_token_ids`` (the choice carries ``token_ids`` and, rlt's own, ``exit_depths``).
 Unknown fields are ignored, as OpenAI-compatible servers do; known options rlt cannot honour
-(``n`` > 1, ``logit_bias``, penalties, ``suffix``, tools, ...) are refused with a 400 that
-names them, never silently dropped. ``logprobs`` (completions: how many alternatives; chat:
-``logprobs`` and ``top_logprobs``) come back in OpenAI's two shapes (``completion_logprobs``,
-``chat_logprobs``); completions' ``echo`` puts the prompt (and its log-probabilities) first,
-and vLLM's ``prompt_logprobs`` comes back in vLLM's shape (``vllm_prompt_logprobs``).
+(``logit_bias``, penalties, ``suffix``, tools, ...) are refused with a 400 that names them,
+never silently dropped. ``n`` choices are ``n`` engine requests (``choice_requests``: ids
+``<id>-<i>``, a given seed ``+ i`` as vLLM derives them), answered as one response.
+``logprobs`` (completions: how many alternatives; chat: ``logprobs`` and ``top_logprobs``)
+come back in OpenAI's two shapes (``completion_logprobs``, ``chat_logprobs``); completions'
+``echo`` puts the prompt (and its log-probabilities) first, and vLLM's ``prompt_logprobs``
+comes back in vLLM's shape (``vllm_prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ RETRY_AFTER_S = 1
 MAX_STOPS = 64
 MAX_STOP_CHARS = 2048
 MAX_BODY_BYTES = 16 << 20  # far above any request the bus could carry (max_payload)
+MAX_CHOICES = 128  # OpenAI's bound on n; each choice is a request of its own in the engine
+_SEED_MOD = 2**63  # SamplingParams' seed range
 
 
 class ApiError(Exception):
@@ -278,6 +282,25 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str) -> Genera
     return GenerateRequest(**fields)
 
 
+def choice_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """The engine requests of ``n`` choices. One choice is the request itself; several get
+    ids ``<id>-<i>`` and, when the request names a seed, seeds ``seed + i`` (vLLM's rule:
+    the choices differ, and the same request gives the same choices again). Unseeded, each
+    draws from a seed of its own id (admission)."""
+    if n == 1:
+        return [request]
+    assert request.request_id is not None
+    seed = request.seed
+    return [
+        msgspec.structs.replace(
+            request,
+            request_id=f"{request.request_id}-{i}",
+            seed=None if seed is None else (seed + i) % _SEED_MOD,
+        )
+        for i in range(n)
+    ]
+
+
 def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
     try:
         return decoder.decode(body)
@@ -288,10 +311,13 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
 
 
 def _check_common(req: _Common) -> None:
-    if req.n not in (None, 1):
-        raise ApiError(f"n={req.n} is not supported: rlt returns one choice (n=1)", param="n")
-    if req.best_of not in (None, 1):
-        raise ApiError(f"best_of={req.best_of} is not supported (only 1)", param="best_of")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise ApiError(f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
+    if req.best_of not in (None, 1, req.n):  # best_of = n returns every choice: it is n
+        raise ApiError(
+            f"best_of={req.best_of} is not supported (rlt returns every choice it makes)",
+            param="best_of",
+        )
     _refuse_if(bool(req.logit_bias), "logit_bias")
     _refuse_if(req.presence_penalty not in (None, 0, 0.0), "presence_penalty")
     _refuse_if(req.frequency_penalty not in (None, 0, 0.0), "frequency_penalty")
@@ -379,7 +405,8 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------- responses
 @dataclass
 class Usage:
-    """Token counts of one request; ``exit_depths`` are the loops of each completion token."""
+    """Token counts of one response; ``exit_depths`` are the loops of each completion token
+    (of every choice: the prompt is counted once, as OpenAI does)."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -456,58 +483,55 @@ def vllm_prompt_logprobs(entries: list[TokenLogprobs]) -> list[dict[str, Any] | 
     return out
 
 
-def completion_body(
-    request_id: str,
-    model: str,
-    created: int,
+def completion_choice(
+    index: int,
     text: str,
     finish_reason: str | None,
-    usage: Usage,
     extra: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         **extra,
     }
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage.body(),
-    }
 
 
-def chat_body(
-    request_id: str,
-    model: str,
-    created: int,
+def chat_choice(
+    index: int,
     text: str,
     finish_reason: str | None,
-    usage: Usage,
     extra: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
-    top: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``top``: fields of the response itself (vLLM's chat ``prompt_logprobs``)."""
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "message": {"role": "assistant", "content": text},
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         **extra,
     }
+
+
+def response_body(
+    chat: bool,
+    request_id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage: Usage,
+    top: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A non-streaming response; ``top``: fields of the response itself (vLLM's chat
+    ``prompt_logprobs``)."""
     return {
         "id": request_id,
-        "object": "chat.completion",
+        "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage.body(),
         **(top or {}),
     }

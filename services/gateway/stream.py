@@ -6,8 +6,8 @@ reason). It counts usage as it goes. When a stop string matches, ``needs_abort``
 true: the engine does not know about the string, so the shell aborts the request, and the
 answer ends there with ``finish_reason: stop`` whatever the engine's own ending says.
 
-``SseEncoder`` frames deltas as OpenAI's server-sent events for the completions and the
-chat endpoint.
+``SseEncoder`` frames one choice's deltas as OpenAI's server-sent events for the
+completions and the chat endpoint; ``answers_body`` is the response of several choices.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent, Tok
 from services.gateway.protocol import (
     Options,
     Usage,
-    chat_body,
+    chat_choice,
     chat_logprobs,
-    completion_body,
+    completion_choice,
     completion_logprobs,
     error_body,
+    response_body,
     vllm_prompt_logprobs,
 )
 from services.gateway.stops import StopMatcher
@@ -151,17 +152,35 @@ class Answer:
             extra.update(token_ids=self.token_ids, exit_depths=self.exit_depths)
         return extra
 
-    def body(self, chat: bool, model: str, created: int) -> dict[str, Any]:
-        """The non-streaming response."""
+    def choice(self, chat: bool, index: int = 0) -> dict[str, Any]:
+        """This answer as choice ``index`` of a non-streaming response."""
         logprobs = logprobs_body(chat, self.options, self.logprobs, self.offsets)
-        parts = (self.request_id, model, created, self.text, self.finish_reason, self.usage())
-        if not chat:
-            return completion_body(*parts, self.choice_extra(), logprobs)
-        # vLLM puts a chat's prompt_logprobs in the response, not in its choice
-        top = {}
-        if self.options.prompt_logprobs is not None:
-            top["prompt_logprobs"] = self.prompt_logprobs
-        return chat_body(*parts, self.choice_extra(chat=True), logprobs, top)
+        build = chat_choice if chat else completion_choice
+        return build(index, self.text, self.finish_reason, self.choice_extra(chat), logprobs)
+
+    def body(self, chat: bool, model: str, created: int) -> dict[str, Any]:
+        """The non-streaming response of this one answer."""
+        return answers_body(chat, self.request_id, model, created, [self])
+
+
+def answers_body(
+    chat: bool, request_id: str, model: str, created: int, answers: list[Answer]
+) -> dict[str, Any]:
+    """The non-streaming response of ``answers``, choice ``i`` from ``answers[i]``."""
+    choices = [a.choice(chat, i) for i, a in enumerate(answers)]
+    top = {}
+    if chat and answers[0].options.prompt_logprobs is not None:
+        # vLLM puts a chat's prompt_logprobs in the response, not in its choices
+        top["prompt_logprobs"] = answers[0].prompt_logprobs
+    return response_body(chat, request_id, model, created, choices, combined_usage(answers), top)
+
+
+def combined_usage(answers: list[Answer]) -> Usage:
+    """One response's usage: the prompt once (every choice has the same), the completion
+    tokens of all choices."""
+    first = answers[0]
+    depths = [d for a in answers for d in a.exit_depths]
+    return Usage(first.num_prompt_tokens, first.num_cached_tokens, depths)
 
 
 def _top_only(entry: TokenLogprobs, n: int) -> TokenLogprobs:
@@ -182,11 +201,20 @@ def logprobs_body(
 
 
 class SseEncoder:
-    """OpenAI's streaming chunks, one ``data:`` frame each."""
+    """OpenAI's streaming chunks of choice ``index``, one ``data:`` frame each."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, created: int, options: Options):
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        created: int,
+        options: Options,
+        index: int = 0,
+    ):
         self.chat = chat
         self.options = options
+        self.index = index
         self._head = {
             "id": request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -241,7 +269,7 @@ class SseEncoder:
         return _sse(error_body(code, message))
 
     def _frame(self, delta: Any, finish_reason: str | None) -> bytes:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = delta
         else:
