@@ -17,6 +17,7 @@ from services.gateway.app import build_app
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
     MAX_CHOICES,
+    ApiError,
     Options,
     choice_requests,
     parse_chat,
@@ -50,8 +51,15 @@ def test_n_choices_are_n_requests_with_their_own_ids_and_seeds() -> None:
     # a seed at the top of the range wraps into it rather than overflowing it
     top = to_generate(parse_completion(_body(prompt="hi", seed=2**63 - 1)), "c")
     assert [c.seed for c in choice_requests(top, 2)] == [2**63 - 1, 0]
-    # best_of = n is n; the chat endpoint takes n too
+    # a seed out of range is left for admission to refuse (as with one choice)
+    bad = to_generate(parse_completion(_body(prompt="hi", seed=-1)), "c")
+    assert [c.seed for c in choice_requests(bad, 2)] == [-1, -1]
+    # best_of = n is n, any other best_of is refused; the chat endpoint takes n too
     assert parse_completion(_body(prompt="hi", n=2, best_of=2)).n == 2
+    for best_of in (1, 3):
+        with pytest.raises(ApiError) as err:
+            parse_completion(_body(prompt="hi", n=2, best_of=best_of))
+        assert err.value.param == "best_of"
     chat = parse_chat(_body(messages=[{"role": "user", "content": "hi"}], n=MAX_CHOICES))
     assert chat.n == MAX_CHOICES
 
@@ -105,10 +113,15 @@ def test_a_response_of_several_choices_counts_the_prompt_once() -> None:
 
 # ---------------------------------------------------------------------- over HTTP
 class _Scripted:
-    """A stream that hands out the events its script gives the request, then waits."""
+    """A stream that hands out the events its script gives the request, then waits. A
+    script may also give a coroutine function, which feeds the stream as it likes."""
 
-    def __init__(self, events: list[StreamEvent]) -> None:
+    def __init__(self, events: Any) -> None:
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self.feeder: asyncio.Task[None] | None = None
+        if callable(events):
+            self.feeder = asyncio.ensure_future(events(self.queue.put_nowait))
+            return
         for event in events:
             self.queue.put_nowait(event)
 
@@ -136,27 +149,36 @@ class _Backend:
     draining = False
     request_timeout_s = 5.0
 
-    def __init__(self, script: Any) -> None:
+    def __init__(self, script: Any, fail_open: int | None = None) -> None:
         self.script = script
+        self.fail_open = fail_open  # opening this choice's stream raises
         self.metrics = GatewayMetrics("toy")
         self.tracer = Tracer("gateway")
         self.log = get_logger("gateway")
         self.sent: list[GenerateRequest] = []
         self.aborted: list[str] = []
+        self.abort_seen: dict[int, asyncio.Event] = {}  # by choice index
         self._streams: dict[str, _Scripted] = {}
+
+    def aborted_event(self, index: int) -> asyncio.Event:
+        return self.abort_seen.setdefault(index, asyncio.Event())
 
     async def open_stream(self, request: GenerateRequest, traceparent: str, trace_id: str):
         assert request.request_id is not None
+        if self.fail_open is not None and _index(request.request_id) == self.fail_open:
+            raise ConnectionError("the bus went away")
         self.sent.append(request)
         stream = self._streams[request.request_id] = _Scripted(self.script(request))
         return stream
 
     def abort_soon(self, request_id: str, trace_id: str) -> None:
         self.aborted.append(request_id)
-        self._streams[request_id].queue.put_nowait(
-            FinishedEvent(request_id=request_id, finish_reason="abort", token_ids=[],
-                          exit_depths=[], num_prompt_tokens=3, text="")
-        )  # fmt: skip
+        self.aborted_event(_index(request_id)).set()
+        if (stream := self._streams.get(request_id)) is not None:
+            stream.queue.put_nowait(
+                FinishedEvent(request_id=request_id, finish_reason="abort", token_ids=[],
+                              exit_depths=[], num_prompt_tokens=3, text="")
+            )  # fmt: skip
 
     async def readiness(self) -> tuple[bool, dict[str, Any]]:
         return True, {}
@@ -287,3 +309,94 @@ async def test_a_stop_string_ends_only_its_choice_and_aborts_its_request() -> No
             reasons = [c["finish_reason"] for c in choices]
         assert texts == ["abc", "z"] and reasons == ["length", "stop"]
         assert [_index(rid) for rid in backend.aborted] == [1]  # its engine request stops
+
+
+async def test_choices_stream_as_their_tokens_come() -> None:
+    # choice 0's tokens at 0, 40, 80 ms, choice 1's at 20, 60 ms: the frames alternate
+    def script(r: GenerateRequest) -> Any:
+        i = _index(r.request_id)
+
+        async def feed(put: Any) -> None:
+            await asyncio.sleep(0.02 * i)
+            for event in _tokens(r.request_id, ["a", "b", "c"][: 3 - i]):
+                put(event)
+                await asyncio.sleep(0.04)
+
+        return feed
+
+    r = await _post(_Backend(script), "/v1/completions", {"prompt": "hi", "n": 2, "stream": True})
+    order = [c["choices"][0]["index"] for c in _sse(r) if c["choices"][0]["text"]]
+    assert order == [0, 1, 0, 1, 0]
+
+
+async def test_a_stopped_choice_is_aborted_while_the_others_run() -> None:
+    # choice 0 goes on only once choice 1 (stopped by its first token) was aborted: a
+    # gateway that waited for choice 0 before aborting choice 1 would wait for ever
+    for stream in (False, True):
+        backend = _Backend(None)
+
+        def script(r: GenerateRequest, backend: _Backend = backend) -> Any:
+            if _index(r.request_id) == 1:
+                return _tokens(r.request_id, ["zEND"], finish=False)
+
+            async def feed(put: Any) -> None:
+                put(_tokens(r.request_id, ["a"], finish=False)[0])
+                await backend.aborted_event(1).wait()
+                for event in _tokens(r.request_id, ["a", "b"])[1:]:
+                    put(event)
+
+            return feed
+
+        backend.script = script
+        body = {"prompt": "hi", "n": 2, "stop": ["END"], "stream": stream}
+        r = await asyncio.wait_for(_post(backend, "/v1/completions", body), 2.0)
+        assert r.status_code == 200, r.text
+        assert [_index(rid) for rid in backend.aborted] == [1]
+
+
+async def test_a_refusal_answers_at_once_while_another_choice_waits() -> None:
+    # choice 0 has no first token until it is aborted; choice 1 is refused at once
+    def script(r: GenerateRequest) -> Any:
+        if _index(r.request_id) == 1:
+            return [ErrorEvent(request_id=r.request_id, code="overloaded", message="full")]
+        return []
+
+    backend = _Backend(script)
+    r = await asyncio.wait_for(_post(backend, "/v1/completions", {"prompt": "hi", "n": 2}), 2.0)
+    assert r.status_code == 429
+    assert [_index(rid) for rid in backend.aborted] == [0]
+
+
+async def test_a_client_gone_before_any_token_aborts_every_choice() -> None:
+    backend = _Backend(lambda r: [])  # nothing ever comes
+    app = build_app(backend)
+    body = json.dumps({"prompt": "hi", "n": 3}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(0.05)
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+             "query_string": b"", "http_version": "1.1", "scheme": "http",
+             "server": ("t", 80), "client": ("c", 1), "root_path": ""}  # fmt: skip
+    await asyncio.wait_for(app(scope, receive, send), 2.0)
+    assert sorted(_index(rid) for rid in backend.aborted) == [0, 1, 2]
+
+
+async def test_a_choice_that_cannot_be_sent_aborts_those_sent_before_it() -> None:
+    backend = _Backend(lambda r: _tokens(r.request_id, ["x"], finish=False), fail_open=1)
+    transport = httpx.ASGITransport(app=build_app(backend), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        r = await client.post("/v1/completions", json={"prompt": "hi", "n": 3})
+    assert r.status_code == 500
+    assert [_index(g.request_id) for g in backend.sent] == [0]  # 1 failed, 2 never went
+    # 0 went out, 1 may have before its send failed: both are aborted, never 2
+    assert [_index(rid) for rid in backend.aborted] == [0, 1]

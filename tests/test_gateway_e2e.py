@@ -275,17 +275,17 @@ def test_n_choices_equal_the_engine_with_their_seeds(
     assert texts == [c.text for c in r.choices]
     assert ids == [w.token_ids for w in want]
 
+    messages = [{"role": "user", "content": "Name a prime number."}]
     chat = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Name a prime number."}],
-        max_tokens=5,
-        n=2,
-        extra_body=extra,
-        **sampled,
+        model=MODEL, messages=messages, max_tokens=9, n=2, extra_body=extra, **sampled
     )
+    chat_prompt = codec.encode_chat(messages, add_generation_prompt=True)
+    want = engine.generate([chat_prompt] * 2, params[:2])
     assert [c.index for c in chat.choices] == [0, 1]
+    assert [c.model_extra["token_ids"] for c in chat.choices] == [w.token_ids for w in want]
+    assert [c.message.content for c in chat.choices] == [codec.decode(w.token_ids) for w in want]
     assert all(c.message.role == "assistant" for c in chat.choices)
-    assert chat.usage.completion_tokens == 10
+    assert chat.usage.prompt_tokens == len(chat_prompt) and chat.usage.completion_tokens == 18
 
 
 def test_openai_client_logprobs_equal_the_oracle(

@@ -199,6 +199,7 @@ class _Choice:
     generate: GenerateRequest
     answer: Answer
     stream: EventStream | None = None
+    sent: bool = False  # its request went to the engine
     aborted: bool = False
 
     @property
@@ -239,6 +240,7 @@ class _Call:
             attributes={ATTR_REQUEST_ID: self.request_id, "http.route": route},
         )
         self.deadline = time.monotonic() + backend.request_timeout_s
+        self.events = _Events(self)
         self.status = 200
         self.opened = False
         self.closed = False
@@ -256,31 +258,37 @@ class _Call:
 
     async def run(self, receive: Receive) -> Response:
         self.opened = True
-        for choice in self.choices:
-            choice.stream = await self.backend.open_stream(
-                choice.generate, self.span.traceparent, self.trace_id
-            )
         gone = asyncio.ensure_future(_wait_disconnect(receive))
-        first: list[list[Delta]] = []
+        first: list[list[Delta]] = [[] for _ in self.choices]
         try:
-            # every choice's first event before the status: a refusal is a 4xx/5xx
             for choice in self.choices:
-                event = await self._next_or_gone(choice, gone)
-                if event is None:
+                choice.sent = True
+                choice.stream = await self.backend.open_stream(
+                    choice.generate, self.span.traceparent, self.trace_id
+                )
+            # every choice's first event before the status (a refusal is a 4xx/5xx), as
+            # they come: one refused answers at once
+            waiting = list(self.choices)
+            while waiting:
+                got = await self.events.next(waiting, gone)
+                if got is None:
                     return self._client_gone()
-                first.append(choice.answer.on_event(event))
+                choice, event = got
+                waiting.remove(choice)
+                first[choice.index] = choice.answer.on_event(event)
                 if choice.answer.error is not None:
                     return self._error_response(choice.answer.error)
+                self._abort_if_stopped(choice)
             if not self.options.stream:
-                for choice in self.choices:
-                    while not choice.answer.engine_done:
-                        self._abort_if_stopped(choice)
-                        event = await self._next_or_gone(choice, gone)
-                        if event is None:
-                            return self._client_gone()
-                        choice.answer.on_event(event)
+                while live := [c for c in self.choices if not c.answer.engine_done]:
+                    got = await self.events.next(live, gone)
+                    if got is None:
+                        return self._client_gone()
+                    choice, event = got
+                    choice.answer.on_event(event)
                     if choice.answer.error is not None:
                         return self._error_response(choice.answer.error)
+                    self._abort_if_stopped(choice)
                 self._finish()
                 return _json(
                     answers_body(
@@ -302,12 +310,14 @@ class _Call:
         return SseResponse(self._frames(encoders, frames), self._client_gone)
 
     async def _frames(self, encoders: list[SseEncoder], first: bytes) -> AsyncIterator[bytes]:
-        events = _Events(self)
+        events = self.events
         try:
             if first:
                 yield first
             while (live := [c for c in self.choices if not c.answer.done]) and not self._failed():
-                choice, event = await events.next(live)
+                got = await events.next(live)
+                assert got is not None  # no client to lose here: the response watches it
+                choice, event = got
                 answer = choice.answer
                 deltas = answer.on_event(event)
                 # events that are already here go out in the same write
@@ -318,8 +328,6 @@ class _Call:
                 if frames:
                     yield frames
             events.cancel()
-            for choice in self.choices:  # one whose first token already met a stop string
-                self._abort_if_stopped(choice)
             error = self._failed()
             if error is not None:
                 self._abort_all()
@@ -354,24 +362,12 @@ class _Call:
         assert choice.stream is not None
         return choice.stream.next_nowait()
 
-    async def _next_or_gone(
-        self, choice: _Choice, gone: asyncio.Future[None]
-    ) -> StreamEvent | None:
-        """The choice's next event, or None when the client went away first."""
-        nxt = asyncio.ensure_future(self._next(choice))
-        try:
-            done, _ = await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not nxt.done():  # the client went first, or we are cancelled (shutdown)
-                nxt.cancel()
-        return nxt.result() if nxt in done else None
-
     def _abort_if_stopped(self, choice: _Choice) -> None:
         if choice.answer.needs_abort:
             self._abort(choice)
 
     def _abort(self, choice: _Choice) -> None:
-        if not choice.aborted and not choice.answer.engine_done:
+        if choice.sent and not choice.aborted and not choice.answer.engine_done:
             choice.aborted = True
             self.backend.abort_soon(choice.request_id, self.trace_id)
 
@@ -404,6 +400,7 @@ class _Call:
         if self.closed:
             return
         self.closed = True
+        self.events.cancel()  # reads of closed streams would wait for nothing
         for choice in self.choices:
             if choice.stream is not None:
                 choice.stream.close()
@@ -429,22 +426,31 @@ class _Call:
 
 
 class _Events:
-    """The next event of any choice still running, as they arrive. With one choice left
-    it awaits that stream directly; with several, one pending read per choice, kept across
-    calls so that no event is lost."""
+    """The next event of any of the given choices, as they arrive (by index when several
+    are in). One pending read per choice, kept across calls so that no event is lost; with
+    one choice and no client to watch, the stream is awaited directly (no task)."""
 
     def __init__(self, call: _Call) -> None:
         self._call = call
         self._reads: dict[int, asyncio.Future[StreamEvent]] = {}
 
-    async def next(self, live: list[_Choice]) -> tuple[_Choice, StreamEvent]:
-        if len(live) == 1 and live[0].index not in self._reads:
+    async def next(
+        self, live: list[_Choice], gone: asyncio.Future[None] | None = None
+    ) -> tuple[_Choice, StreamEvent] | None:
+        """None: ``gone`` (the client went away) came first."""
+        if gone is None and len(live) == 1 and live[0].index not in self._reads:
             return live[0], await self._call._next(live[0])
         for choice in live:
             if choice.index not in self._reads:
                 self._reads[choice.index] = asyncio.ensure_future(self._call._next(choice))
-        await asyncio.wait(self._reads.values(), return_when=asyncio.FIRST_COMPLETED)
-        index = min(i for i, read in self._reads.items() if read.done())
+        waits: list[asyncio.Future[Any]] = [self._reads[c.index] for c in live]
+        if gone is not None:
+            waits.append(gone)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        ready = [c.index for c in live if self._reads[c.index].done()]
+        if not ready:
+            return None
+        index = min(ready)
         return self._call.choices[index], self._reads.pop(index).result()
 
     def cancel(self) -> None:

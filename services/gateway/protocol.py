@@ -291,11 +291,13 @@ def choice_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
         return [request]
     assert request.request_id is not None
     seed = request.seed
+    # a seed out of range stays as it is: admission refuses it, as it would with n = 1
+    wraps = seed is not None and 0 <= seed < _SEED_MOD
     return [
         msgspec.structs.replace(
             request,
             request_id=f"{request.request_id}-{i}",
-            seed=None if seed is None else (seed + i) % _SEED_MOD,
+            seed=(seed + i) % _SEED_MOD if wraps else seed,  # type: ignore[operator]
         )
         for i in range(n)
     ]
@@ -313,9 +315,10 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
 def _check_common(req: _Common) -> None:
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise ApiError(f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
-    if req.best_of not in (None, 1, req.n):  # best_of = n returns every choice: it is n
+    if req.best_of not in (None, req.n or 1):  # best_of = n returns every choice: it is n
         raise ApiError(
-            f"best_of={req.best_of} is not supported (rlt returns every choice it makes)",
+            f"best_of={req.best_of} is not supported (only best_of = n: rlt returns every "
+            "choice it makes)",
             param="best_of",
         )
     _refuse_if(bool(req.logit_bias), "logit_bias")

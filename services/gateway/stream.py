@@ -178,9 +178,11 @@ def answers_body(
 def combined_usage(answers: list[Answer]) -> Usage:
     """One response's usage: the prompt once (every choice has the same), the completion
     tokens of all choices."""
-    first = answers[0]
+    # from a choice that heard the engine's count (one ended by a stop string and then a
+    # timeout never did)
+    counted = next((a for a in answers if a.num_prompt_tokens), answers[0])
     depths = [d for a in answers for d in a.exit_depths]
-    return Usage(first.num_prompt_tokens, first.num_cached_tokens, depths)
+    return Usage(counted.num_prompt_tokens, counted.num_cached_tokens, depths)
 
 
 def _top_only(entry: TokenLogprobs, n: int) -> TokenLogprobs:
