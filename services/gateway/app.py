@@ -314,10 +314,15 @@ class _Call:
         try:
             if first:
                 yield first
-            while (live := [c for c in self.choices if not c.answer.done]) and not self._failed():
-                got = await events.next(live)
-                assert got is not None  # no client to lose here: the response watches it
-                choice, event = got
+            live = [c for c in self.choices if not c.answer.done]
+            while live:
+                if len(live) == 1 and not events.pending:  # one choice: no task per event
+                    choice = live[0]
+                    event = await self._next(choice)
+                else:
+                    got = await events.next(live)
+                    assert got is not None  # no client to lose here: the response watches it
+                    choice, event = got
                 answer = choice.answer
                 deltas = answer.on_event(event)
                 # events that are already here go out in the same write
@@ -327,6 +332,10 @@ class _Call:
                 frames = encoders[choice.index].deltas(deltas)
                 if frames:
                     yield frames
+                if answer.error is not None:
+                    break  # the call fails: the other choices are aborted below
+                if answer.done:
+                    live = [c for c in live if not c.answer.done]
             events.cancel()
             error = self._failed()
             if error is not None:
@@ -427,19 +436,21 @@ class _Call:
 
 class _Events:
     """The next event of any of the given choices, as they arrive (by index when several
-    are in). One pending read per choice, kept across calls so that no event is lost; with
-    one choice and no client to watch, the stream is awaited directly (no task)."""
+    are in). One pending read per choice, kept across calls so that no event is lost."""
 
     def __init__(self, call: _Call) -> None:
         self._call = call
         self._reads: dict[int, asyncio.Future[StreamEvent]] = {}
 
+    @property
+    def pending(self) -> bool:
+        """A read is waiting for some choice (its event must come from it)."""
+        return bool(self._reads)
+
     async def next(
         self, live: list[_Choice], gone: asyncio.Future[None] | None = None
     ) -> tuple[_Choice, StreamEvent] | None:
         """None: ``gone`` (the client went away) came first."""
-        if gone is None and len(live) == 1 and live[0].index not in self._reads:
-            return live[0], await self._call._next(live[0])
         for choice in live:
             if choice.index not in self._reads:
                 self._reads[choice.index] = asyncio.ensure_future(self._call._next(choice))
