@@ -1,13 +1,20 @@
-"""Helpers for the gateway tests: scraping /metrics into sums, and reading a completion's
-tokens back as a FinishedEvent (for the oracle comparison)."""
+"""Helpers for the gateway tests: a request body, scraping /metrics into sums, and reading a
+completion's tokens back as a FinishedEvent (for the oracle comparison)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from messages.api import FinishedEvent
+
+
+def json_body(**fields: object) -> bytes:
+    """A request body for the served model (``toy``) with ``fields``."""
+    return json.dumps({"model": "toy", **fields}).encode()
+
 
 # labels that say where a sample came from: summed over, as `sum by (...)` would
 _WHERE = {"instance", "service", "model_name", "shard"}

@@ -27,12 +27,9 @@ from services.gateway.protocol import (
 from services.gateway.stream import Answer, SseEncoder, answers_body
 from services.runtime.logging import get_logger
 from services.runtime.tracing import Tracer
+from tests.gateway_helpers import json_body as _body
 
 pytestmark = pytest.mark.unit
-
-
-def _body(**fields: object) -> bytes:
-    return json.dumps({"model": "toy", **fields}).encode()
 
 
 # ---------------------------------------------------------------------- requests

@@ -30,12 +30,9 @@ from services.gateway.stops import StopMatcher
 from services.gateway.stream import DONE_FRAME, Answer, SseEncoder
 from services.runtime import tracing
 from services.runtime.tracing import TraceContext, Tracer, parse_traceparent
+from tests.gateway_helpers import json_body as _body
 
 pytestmark = pytest.mark.unit
-
-
-def _body(**fields: object) -> bytes:
-    return json.dumps({"model": "toy", **fields}).encode()
 
 
 # ---------------------------------------------------------------------- requests
