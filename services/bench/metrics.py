@@ -112,10 +112,11 @@ def run_metrics(run: RunRecord) -> Metrics:
     # a closed loop's TTFTs are two populations: the requests sent together at the start
     # (they wait for one another's prefill) and those sent one by one later; the p50 of all
     # falls between them, so each is also reported on its own
-    opening = [
-        r.token_times[0] - r.arrival for r in reqs if r.token_times and r.arrival == run.start
-    ]
-    later = [r.token_times[0] - r.arrival for r in reqs if r.token_times and r.arrival != run.start]
+    opening: list[float] = []
+    later: list[float] = []
+    for r in reqs:
+        if r.token_times:
+            (opening if r.arrival == run.start else later).append(r.token_times[0] - r.arrival)
     m["ttft_ms_opening_p50"] = _ms(percentile(opening, 50))
     m["ttft_ms_later_p50"] = _ms(percentile(later, 50))
     m.update(_counter_metrics(run.counters, wall, out_tokens, len(reqs)))

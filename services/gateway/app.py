@@ -200,6 +200,7 @@ class _Choice:
     answer: Answer
     stream: EventStream | None = None
     sent: bool = False  # its request went to the engine
+    heard: bool = False  # its first event came
     aborted: bool = False
 
     @property
@@ -242,7 +243,6 @@ class _Call:
         self.deadline = time.monotonic() + backend.request_timeout_s
         self.events = _Events(self)
         self.status = 200
-        self.opened = False
         self.closed = False
 
     @property
@@ -257,7 +257,6 @@ class _Call:
         return next((a.error for a in self.answers if a.error is not None), None)
 
     async def run(self, receive: Receive) -> Response:
-        self.opened = True
         gone = asyncio.ensure_future(_wait_disconnect(receive))
         first: list[list[Delta]] = [[] for _ in self.choices]
         try:
@@ -268,27 +267,12 @@ class _Call:
                 )
             # every choice's first event before the status (a refusal is a 4xx/5xx), as
             # they come: one refused answers at once
-            waiting = list(self.choices)
-            while waiting:
-                got = await self.events.next(waiting, gone)
-                if got is None:
-                    return self._client_gone()
-                choice, event = got
-                waiting.remove(choice)
-                first[choice.index] = choice.answer.on_event(event)
-                if choice.answer.error is not None:
-                    return self._error_response(choice.answer.error)
-                self._abort_if_stopped(choice)
+            early = await self._read(gone, first, lambda c: not c.heard)
+            if early is None and not self.options.stream:
+                early = await self._read(gone, first, lambda c: not c.answer.engine_done)
+            if early is not None:
+                return early
             if not self.options.stream:
-                while live := [c for c in self.choices if not c.answer.engine_done]:
-                    got = await self.events.next(live, gone)
-                    if got is None:
-                        return self._client_gone()
-                    choice, event = got
-                    choice.answer.on_event(event)
-                    if choice.answer.error is not None:
-                        return self._error_response(choice.answer.error)
-                    self._abort_if_stopped(choice)
                 self._finish()
                 return _json(
                     answers_body(
@@ -309,6 +293,26 @@ class _Call:
         frames = b"".join(e.deltas(d) for e, d in zip(encoders, first, strict=True))
         return SseResponse(self._frames(encoders, frames), self._client_gone)
 
+    async def _read(
+        self,
+        gone: asyncio.Future[None],
+        deltas: list[list[Delta]],
+        waiting: Callable[[_Choice], bool],
+    ) -> Response | None:
+        """Reads the choices ``waiting`` says are, as their events come, adding each one's
+        deltas; the response when the call ends early (the client left, a choice failed)."""
+        while live := [c for c in self.choices if waiting(c)]:
+            got = await self.events.next(live, gone)
+            if got is None:
+                return self._client_gone()
+            choice, event = got
+            choice.heard = True
+            deltas[choice.index] += choice.answer.on_event(event)
+            if choice.answer.error is not None:
+                return self._error_response(choice.answer.error)
+            self._abort_if_stopped(choice)
+        return None
+
     async def _frames(self, encoders: list[SseEncoder], first: bytes) -> AsyncIterator[bytes]:
         events = self.events
         try:
@@ -316,13 +320,9 @@ class _Call:
                 yield first
             live = [c for c in self.choices if not c.answer.done]
             while live:
-                if len(live) == 1 and not events.pending:  # one choice: no task per event
-                    choice = live[0]
-                    event = await self._next(choice)
-                else:
-                    got = await events.next(live)
-                    assert got is not None  # no client to lose here: the response watches it
-                    choice, event = got
+                got = await events.next(live)
+                assert got is not None  # no client to lose here: the response watches it
+                choice, event = got
                 answer = choice.answer
                 deltas = answer.on_event(event)
                 # events that are already here go out in the same write
@@ -395,8 +395,7 @@ class _Call:
     def _end_early(self) -> None:
         """Cancelled or failed mid-way: the engine must not run on for nobody."""
         self._abort_all()
-        if self.opened:
-            self._finish()
+        self._finish()
 
     def _error_response(self, event: ErrorEvent) -> Response:
         self._abort_all()  # the other choices: nobody will read them
@@ -436,21 +435,19 @@ class _Call:
 
 class _Events:
     """The next event of any of the given choices, as they arrive (by index when several
-    are in). One pending read per choice, kept across calls so that no event is lost."""
+    are in). One pending read per choice, kept across calls so that no event is lost; one
+    choice and no client to watch (a stream's common case) awaits its stream directly."""
 
     def __init__(self, call: _Call) -> None:
         self._call = call
         self._reads: dict[int, asyncio.Future[StreamEvent]] = {}
 
-    @property
-    def pending(self) -> bool:
-        """A read is waiting for some choice (its event must come from it)."""
-        return bool(self._reads)
-
     async def next(
         self, live: list[_Choice], gone: asyncio.Future[None] | None = None
     ) -> tuple[_Choice, StreamEvent] | None:
         """None: ``gone`` (the client went away) came first."""
+        if gone is None and len(live) == 1 and not self._reads:  # no task per event
+            return live[0], await self._call._next(live[0])
         for choice in live:
             if choice.index not in self._reads:
                 self._reads[choice.index] = asyncio.ensure_future(self._call._next(choice))

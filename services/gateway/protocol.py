@@ -292,14 +292,11 @@ def choice_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
     assert request.request_id is not None
     seed = request.seed
     # a seed out of range stays as it is: admission refuses it, as it would with n = 1
-    wraps = seed is not None and 0 <= seed < _SEED_MOD
+    in_range = seed is not None and 0 <= seed < _SEED_MOD
+    seeds = [(seed + i) % _SEED_MOD for i in range(n)] if in_range else [seed] * n
     return [
-        msgspec.structs.replace(
-            request,
-            request_id=f"{request.request_id}-{i}",
-            seed=(seed + i) % _SEED_MOD if wraps else seed,  # type: ignore[operator]
-        )
-        for i in range(n)
+        msgspec.structs.replace(request, request_id=f"{request.request_id}-{i}", seed=s)
+        for i, s in enumerate(seeds)
     ]
 
 

@@ -78,7 +78,7 @@ class Answer:
         return self.finish_reason is not None or self.error is not None
 
     def usage(self) -> Usage:
-        return Usage(self.num_prompt_tokens, self.num_cached_tokens, self.exit_depths)
+        return combined_usage([self])
 
     def on_event(self, event: StreamEvent) -> list[Delta]:
         if isinstance(event, TokenEvent):
