@@ -176,7 +176,13 @@ def test_quick_bench_pipeline(
         "pipeline_async",
         "pipeline_1proc",
         "pipeline_1proc_async",
+        "in_process_sim",
+        "pipeline_sim",
+        "in_process_sim_async",
+        "pipeline_sim_async",
     }
+    arms = {a["name"]: a for a in comp["arms"]}
+    assert {n for n, a in arms.items() if a["simulated"]} == {n for n in runs if "_sim" in n}
     # every pipeline serves exactly the same greedy work; a process per service reports its
     # worker's counters from the worker's health reply, the in-process services from a probe
     for arm in ("pipeline", "pipeline_1proc"):
@@ -194,6 +200,21 @@ def test_quick_bench_pipeline(
     for arm in ("in_process_async", "pipeline_async"):
         assert runs[arm]["execute_us_per_batch"] > 0
         assert runs[arm]["ttft_ms_opening_p50"] > 0 and runs[arm]["ttft_ms_later_p50"] > 0
+    # on the simulated device the same requests give as many (simulated) tokens, and both
+    # backends account the same batches (passes differ only by how arrivals fall)
+    for arm in ("in_process_sim", "pipeline_sim_async"):
+        assert runs[arm]["output_tokens"] == runs["in_process"]["output_tokens"]
+        assert runs[arm]["batches"] > 0 and runs[arm]["execute_us_per_batch"] > 0
+    # where the CPU went: the engine's process in-process, every process of the pipeline
+    assert runs["in_process"]["cpu_us_per_batch_engine"] > 0
+    assert 0 < runs["in_process"]["cpu_cores_busy"] <= torch.get_num_threads() + 0.5
+    for key in ("worker", "scheduler", "admission", "nats_server", "client"):
+        assert runs["pipeline_async"][f"cpu_us_per_batch_{key}"] > 0
+    assert runs["pipeline_async"]["cpu_cores_busy"] > 0
+    sim_labels = [r["label"] for r in comp["ratios"] if "SIMULATED" in r["label"]]
+    assert len(sim_labels) == 6 and all(
+        r["target"] is None for r in comp["ratios"] if "SIMULATED" in r["label"]
+    )
     assert not list(tmp_path.glob("*.png"))
 
 
@@ -313,6 +334,52 @@ def test_probe_counts_passes_and_rows(toy_checkpoint: Path) -> None:
     with RunnerProbe(engine.runner) as probe:
         engine.generate([[5, 6, 7], [8, 9]], params)
     assert (probe.counters.decode_batches, probe.counters.batches) == (8, 9)
+
+
+@pytest.mark.unit
+def test_simulated_engine_runs_the_passes_of_the_real_one(toy_checkpoint: Path) -> None:
+    """The in-process engine on the simulated device (the bench's GPU-like arms) accounts
+    exactly the batches and passes the real model runs, and its counters come from the
+    runner's own stats."""
+    from messages.sampling import SamplingParams
+    from services.bench.probe import StatsProbe
+    from services.worker.sim import SimRunner
+
+    real = LLMEngine.from_checkpoint(
+        toy_checkpoint, SchedulerConfig(num_blocks=256, split_prefill=False, async_scheduling=False)
+    )
+    sim_runner = SimRunner.h200(real.model.cfg)
+    sim_runner.sleep = False
+    sim = LLMEngine(real.model, real.config, simulated=sim_runner)
+    assert sim.runner is sim_runner
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with RunnerProbe(real.runner) as real_probe:
+        real.generate([[5, 6, 7], [8, 9]], params)
+    with StatsProbe(sim.runner) as sim_probe:
+        out = sim.generate([[5, 6, 7], [8, 9]], params)
+    a, b = real_probe.counters, sim_probe.counters
+    assert (b.batches, b.decode_batches, b.core_passes, b.core_rows) == (
+        a.batches,
+        a.decode_batches,
+        a.core_passes,
+        a.core_rows,
+    )
+    assert [len(f.token_ids) for f in out] == [3, 3]
+    assert sim_runner.simulated_s > 0  # device time charged, though nothing slept
+
+
+@pytest.mark.unit
+def test_cpu_per_batch_splits_a_runs_cpu_by_process() -> None:
+    from services.bench.metrics import cpu_per_batch
+
+    before = {"worker": 1.0, "nats-server": 0.5}
+    after = {"worker": 1.2, "nats-server": 0.6, "client": 0.05}  # client: new, counts 0
+    m = cpu_per_batch(before, after, batches=100, wall_s=0.5)
+    assert m["cpu_us_per_batch_worker"] == pytest.approx(2000.0)
+    assert m["cpu_us_per_batch_nats_server"] == pytest.approx(1000.0)
+    assert m["cpu_us_per_batch_client"] == 0.0
+    assert m["cpu_cores_busy"] == pytest.approx(0.6)  # 0.3 CPU s in 0.5 s
+    assert cpu_per_batch(before, after, batches=0, wall_s=0.0)["cpu_cores_busy"] is None
 
 
 @pytest.mark.services

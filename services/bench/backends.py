@@ -14,12 +14,20 @@ from typing import Protocol
 
 from messages.api import ErrorEvent, FinishedEvent, TokenEvent
 from messages.sampling import SamplingParams
-from services.bench.metrics import RequestRecord, RunRecord, WasteCounters
-from services.bench.probe import RunnerProbe
+from services.bench.metrics import (
+    RequestRecord,
+    RunRecord,
+    WasteCounters,
+    cpu_per_batch,
+    own_cpu_s,
+)
+from services.bench.probe import RunnerProbe, StatsProbe
 from services.bench.workloads import LoopMode, RequestSpec, Workload
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.worker.model.ouro import OuroModel
+from services.worker.runner import ModelRunner
+from services.worker.sim import SimRunner
 
 
 class BenchError(RuntimeError):
@@ -60,18 +68,22 @@ def waste_counters(engine: LLMEngine) -> WasteCounters:
 
 
 class InProcessBackend:
-    """``LLMEngine`` in this process; the model is loaded once and shared by every run."""
+    """``LLMEngine`` in this process; the model is loaded once and shared by every run.
+    ``simulated``: batches run on the simulated device (passes timed as Ouro-1.4B's on an
+    H200, no model computed; ``services/worker/sim.py``), never a default."""
 
     name = "in-process"
 
-    def __init__(self, model: OuroModel) -> None:
+    def __init__(self, model: OuroModel, *, simulated: bool = False) -> None:
         self.model = model
+        self.simulated = simulated
 
     def close(self) -> None:
         pass
 
     def run(self, workload: Workload, config: SchedulerConfig) -> RunRecord:
-        engine = LLMEngine(self.model, config)
+        sim = SimRunner.h200(self.model.cfg) if self.simulated else None
+        engine = LLMEngine(self.model, config, simulated=sim)
         specs = workload.requests
         ids = [f"bench-{i}" for i in range(len(specs))]
         index = {rid: i for i, rid in enumerate(ids)}
@@ -84,7 +96,10 @@ class InProcessBackend:
             engine.add_request(ids[i], list(spec.prompt_token_ids), sampling_params(spec, workload))
             records[i] = RequestRecord(arrival=due, num_prompt_tokens=spec.num_prompt_tokens)
 
-        with RunnerProbe(engine.runner) as probe:
+        runner = engine.runner
+        probe = RunnerProbe(runner) if isinstance(runner, ModelRunner) else StatsProbe(runner)
+        with probe:
+            cpu_before = own_cpu_s()
             start = time.perf_counter()
             if workload.mode == LoopMode.CLOSED:
                 for _ in range(min(workload.concurrency, len(unsent))):
@@ -116,8 +131,14 @@ class InProcessBackend:
                     elif isinstance(event, ErrorEvent):
                         raise BenchError(f"{event.request_id}: [{event.code}] {event.message}")
             end = time.perf_counter()
+            cpu_after = own_cpu_s()
         requests = [r for r in records if r is not None]
-        return RunRecord(start, end, requests, probe.counters, waste=waste_counters(engine))
+        extra = cpu_per_batch(
+            {"engine": cpu_before}, {"engine": cpu_after}, probe.counters.batches, end - start
+        )
+        return RunRecord(
+            start, end, requests, probe.counters, extra=extra, waste=waste_counters(engine)
+        )
 
 
 def finish_record(rec: RequestRecord, event: FinishedEvent, t: float) -> None:

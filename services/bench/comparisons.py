@@ -24,7 +24,15 @@ class BackendKind(StrEnum):
     IN_PROCESS = "in-process"
     PIPELINE = "pipeline"  # a process per service
     PIPELINE_ONE_PROCESS = "pipeline-one-process"  # every service in the bench's process
+    # the simulated device (passes timed as Ouro-1.4B's on an H200, no model computed): a
+    # pass that leaves the CPU to the rest, as a GPU's does. Reported extras, never targets
+    IN_PROCESS_SIM = "in-process-sim"
+    PIPELINE_SIM = "pipeline-sim"  # a process per service, the worker on the sim device
     SHARDS = "shards"  # one OS process per service, N shards (services/bench/sharded.py)
+
+    @property
+    def simulated(self) -> bool:
+        return self in (BackendKind.IN_PROCESS_SIM, BackendKind.PIPELINE_SIM)
 
 
 @dataclass(frozen=True)
@@ -305,6 +313,8 @@ def pipeline(s: BenchSettings) -> Comparison:
         ("pipeline_async", "in_process_async", "async", True),
         ("pipeline_1proc", "in_process", "sync, one process", False),
         ("pipeline_1proc_async", "in_process_async", "async, one process", False),
+        ("pipeline_sim", "in_process_sim", "sync, SIMULATED H200 passes", False),
+        ("pipeline_sim_async", "in_process_sim_async", "async, SIMULATED H200 passes", False),
     ):
         measures = [
             ("output_tokens_per_s", "tokens/s, pipeline / in-process", False),
@@ -334,6 +344,7 @@ def pipeline(s: BenchSettings) -> Comparison:
     asynchronous = {"async_scheduling": True}
     synchronous = {"async_scheduling": False}
     one_process = BackendKind.PIPELINE_ONE_PROCESS
+    sim, sim_pipe = BackendKind.IN_PROCESS_SIM, BackendKind.PIPELINE_SIM
     return Comparison(
         name="pipeline",
         title="NATS pipeline vs in-process engine",
@@ -371,6 +382,20 @@ def pipeline(s: BenchSettings) -> Comparison:
                 asynchronous,
                 one_process,
             ),
+            Arm("in_process_sim", "in-process engine, simulated H200 (sync)", synchronous, sim),
+            Arm("pipeline_sim", "NATS pipeline, simulated H200 (sync)", synchronous, sim_pipe),
+            Arm(
+                "in_process_sim_async",
+                "in-process engine, simulated H200 (async)",
+                asynchronous,
+                sim,
+            ),
+            Arm(
+                "pipeline_sim_async",
+                "NATS pipeline, simulated H200 (async)",
+                asynchronous,
+                sim_pipe,
+            ),
         ],
         ratios=ratios,
         plot_metrics=["output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "host_us_per_batch"],
@@ -386,6 +411,14 @@ def pipeline(s: BenchSettings) -> Comparison:
             "works while the worker computes, so this is the worker's time between batches: "
             "waiting, and on the CPU its own receiving and publishing, which run between "
             "short batches (RLT_WORKER_INLINE_MAX_MS).",
+            "`*_sim` arms (SIMULATED, extras without targets) run the same workload with no "
+            "model: each batch takes the time a cost model of Ouro-1.4B on an H200 gives it "
+            "(services/worker/sim.py), asleep, as a GPU pass leaves the CPU to the rest. "
+            "They show the bus's cost when the pass does not compete for this machine's "
+            "cores; their tokens are simulated, so only their timing means anything.",
+            "CPU per batch, by process (a process per service; the in-process arms: the "
+            "engine's own process) and cores busy (all of their CPU seconds per second of "
+            "the run): how much of this machine's cores each arm needed.",
         ],
     )
 

@@ -8,6 +8,7 @@ which is what the JSON report stores per run and what every ratio is computed fr
 from __future__ import annotations
 
 import math
+import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -134,6 +135,18 @@ BREAKDOWN_METRICS = (
     "worker_decode_us",
     "nats_round_trip_us",
 )
+# where a run's CPU went (``cpu_per_batch``): the in-process arms' engine process, or each
+# process of a process-per-service pipeline and the bench's client
+CPU_PROCESSES = (
+    "engine",
+    "worker",
+    "scheduler",
+    "admission",
+    "prefix_cache",
+    "nats_server",
+    "client",
+)
+CPU_METRICS = ("cpu_cores_busy", *(f"cpu_us_per_batch_{p}" for p in CPU_PROCESSES))
 # what a sharded run (services/bench/sharded.py) adds to its metrics
 SHARD_METRICS = (
     "shard_imbalance",
@@ -207,3 +220,24 @@ def _counter_metrics(
         "host_us_per_batch": _div((wall - c.execute_s) * 1e6, c.batches),
         "runner_core_passes": c.runner_core_passes,
     }
+
+
+def own_cpu_s() -> float:
+    """utime + stime of this process, every thread."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_per_batch(
+    before: dict[str, float], after: dict[str, float], batches: int, wall_s: float
+) -> dict[str, float | None]:
+    """Where a run's CPU went: µs per batch of each process (``cpu_us_per_batch_<key>``),
+    and ``cpu_cores_busy``, the CPU seconds of all of them per second of the run (on a
+    machine with few cores, how close the deployment came to filling them)."""
+    used = {key: t - before.get(key, t) for key, t in after.items()}
+    out: dict[str, float | None] = {
+        f"cpu_us_per_batch_{key.replace('-', '_')}": (s * 1e6 / batches if batches else None)
+        for key, s in sorted(used.items())
+    }
+    out["cpu_cores_busy"] = sum(used.values()) / wall_s if wall_s > 0 else None
+    return out

@@ -28,9 +28,14 @@ from nats.aio.msg import Msg
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.bench.backends import BenchError, finish_record, sampling_params
-from services.bench.metrics import EngineCounters, RequestRecord, RunRecord
-from services.bench.probe import RunnerProbe
-from services.bench.processes import ServiceProcesses, step_timings, worker_runner_stats
+from services.bench.metrics import EngineCounters, RequestRecord, RunRecord, cpu_per_batch
+from services.bench.probe import RunnerProbe, counters_between
+from services.bench.processes import (
+    ServiceProcesses,
+    cpu_snapshot,
+    step_timings,
+    worker_runner_stats,
+)
 from services.bench.workloads import LoopMode, Workload, warmup_workload
 from services.common.config import SchedulerConfig
 from services.launcher import NatsServer, build_service, free_port
@@ -87,12 +92,14 @@ class PipelineBackend:
     def run(self, workload: Workload, config: SchedulerConfig) -> RunRecord:
         server = self._ensure_server()
         if self.processes:
-            return asyncio.run(self._run_processes(server.url, workload, config))
+            return asyncio.run(self._run_processes(server, workload, config))
         return asyncio.run(self._run(server.url, workload, config))
 
     async def _run_processes(
-        self, url: str, workload: Workload, config: SchedulerConfig
+        self, server: NatsServer, workload: Workload, config: SchedulerConfig
     ) -> RunRecord:
+        url = server.url
+        assert server.proc is not None
         procs = ServiceProcesses(url, self.checkpoint, config, device=self.device, dtype=self.dtype)
         with procs:
             nc = await nats.connect(url, connect_timeout=5, allow_reconnect=False)
@@ -102,6 +109,7 @@ class PipelineBackend:
                 await asyncio.wait_for(_drive(url, warmup), self.run_timeout_s)
                 before = await worker_runner_stats(nc)
                 timings_before = await step_timings(nc)
+                cpu_before = cpu_snapshot(procs, server.proc.pid)
                 try:
                     record = await asyncio.wait_for(
                         _drive(url, workload), timeout=self.run_timeout_s
@@ -110,12 +118,15 @@ class PipelineBackend:
                     raise BenchError(
                         f"pipeline run did not finish in {self.run_timeout_s:.0f}s"
                     ) from exc
+                cpu_after = cpu_snapshot(procs, server.proc.pid)
                 after = await worker_runner_stats(nc)
                 timings_after = await step_timings(nc)
             finally:
                 await nc.close()
         record.counters = counters_between(before, after)
         record.extra.update(step_breakdown(timings_before, timings_after, record.counters))
+        wall = record.end - record.start
+        record.extra.update(cpu_per_batch(cpu_before, cpu_after, record.counters.batches, wall))
         return record
 
     def _services(self, url: str, config: SchedulerConfig) -> list[Service]:
@@ -142,19 +153,6 @@ class PipelineBackend:
         finally:
             for service in reversed(started):
                 await service.stop(drain_timeout=5.0)
-
-
-def counters_between(before: dict[str, float], after: dict[str, float]) -> EngineCounters:
-    """What a worker process did between two ``RunnerStats`` snapshots."""
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    return EngineCounters(
-        batches=int(delta.get("batches", 0)),
-        decode_batches=int(delta.get("decode_batches", 0)),
-        execute_s=float(delta.get("execute_s", 0.0)),
-        core_passes=int(delta.get("core_passes", 0)),
-        core_rows=int(delta.get("core_rows", 0)),
-        runner_core_passes=int(delta.get("core_passes", 0)),
-    )
 
 
 def step_breakdown(

@@ -1,5 +1,8 @@
 """Counts what the model runner does, without touching the runner's code.
 
+``StatsProbe`` reads a runner's own ``RunnerStats`` instead: for the simulated device, which
+has no model to shadow, and (``counters_between``) for a worker process's health reply.
+
 The probe shadows two bound methods with instance attributes for the duration of a run:
 ``ModelRunner.execute`` (batches, decode batches, time executing) and ``OuroModel.core_loop``
 (core passes and the rows in each). Both are called by attribute lookup, so the same probe
@@ -14,6 +17,7 @@ from typing import Any
 from messages.batch import Batch, BatchResult, Phase, RowKind
 from services.bench.metrics import EngineCounters
 from services.worker.runner import ModelRunner
+from services.worker.sim import SimRunner
 
 
 class RunnerProbe:
@@ -55,3 +59,32 @@ class RunnerProbe:
         self.runner.__dict__.pop("execute", None)
         self.model.__dict__.pop("core_loop", None)
         self.counters.runner_core_passes = self.runner.num_core_passes - self._passes_at_start
+
+
+class StatsProbe:
+    """The counters of a run, from the runner's ``RunnerStats`` before and after it."""
+
+    def __init__(self, runner: ModelRunner | SimRunner) -> None:
+        self.runner = runner
+        self.counters = EngineCounters()
+        self._before: dict[str, float] = {}
+
+    def __enter__(self) -> StatsProbe:
+        self._before = self.runner.stats.snapshot()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.counters = counters_between(self._before, self.runner.stats.snapshot())
+
+
+def counters_between(before: dict[str, float], after: dict[str, float]) -> EngineCounters:
+    """What a worker process did between two ``RunnerStats`` snapshots."""
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    return EngineCounters(
+        batches=int(delta.get("batches", 0)),
+        decode_batches=int(delta.get("decode_batches", 0)),
+        execute_s=float(delta.get("execute_s", 0.0)),
+        core_passes=int(delta.get("core_passes", 0)),
+        core_rows=int(delta.get("core_rows", 0)),
+        runner_core_passes=int(delta.get("core_passes", 0)),
+    )

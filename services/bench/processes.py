@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from nats.aio.client import Client as NATS
 
+from services.bench.metrics import own_cpu_s
 from services.common.config import SchedulerConfig
 from services.common.flags import DTYPES, engine_args
 from services.runtime import subjects
@@ -163,13 +164,31 @@ class ServiceProcesses:
 
 
 def process_cpu_s(pid: int) -> float:
-    """utime + stime of a process, in seconds (0 when it is gone)."""
+    """CPU seconds a process has used (0 when it is gone): the scheduler's nanosecond
+    count summed over its live threads (/proc/PID/task/*/schedstat), where /proc/PID/stat
+    counts clock ticks (10 ms: coarse for a run of a few hundred ms)."""
     try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        total = 0
+        for task in tasks:
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                total += int((task / "schedstat").read_text().split()[0])
+        if total:
+            return total / 1e9
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+    except (OSError, ValueError):
         return 0.0
-    # after "pid (comm)": state is field 3, utime 14, stime 15 (1-based, proc(5))
+    # no schedstat: after "pid (comm)", utime is field 14 and stime 15 (1-based, proc(5))
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(procs: ServiceProcesses, nats_pid: int) -> dict[str, float]:
+    """CPU seconds used so far by every service process, nats-server, and this process
+    (``client``: the bench drives the workload from here)."""
+    out = procs.cpu_seconds()
+    out["nats-server"] = process_cpu_s(nats_pid)
+    out["client"] = own_cpu_s()
+    return out
 
 
 def cmdline(pid: int) -> list[str]:

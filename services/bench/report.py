@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.bench.metrics import SHARD_METRICS  # sharded runs: shown where an arm has them
+from services.bench.metrics import CPU_METRICS, CPU_PROCESSES, SHARD_METRICS
 
 METRIC_LABELS = {
     "output_tokens_per_s": "output tok/s",
@@ -55,6 +55,10 @@ BREAKDOWN_LABELS = {
     "sched_deliver_us": "client events",
     "worker_decode_us": "worker decode",
     "nats_round_trip_us": "NATS round trip",
+}
+CPU_LABELS = {
+    "cpu_cores_busy": "cores busy",
+    **{f"cpu_us_per_batch_{p}": p.replace("_", "-") for p in CPU_PROCESSES},
 }
 # shown only where some arm has a nonzero value (KV pressure), not as columns of zeros
 WASTE_TABLE_METRICS = (
@@ -240,6 +244,22 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
             [
                 [row["workload"], row["arm"], *(_spread(row["stats"][m]) for m in cols)]
                 for row in breakdown
+            ],
+        )
+    cpu = [row for row in c["summary"] if row["stats"].get("cpu_cores_busy", {}).get("median")]
+    if cpu:
+        cols = [m for m in CPU_METRICS if any(row["stats"].get(m, {}).get("median") for row in cpu)]
+        lines += [
+            "",
+            "CPU, µs per batch by process, and cores busy (the CPU seconds of all of them per "
+            "second of the run; the machine's CPUs are in the header):",
+            "",
+        ]
+        lines += _table(
+            ["workload", "arm", *(CPU_LABELS[m] for m in cols)],
+            [
+                [row["workload"], row["arm"], *(_spread(row["stats"][m]) for m in cols)]
+                for row in cpu
             ],
         )
     lines += ["", "Ratios (each repeat's pair of runs ran back to back):", ""]

@@ -31,7 +31,13 @@ from services.bench.comparisons import (
     Comparison,
     build_comparisons,
 )
-from services.bench.metrics import BREAKDOWN_METRICS, SHARD_METRICS, WASTE_METRICS, run_metrics
+from services.bench.metrics import (
+    BREAKDOWN_METRICS,
+    CPU_METRICS,
+    SHARD_METRICS,
+    WASTE_METRICS,
+    run_metrics,
+)
 from services.bench.progress import Progress
 from services.bench.workloads import FULL, QUICK, Workload, warmup_workload
 from services.common.config import SchedulerConfig
@@ -62,6 +68,7 @@ SUMMARY_METRICS = (
     "wall_s",
     *WASTE_METRICS,
     *BREAKDOWN_METRICS,
+    *CPU_METRICS,
     *SHARD_METRICS,
 )
 
@@ -75,7 +82,8 @@ class Bench:
         self.dtype = dtype
         self.model = OuroModel.from_checkpoint(checkpoint, dtype=dtype, device=device)
         self._backends: dict[BackendKind, Backend] = {
-            BackendKind.IN_PROCESS: InProcessBackend(self.model)
+            BackendKind.IN_PROCESS: InProcessBackend(self.model),
+            BackendKind.IN_PROCESS_SIM: InProcessBackend(self.model, simulated=True),
         }
 
     def backend(self, kind: BackendKind) -> Backend:
@@ -91,9 +99,9 @@ class Bench:
 
                 self._backends[kind] = PipelineBackend(
                     self.checkpoint,
-                    device=self.device,
+                    device="sim" if kind.simulated else self.device,
                     dtype=self.dtype,
-                    processes=kind is BackendKind.PIPELINE,
+                    processes=kind is not BackendKind.PIPELINE_ONE_PROCESS,
                 )
         return self._backends[kind]
 
@@ -198,7 +206,7 @@ def run_comparison(
                 "config": _config_dict(comparison.config(a)),
                 "shards": dataclasses.asdict(a.shards) if a.shards else None,
                 # the sim device's numbers describe the control plane, not a model
-                "simulated": bool(a.shards and a.shards.simulated),
+                "simulated": a.backend.simulated or bool(a.shards and a.shards.simulated),
             }
             for a in comparison.arms
         ],

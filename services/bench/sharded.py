@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from services.bench.backends import BenchError
 from services.bench.metrics import Metrics, RunRecord
 from services.bench.pipeline import _drive
-from services.bench.processes import ServiceProcesses, process_cpu_s
+from services.bench.processes import ServiceProcesses, cpu_snapshot
 from services.bench.workloads import Workload
 from services.common.config import SchedulerConfig
 from services.launcher import NatsServer, free_port
@@ -107,9 +106,9 @@ class ShardedBackend:
         nc = await nats.connect(server.url, connect_timeout=5)
         try:
             await _wait_healthy(nc, setup.shards)
-            before = _cpu(procs, server.proc.pid)
+            before = cpu_snapshot(procs, server.proc.pid)
             record = await _drive(server.url, workload)
-            after = _cpu(procs, server.proc.pid)
+            after = cpu_snapshot(procs, server.proc.pid)
             stats = await _shard_stats(nc, setup.shards)
         finally:
             await nc.close()
@@ -135,14 +134,6 @@ async def _wait_healthy(nc: Any, shards: int, timeout: float = 60.0) -> None:
             pass
         await asyncio.sleep(0.1)
     raise BenchError(f"the {shards} shards did not all become healthy in {timeout:.0f}s")
-
-
-def _cpu(procs: ServiceProcesses, nats_pid: int) -> dict[str, float]:
-    out = procs.cpu_seconds()
-    out["nats-server"] = process_cpu_s(nats_pid)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    out["client"] = usage.ru_utime + usage.ru_stime
-    return out
 
 
 async def _shard_stats(nc: Any, shards: int) -> dict[str, float]:

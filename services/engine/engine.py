@@ -22,6 +22,7 @@ from services.scheduler.engine_core import EngineCore
 from services.scheduler.scheduler import Scheduler
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
+from services.worker.sim import SimRunner
 
 
 def model_limits(model: OuroModel) -> ModelLimits:
@@ -36,10 +37,15 @@ class LLMEngine:
         *,
         codec: TextCodec | None = None,
         on_batch: Callable[[ScheduledBatch], None] | None = None,
+        simulated: SimRunner | None = None,
     ) -> None:
+        """``simulated``: batches run on the simulated device instead of ``model`` (the
+        bench's GPU-like arms; ``model`` then only supplies the limits)."""
         self.model = model
         self.config = config
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, config.kv_layout)
+        self.runner: ModelRunner | SimRunner = simulated or ModelRunner(
+            model, config.num_blocks, config.block_size, config.kv_layout
+        )
         self.core = EngineCore(
             config,
             model_limits(model),

@@ -1,4 +1,5 @@
-"""The in-process executor: batches run on a ``ModelRunner`` in this process.
+"""The in-process executor: batches run on a ``ModelRunner`` in this process (or, for the
+bench only, on the simulated device's ``SimRunner``).
 
 A submitted batch runs when the core next asks for results, one batch per step, in seq
 order: as on a real device, the batches after it are still in flight while the core
@@ -12,10 +13,11 @@ from collections import deque
 from messages.batch import BatchResult
 from services.scheduler.batch import ScheduledBatch
 from services.worker.runner import ModelRunner
+from services.worker.sim import SimRunner
 
 
 class InProcessExecutor:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner | SimRunner) -> None:
         self.runner = runner
         self._queued: deque[ScheduledBatch] = deque()
 

@@ -48,7 +48,7 @@ from services.runtime.service import Endpoint, Service
 from services.worker.compute import ExecuteTimeEstimate, JobRunner
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
-from services.worker.sim import SimCostModel, SimRunner
+from services.worker.sim import SimRunner
 from services.worker.telemetry import WorkerTelemetry
 
 SIM_DEVICE = "sim"
@@ -488,11 +488,7 @@ class WorkerService(Service):
         if self.simulated:
             assert self._sim_config is not None
             dilation = float(os.environ.get("RLT_SIM_DILATION", "1"))
-            # always Ouro-1.4B on an H200, whatever checkpoint supplies vocab and depths
-            shape = _ouro_1_4b_config()
-            self.runner = SimRunner(
-                self._sim_config, SimCostModel.for_model(shape, dilation=dilation)
-            )
+            self.runner = SimRunner.h200(self._sim_config, dilation=dilation)
         else:
             assert self.model is not None
             self.runner = ModelRunner(self.model, num_blocks, block_size, KVLayout(kv_layout))
@@ -512,12 +508,6 @@ INLINE_MAX_S = 0.02
 
 # a scheduler that sent us nothing for this long has moved on: another may take us
 _BOUND_IDLE_S = 30.0
-
-
-def _ouro_1_4b_config() -> OuroConfig:
-    from services.worker.model.toy import toy_config
-
-    return toy_config("1.4b")
 
 
 def _is_older_epoch(epoch: str, current: str | None) -> bool:

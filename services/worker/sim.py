@@ -131,6 +131,14 @@ class SimRunner:
 
     simulated = True
 
+    @classmethod
+    def h200(cls, cfg: OuroConfig, *, dilation: float = 1.0) -> SimRunner:
+        """Passes timed as Ouro-1.4B's on an H200, whatever checkpoint ``cfg`` comes from
+        (it supplies the vocabulary, depths and EOS ids)."""
+        from services.worker.model.toy import toy_config
+
+        return cls(cfg, SimCostModel.for_model(toy_config("1.4b"), dilation=dilation))
+
     def __init__(
         self,
         cfg: OuroConfig,
