@@ -369,6 +369,21 @@ def test_simulated_engine_runs_the_passes_of_the_real_one(toy_checkpoint: Path) 
 
 
 @pytest.mark.unit
+def test_in_process_arms_detokenize_like_the_pipeline(toy_checkpoint: Path) -> None:
+    """The pipeline's scheduler turns every token into text; the in-process baseline does
+    the same work (as `rlt generate --offline` does), or the bus is charged for it."""
+    from services.bench.comparisons import BackendKind
+    from services.bench.runner import Bench
+
+    bench = Bench(toy_checkpoint, "cpu", torch.float32)
+    for kind in (BackendKind.IN_PROCESS, BackendKind.IN_PROCESS_SIM):
+        backend = bench.backend(kind)
+        codec = getattr(backend, "codec", None)
+        assert codec is not None and codec.decode(codec.encode("hello")) == "hello"
+    bench.close()
+
+
+@pytest.mark.unit
 def test_cpu_per_batch_splits_a_runs_cpu_by_process() -> None:
     from services.bench.metrics import cpu_per_batch
 

@@ -24,6 +24,7 @@ from services.bench.metrics import (
 from services.bench.probe import RunnerProbe, StatsProbe
 from services.bench.workloads import LoopMode, RequestSpec, Workload
 from services.common.config import SchedulerConfig
+from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
@@ -69,13 +70,19 @@ def waste_counters(engine: LLMEngine) -> WasteCounters:
 
 class InProcessBackend:
     """``LLMEngine`` in this process; the model is loaded once and shared by every run.
-    ``simulated``: batches run on the simulated device (passes timed as Ouro-1.4B's on an
-    H200, no model computed; ``services/worker/sim.py``), never a default."""
+    ``codec``: the checkpoint's tokenizer, so that token events carry text, as they do from
+    ``rlt generate --offline`` and from the scheduler service (the pipeline arms' baseline
+    must do the work the pipeline does). ``simulated``: batches run on the simulated device
+    (passes timed as Ouro-1.4B's on an H200, no model computed; ``services/worker/sim.py``),
+    never a default."""
 
     name = "in-process"
 
-    def __init__(self, model: OuroModel, *, simulated: bool = False) -> None:
+    def __init__(
+        self, model: OuroModel, *, codec: TextCodec | None = None, simulated: bool = False
+    ) -> None:
         self.model = model
+        self.codec = codec
         self.simulated = simulated
 
     def close(self) -> None:
@@ -83,7 +90,7 @@ class InProcessBackend:
 
     def run(self, workload: Workload, config: SchedulerConfig) -> RunRecord:
         sim = SimRunner.h200(self.model.cfg) if self.simulated else None
-        engine = LLMEngine(self.model, config, simulated=sim)
+        engine = LLMEngine(self.model, config, codec=self.codec, simulated=sim)
         specs = workload.requests
         ids = [f"bench-{i}" for i in range(len(specs))]
         index = {rid: i for i, rid in enumerate(ids)}

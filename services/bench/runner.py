@@ -41,6 +41,7 @@ from services.bench.metrics import (
 from services.bench.progress import Progress
 from services.bench.workloads import FULL, QUICK, Workload, warmup_workload
 from services.common.config import SchedulerConfig
+from services.common.tokenizer import TextCodec
 from services.engine.engine import model_limits
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import ensure_checkpoint
@@ -81,9 +82,10 @@ class Bench:
         self.device = device
         self.dtype = dtype
         self.model = OuroModel.from_checkpoint(checkpoint, dtype=dtype, device=device)
+        codec = TextCodec.from_checkpoint(checkpoint)
         self._backends: dict[BackendKind, Backend] = {
-            BackendKind.IN_PROCESS: InProcessBackend(self.model),
-            BackendKind.IN_PROCESS_SIM: InProcessBackend(self.model, simulated=True),
+            BackendKind.IN_PROCESS: InProcessBackend(self.model, codec=codec),
+            BackendKind.IN_PROCESS_SIM: InProcessBackend(self.model, codec=codec, simulated=True),
         }
 
     def backend(self, kind: BackendKind) -> Backend:
