@@ -200,9 +200,9 @@ def test_quick_bench_pipeline(
     for arm in ("in_process_async", "pipeline_async"):
         assert runs[arm]["execute_us_per_batch"] > 0
         assert runs[arm]["ttft_ms_opening_p50"] > 0 and runs[arm]["ttft_ms_later_p50"] > 0
-    # on the simulated device the same requests give as many (simulated) tokens, and both
-    # backends account the same batches (passes differ only by how arrivals fall)
-    for arm in ("in_process_sim", "pipeline_sim_async"):
+    # on the simulated device the same requests give as many (simulated) tokens, and every
+    # sim arm counts its batches and their (simulated) device time
+    for arm in ("in_process_sim", "pipeline_sim", "in_process_sim_async", "pipeline_sim_async"):
         assert runs[arm]["output_tokens"] == runs["in_process"]["output_tokens"]
         assert runs[arm]["batches"] > 0 and runs[arm]["execute_us_per_batch"] > 0
     # where the CPU went: the engine's process in-process, every process of the pipeline
@@ -352,7 +352,8 @@ def test_simulated_engine_runs_the_passes_of_the_real_one(toy_checkpoint: Path) 
     sim_runner.sleep = False
     sim = LLMEngine(real.model, real.config, simulated=sim_runner)
     assert sim.runner is sim_runner
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    # full depth: the simulated device draws its exits, the toy model computes them
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
     with RunnerProbe(real.runner) as real_probe:
         real.generate([[5, 6, 7], [8, 9]], params)
     with StatsProbe(sim.runner) as sim_probe:
@@ -372,14 +373,21 @@ def test_simulated_engine_runs_the_passes_of_the_real_one(toy_checkpoint: Path) 
 def test_in_process_arms_detokenize_like_the_pipeline(toy_checkpoint: Path) -> None:
     """The pipeline's scheduler turns every token into text; the in-process baseline does
     the same work (as `rlt generate --offline` does), or the bus is charged for it."""
+    from messages.api import TokenEvent
+    from messages.sampling import SamplingParams
+    from services.bench.backends import InProcessBackend
     from services.bench.comparisons import BackendKind
     from services.bench.runner import Bench
 
     bench = Bench(toy_checkpoint, "cpu", torch.float32)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for kind in (BackendKind.IN_PROCESS, BackendKind.IN_PROCESS_SIM):
         backend = bench.backend(kind)
-        codec = getattr(backend, "codec", None)
-        assert codec is not None and codec.decode(codec.encode("hello")) == "hello"
+        assert isinstance(backend, InProcessBackend)
+        engine = backend.engine(SchedulerConfig(num_blocks=64))
+        engine.add_request("r", [5, 6, 7], params)
+        tokens = [e for e in engine.run_until_done() if isinstance(e, TokenEvent)]
+        assert len(tokens) == 4 and "".join(t.text for t in tokens)  # text, not just ids
     bench.close()
 
 
@@ -388,13 +396,43 @@ def test_cpu_per_batch_splits_a_runs_cpu_by_process() -> None:
     from services.bench.metrics import cpu_per_batch
 
     before = {"worker": 1.0, "nats-server": 0.5}
-    after = {"worker": 1.2, "nats-server": 0.6, "client": 0.05}  # client: new, counts 0
+    after = {"worker": 1.2, "nats-server": 0.6}
     m = cpu_per_batch(before, after, batches=100, wall_s=0.5)
     assert m["cpu_us_per_batch_worker"] == pytest.approx(2000.0)
     assert m["cpu_us_per_batch_nats_server"] == pytest.approx(1000.0)
-    assert m["cpu_us_per_batch_client"] == 0.0
     assert m["cpu_cores_busy"] == pytest.approx(0.6)  # 0.3 CPU s in 0.5 s
     assert cpu_per_batch(before, after, batches=0, wall_s=0.0)["cpu_cores_busy"] is None
+    # a process seen only at one end is unknown, and so is the total; never a silent 0
+    m = cpu_per_batch(before, {**after, "client": 0.05}, batches=100, wall_s=0.5)
+    assert m["cpu_us_per_batch_client"] is None and m["cpu_cores_busy"] is None
+    assert m["cpu_us_per_batch_worker"] == pytest.approx(2000.0)
+
+
+@pytest.mark.unit
+def test_process_cpu_counts_a_child_and_its_ended_threads() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from services.bench.processes import process_cpu_s
+
+    busy = (
+        "import threading, time\n"
+        "def spin():\n"
+        "    t = time.process_time() + 0.3\n"
+        "    while time.process_time() < t: pass\n"
+        "th = threading.Thread(target=spin); th.start(); th.join()\n"  # ends before we look
+        "print('ready', flush=True); time.sleep(30)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", busy], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert process_cpu_s(child.pid) >= 0.3  # the thread's CPU stays counted
+    finally:
+        child.kill()
+        child.wait()
+    assert process_cpu_s(child.pid) == 0.0  # gone: nothing, not an error
+    assert process_cpu_s(os.getpid()) > 0
 
 
 @pytest.mark.services

@@ -88,9 +88,13 @@ class InProcessBackend:
     def close(self) -> None:
         pass
 
-    def run(self, workload: Workload, config: SchedulerConfig) -> RunRecord:
+    def engine(self, config: SchedulerConfig) -> LLMEngine:
+        """A fresh engine for one run."""
         sim = SimRunner.h200(self.model.cfg) if self.simulated else None
-        engine = LLMEngine(self.model, config, codec=self.codec, simulated=sim)
+        return LLMEngine(self.model, config, codec=self.codec, simulated=sim)
+
+    def run(self, workload: Workload, config: SchedulerConfig) -> RunRecord:
+        engine = self.engine(config)
         specs = workload.requests
         ids = [f"bench-{i}" for i in range(len(specs))]
         index = {rid: i for i, rid in enumerate(ids)}

@@ -415,7 +415,9 @@ def pipeline(s: BenchSettings) -> Comparison:
             "model: each batch takes the time a cost model of Ouro-1.4B on an H200 gives it "
             "(services/worker/sim.py), asleep, as a GPU pass leaves the CPU to the rest. "
             "They show the bus's cost when the pass does not compete for this machine's "
-            "cores; their tokens are simulated, so only their timing means anything.",
+            "cores; their tokens are simulated, so only their timing means anything. The "
+            "in-process engine is synchronous, so its sleep overlaps nothing (as an "
+            "in-process engine's would on a GPU); over NATS the scheduler works meanwhile.",
             "CPU per batch, by process (a process per service; the in-process arms: the "
             "engine's own process) and cores busy (all of their CPU seconds per second of "
             "the run): how much of this machine's cores each arm needed.",

@@ -58,6 +58,9 @@ class RunRecord:
     counters: EngineCounters | None = None
     extra: Metrics = field(default_factory=dict)
     waste: WasteCounters | None = None
+    # CPU seconds by process when the clock started and stopped (``cpu_per_batch``)
+    cpu_before: dict[str, float] = field(default_factory=dict)
+    cpu_after: dict[str, float] = field(default_factory=dict)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -233,11 +236,18 @@ def cpu_per_batch(
 ) -> dict[str, float | None]:
     """Where a run's CPU went: µs per batch of each process (``cpu_us_per_batch_<key>``),
     and ``cpu_cores_busy``, the CPU seconds of all of them per second of the run (on a
-    machine with few cores, how close the deployment came to filling them)."""
-    used = {key: t - before.get(key, t) for key, t in after.items()}
+    machine with few cores, how close the deployment came to filling them). A process in
+    only one of the snapshots (started or gone during the run) is unknown: None, and then
+    so is the total."""
+    keys = sorted(before.keys() | after.keys())
+    used = {k: after[k] - before[k] if k in before and k in after else None for k in keys}
     out: dict[str, float | None] = {
-        f"cpu_us_per_batch_{key.replace('-', '_')}": (s * 1e6 / batches if batches else None)
-        for key, s in sorted(used.items())
+        f"cpu_us_per_batch_{k.replace('-', '_')}": (
+            s * 1e6 / batches if s is not None and batches else None
+        )
+        for k, s in used.items()
     }
-    out["cpu_cores_busy"] = sum(used.values()) / wall_s if wall_s > 0 else None
+    known = [s for s in used.values() if s is not None]
+    whole = len(known) == len(used) and wall_s > 0
+    out["cpu_cores_busy"] = sum(known) / wall_s if whole else None
     return out

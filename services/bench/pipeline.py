@@ -19,6 +19,7 @@ import tempfile
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -100,7 +101,11 @@ class PipelineBackend:
     ) -> RunRecord:
         url = server.url
         assert server.proc is not None
-        procs = ServiceProcesses(url, self.checkpoint, config, device=self.device, dtype=self.dtype)
+        # the simulated device at H200 pass times, as the in-process sim arm runs it
+        env = {"RLT_SIM_DILATION": "1"} if self.device == "sim" else None
+        procs = ServiceProcesses(
+            url, self.checkpoint, config, device=self.device, dtype=self.dtype, env=env
+        )
         with procs:
             nc = await nats.connect(url, connect_timeout=5, allow_reconnect=False)
             try:
@@ -109,16 +114,16 @@ class PipelineBackend:
                 await asyncio.wait_for(_drive(url, warmup), self.run_timeout_s)
                 before = await worker_runner_stats(nc)
                 timings_before = await step_timings(nc)
-                cpu_before = cpu_snapshot(procs, server.proc.pid)
+                nats_pid = server.proc.pid
                 try:
                     record = await asyncio.wait_for(
-                        _drive(url, workload), timeout=self.run_timeout_s
+                        _drive(url, workload, lambda: cpu_snapshot(procs, nats_pid)),
+                        timeout=self.run_timeout_s,
                     )
                 except TimeoutError as exc:
                     raise BenchError(
                         f"pipeline run did not finish in {self.run_timeout_s:.0f}s"
                     ) from exc
-                cpu_after = cpu_snapshot(procs, server.proc.pid)
                 after = await worker_runner_stats(nc)
                 timings_after = await step_timings(nc)
             finally:
@@ -126,7 +131,8 @@ class PipelineBackend:
         record.counters = counters_between(before, after)
         record.extra.update(step_breakdown(timings_before, timings_after, record.counters))
         wall = record.end - record.start
-        record.extra.update(cpu_per_batch(cpu_before, cpu_after, record.counters.batches, wall))
+        batches = record.counters.batches
+        record.extra.update(cpu_per_batch(record.cpu_before, record.cpu_after, batches, wall))
         return record
 
     def _services(self, url: str, config: SchedulerConfig) -> list[Service]:
@@ -176,8 +182,13 @@ def step_breakdown(
     }
 
 
-async def _drive(url: str, workload: Workload) -> RunRecord:
-    """Plays the workload as a NATS client; returns what each request saw, and when."""
+async def _drive(
+    url: str, workload: Workload, cpu: Callable[[], dict[str, float]] | None = None
+) -> RunRecord:
+    """Plays the workload as a NATS client; returns what each request saw, and when.
+    ``cpu``: a CPU snapshot taken when the clock starts and when it stops (the record's
+    ``cpu_before`` / ``cpu_after``), so CPU and wall time cover the same window."""
+    cpu_before: dict[str, float] = {}
     specs = workload.requests
     tag = uuid.uuid4().hex[:8]
     records: list[RequestRecord | None] = [None] * len(specs)
@@ -233,6 +244,8 @@ async def _drive(url: str, workload: Workload) -> RunRecord:
                     done.set()
 
         await nc.subscribe(f"{prefix}.*", cb=on_msg)
+        if cpu is not None:
+            cpu_before = cpu()
         start = time.perf_counter()
         sender: asyncio.Task[None] | None = None
         if workload.mode == LoopMode.CLOSED:
@@ -252,10 +265,13 @@ async def _drive(url: str, workload: Workload) -> RunRecord:
         await nc.flush()
         await done.wait()
         end = time.perf_counter()
+        cpu_after = cpu() if cpu is not None else {}
         if sender is not None:
             sender.cancel()
         if state["failure"] is not None:
             raise BenchError(str(state["failure"]))
-        return RunRecord(start, end, [r for r in records if r is not None])
+        record = RunRecord(start, end, [r for r in records if r is not None])
+        record.cpu_before, record.cpu_after = cpu_before, cpu_after
+        return record
     finally:
         await nc.close()

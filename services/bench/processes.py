@@ -5,8 +5,8 @@ worker and a scheduler each, ``--shard 0..N-1``).
 Each bench run starts a fresh set (empty schedulers, workers and prefix index), waits
 until every service is ready, and stops them (SIGTERM: drain) afterwards. The processes
 inherit this process's CPU affinity, so the in-process arm and this arm get the same cores.
-``cpu_seconds`` reads each process's CPU time (user + system) from /proc, so a run can say
-where the CPU went.
+``cpu_seconds`` reads each process's CPU time (the kernel's per-process CPU clock), so a run
+can say where the CPU went.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from services.runtime import subjects
 
 # the pipeline's back end first, its public entry point last
 SERVICES = ("worker", "prefix-cache", "scheduler", "admission")
+# clock_getcpuclockid(3) for another process, as glibc builds it: ((~pid) << 3) | SCHED
+_CPUCLOCK_SCHED = 2
 _PER_SHARD = ("worker", "scheduler")
 
 
@@ -135,7 +137,7 @@ class ServiceProcesses:
         return (self.run_dir / f"{key}.log").read_text(errors="replace")
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU time (user + system) each live process has used so far, by key."""
+        """CPU seconds each live process has used so far, by key."""
         return {key: process_cpu_s(p.pid) for key, p in self.procs.items() if p.poll() is None}
 
     def stop(self) -> None:
@@ -164,22 +166,13 @@ class ServiceProcesses:
 
 
 def process_cpu_s(pid: int) -> float:
-    """CPU seconds a process has used (0 when it is gone): the scheduler's nanosecond
-    count summed over its live threads (/proc/PID/task/*/schedstat), where /proc/PID/stat
-    counts clock ticks (10 ms: coarse for a run of a few hundred ms)."""
+    """CPU seconds a process has used, every thread including those that ended (0 when it
+    is gone): Linux's CPU-time clock of that process, in nanoseconds (/proc/PID/stat counts
+    10 ms clock ticks, coarse for a run of a few hundred ms)."""
     try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-        total = 0
-        for task in tasks:
-            with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                total += int((task / "schedstat").read_text().split()[0])
-        if total:
-            return total / 1e9
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, ValueError):
+        return time.clock_gettime(((~pid) << 3) | _CPUCLOCK_SCHED)
+    except OSError:
         return 0.0
-    # no schedstat: after "pid (comm)", utime is field 14 and stime 15 (1-based, proc(5))
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_snapshot(procs: ServiceProcesses, nats_pid: int) -> dict[str, float]:

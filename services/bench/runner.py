@@ -103,7 +103,7 @@ class Bench:
                     self.checkpoint,
                     device="sim" if kind.simulated else self.device,
                     dtype=self.dtype,
-                    processes=kind is not BackendKind.PIPELINE_ONE_PROCESS,
+                    processes=kind in (BackendKind.PIPELINE, BackendKind.PIPELINE_SIM),
                 )
         return self._backends[kind]
 
