@@ -14,13 +14,7 @@ from typing import Protocol
 
 from messages.api import ErrorEvent, FinishedEvent, TokenEvent
 from messages.sampling import SamplingParams
-from services.bench.metrics import (
-    RequestRecord,
-    RunRecord,
-    WasteCounters,
-    cpu_per_batch,
-    own_cpu_s,
-)
+from services.bench.metrics import RequestRecord, RunRecord, WasteCounters, own_cpu_s
 from services.bench.probe import RunnerProbe, StatsProbe
 from services.bench.workloads import LoopMode, RequestSpec, Workload
 from services.common.config import SchedulerConfig
@@ -144,11 +138,14 @@ class InProcessBackend:
             end = time.perf_counter()
             cpu_after = own_cpu_s()
         requests = [r for r in records if r is not None]
-        extra = cpu_per_batch(
-            {"engine": cpu_before}, {"engine": cpu_after}, probe.counters.batches, end - start
-        )
         return RunRecord(
-            start, end, requests, probe.counters, extra=extra, waste=waste_counters(engine)
+            start,
+            end,
+            requests,
+            probe.counters,
+            waste=waste_counters(engine),
+            cpu_before={"engine": cpu_before},
+            cpu_after={"engine": cpu_after},
         )
 
 

@@ -125,6 +125,9 @@ def run_metrics(run: RunRecord) -> Metrics:
     m["ttft_ms_later_p50"] = _ms(percentile(later, 50))
     m.update(_counter_metrics(run.counters, wall, out_tokens, len(reqs)))
     m.update(_waste_metrics(run.waste, run.counters, out_tokens))
+    if run.cpu_after:
+        batches = run.counters.batches if run.counters is not None else 0
+        m.update(cpu_per_batch(run.cpu_before, run.cpu_after, batches, wall))
     m.update(run.extra)
     return m
 

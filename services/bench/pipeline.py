@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.bench.backends import BenchError, finish_record, sampling_params
-from services.bench.metrics import EngineCounters, RequestRecord, RunRecord, cpu_per_batch
+from services.bench.metrics import EngineCounters, RequestRecord, RunRecord
 from services.bench.probe import RunnerProbe, counters_between
 from services.bench.processes import (
     ServiceProcesses,
@@ -130,9 +130,6 @@ class PipelineBackend:
                 await nc.close()
         record.counters = counters_between(before, after)
         record.extra.update(step_breakdown(timings_before, timings_after, record.counters))
-        wall = record.end - record.start
-        batches = record.counters.batches
-        record.extra.update(cpu_per_batch(record.cpu_before, record.cpu_after, batches, wall))
         return record
 
     def _services(self, url: str, config: SchedulerConfig) -> list[Service]:
