@@ -253,6 +253,42 @@ def test_cli_rejects_unknown_comparison() -> None:
     assert args.repeats == 3 and args.concurrency == 32 and args.size == "small"
 
 
+@pytest.mark.services
+def test_quick_bench_runs_only_the_arms_named(
+    toy_checkpoint: Path, tmp_path: Path, keep_global_state: None
+) -> None:
+    """--arms (a time-boxed GPU lease): only those arms run, a ratio only with both of its
+    arms, a comparison left without arms is dropped, and the report's command says so."""
+    argv = ("--repeats", "1", "--no-plots", "--only", "depth_batching,wcpb")
+    results = _bench(toy_checkpoint, tmp_path, *argv, "--arms", "refill, cohort,serial")
+    (comp,) = results["comparisons"]
+    assert comp["name"] == "depth_batching"
+    assert [a["name"] for a in comp["arms"]] == ["refill", "cohort", "serial"]
+    assert {r["arm"] for r in comp["runs"]} == {"refill", "cohort", "serial"}
+    pairs = {(r["numerator"], r["denominator"]) for r in comp["ratios"]}
+    assert ("refill", "cohort") in pairs and ("refill", "serial") in pairs
+    assert not any("atomic" in arm for pair in pairs for arm in pair)
+    targets = [t for t in results["targets"] if t["comparison"] == "depth_batching"]
+    assert targets and all(t["numerator"] == "refill" for t in targets)
+    _recompute(results)
+    assert "--arms refill,cohort,serial" in results["command"]
+
+
+@pytest.mark.unit
+def test_bench_refuses_an_arm_no_comparison_has(
+    toy_checkpoint: Path,
+    tmp_path: Path,
+    keep_global_state: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "--quick", "--checkpoint", str(toy_checkpoint), "--no-progress"]
+    argv += ["--out", str(tmp_path), "--only", "wcpb", "--arms", "wcpb,wcbp"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "unknown arm(s) wcbp" in err and "atomic, wcpb" in err
+    assert not (tmp_path / "results.json").exists()  # nothing ran
+
+
 @pytest.mark.unit
 def test_percentile_matches_linear_interpolation() -> None:
     values = [5.0, 1.0, 3.0, 2.0, 4.0]

@@ -30,6 +30,14 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _arm_names(text: str) -> list[str]:
+    """Arm names are the comparisons' own; ``run_bench`` checks them once those are built."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one arm")
+    return names
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -66,6 +74,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAMES",
         help=f"comma-separated subset of: {', '.join(COMPARISON_NAMES)} (the default), "
         f"and {', '.join(SHARD_COMPARISON_NAMES)} (shards as OS processes: only when named)",
+    )
+    p.add_argument(
+        "--arms",
+        type=_arm_names,
+        default=None,
+        help="comma-separated arms to run (default: all of each comparison's); a ratio "
+        "runs only when both of its arms do (e.g. a time-boxed GPU lease)",
     )
     p.add_argument("--out", default="docs/benchmarks", help="output directory for the report")
     p.add_argument(

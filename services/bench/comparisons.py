@@ -112,6 +112,13 @@ class Comparison:
                 ]
         self.workloads, self.ratios = workloads, ratios
 
+    def keep_arms(self, names: set[str]) -> None:
+        """Runs only the arms named (a time-boxed run); a ratio needs both of its arms."""
+        self.arms = [a for a in self.arms if a.name in names]
+        self.ratios = [
+            r for r in self.ratios if r.numerator in names and (r.value or r.denominator in names)
+        ]
+
     def cases(self) -> list[tuple[Workload, Arm]]:
         return [
             (w, a) for w in self.workloads for a in self.arms if (w.name, a.name) not in self.skip
@@ -850,5 +857,26 @@ BUILDERS = {
 }
 
 
-def build_comparisons(names: list[str], settings: BenchSettings) -> list[Comparison]:
-    return [BUILDERS[n](settings) for n in names]
+class UnknownArmError(ValueError):
+    """``--arms`` named an arm that none of the comparisons run has."""
+
+
+def build_comparisons(
+    names: list[str], settings: BenchSettings, arms: list[str] | None = None
+) -> list[Comparison]:
+    """The comparisons ``names``; with ``arms``, only those arms of each (a comparison left
+    without arms is dropped). An arm no comparison has is an UnknownArmError: a typo must
+    not quietly shrink a run."""
+    comparisons = [BUILDERS[n](settings) for n in names]
+    if arms is None:
+        return comparisons
+    known = {a.name for c in comparisons for a in c.arms}
+    unknown = [a for a in arms if a not in known]
+    if unknown:
+        raise UnknownArmError(
+            f"unknown arm(s) {', '.join(unknown)}; the comparisons run have: "
+            f"{', '.join(sorted(known))}"
+        )
+    for c in comparisons:
+        c.keep_arms(set(arms))
+    return [c for c in comparisons if c.arms]

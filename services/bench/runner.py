@@ -29,6 +29,7 @@ from services.bench.comparisons import (
     BackendKind,
     BenchSettings,
     Comparison,
+    UnknownArmError,
     build_comparisons,
 )
 from services.bench.metrics import (
@@ -261,6 +262,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--routing-kv-prefixes", f"{args.routing_kv_prefixes:g}"]
     if sorted(args.only) != sorted(_all_names()):
         parts += ["--only", ",".join(args.only)]
+    if args.arms:
+        parts += ["--arms", ",".join(args.arms)]
     parts += ["--out", str(args.out)]
     return " ".join(parts)
 
@@ -341,7 +344,13 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
         model_size=None if args.checkpoint else args.size,
         routing_kv_prefixes=args.routing_kv_prefixes,
     )
-    comparisons = build_comparisons([n for n in args.only if n != "scheduler"], settings)
+    try:
+        comparisons = build_comparisons(
+            [n for n in args.only if n != "scheduler"], settings, arms=args.arms
+        )
+    except UnknownArmError:
+        bench.close()
+        raise
     total = sum(
         len(c.cases()) * args.repeats * max(1, len(c.loads))
         + (len(c.workloads) * len(c.arms) if c.loads else 0)
@@ -391,7 +400,11 @@ def main_bench(args: argparse.Namespace) -> int:
     configure_logging(os.environ.get("RLT_LOG_LEVEL", "warning"))
     from services.bench.report import targets_markdown, write_report
 
-    results = run_bench(args)
+    try:
+        results = run_bench(args)
+    except UnknownArmError as exc:  # --arms named an arm no comparison run has
+        print(f"rlt bench: {exc}", file=sys.stderr)
+        return 2
     paths = write_report(results, Path(args.out), plots=not args.no_plots)
     print(targets_markdown(results))
     print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
