@@ -151,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run NATS without authentication (every local process can read every stream and "
         "publish into the services' subjects)",
     )
+    p.add_argument(
+        "--one-process",
+        action="store_true",
+        help="run the engine's four services in this process instead of one process each "
+        "(less memory; slower: a model pass then holds up the scheduler and the bus)",
+    )
     add_engine_flags(p)
     add_http_flags(p)
     add_shard_flags(p, many=True)

@@ -1,5 +1,6 @@
-"""Running the services: ``rlt up`` (embedded nats-server + all four services in one
-process), ``rlt service NAME`` (one service, for compose) and the ``rlt generate`` client.
+"""Running the services: ``rlt up`` (embedded nats-server, then every service in a process
+of its own, as compose runs them; ``--one-process`` runs the engine's four in ``rlt up``'s
+own), ``rlt service NAME`` (one service, for compose) and the ``rlt generate`` client.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.admission.core import AdmissionConfig
 from services.client import RetryPolicy, resolve_client_url, stream_requests
 from services.common.config import SchedulerConfig
-from services.common.flags import device_from_args, parse_prompt_ids, scheduler_config_from_args
+from services.common.flags import (
+    device_from_args,
+    parse_prompt_ids,
+    scheduler_config_from_args,
+    service_args,
+)
 from services.gateway.process import GatewayProcess
 from services.runtime import subjects
 from services.runtime.bus import (
@@ -37,6 +43,7 @@ from services.runtime.bus import (
     with_credentials,
     write_secret,
 )
+from services.runtime.child import ServiceProcess
 from services.runtime.permissions import LocalAuth
 from services.runtime.service import Runnable, Service, serve
 from services.worker.model.toy import ensure_checkpoint
@@ -335,6 +342,37 @@ def build_services(
     return out
 
 
+def service_processes(
+    nats_url: str,
+    checkpoint: str | Path,
+    config: SchedulerConfig,
+    run_dir: Path,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    shards: int = 1,
+    router: str = "prefix",
+    url_for: Callable[[str], str] | None = None,
+) -> list[ServiceProcess]:
+    """``build_services``, each service as a supervised ``rlt service`` child process (in
+    start order; a worker and a scheduler per shard). ``run_dir``: where each child gets a
+    folder for its identity file."""
+    if shards < 1:
+        raise ValueError(f"--shards must be >= 1, got {shards}")
+    out: list[ServiceProcess] = []
+    for name in SERVICE_ORDER:
+        per_shard = name in ("worker", "scheduler")
+        for i in range(shards if per_shard else 1):
+            shard = str(i) if per_shard else None
+            args = service_args(
+                name, checkpoint, config, device=device, dtype=dtype, shard=shard, router=router
+            )
+            url = url_for(name) if url_for is not None else nats_url
+            key = name if shard is None else f"{name}-{shard}"
+            out.append(ServiceProcess(name, url, args, run_dir / key))
+    return out
+
+
 def _banner(
     url: str,
     checkpoint: Path,
@@ -436,19 +474,40 @@ def main_up(args: argparse.Namespace) -> int:
         return 1
     written: dict[str, Path] = {}
     extra_files: list[Path] = []
+    children: list[ServiceProcess] = []
     try:
         device, dtype = device_from_args(args)
         shards = getattr(args, "shards", 1)
-        services: list[Runnable] = build_services(  # type: ignore[assignment]
-            server.url,
-            checkpoint,
-            config,
-            _admission_config(args),
-            device=device,
-            dtype=dtype,
-            shards=shards,
-            url_for=(lambda name: auth.url(name, server.url)) if auth is not None else None,
-        )
+        url_for = (lambda name: auth.url(name, server.url)) if auth is not None else None
+        services: list[Runnable]
+        if getattr(args, "one_process", False):
+            services = list(
+                build_services(
+                    server.url,
+                    checkpoint,
+                    config,
+                    _admission_config(args),
+                    device=device,
+                    dtype=dtype,
+                    shards=shards,
+                    url_for=url_for,
+                )
+            )
+        else:
+            children = service_processes(
+                server.url,
+                checkpoint,
+                config,
+                secrets_dir / "services",
+                device=device,
+                dtype=getattr(args, "dtype", "float32"),
+                shards=shards,
+                router=getattr(args, "router", "prefix"),
+                url_for=url_for,
+            )
+            for child in children:
+                child.launch()  # all at once: their imports and checkpoint loads overlap
+            services = list(children)
         gateway_url = auth.url(GATEWAY, server.url) if auth is not None else server.url
         # its own process, so HTTP work never runs on the engine's event loop
         gateway = GatewayProcess(
@@ -482,6 +541,8 @@ def main_up(args: argparse.Namespace) -> int:
 
         return _run_main("rlt up", run())
     finally:
+        for child in children:  # launched but never started (a start before it failed)
+            child.terminate(15.0)
         server.stop()
         for path in [*written.values(), *extra_files]:
             _remove_if_ours(path, server.url)  # the credentials die with this run

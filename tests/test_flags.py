@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.cli import build_parser
 from services.common.config import KVAdmission, KVLayout, SchedulerConfig
 from services.common.flags import add_engine_flags, engine_args, scheduler_config_from_args
+from services.launcher import service_processes
+from services.runtime.service import PARENT_PID_ENV
 
 pytestmark = pytest.mark.unit
 
@@ -44,3 +50,54 @@ def test_config_round_trips_through_the_flags(config: SchedulerConfig) -> None:
     add_engine_flags(parser)
     back = scheduler_config_from_args(parser.parse_args(engine_args(config)))
     assert dataclasses.asdict(back) == dataclasses.asdict(config)
+
+
+def test_rlt_up_children_run_the_deployment_they_were_given(tmp_path: Path) -> None:
+    """``rlt up``'s `rlt service` children: a worker and a scheduler per shard, each parsed
+    by the real CLI back to rlt up's config, shard and router; credentials in the
+    environment, never on the command line; each its own folder for its identity file."""
+    config = SchedulerConfig(max_num_seqs=7, enable_prefix_caching=True, async_scheduling=True)
+    children = service_processes(
+        "nats://127.0.0.1:4222",
+        tmp_path / "ckpt",
+        config,
+        tmp_path / "run",
+        dtype="bfloat16",
+        shards=2,
+        router="least-loaded",
+        url_for=lambda name: f"nats://{name}:s3cret@127.0.0.1:4222",
+    )
+    keys = [(c.name, c.run_dir.name) for c in children]
+    assert keys == [
+        ("worker", "worker-0"),
+        ("worker", "worker-1"),
+        ("prefix-cache", "prefix-cache"),
+        ("scheduler", "scheduler-0"),
+        ("scheduler", "scheduler-1"),
+        ("admission", "admission"),
+    ]
+    parser = build_parser()
+    for child in children:
+        argv = child.command()
+        assert argv[:3] == [sys.executable, "-m", "services.cli"] and "s3cret" not in argv
+        args = parser.parse_args(argv[3:])
+        assert args.name == child.name and args.nats_url == "nats://127.0.0.1:4222"
+        assert (child.env["RLT_NATS_USER"], child.env["RLT_NATS_PASSWORD"]) == (
+            child.name,
+            "s3cret",
+        )
+        assert child.env["RLT_RUN_DIR"] == str(child.run_dir) and child.run_dir.is_dir()
+        assert child.env[PARENT_PID_ENV] == str(os.getpid())
+        back = scheduler_config_from_args(args)
+        assert dataclasses.asdict(back) == dataclasses.asdict(config)
+        assert args.dtype == "bfloat16"
+        if child.name in ("worker", "scheduler"):
+            assert args.shard == child.run_dir.name.rsplit("-", 1)[1]
+        if child.name == "prefix-cache":
+            assert args.checkpoint is None
+        else:
+            assert args.checkpoint == str(tmp_path / "ckpt")
+        if child.name == "admission":
+            assert args.router == "least-loaded"
+    with pytest.raises(ValueError, match="--shards must be >= 1"):
+        service_processes("nats://x:1", tmp_path, config, tmp_path, shards=0)

@@ -26,7 +26,7 @@ from nats.aio.client import Client as NATS
 
 from services.bench.metrics import own_cpu_s
 from services.common.config import SchedulerConfig
-from services.common.flags import DTYPES, engine_args
+from services.common.flags import DTYPES, service_args
 from services.runtime import subjects
 
 # the pipeline's back end first, its public entry point last
@@ -82,18 +82,18 @@ class ServiceProcesses:
 
     def command(self, name: str, shard: str | None = None) -> list[str]:
         cmd = [sys.executable, "-m", "services.cli", "service", name, "--nats-url", self.nats_url]
-        if name != "prefix-cache":
-            cmd += ["--checkpoint", str(self.checkpoint)]
-        cmd += engine_args(self.config)
         device = self.worker_device if name == "worker" else self.device
         if device == "sim" and name != "worker":
             device = "cpu"
-        cmd += ["--device", device, "--dtype", self.dtype_name]
-        if shard is not None:
-            cmd += ["--shard", shard]
-        if name == "admission":
-            cmd += ["--router", self.router]
-        return cmd
+        return cmd + service_args(
+            name,
+            self.checkpoint,
+            self.config,
+            device=device,
+            dtype=self.dtype_name,
+            shard=shard,
+            router=self.router,
+        )
 
     def _proc_dir(self, key: str) -> Path:
         # each process its own health identity file (shards' services share names)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 
@@ -245,6 +246,28 @@ def engine_args(config: SchedulerConfig) -> list[str]:
         "--no-share-inflight-prefill": not config.share_inflight_prefill,
     }
     return args + [flag for flag, on in switches.items() if on]
+
+
+def service_args(
+    name: str,
+    checkpoint: str | Path | None,
+    config: SchedulerConfig,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    shard: str | None = None,
+    router: str = "prefix",
+) -> list[str]:
+    """The flags of ``rlt service NAME`` (all but ``--nats-url``) that run it as part of a
+    deployment with ``config``: ``rlt up``'s children and the bench's processes."""
+    args = [] if name == "prefix-cache" else ["--checkpoint", str(checkpoint)]
+    args += engine_args(config)
+    args += ["--device", device, "--dtype", dtype]
+    if shard is not None:
+        args += ["--shard", shard]
+    if name == "admission":
+        args += ["--router", router]
+    return args
 
 
 def prefill_mode(config: SchedulerConfig) -> str:

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
-import signal
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -56,7 +54,6 @@ from services.runtime.service import Endpoint, Service
 from services.runtime.tracing import TRACEPARENT, Tracer
 
 DEFAULT_HTTP_PORT = 8000
-PARENT_POLL_S = 0.5
 # what /health needs to answer: someone to take requests, schedule them and run them
 READY_NEEDS = ("admission", "scheduler", "worker")
 _EVENT = json_decoder(StreamEvent)  # type: ignore[arg-type]
@@ -236,14 +233,6 @@ class GatewayService(Service):
         self.log.info(
             "http listening", url=f"http://{self.host}:{self.port}", model=self.model_name
         )
-        if self.listen_fd is not None:  # a child of `rlt up`: do not outlive it
-            self.spawn(self._watch_parent(os.getppid()), "watch-parent")
-
-    async def _watch_parent(self, parent: int) -> None:
-        while os.getppid() == parent:
-            await asyncio.sleep(PARENT_POLL_S)
-        self.log.warning("rlt up is gone; stopping", parent_pid=parent)
-        os.kill(os.getpid(), signal.SIGTERM)  # the same graceful stop as a signal from it
 
     async def drain(self, timeout: float) -> None:
         """Answers in flight run on for ``timeout``; then each ends with an ``unavailable``

@@ -46,6 +46,11 @@ def _version() -> str:
 VERSION = _version()
 
 
+# set by `rlt up` in its children's environment (services.runtime.child): its own pid
+PARENT_PID_ENV = "RLT_PARENT_PID"
+PARENT_POLL_S = 0.5
+
+
 def runtime_dir() -> Path:
     """Where a service writes its identity file for container health checks."""
     return Path(os.environ.get("RLT_RUN_DIR", tempfile.gettempdir()))
@@ -223,8 +228,17 @@ class Service:
                 self.nc, self.name, self.instance_id, registry, shard=self.shard, log=self.log
             )
             self.spawn(self._metrics.run(), "metrics")
+        if os.environ.get(PARENT_PID_ENV) == str(os.getppid()):  # a child of `rlt up`
+            self.spawn(self._watch_parent(os.getppid()), "watch-parent")
         await self.on_ready()
         self.log.info("service ready", micro_id=self._micro.id, nats_url=redact_url(self.nats_url))
+
+    async def _watch_parent(self, parent: int) -> None:
+        """A child of ``rlt up`` (``services.runtime.child``) does not outlive it."""
+        while os.getppid() == parent:
+            await asyncio.sleep(PARENT_POLL_S)
+        self.log.warning("rlt up is gone; stopping", parent_pid=parent)
+        os.kill(os.getpid(), signal.SIGTERM)  # the same graceful stop as a signal from it
 
     async def stop(self, drain_timeout: float = 30.0) -> None:
         """Graceful: refuse new work, finish what is in flight, then unsubscribe and close."""
@@ -315,10 +329,10 @@ def _from_micro(handler: BoundedHandler) -> Callable[[MicroRequest], Awaitable[N
 
 
 class Runnable(Protocol):
-    """What ``serve`` runs: a ``Service``, or a supervised child process such as
-    ``services.gateway.process.GatewayProcess``."""
+    """What ``serve`` runs: a ``Service``, or a supervised child process
+    (``services.runtime.child``)."""
 
-    name: ClassVar[str]
+    name: str
     state: str
 
     async def start(self) -> None: ...

@@ -1,0 +1,197 @@
+"""A service run as a supervised child process of ``rlt up``.
+
+``rlt up`` runs every service in a process of its own, as compose runs them: a worker's
+pass then never holds up the scheduler's event loop, nor the bus, nor the other services
+(a process per service against the four in one: 1.3-1.4x the async tokens/s on the toy
+model here and 2.5x on an H200; docs/benchmarks/README.md, "Pipeline").
+
+A child runs in its own session (a terminal's Ctrl-C reaches ``rlt up`` only, which then
+stops the children one by one with SIGTERM, so each drains). It gets its NATS credentials
+in its environment, never on its command line (where ``ps`` would show them), and
+``RLT_PARENT_PID``: should ``rlt up`` be killed, the child notices its parent is gone and
+stops (``services.runtime.service``). A child that dies is started again, with a growing
+delay while it keeps failing; the services' own failover covers what it held (a lost
+worker's batches are replayed, a lost scheduler's requests move).
+
+These classes have what ``services.runtime.service.serve`` needs of a service: ``name``,
+``state``, ``start`` and ``stop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from services.runtime.bus import split_credentials
+from services.runtime.logging import get_logger
+from services.runtime.service import PARENT_PID_ENV
+
+RESTART_DELAY_S = 1.0  # doubled after each start that failed, up to RESTART_DELAY_MAX_S
+RESTART_DELAY_MAX_S = 30.0
+_POLL_S = 0.05  # while a child starts
+# while it runs: polled, not waited for on a thread, so that any number of children leave
+# the event loop's default executor free (a wait per child once exhausted it, and a stop
+# then queued behind the waits for ever)
+_EXIT_POLL_S = 0.2
+
+
+class ChildProcess:
+    """A supervised child process; a subclass says what it runs and when it is ready."""
+
+    ready_timeout_s = 120.0
+
+    def __init__(self, name: str, nats_url: str) -> None:
+        self.name = name
+        # credentials travel in the environment; the URL on the command line has none
+        self.nats_url, creds = split_credentials(nats_url)
+        self.env = dict(os.environ)
+        if "password" in creds:
+            self.env.update(RLT_NATS_USER=creds["user"], RLT_NATS_PASSWORD=creds["password"])
+        elif "token" in creds:
+            self.env.update(RLT_NATS_TOKEN=creds["token"])
+        self.env[PARENT_PID_ENV] = str(os.getpid())
+        self.state = "created"
+        self.log = get_logger(name, role="supervisor")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ what a subclass says
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def pass_fds(self) -> Sequence[int]:
+        return ()
+
+    async def is_ready(self) -> bool:
+        """Whether the child (``self.proc``, alive) serves."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ Runnable
+    def launch(self) -> None:
+        """Starts the process without waiting for it: launching every child first lets
+        their imports and checkpoint loads overlap; ``start`` then only waits."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.before_spawn()
+            self.proc = subprocess.Popen(
+                self.command(), pass_fds=tuple(self.pass_fds()), env=self.env,
+                start_new_session=True,
+            )  # fmt: skip
+
+    async def start(self) -> None:
+        self.launch()
+        await self._wait_ready()
+        self.state = "ready"
+        self._watch = asyncio.ensure_future(self._supervise())
+
+    async def stop(self, drain_timeout: float) -> None:
+        self.state = "stopping"
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        await self._end(drain_timeout + 15.0)
+        self.state = "stopped"
+
+    # ------------------------------------------------------------------ internals
+    def before_spawn(self) -> None:
+        """Hook: runs before each spawn (e.g. removing the last run's readiness marker)."""
+
+    async def _wait_ready(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:  # its own log lines above say why
+                raise OSError(f"the {self.name} process exited with {self.proc.returncode}")
+            if await self.is_ready():
+                return
+            await asyncio.sleep(_POLL_S)
+        await self._end(5.0)
+        raise OSError(f"the {self.name} process did not serve within {self.ready_timeout_s:.0f}s")
+
+    async def _exited(self) -> int:
+        assert self.proc is not None
+        while (code := self.proc.poll()) is None:
+            await asyncio.sleep(_EXIT_POLL_S)
+        return code
+
+    async def _end(self, timeout: float) -> None:
+        """SIGTERM (the child drains), then SIGKILL after ``timeout``."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self._exited(), timeout)
+        except TimeoutError:
+            proc.kill()
+            await self._exited()
+
+    async def _supervise(self) -> None:
+        """Starts the child again if it dies, while we run."""
+        delay = RESTART_DELAY_S
+        while True:
+            code = await self._exited()
+            if self.state != "ready":
+                return
+            self.log.error(f"{self.name} process exited; starting it again", exit_code=code)
+            await asyncio.sleep(delay)
+            try:
+                self.launch()
+                await self._wait_ready()
+                delay = RESTART_DELAY_S
+            except OSError as exc:
+                delay = min(2 * delay, RESTART_DELAY_MAX_S)
+                self.log.error(f"{self.name} process did not start again", error=str(exc))
+
+    def terminate(self, timeout: float) -> None:
+        """``_end`` without an event loop (``rlt up``'s last clean-up)."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class ServiceProcess(ChildProcess):
+    """``rlt service NAME ARGS...`` as a child; ready once it wrote its identity file (it is
+    registered and serving). ``run_dir``: its own folder for that file (shards' services
+    share names)."""
+
+    ready_timeout_s = 300.0  # a worker loads its checkpoint first
+
+    def __init__(self, name: str, nats_url: str, args: Sequence[str], run_dir: Path) -> None:
+        super().__init__(name, nats_url)
+        self.args = list(args)
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.env["RLT_RUN_DIR"] = str(run_dir)
+
+    @property
+    def identity_file(self) -> Path:
+        return self.run_dir / f"rlt-{self.name}.json"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "services.cli", "service", self.name]
+        return [*cmd, "--nats-url", self.nats_url, *self.args]
+
+    def before_spawn(self) -> None:
+        self.identity_file.unlink(missing_ok=True)  # the last incarnation's
+
+    async def is_ready(self) -> bool:
+        try:
+            ident = json.loads(self.identity_file.read_text())
+        except (OSError, ValueError):
+            return False
+        return self.proc is not None and ident.get("pid") == self.proc.pid

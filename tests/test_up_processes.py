@@ -1,0 +1,219 @@
+"""``rlt up`` runs every service in a process of its own (as compose does), supervises them,
+and takes them with it; ``--one-process`` keeps the engine's four in its own process.
+
+Both layouts serve the serial oracle's tokens over NATS; a killed worker process comes back
+and serves them again; Ctrl-C and a killed ``rlt up`` leave no process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from messages.api import FinishedEvent
+from messages.sampling import SamplingParams
+from services.bench.processes import child_pid, child_pids, cmdline
+from services.common.config import SchedulerConfig
+from services.launcher import free_port
+from services.oracle import SerialOracle
+from tests.engine_harness import assert_matches_oracle, oracle_result
+
+PROMPTS = ([5, 17, 42, 99], [3, 1, 4, 1, 5, 9, 2, 6], [250, 7])
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, min_loops=1,
+                        exit_threshold=0.7)  # fmt: skip
+SERVICES = ("worker", "prefix-cache", "scheduler", "admission")
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen[str]
+    env: dict[str, str]
+    stderr: Path
+
+    def log_events(self) -> list[str]:
+        out = []
+        for line in self.stderr.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line).get("event", ""))
+        return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@contextlib.contextmanager
+def _rlt_up(checkpoint: Path, workdir: Path, *extra: str) -> Iterator[Up]:
+    env = {
+        **os.environ,
+        "RLT_RUN_DIR": str(workdir),
+        "RLT_LOG_LEVEL": "info",
+        "OMP_NUM_THREADS": "1",
+        "RLT_CLIENT_URL_FILE": str(workdir / "client-url"),
+    }
+    env.pop("RLT_NATS_URL", None)
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(free_port())]
+    cmd += ["--http-port", str(free_port()), "--checkpoint", str(checkpoint), *extra]
+    stderr = workdir / "rlt-up.log"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        deadline = time.monotonic() + 120
+        while "rlt is up" not in lines.get(timeout=max(deadline - time.monotonic(), 0.1)):
+            pass
+        yield Up(proc, env, stderr)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _service_argvs(up: Up) -> dict[int, list[str]]:
+    """{pid: argv} of rlt up's `rlt service` children."""
+    out = {}
+    for pid in child_pids(up.proc.pid):
+        argv = cmdline(pid)
+        if "service" in argv:
+            out[pid] = argv
+    return out
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1] if name in argv else ""
+
+
+def _services(up: Up) -> dict[str, int]:
+    """{service name: pid} of rlt up's `rlt service` children (one shard)."""
+    return {argv[argv.index("service") + 1]: pid for pid, argv in _service_argvs(up).items()}
+
+
+def _generate(up: Up) -> list[FinishedEvent]:
+    cmd = [sys.executable, "-m", "services.cli", "generate", "--json", "--ignore-eos"]
+    cmd += ["--max-tokens", str(PARAMS.max_tokens), "--min-loops", str(PARAMS.min_loops)]
+    cmd += ["--exit-threshold", str(PARAMS.exit_threshold)]
+    for prompt in PROMPTS:
+        cmd += ["--prompt-ids", ",".join(map(str, prompt))]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=up.env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [msgspec.json.decode(line, type=FinishedEvent) for line in done.stdout.splitlines()]
+
+
+def _check_oracle(up: Up, oracle: SerialOracle) -> None:
+    events = _generate(up)
+    assert len(events) == len(PROMPTS)
+    for prompt, event in zip(PROMPTS, events, strict=True):
+        expected = oracle_result(oracle, list(prompt), PARAMS, SchedulerConfig())
+        assert assert_matches_oracle(event, expected, str(prompt)) > 0
+
+
+def _stop(up: Up) -> list[int]:
+    """Ctrl-C: rlt up exits 0 and every process it started is gone."""
+    children = child_pids(up.proc.pid)
+    up.proc.send_signal(signal.SIGINT)
+    assert up.proc.wait(timeout=90) == 0
+    deadline = time.monotonic() + 20
+    while [pid for pid in children if _alive(pid)]:
+        assert time.monotonic() < deadline, [cmdline(p) for p in children if _alive(p)]
+        time.sleep(0.1)
+    return children
+
+
+@pytest.mark.slow
+def test_rlt_up_runs_a_process_per_service_and_restarts_a_dead_one(
+    toy_checkpoint: Path, tmp_path: Path, oracle: SerialOracle
+) -> None:
+    with _rlt_up(toy_checkpoint, tmp_path) as up:
+        procs = _services(up)
+        assert set(procs) == {*SERVICES, "gateway"}
+        assert len(set(procs.values())) == 5 and up.proc.pid not in procs.values()
+        for pid in procs.values():  # credentials travel in the environment
+            argv = cmdline(pid)
+            assert "@" not in argv[argv.index("--nats-url") + 1]
+        _check_oracle(up, oracle)
+
+        os.kill(procs["worker"], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while _services(up).get("worker") in (None, procs["worker"]):
+            assert time.monotonic() < deadline, "the worker did not come back"
+            time.sleep(0.2)
+        # the scheduler binds the new worker; the same tokens come back
+        _check_oracle(up, oracle)
+        assert "worker process exited; starting it again" in up.log_events()
+        assert _services(up).keys() == procs.keys()
+        _stop(up)
+
+
+@pytest.mark.slow
+def test_rlt_up_with_two_shards_runs_each_shard_in_processes_of_its_own(
+    toy_checkpoint: Path, tmp_path: Path, oracle: SerialOracle
+) -> None:
+    """Two shards: seven children (more than the event loop's default executor has threads:
+    supervising them must not take one each, or Ctrl-C would wait for ever)."""
+    with _rlt_up(toy_checkpoint, tmp_path, "--shards", "2") as up:
+        layout = sorted(
+            (argv[argv.index("service") + 1], _flag(argv, "--shard"))
+            for argv in _service_argvs(up).values()
+        )
+        assert layout == [
+            ("admission", ""),
+            ("gateway", ""),
+            ("prefix-cache", ""),
+            ("scheduler", "0"),
+            ("scheduler", "1"),
+            ("worker", "0"),
+            ("worker", "1"),
+        ]
+        _check_oracle(up, oracle)
+        _stop(up)
+
+
+@pytest.mark.slow
+def test_rlt_up_one_process_keeps_the_engine_in_its_own_process(
+    toy_checkpoint: Path, tmp_path: Path, oracle: SerialOracle
+) -> None:
+    with _rlt_up(toy_checkpoint, tmp_path, "--one-process") as up:
+        assert set(_services(up)) == {"gateway"}  # the four run inside rlt up
+        assert child_pid(up.proc.pid, "nats-server") is not None
+        _check_oracle(up, oracle)
+        _stop(up)
+
+
+@pytest.mark.slow
+def test_a_killed_rlt_up_takes_every_service_process_with_it(
+    toy_checkpoint: Path, tmp_path: Path
+) -> None:
+    children: list[int] = []
+    with _rlt_up(toy_checkpoint, tmp_path) as up:
+        children = child_pids(up.proc.pid)
+        services = _services(up)
+        assert set(services) == {*SERVICES, "gateway"}
+        try:
+            up.proc.kill()  # no chance to stop anything
+            up.proc.wait()
+            deadline = time.monotonic() + 30
+            while alive := [name for name, pid in services.items() if _alive(pid)]:
+                assert time.monotonic() < deadline, f"{alive} outlived rlt up"
+                time.sleep(0.1)
+        finally:
+            for pid in children:  # nats-server has no such watch: it is ours to clean up
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
