@@ -43,7 +43,7 @@ from services.runtime.bus import (
     with_credentials,
     write_secret,
 )
-from services.runtime.child import ServiceProcess
+from services.runtime.child import ChildProcess, ServiceProcess, end_all
 from services.runtime.permissions import LocalAuth
 from services.runtime.service import Runnable, Service, serve
 from services.worker.model.toy import ensure_checkpoint
@@ -474,7 +474,7 @@ def main_up(args: argparse.Namespace) -> int:
         return 1
     written: dict[str, Path] = {}
     extra_files: list[Path] = []
-    children: list[ServiceProcess] = []
+    children: list[ChildProcess] = []  # every child process, the gateway's too
     try:
         device, dtype = device_from_args(args)
         shards = getattr(args, "shards", 1)
@@ -494,7 +494,7 @@ def main_up(args: argparse.Namespace) -> int:
                 )
             )
         else:
-            children = service_processes(
+            children += service_processes(
                 server.url,
                 checkpoint,
                 config,
@@ -518,6 +518,7 @@ def main_up(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
         )
         services.append(gateway)
+        children.append(gateway)
         if auth is not None:
             written = _write_client_urls(args, auth, server.url, tenants)
             operator_file = getattr(args, "operator_url_file", None)
@@ -526,7 +527,9 @@ def main_up(args: argparse.Namespace) -> int:
                 extra_files.append(Path(operator_file))
 
         async def run() -> None:
-            task = asyncio.ensure_future(serve(services))
+            stopping = asyncio.Event()
+            task = asyncio.ensure_future(serve(services, stop=stopping))
+            hold = asyncio.ensure_future(_hold_on_stop(stopping, children))
             # the banner once every service is ready (or serve failed)
             while not task.done() and not all(s.state == "ready" for s in services):
                 await asyncio.sleep(0.05)
@@ -537,16 +540,29 @@ def main_up(args: argparse.Namespace) -> int:
                 router = getattr(args, "router", "prefix")
                 banner = _banner(server.url, checkpoint, files, http_url, model, shards, router)
                 print(banner, flush=True)
-            await task
+            try:
+                await task
+            finally:
+                hold.cancel()
 
         return _run_main("rlt up", run())
     finally:
-        for child in children:  # launched but never started (a start before it failed)
-            child.terminate(15.0)
-        server.stop()
-        for path in [*written.values(), *extra_files]:
-            _remove_if_ours(path, server.url)  # the credentials die with this run
-        shutil.rmtree(secrets_dir, ignore_errors=True)
+        try:
+            # those serve never started or stopped (a start failed, or an impatient Ctrl-C)
+            end_all(children, 15.0)
+        finally:
+            server.stop()
+            for path in [*written.values(), *extra_files]:
+                _remove_if_ours(path, server.url)  # the credentials die with this run
+            shutil.rmtree(secrets_dir, ignore_errors=True)
+
+
+async def _hold_on_stop(stopping: asyncio.Event, children: Sequence[ChildProcess]) -> None:
+    """Once ``rlt up`` stops, no child is restarted: ``serve`` stops them one at a time,
+    and one that exits meanwhile (a signal to the whole group) stays down."""
+    await stopping.wait()
+    for child in children:
+        child.hold()
 
 
 def _remove_if_ours(path: Path, url: str) -> None:

@@ -52,10 +52,16 @@ def test_config_round_trips_through_the_flags(config: SchedulerConfig) -> None:
     assert dataclasses.asdict(back) == dataclasses.asdict(config)
 
 
-def test_rlt_up_children_run_the_deployment_they_were_given(tmp_path: Path) -> None:
+def test_rlt_up_children_run_the_deployment_they_were_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``rlt up``'s `rlt service` children: a worker and a scheduler per shard, each parsed
-    by the real CLI back to rlt up's config, shard and router; credentials in the
-    environment, never on the command line; each its own folder for its identity file."""
+    by the real CLI back to rlt up's config, shard and router; their own credentials in the
+    environment (none of the shell's), never on the command line; each its own folder for
+    its identity file."""
+    monkeypatch.setenv("RLT_NATS_CREDS", "/home/me/operator.creds")
+    monkeypatch.setenv("RLT_NATS_TOKEN", "the-shells-token")
+    monkeypatch.setenv("RLT_NATS_PASSWORD_FILE", "/run/secrets/mine")
     config = SchedulerConfig(max_num_seqs=7, enable_prefix_caching=True, async_scheduling=True)
     children = service_processes(
         "nats://127.0.0.1:4222",
@@ -86,6 +92,7 @@ def test_rlt_up_children_run_the_deployment_they_were_given(tmp_path: Path) -> N
             child.name,
             "s3cret",
         )
+        assert not {"RLT_NATS_CREDS", "RLT_NATS_TOKEN", "RLT_NATS_PASSWORD_FILE"} & set(child.env)
         assert child.env["RLT_RUN_DIR"] == str(child.run_dir) and child.run_dir.is_dir()
         assert child.env[PARENT_PID_ENV] == str(os.getpid())
         back = scheduler_config_from_args(args)

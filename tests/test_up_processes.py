@@ -97,6 +97,14 @@ def _service_argvs(up: Up) -> dict[int, list[str]]:
     return out
 
 
+def _identity_file(pid: int) -> Path:
+    """Where a service child writes its identity file once it is ready."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    run_dir = next(e for e in environ if e.startswith(b"RLT_RUN_DIR=")).split(b"=", 1)[1]
+    name = cmdline(pid)[cmdline(pid).index("service") + 1]
+    return Path(run_dir.decode()) / f"rlt-{name}.json"
+
+
 def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1] if name in argv else ""
 
@@ -217,3 +225,38 @@ def test_a_killed_rlt_up_takes_every_service_process_with_it(
             for pid in children:  # nats-server has no such watch: it is ours to clean up
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_child_does_not_outlive_an_rlt_up_killed_while_it_starts(
+    toy_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Killed before its services are ready (a worker still loading): each child notices
+    once it runs, and stops instead of serving for nobody."""
+    env = {**os.environ, "RLT_RUN_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(free_port())]
+    cmd += ["--http-port", str(free_port()), "--checkpoint", str(toy_checkpoint)]
+    cmd += ["--client-url-file", str(tmp_path / "client-url")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(services := [p for p in child_pids(proc.pid) if "service" in cmdline(p)]) < 4:
+            assert time.monotonic() < deadline, "the service processes did not start"
+            time.sleep(0.02)
+        children = child_pids(proc.pid)
+        worker = next(p for p in services if "worker" in cmdline(p))
+        assert not _identity_file(worker).exists()  # the worker is not ready yet
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while alive := [cmdline(p)[4:5] for p in services if _alive(p)]:
+            assert time.monotonic() < deadline, f"{alive} outlived rlt up"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

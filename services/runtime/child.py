@@ -2,8 +2,8 @@
 
 ``rlt up`` runs every service in a process of its own, as compose runs them: a worker's
 pass then never holds up the scheduler's event loop, nor the bus, nor the other services
-(a process per service against the four in one: 1.3-1.4x the async tokens/s on the toy
-model here and 2.5x on an H200; docs/benchmarks/README.md, "Pipeline").
+(with async scheduling, a process per service against the four in one: 1.08-1.41x the
+tokens/s on this 2-core machine, 2.5x on an H200; docs/benchmarks/README.md, "Pipeline").
 
 A child runs in its own session (a terminal's Ctrl-C reaches ``rlt up`` only, which then
 stops the children one by one with SIGTERM, so each drains). It gets its NATS credentials
@@ -41,6 +41,17 @@ _POLL_S = 0.05  # while a child starts
 # the event loop's default executor free (a wait per child once exhausted it, and a stop
 # then queued behind the waits for ever)
 _EXIT_POLL_S = 0.2
+# what services.runtime.bus.auth_options reads: a child gets its own user's and nothing of
+# the shell's (which could name another user, or credentials of the caller's)
+_AUTH_ENV = (
+    "RLT_NATS_USER",
+    "RLT_NATS_PASSWORD",
+    "RLT_NATS_PASSWORD_FILE",
+    "RLT_NATS_TOKEN",
+    "RLT_NATS_TOKEN_FILE",
+    "RLT_NATS_CREDS",
+    "RLT_NATS_NKEY_SEED",
+)
 
 
 class ChildProcess:
@@ -52,7 +63,7 @@ class ChildProcess:
         self.name = name
         # credentials travel in the environment; the URL on the command line has none
         self.nats_url, creds = split_credentials(nats_url)
-        self.env = dict(os.environ)
+        self.env = {k: v for k, v in os.environ.items() if k not in _AUTH_ENV}
         if "password" in creds:
             self.env.update(RLT_NATS_USER=creds["user"], RLT_NATS_PASSWORD=creds["password"])
         elif "token" in creds:
@@ -62,6 +73,7 @@ class ChildProcess:
         self.log = get_logger(name, role="supervisor")
         self.proc: subprocess.Popen[bytes] | None = None
         self._watch: asyncio.Task[None] | None = None
+        self._restarts = True  # off once rlt up is stopping (``hold``)
 
     # ------------------------------------------------------------------ what a subclass says
     def command(self) -> list[str]:
@@ -85,7 +97,15 @@ class ChildProcess:
                 start_new_session=True,
             )  # fmt: skip
 
+    def hold(self) -> None:
+        """No more restarts: ``rlt up`` is stopping (a child that exits meanwhile, say to a
+        signal for the whole process group, stays down)."""
+        self._restarts = False
+
     async def start(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            # launched with the others, it died before its turn: once more, then it counts
+            self.log.error(f"{self.name} process exited early", exit_code=self.proc.returncode)
         self.launch()
         await self._wait_ready()
         self.state = "ready"
@@ -139,10 +159,12 @@ class ChildProcess:
         delay = RESTART_DELAY_S
         while True:
             code = await self._exited()
-            if self.state != "ready":
+            if self.state != "ready" or not self._restarts:
                 return
             self.log.error(f"{self.name} process exited; starting it again", exit_code=code)
             await asyncio.sleep(delay)
+            if self.state != "ready" or not self._restarts:
+                return
             try:
                 self.launch()
                 await self._wait_ready()
@@ -151,17 +173,24 @@ class ChildProcess:
                 delay = min(2 * delay, RESTART_DELAY_MAX_S)
                 self.log.error(f"{self.name} process did not start again", error=str(exc))
 
-    def terminate(self, timeout: float) -> None:
-        """``_end`` without an event loop (``rlt up``'s last clean-up)."""
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
+
+def end_all(children: Sequence[ChildProcess], timeout: float) -> None:
+    """Without an event loop (``rlt up``'s last clean-up): SIGTERM to every child still
+    running at once, SIGKILL to those still there after ``timeout`` (or on an impatient
+    Ctrl-C meanwhile); each reaped."""
+    running = [c.proc for c in children if c.proc is not None and c.proc.poll() is None]
+    for proc in running:
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+    finally:
+        for proc in running:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 class ServiceProcess(ChildProcess):

@@ -165,6 +165,9 @@ class Service:
 
     async def start(self) -> None:
         self.state = "starting"
+        parent = os.environ.get(PARENT_PID_ENV)
+        if parent:  # a child of `rlt up`: watched from the start (a checkpoint load is long)
+            self.spawn(self._watch_parent(int(parent)), "watch-parent")
         try:
             await self._start()
         except BaseException:
@@ -228,13 +231,12 @@ class Service:
                 self.nc, self.name, self.instance_id, registry, shard=self.shard, log=self.log
             )
             self.spawn(self._metrics.run(), "metrics")
-        if os.environ.get(PARENT_PID_ENV) == str(os.getppid()):  # a child of `rlt up`
-            self.spawn(self._watch_parent(os.getppid()), "watch-parent")
         await self.on_ready()
         self.log.info("service ready", micro_id=self._micro.id, nats_url=redact_url(self.nats_url))
 
     async def _watch_parent(self, parent: int) -> None:
-        """A child of ``rlt up`` (``services.runtime.child``) does not outlive it."""
+        """A child of ``rlt up`` (``services.runtime.child``) does not outlive it (nor
+        start once it is gone)."""
         while os.getppid() == parent:
             await asyncio.sleep(PARENT_POLL_S)
         self.log.warning("rlt up is gone; stopping", parent_pid=parent)
