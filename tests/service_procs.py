@@ -10,9 +10,11 @@ import asyncio
 import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -271,3 +273,34 @@ async def client(url: str, **kwargs: Any) -> AsyncIterator[NATS]:
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+def start_rlt_up(
+    cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float = 120.0
+) -> subprocess.Popen[str]:
+    """``rlt up`` (``cmd``), its stderr in ``log_path``, once it printed its banner (it is
+    killed if it does not within ``timeout_s``)."""
+    with open(log_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    out = proc.stdout
+    threading.Thread(target=lambda: [lines.put(x) for x in out], daemon=True).start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while "rlt is up" not in lines.get(timeout=max(deadline - time.monotonic(), 0.1)):
+            pass
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie nobody reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

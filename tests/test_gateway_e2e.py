@@ -21,12 +21,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,6 +45,7 @@ from services.launcher import free_port
 from services.oracle import SerialOracle
 from tests.engine_harness import assert_matches_oracle, oracle_result
 from tests.gateway_helpers import as_finished, metric_sums
+from tests.service_procs import alive, start_rlt_up
 
 pytestmark = pytest.mark.services
 
@@ -75,20 +74,14 @@ def up(toy_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     env = {**_up_env(workdir), "RLT_METRICS_INTERVAL_S": "0.2"}
     cmd = _up_command(toy_checkpoint, free_port(), http_port, workdir)
     cmd += ["--served-model-name", MODEL, "--async-scheduling"]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    proc = start_rlt_up(cmd, env, log, timeout_s=90)
     try:
-        deadline = time.monotonic() + 90
-        while "rlt is up" not in lines.get(timeout=max(deadline - time.monotonic(), 0.1)):
-            pass
         yield Up(f"http://127.0.0.1:{http_port}", log, proc)
         children = child_pids(proc.pid)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         # nats-server and the gateway went with it
-        assert children and not [pid for pid in children if _alive(pid)]
+        assert children and not [pid for pid in children if alive(pid)]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -470,15 +463,6 @@ def test_a_traceparent_is_in_every_service_log(up: Up) -> None:
     assert {e["trace_id"] for e in mine if "trace_id" in e} == {trace_id}
 
 
-def _alive(pid: int) -> bool:
-    """Running (not gone, not a zombie nobody reaped yet)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _up_command(checkpoint: Path, nats_port: int, http_port: int, workdir: Path) -> list[str]:
     """A bare ``rlt up`` (the module's ``up`` fixture adds its own flags)."""
     cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(nats_port)]
@@ -557,7 +541,7 @@ def test_a_killed_rlt_up_takes_its_gateway_with_it(toy_checkpoint: Path, tmp_pat
         proc.kill()  # no chance to stop anything
         proc.wait()
         deadline = time.monotonic() + 20
-        while _alive(gateway):
+        while alive(gateway):
             assert time.monotonic() < deadline, "the gateway outlived rlt up"
             time.sleep(0.1)
     finally:

@@ -10,11 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from services.common.config import SchedulerConfig
 from services.launcher import free_port
 from services.oracle import SerialOracle
 from tests.engine_harness import assert_matches_oracle, oracle_result
+from tests.service_procs import alive, start_rlt_up
 
 PROMPTS = ([5, 17, 42, 99], [3, 1, 4, 1, 5, 9, 2, 6], [250, 7])
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, min_loops=1,
@@ -51,14 +50,6 @@ class Up:
         return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 @contextlib.contextmanager
 def _rlt_up(checkpoint: Path, workdir: Path, *extra: str) -> Iterator[Up]:
     env = {
@@ -72,14 +63,8 @@ def _rlt_up(checkpoint: Path, workdir: Path, *extra: str) -> Iterator[Up]:
     cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(free_port())]
     cmd += ["--http-port", str(free_port()), "--checkpoint", str(checkpoint), *extra]
     stderr = workdir / "rlt-up.log"
-    with open(stderr, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    proc = start_rlt_up(cmd, env, stderr)
     try:
-        deadline = time.monotonic() + 120
-        while "rlt is up" not in lines.get(timeout=max(deadline - time.monotonic(), 0.1)):
-            pass
         yield Up(proc, env, stderr)
     finally:
         if proc.poll() is None:
@@ -139,8 +124,8 @@ def _stop(up: Up) -> list[int]:
     up.proc.send_signal(signal.SIGINT)
     assert up.proc.wait(timeout=90) == 0
     deadline = time.monotonic() + 20
-    while [pid for pid in children if _alive(pid)]:
-        assert time.monotonic() < deadline, [cmdline(p) for p in children if _alive(p)]
+    while [pid for pid in children if alive(pid)]:
+        assert time.monotonic() < deadline, [cmdline(p) for p in children if alive(p)]
         time.sleep(0.1)
     return children
 
@@ -218,8 +203,8 @@ def test_a_killed_rlt_up_takes_every_service_process_with_it(
             up.proc.kill()  # no chance to stop anything
             up.proc.wait()
             deadline = time.monotonic() + 30
-            while alive := [name for name, pid in services.items() if _alive(pid)]:
-                assert time.monotonic() < deadline, f"{alive} outlived rlt up"
+            while left := [name for name, pid in services.items() if alive(pid)]:
+                assert time.monotonic() < deadline, f"{left} outlived rlt up"
                 time.sleep(0.1)
         finally:
             for pid in children:  # nats-server has no such watch: it is ours to clean up
@@ -250,8 +235,8 @@ def test_a_child_does_not_outlive_an_rlt_up_killed_while_it_starts(
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 60
-        while alive := [cmdline(p)[4:5] for p in services if _alive(p)]:
-            assert time.monotonic() < deadline, f"{alive} outlived rlt up"
+        while left := [cmdline(p)[4:5] for p in services if alive(p)]:
+            assert time.monotonic() < deadline, f"{left} outlived rlt up"
             time.sleep(0.1)
     finally:
         if proc.poll() is None:
