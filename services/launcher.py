@@ -18,10 +18,9 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import nats
-import torch
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from services.admission.core import AdmissionConfig
@@ -32,6 +31,7 @@ from services.common.flags import (
     parse_prompt_ids,
     scheduler_config_from_args,
     service_args,
+    torch_dtype,
 )
 from services.gateway.process import GatewayProcess
 from services.runtime import subjects
@@ -46,7 +46,9 @@ from services.runtime.bus import (
 from services.runtime.child import ChildProcess, ServiceProcess, end_all
 from services.runtime.permissions import LocalAuth
 from services.runtime.service import Runnable, Service, serve
-from services.worker.model.toy import ensure_checkpoint
+
+if TYPE_CHECKING:
+    import torch
 
 SERVICE_ORDER = ("worker", "prefix-cache", "scheduler", "admission")  # start order
 # `rlt up` starts the HTTP gateway after these (the public entry points last)
@@ -256,7 +258,7 @@ def build_service(
     admission_config: AdmissionConfig | None = None,
     *,
     device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     shard_id: str = subjects.DEFAULT_SHARD,
     http: argparse.Namespace | None = None,
 ) -> Service:
@@ -278,7 +280,7 @@ def build_service(
             checkpoint,
             config,
             device=device,
-            dtype=dtype,
+            dtype=dtype if dtype is not None else torch_dtype("float32"),
             heartbeat_interval_s=float(os.environ.get("RLT_WORKER_HEARTBEAT_S", "0.5")),
             shard_id=shard_id,
             inline_max_s=_inline_max_s(),
@@ -314,7 +316,7 @@ def build_services(
     names: Sequence[str] = SERVICE_ORDER,
     *,
     device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     shards: int = 1,
     url_for: Callable[[str], str] | None = None,
 ) -> list[Service]:
@@ -425,7 +427,7 @@ print(c.completions.create(model="{model}", prompt="hello", max_tokens=8).choice
 
 def main_up(args: argparse.Namespace) -> int:
     config = scheduler_config_from_args(args)
-    checkpoint = ensure_checkpoint(args.checkpoint)
+    checkpoint = _checkpoint(args.checkpoint)
     host = getattr(args, "host", "127.0.0.1")
     insecure = bool(getattr(args, "insecure", False))
     try:
@@ -476,7 +478,7 @@ def main_up(args: argparse.Namespace) -> int:
     extra_files: list[Path] = []
     children: list[ChildProcess] = []  # every child process, the gateway's too
     try:
-        device, dtype = device_from_args(args)
+        device = getattr(args, "device", "cpu")
         shards = getattr(args, "shards", 1)
         url_for = (lambda name: auth.url(name, server.url)) if auth is not None else None
         services: list[Runnable]
@@ -488,7 +490,7 @@ def main_up(args: argparse.Namespace) -> int:
                     config,
                     _admission_config(args),
                     device=device,
-                    dtype=dtype,
+                    dtype=torch_dtype(getattr(args, "dtype", "float32")),
                     shards=shards,
                     url_for=url_for,
                 )
@@ -600,8 +602,9 @@ def _is_loopback(host: str) -> bool:
 
 def main_service(args: argparse.Namespace) -> int:
     config = scheduler_config_from_args(args)
-    checkpoint = None if args.name == "prefix-cache" else ensure_checkpoint(args.checkpoint)
-    device, dtype = device_from_args(args)
+    checkpoint = None if args.name == "prefix-cache" else _checkpoint(args.checkpoint)
+    # only the worker runs a model: the others never import torch (their start and memory)
+    device, dtype = device_from_args(args) if args.name == "worker" else (args.device, None)
     try:
         shard = subjects.check_shard_id(getattr(args, "shard", subjects.DEFAULT_SHARD))
     except ValueError as exc:
@@ -619,6 +622,15 @@ def main_service(args: argparse.Namespace) -> int:
         http=args,
     )
     return _run_main(f"rlt service {args.name}", serve([service]))
+
+
+def _checkpoint(path: str | Path | None) -> Path:
+    """The checkpoint named, else the toy one (written once, which needs torch)."""
+    if path:
+        return Path(path)
+    from services.worker.model.toy import ensure_checkpoint
+
+    return ensure_checkpoint(None)
 
 
 def _admission_config(args: argparse.Namespace) -> AdmissionConfig:

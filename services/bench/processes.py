@@ -26,7 +26,7 @@ from nats.aio.client import Client as NATS
 
 from services.bench.metrics import own_cpu_s
 from services.common.config import SchedulerConfig
-from services.common.flags import DTYPES, service_args
+from services.common.flags import dtype_name, service_args
 from services.runtime import subjects
 
 # the pipeline's back end first, its public entry point last
@@ -56,7 +56,7 @@ class ServiceProcesses:
         self.config = config
         self.device = device
         self.worker_device = worker_device or device
-        self.dtype_name = next(name for name, d in DTYPES.items() if d == dtype)
+        self.dtype_name = dtype_name(dtype)
         self.ready_timeout_s = max(ready_timeout_s, 30.0 * shards)
         self.shards = shards
         self.router = router
