@@ -11,12 +11,10 @@ can say where the CPU went.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +26,8 @@ from services.bench.metrics import own_cpu_s
 from services.common.config import SchedulerConfig
 from services.common.flags import dtype_name, service_args
 from services.runtime import subjects
+from services.runtime.child import service_command
+from services.runtime.service import wrote_identity
 
 # the pipeline's back end first, its public entry point last
 SERVICES = ("worker", "prefix-cache", "scheduler", "admission")
@@ -81,11 +81,10 @@ class ServiceProcesses:
         return out
 
     def command(self, name: str, shard: str | None = None) -> list[str]:
-        cmd = [sys.executable, "-m", "services.cli", "service", name, "--nats-url", self.nats_url]
         device = self.worker_device if name == "worker" else self.device
         if device == "sim" and name != "worker":
             device = "cpu"
-        return cmd + service_args(
+        args = service_args(
             name,
             self.checkpoint,
             self.config,
@@ -94,6 +93,7 @@ class ServiceProcesses:
             shard=shard,
             router=self.router,
         )
+        return service_command(name, self.nats_url, *args)
 
     def _proc_dir(self, key: str) -> Path:
         # each process its own health identity file (shards' services share names)
@@ -123,13 +123,11 @@ class ServiceProcesses:
     def _wait_ready(self, key: str, deadline: float) -> None:
         """Until the service wrote its identity file: it is registered and serving."""
         proc = self.procs[key]
-        path = self._proc_dir(key) / f"rlt-{self._names[key]}.json"
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"rlt service {key} exited:\n{self.log(key)[-3000:]}")
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                if json.loads(path.read_text())["pid"] == proc.pid:
-                    return
+            if wrote_identity(self._names[key], self._proc_dir(key), proc.pid):
+                return
             time.sleep(0.05)
         raise TimeoutError(f"rlt service {key} not ready:\n{self.log(key)[-3000:]}")
 

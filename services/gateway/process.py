@@ -19,11 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.runtime.child import ChildProcess
+from services.runtime.child import ChildProcess, service_command
 
 
 def model_name_for(checkpoint: str | Path, served_model_name: str | None) -> str:
@@ -49,8 +48,6 @@ def bind_http(host: str, port: int) -> socket.socket:
 
 
 class GatewayProcess(ChildProcess):
-    ready_timeout_s = 120.0  # the child imports torch and reads the checkpoint's config
-
     def __init__(
         self,
         nats_url: str,
@@ -81,8 +78,7 @@ class GatewayProcess(ChildProcess):
 
     def command(self) -> list[str]:
         assert self._socket is not None
-        cmd = [sys.executable, "-m", "services.cli", "service", "gateway"]
-        cmd += ["--nats-url", self.nats_url, "--checkpoint", str(self.checkpoint)]
+        cmd = service_command(self.name, self.nats_url, "--checkpoint", str(self.checkpoint))
         cmd += ["--http-host", self.host, "--http-port", str(self.port)]
         cmd += ["--http-fd", str(self._socket.fileno())]
         if self.served_model_name:

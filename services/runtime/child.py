@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -32,7 +31,7 @@ from pathlib import Path
 
 from services.runtime.bus import split_credentials
 from services.runtime.logging import get_logger
-from services.runtime.service import PARENT_PID_ENV
+from services.runtime.service import PARENT_PID_ENV, health_file, wrote_identity
 
 RESTART_DELAY_S = 1.0  # doubled after each start that failed, up to RESTART_DELAY_MAX_S
 RESTART_DELAY_MAX_S = 30.0
@@ -52,6 +51,11 @@ _AUTH_ENV = (
     "RLT_NATS_CREDS",
     "RLT_NATS_NKEY_SEED",
 )
+
+
+def service_command(name: str, nats_url: str, *args: str) -> list[str]:
+    """``rlt service NAME --nats-url URL ARGS...`` run by this Python."""
+    return [sys.executable, "-m", "services.cli", "service", name, "--nats-url", nats_url, *args]
 
 
 class ChildProcess:
@@ -154,16 +158,20 @@ class ChildProcess:
             proc.kill()
             await self._exited()
 
+    @property
+    def _supervised(self) -> bool:
+        return self.state == "ready" and self._restarts
+
     async def _supervise(self) -> None:
         """Starts the child again if it dies, while we run."""
         delay = RESTART_DELAY_S
         while True:
             code = await self._exited()
-            if self.state != "ready" or not self._restarts:
+            if not self._supervised:
                 return
             self.log.error(f"{self.name} process exited; starting it again", exit_code=code)
             await asyncio.sleep(delay)
-            if self.state != "ready" or not self._restarts:
+            if not self._supervised:  # stopped meanwhile
                 return
             try:
                 self.launch()
@@ -207,20 +215,11 @@ class ServiceProcess(ChildProcess):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.env["RLT_RUN_DIR"] = str(run_dir)
 
-    @property
-    def identity_file(self) -> Path:
-        return self.run_dir / f"rlt-{self.name}.json"
-
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "services.cli", "service", self.name]
-        return [*cmd, "--nats-url", self.nats_url, *self.args]
+        return service_command(self.name, self.nats_url, *self.args)
 
     def before_spawn(self) -> None:
-        self.identity_file.unlink(missing_ok=True)  # the last incarnation's
+        health_file(self.name, self.run_dir).unlink(missing_ok=True)  # the last incarnation's
 
     async def is_ready(self) -> bool:
-        try:
-            ident = json.loads(self.identity_file.read_text())
-        except (OSError, ValueError):
-            return False
-        return self.proc is not None and ident.get("pid") == self.proc.pid
+        return self.proc is not None and wrote_identity(self.name, self.run_dir, self.proc.pid)

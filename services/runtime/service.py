@@ -56,8 +56,19 @@ def runtime_dir() -> Path:
     return Path(os.environ.get("RLT_RUN_DIR", tempfile.gettempdir()))
 
 
-def health_file(service: str) -> Path:
-    return runtime_dir() / f"rlt-{service}.json"
+def health_file(service: str, run_dir: Path | None = None) -> Path:
+    """Where ``service`` writes its identity file once ready (``run_dir``: a child's own
+    ``$RLT_RUN_DIR``; default: this process's)."""
+    return (run_dir or runtime_dir()) / f"rlt-{service}.json"
+
+
+def wrote_identity(service: str, run_dir: Path, pid: int) -> bool:
+    """Whether process ``pid`` is the ``service`` whose identity file is in ``run_dir``: it
+    is registered and serving (a file left by an earlier process does not count)."""
+    try:
+        return json.loads(health_file(service, run_dir).read_text()).get("pid") == pid
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @dataclass
