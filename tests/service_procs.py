@@ -277,9 +277,10 @@ async def client(url: str, **kwargs: Any) -> AsyncIterator[NATS]:
 
 def start_rlt_up(
     cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float = 120.0
-) -> subprocess.Popen[str]:
-    """``rlt up`` (``cmd``), its stderr in ``log_path``, once it printed its banner (it is
-    killed if it does not within ``timeout_s``)."""
+) -> tuple[subprocess.Popen[str], str]:
+    """``rlt up`` (``cmd``) and its banner's first line, once it printed it (it is killed if
+    it does not within ``timeout_s``). Its stderr, which its service processes share, goes
+    to ``log_path``: a pipe nobody reads would fill and stall them all."""
     with open(log_path, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
@@ -288,13 +289,14 @@ def start_rlt_up(
     threading.Thread(target=lambda: [lines.put(x) for x in out], daemon=True).start()
     try:
         deadline = time.monotonic() + timeout_s
-        while "rlt is up" not in lines.get(timeout=max(deadline - time.monotonic(), 0.1)):
-            pass
+        banner = ""
+        while "rlt is up" not in banner:
+            banner = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
     except BaseException:
         proc.kill()
         proc.wait()
         raise
-    return proc
+    return proc, banner
 
 
 def alive(pid: int) -> bool:

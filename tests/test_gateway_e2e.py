@@ -74,7 +74,7 @@ def up(toy_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     env = {**_up_env(workdir), "RLT_METRICS_INTERVAL_S": "0.2"}
     cmd = _up_command(toy_checkpoint, free_port(), http_port, workdir)
     cmd += ["--served-model-name", MODEL, "--async-scheduling"]
-    proc = start_rlt_up(cmd, env, log, timeout_s=90)
+    proc, _ = start_rlt_up(cmd, env, log, timeout_s=90)
     try:
         yield Up(f"http://127.0.0.1:{http_port}", log, proc)
         children = child_pids(proc.pid)

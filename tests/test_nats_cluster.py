@@ -12,12 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -39,7 +37,7 @@ from tests.service_cases import (  # noqa: E402  # noqa: E402
     make_cases,
     prefix_prompt,
 )
-from tests.service_procs import health, service_procs, wait_for  # noqa: E402
+from tests.service_procs import health, service_procs, start_rlt_up, wait_for  # noqa: E402
 
 ENV = {
     "RLT_WORKER_HEARTBEAT_TIMEOUT_S": "1.5",
@@ -177,34 +175,14 @@ def test_rlt_up_nats_cluster_3(tmp_path: Path, toy_checkpoint: Path) -> None:
     }
     cli = [sys.executable, "-m", "services.cli"]
     generate = ["generate", "--prompt-ids", "1,2,3", "--max-tokens", "3", "--ignore-eos", "--json"]
-    up = subprocess.Popen(
-        [
-            *cli,
-            "up",
-            "--port",
-            str(port),
-            "--nats-cluster",
-            "3",
-            "--checkpoint",
-            str(toy_checkpoint),
-            "--enable-prefix-caching",
-            "--client-url-file",
-            str(tmp_path / "client-url"),
-            "--operator-url-file",
-            str(tmp_path / "operator-url"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    log = tmp_path / "rlt-up.log"
+    cmd = [*cli, "up", "--port", str(port), "--nats-cluster", "3"]
+    cmd += ["--checkpoint", str(toy_checkpoint), "--enable-prefix-caching"]
+    cmd += ["--client-url-file", str(tmp_path / "client-url")]
+    cmd += ["--operator-url-file", str(tmp_path / "operator-url")]
     urls = ",".join(f"nats://127.0.0.1:{port + i}" for i in range(3))
+    up, banner = start_rlt_up(cmd, env, log, timeout_s=90)
     try:
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in up.stdout], daemon=True).start()
-        banner = ""
-        while "rlt is up" not in banner:
-            banner = lines.get(timeout=90)
         assert urls in banner and "3-node cluster" in banner
 
         operator = (tmp_path / "operator-url").read_text().strip().split(",")[1]
@@ -233,7 +211,7 @@ def test_rlt_up_nats_cluster_3(tmp_path: Path, toy_checkpoint: Path) -> None:
         event = json.loads(gen.stdout.splitlines()[-1])
         assert event["type"] == "finished" and len(event["token_ids"]) == 3
         up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=40) == 0, up.stderr.read() if up.stderr else ""
+        assert up.wait(timeout=40) == 0, log.read_text()
     finally:
         if up.poll() is None:
             up.kill()

@@ -11,13 +11,11 @@ import asyncio
 import io
 import json
 import os
-import queue
 import random
 import signal
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import nats
@@ -37,6 +35,7 @@ pytest.register_assert_rewrite("tests.conftest_nats")  # its helpers assert too
 
 from tests.conftest_nats import Client, check_stream, services_up  # noqa: E402
 from tests.service_cases import as_request  # noqa: E402
+from tests.service_procs import start_rlt_up  # noqa: E402
 
 # the shared nats-server / checkpoint fixtures (tests/conftest.py belongs to the lead)
 pytest_plugins = ["tests.conftest_nats"]
@@ -401,19 +400,10 @@ def test_rlt_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path, toy_checkpoi
     env.pop("RLT_NATS_URL", None)
     cli = [sys.executable, "-m", "services.cli"]
     http = ["--http-port", str(free_port())]
-    up = subprocess.Popen(
-        [*cli, "up", "--port", str(port), *http, "--checkpoint", str(toy_checkpoint)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    log = tmp_path / "rlt-up.log"
+    cmd = [*cli, "up", "--port", str(port), *http, "--checkpoint", str(toy_checkpoint)]
+    up, banner = start_rlt_up(cmd, env, log, timeout_s=60)
     try:
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in up.stdout], daemon=True).start()
-        banner = ""
-        while "rlt is up" not in banner:
-            banner = lines.get(timeout=60)
         assert url_file.stat().st_mode & 0o777 == 0o600
         client_url = url_file.read_text().strip()
         assert client_url.startswith("nats://client:") and "@127.0.0.1:" in client_url
@@ -432,7 +422,7 @@ def test_rlt_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path, toy_checkpoi
         event = json.loads(line)
         assert event["type"] == "finished" and len(event["token_ids"]) == 3
         up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=30) == 0, up.stderr.read() if up.stderr else ""
+        assert up.wait(timeout=30) == 0, log.read_text()
     finally:
         if up.poll() is None:
             up.kill()

@@ -63,7 +63,7 @@ def _rlt_up(checkpoint: Path, workdir: Path, *extra: str) -> Iterator[Up]:
     cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(free_port())]
     cmd += ["--http-port", str(free_port()), "--checkpoint", str(checkpoint), *extra]
     stderr = workdir / "rlt-up.log"
-    proc = start_rlt_up(cmd, env, stderr)
+    proc, _ = start_rlt_up(cmd, env, stderr)
     try:
         yield Up(proc, env, stderr)
     finally:
