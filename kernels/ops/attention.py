@@ -1,0 +1,210 @@
+"""``rlt::paged_attention``: causal attention of packed query rows over paged K/V.
+
+Layout: segment s owns query rows ``query_start[s] .. query_start[s+1] - 1`` (n_s rows, maybe
+none) at positions ``context_lens[s] - n_s + j``; each query sees positions ``0 .. its own`` of
+its segment, whose K/V sit at slot ``block_tables[s, pos // bs] * bs + pos % bs``. Query head h
+reads kv head ``h // (nh // nkv)``. Rows past ``query_start[S]`` are padding and come out zero.
+Block table entries past a segment's context and cache memory there (maybe NaN) are never used.
+
+Every tensor shape depends only on (T, S, max_query_len, block table width), never on values, so
+the CUDA path is capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.ops._triton import triton_available
+
+_lib = torch.library.Library("rlt", "FRAGMENT")
+_lib.define(
+    "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+    "Tensor context_lens, Tensor query_start, float scale, int max_query_len) -> Tensor"
+)
+
+
+def _attend_grid(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    ctx: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_rows: torch.Tensor,
+    scale: float,
+    q_max: int,
+    c_max: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segments padded to q_max queries over positions 0 .. c_max - 1 of their context.
+
+    Returns the outputs [S * q_max, nh, hd] (float32 at least) and the packed row each belongs
+    to (T for a padding query).
+    """
+    num_rows, num_heads, head_dim = q.shape
+    num_segs = tables.shape[0]
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    # Float32 at least for scores and softmax; float64 inputs stay float64.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dev = q.device
+    group = num_heads // kv_heads
+
+    j = torch.arange(q_max, device=dev)
+    q_ok = j < seg_rows[:, None]  # [S, Q]
+    q_pos = ctx[:, None] - seg_rows[:, None] + j
+    c = torch.arange(c_max, device=dev)
+    c_ok = c < ctx[:, None]  # [S, C]
+    visible = q_ok[:, :, None] & (c <= q_pos[:, :, None]) & c_ok[:, None, :]  # [S, Q, C]
+
+    # Unused table entries may be garbage: read block 0 there, then zero what was read.
+    blocks = torch.where(c_ok, tables.long()[:, c // block_size], 0)
+    offsets = (c % block_size).expand(num_segs, c_max)
+    keys = torch.where(c_ok[..., None, None], k_cache[blocks, offsets], 0).to(acc)
+    vals = torch.where(c_ok[..., None, None], v_cache[blocks, offsets], 0).to(acc)
+
+    # GQA without repeating K/V: fold each kv head's query group into the query axis.
+    rows = seg_start[:, None] + j
+    qs = q[rows.clamp(0, num_rows - 1)].to(acc)
+    qs = qs.view(num_segs, q_max, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qs = qs.reshape(num_segs, kv_heads, group * q_max, head_dim)
+    scores = torch.matmul(qs, keys.permute(0, 2, 3, 1)) * scale  # [S, kvh, G*Q, C]
+    scores = scores.view(num_segs, kv_heads, group, q_max, c_max)
+    mask = visible[:, None, None]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    # Padding queries see nothing and softmax to NaN; they are dropped, but zero them anyway.
+    probs = torch.where(mask, probs, 0).view(num_segs, kv_heads, group * q_max, c_max)
+    out = torch.matmul(probs, vals.permute(0, 2, 1, 3))  # [S, kvh, G*Q, hd]
+    out = out.view(num_segs, kv_heads, group, q_max, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(num_segs * q_max, num_heads, head_dim)
+    return out, torch.where(q_ok, rows, num_rows).flatten()
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    split_decode: bool | None = None,
+) -> torch.Tensor:
+    """Batched torch version: queries padded per segment, positions padded per segment.
+
+    Without ``split_decode`` it reads no metadata on the host: one grid of every segment padded
+    to max_query_len and the table width. With it (the default on CPU, where reading the
+    metadata is free) decode segments (<= 1 row) and longer ones are two grids, each cut to its
+    own longest context, so a chunk in the pass does not pad every decode row to its length.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    num_segs, max_blocks = block_tables.shape
+    # One spare row takes the padding queries' outputs, dropped at the end.
+    out = q.new_zeros((num_rows + 1, num_heads, head_dim))
+    if num_rows == 0 or num_segs == 0 or max_query_len <= 0 or max_blocks == 0:
+        return out[:num_rows]
+    starts = query_start.long()
+    seg_start, seg_rows = starts[:-1], starts[1:] - starts[:-1]
+    ctx = context_lens.long()
+    common = (q, k_cache, v_cache)
+    if split_decode is None:
+        split_decode = q.device.type == "cpu"
+    if not split_decode:
+        c_max = max_blocks * k_cache.shape[1]
+        grid_args = (block_tables, ctx, seg_start, seg_rows, scale, max_query_len, c_max)
+        res, rows = _attend_grid(*common, *grid_args)
+        out[rows] = res.to(q.dtype)
+        return out[:num_rows]
+    for chosen in (seg_rows <= 1, seg_rows > 1):
+        idx = chosen.nonzero().squeeze(1)
+        if idx.numel() == 0:
+            continue
+        q_max, c_max = int(seg_rows[idx].max()), int(ctx[idx].max())
+        if q_max == 0 or c_max == 0:
+            continue
+        grid_args = (block_tables[idx], ctx[idx], seg_start[idx], seg_rows[idx], scale)
+        res, rows = _attend_grid(*common, *grid_args, q_max, c_max)
+        out[rows] = res.to(q.dtype)
+    return out[:num_rows]
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    tiled: bool | None = None,
+) -> torch.Tensor:
+    """The Triton kernels on any device Triton drives (CPU tensors under TRITON_INTERPRET=1).
+
+    ``tiled`` picks the tl.dot kernel (query tiles of >= 16) over the per-query one; by default
+    it is used from ``max_query_len >= 16`` on.
+    """
+    from kernels.ops import attention_triton
+
+    return attention_triton.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start,
+        scale,
+        max_query_len,
+        tiled=tiled,
+    )
+
+
+def _paged_attention_cuda(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:
+    impl = paged_attention_triton if triton_available() else paged_attention_reference
+    return impl(q, k_cache, v_cache, block_tables, context_lens, query_start, scale, max_query_len)
+
+
+def _paged_attention_fake(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+_lib.impl("paged_attention", paged_attention_reference, "CPU")
+_lib.impl("paged_attention", _paged_attention_cuda, "CUDA")
+torch.library.register_fake("rlt::paged_attention", _paged_attention_fake, lib=_lib)
+
+_paged_attention_op = torch.ops.rlt.paged_attention.default
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:
+    """q [T, nh, hd] over one layer's caches [num_blocks, bs, nkv, hd] -> [T, nh, hd] in
+    q's dtype. block_tables [S, maxB], context_lens [S] and query_start [S + 1] are int32;
+    max_query_len bounds every segment's row count (one ``rlt::paged_attention`` call)."""
+    return _paged_attention_op(
+        q, k_cache, v_cache, block_tables, context_lens, query_start, scale, max_query_len
+    )

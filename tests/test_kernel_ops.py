@@ -1,0 +1,704 @@
+"""The fused ``torch.ops.rlt`` ops (kernels.ops).
+
+* the torch references against independent formulas (paged attention against a dense
+  per-segment loop over random segment mixes, unused cache memory NaN);
+* the Triton kernels against the references on CPU tensors under ``TRITON_INTERPRET=1``. The
+  interpreter is chosen when triton decorates a kernel, and other tests may have imported the
+  kernels without it, so those checks run in a fresh ``python -m tests.test_kernel_ops GROUP``;
+* each wrapper is one op in dispatch, and the fake impls hold under ``torch.library.opcheck``;
+* on a GPU (tier ``gpu``): the CUDA ops against the CPU references, and decode attention
+  replayed from a CUDA graph as contexts grow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kernels.ops as ops
+from kernels.ops import activation, attention, norms, rope_kv
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+EPS = 1e-6
+
+
+def _rms_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The contract's formula, written out again."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+# --- paged attention cases -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttnCase:
+    q: torch.Tensor
+    k_pool: torch.Tensor  # [2, NB, bs, nkv, hd]: the op reads the last layer (a view)
+    v_pool: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start: torch.Tensor
+    scale: float
+    max_query_len: int
+    layout: list[tuple[int, int]]  # (rows, context length) per segment
+    keys: list[torch.Tensor]  # per segment [context, nkv, hd], as stored in the cache
+    vals: list[torch.Tensor]
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        return self.k_pool[-1]
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        return self.v_pool[-1]
+
+    def args(self) -> tuple:
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.context_lens,
+            self.query_start,
+            self.scale,
+            self.max_query_len,
+        )
+
+    def to(self, device: str) -> AttnCase:
+        names = ("q", "k_pool", "v_pool", "block_tables", "context_lens", "query_start")
+        return replace(self, **{name: getattr(self, name).to(device) for name in names})
+
+
+def random_layout(rng: random.Random, kind: str) -> list[tuple[int, int]]:
+    """(rows, past positions) per segment."""
+    if kind == "decode":
+        return [(1, rng.randint(0, 40)) for _ in range(rng.randint(1, 6))]
+    if kind == "prefill":  # chunks, some after earlier chunks
+        return [(rng.randint(2, 20), rng.choice([0, rng.randint(1, 30)])) for _ in range(2)]
+    # mixed: decode, short and long chunks, zero-row segments (with and without history)
+    return [(rng.choice([0, 1, 1, 2, 5, 17]), rng.randint(0, 40)) for _ in range(rng.randint(1, 7))]
+
+
+def make_attention_case(
+    seed: int,
+    layout: list[tuple[int, int]],
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int = 16,
+    dtype: torch.dtype = torch.float32,
+    pad_rows: int = 0,
+) -> AttnCase:
+    """Shuffled block tables, a NaN-filled pool with only each segment's context written, and
+    NaN query rows past the segments. Unused table entries name spare all-NaN blocks, so a
+    read past a context shows up as NaN in the output."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    ctxs = [n + past for n, past in layout]
+    need = [-(-c // block_size) for c in ctxs]
+    width = max(max(need, default=0) + rng.randint(0, 2), 1)
+    spare = 2
+    num_blocks = sum(need) + spare
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.tensor(free[:spare], dtype=torch.int32)[
+        torch.randint(spare, (len(layout), width), generator=gen)
+    ]
+    free = free[spare:]
+    shape = (2, num_blocks, block_size, kv_heads, head_dim)
+    k_pool = torch.full(shape, float("nan"), dtype=dtype)
+    v_pool = torch.full(shape, float("nan"), dtype=dtype)
+    k_cache, v_cache = k_pool[-1], v_pool[-1]
+    keys, vals = [], []
+    for s, (ctx, nb) in enumerate(zip(ctxs, need, strict=True)):
+        tables[s, :nb] = torch.tensor(free[:nb], dtype=torch.int32)
+        free = free[nb:]
+        kk = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
+        vv = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
+        pos = torch.arange(ctx)
+        blk = tables[s].long()[pos // block_size]
+        k_cache[blk, pos % block_size] = kk
+        v_cache[blk, pos % block_size] = vv
+        keys.append(kk)
+        vals.append(vv)
+    rows = [n for n, _ in layout]
+    q = torch.randn(sum(rows) + pad_rows, kv_heads * group, head_dim, generator=gen).to(dtype)
+    q[sum(rows) :] = float("nan")
+    starts = [0]
+    for n in rows:
+        starts.append(starts[-1] + n)
+    return AttnCase(
+        q=q,
+        k_pool=k_pool,
+        v_pool=v_pool,
+        block_tables=tables,
+        context_lens=torch.tensor(ctxs, dtype=torch.int32),
+        query_start=torch.tensor(starts, dtype=torch.int32),
+        scale=1.0 / math.sqrt(head_dim),
+        max_query_len=max(rows, default=0) + rng.randint(0, 1),
+        layout=[(n, c) for n, c in zip(rows, ctxs, strict=True)],
+        keys=keys,
+        vals=vals,
+    )
+
+
+def dense_attention(case: AttnCase) -> torch.Tensor:
+    """Per segment, per row, per head causal attention in float64; uncovered rows zero."""
+    q = case.q.double()
+    out = torch.zeros_like(q)
+    group = q.shape[1] // case.k_cache.shape[2]
+    row = 0
+    for (n, ctx), keys, vals in zip(case.layout, case.keys, case.vals, strict=True):
+        for i in range(n):
+            visible = ctx - n + i + 1
+            for h in range(q.shape[1]):
+                k = keys[:visible, h // group].double()
+                v = vals[:visible, h // group].double()
+                out[row + i, h] = torch.softmax(k @ q[row + i, h] * case.scale, dim=0) @ v
+        row += n
+    return out
+
+
+# --- references against independent formulas ----------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_the_formula(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(9, 48, generator=gen) * 3).to(dtype)
+    w = torch.randn(48, generator=gen).to(dtype)
+    out = ops.rms_norm(x, w, EPS)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(out, _rms_formula(x, w, EPS))
+    # and what the formula means: x / rms(x) * w, computed independently in float64
+    x64 = x.double()
+    expected = x64 / (x64.pow(2).mean(-1, keepdim=True) + EPS).sqrt() * w.double()
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.unit
+def test_add_rms_norm_is_two_norms() -> None:
+    gen = torch.Generator().manual_seed(1)
+    h, a = torch.randn(7, 32, generator=gen), torch.randn(7, 32, generator=gen)
+    w_out, w_next = torch.randn(32, generator=gen), torch.randn(32, generator=gen)
+    h_new, x = ops.add_rms_norm(h, a, w_out, w_next, EPS)
+    expected_h = h + _rms_formula(a, w_out, EPS)
+    assert torch.equal(h_new, expected_h)
+    assert torch.equal(x, _rms_formula(expected_h, w_next, EPS))
+
+
+@pytest.mark.unit
+def test_silu_mul_is_swiglu() -> None:
+    gen = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(6, 2 * 24, generator=gen) * 4
+    out = ops.silu_mul(gate_up)
+    gate, up = gate_up[:, :24].double(), gate_up[:, 24:].double()
+    assert out.shape == (6, 24)
+    torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up)
+    assert torch.equal(out, F.silu(gate_up[:, :24]) * gate_up[:, 24:])
+
+
+def _rope_inputs(
+    seed: int, rows: int, nh: int, nkv: int, hd: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(rows, (nh + 2 * nkv) * hd, generator=gen).to(dtype)
+    angles = torch.rand(rows, hd // 2, generator=gen) * 6.0
+    emb = torch.cat((angles, angles), dim=-1)
+    return qkv, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [T, heads, hd] as a rotation of (x_i, x_{i + hd/2}) pairs."""
+    half = x.shape[-1] // 2
+    lo, hi = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    return torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_rope_write_kv_rotates_and_writes_only_its_slots(
+    block_size: int, slot_dtype: torch.dtype
+) -> None:
+    nh, nkv, hd, rows, num_blocks = 4, 2, 16, 7, 8
+    qkv, cos, sin = _rope_inputs(block_size, rows, nh, nkv, hd)
+    k_pool = torch.full((3, num_blocks, block_size, nkv, hd), float("nan"))
+    v_pool = k_pool.clone()
+    rng = random.Random(block_size)
+    slots = rng.sample(range(num_blocks * block_size), rows)
+    slots[1] = slots[4] = -1  # padding rows
+    slot_mapping = torch.tensor(slots, dtype=slot_dtype)
+
+    q = ops.rope_write_kv(qkv, cos, sin, k_pool[1], v_pool[1], slot_mapping, nh, nkv)
+
+    q_in, k_in, v_in = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    assert q.shape == (rows, nh, hd) and q.is_contiguous()
+    torch.testing.assert_close(q, _rotated(q_in.reshape(rows, nh, hd), cos, sin))
+    k_rot = _rotated(k_in.reshape(rows, nkv, hd), cos, sin)
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        blk, off = divmod(slot, block_size)
+        written[blk, off] = True
+        torch.testing.assert_close(k_pool[1, blk, off], k_rot[t])
+        assert torch.equal(v_pool[1, blk, off], v_in[t].reshape(nkv, hd))
+    # nothing else changed: unwritten slots and the other layers stay NaN
+    assert k_pool[1][~written].isnan().all() and v_pool[1][~written].isnan().all()
+    assert k_pool[[0, 2]].isnan().all() and v_pool[[0, 2]].isnan().all()
+
+
+@pytest.mark.unit
+def test_rope_write_kv_is_the_model_math_in_bf16() -> None:
+    nh, nkv, hd, rows = 2, 1, 32, 5
+    qkv, cos, sin = _rope_inputs(3, rows, nh, nkv, hd, torch.bfloat16)
+    k_cache = torch.zeros(2, 4, nkv, hd, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, torch.arange(rows), nh, nkv)
+    x = qkv[:, : nh * hd].view(rows, nh, hd)
+    rot = torch.cat((-x[..., hd // 2 :], x[..., : hd // 2]), dim=-1)
+    assert q.dtype == torch.bfloat16
+    assert torch.equal(q, x * cos[:, None] + rot * sin[:, None])
+
+
+LAYOUT_KINDS = ["decode", "prefill", "mixed"]
+HEADS = [(1, 1), (2, 2), (1, 4)]  # (kv heads, query heads per kv head)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("split_decode", [True, False], ids=["cpu-split", "one-grid"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+def test_paged_attention_reference_matches_dense(
+    block_size: int, kind: str, split_decode: bool
+) -> None:
+    """Both reference paths: decode and longer segments split (CPU default), and the one
+    padded grid that reads no metadata on the host (the CUDA fallback)."""
+    rng = random.Random(f"{block_size}-{kind}")
+    for trial in range(4):
+        kv_heads, group = HEADS[trial % len(HEADS)]
+        case = make_attention_case(
+            rng.randrange(2**31),
+            random_layout(rng, kind),
+            block_size,
+            kv_heads,
+            group,
+            dtype=torch.float64 if trial % 2 else torch.float32,
+            pad_rows=rng.choice([0, 0, 3]),
+        )
+        out = attention.paged_attention_reference(*case.args(), split_decode=split_decode)
+        assert out.dtype == case.q.dtype and out.shape == case.q.shape
+        tol = 1e-10 if case.q.dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(out.double(), dense_attention(case), rtol=tol, atol=tol)
+
+
+@pytest.mark.unit
+def test_paged_attention_reference_bf16_and_wide_blocks() -> None:
+    layout = [(1, 300), (0, 12), (7, 40), (1, 0)]
+    case = make_attention_case(5, layout, 256, kv_heads=2, group=2, dtype=torch.bfloat16)
+    out = ops.paged_attention(*case.args())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), dense_attention(case), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.unit
+def test_paged_attention_degenerate_batches() -> None:
+    # only zero-row segments (and padding rows): all zeros, no NaN from empty softmaxes
+    case = make_attention_case(6, [(0, 5), (0, 0)], 4, 1, 2, pad_rows=3)
+    for split in (True, False):
+        out = attention.paged_attention_reference(*case.args(), split_decode=split)
+        assert torch.equal(out, torch.zeros_like(case.q)), split
+    # no segments at all, and no rows at all
+    q = torch.randn(2, 2, 16)
+    cache = torch.zeros(3, 4, 1, 16)
+    empty = torch.zeros(0, 2, dtype=torch.int32)
+    out = ops.paged_attention(
+        q, cache, cache, empty, empty[:, 0], torch.zeros(1, dtype=torch.int32), 0.25, 0
+    )
+    assert torch.equal(out, torch.zeros_like(q))
+    one = make_attention_case(7, [(1, 3)], 4, 1, 2)
+    no_rows = ops.paged_attention(one.q[:0], *one.args()[1:])
+    assert no_rows.shape == (0, 2, 16)
+
+
+# --- dispatch and fake tensors --------------------------------------------------------------
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: tuple,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> object:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _wrapper_calls() -> dict[str, tuple[Callable, tuple]]:
+    x, w = torch.randn(3, 32), torch.randn(32)
+    nh, nkv, hd = 4, 2, 16
+    qkv, cos, sin = _rope_inputs(0, 3, nh, nkv, hd)
+    cache = torch.zeros(2, 4, 4, nkv, hd)
+    attn = make_attention_case(0, [(1, 4), (2, 0)], 4, nkv, nh // nkv)
+    return {
+        "rms_norm": (ops.rms_norm, (x, w, EPS)),
+        "add_rms_norm": (ops.add_rms_norm, (x, x.clone(), w, w.clone(), EPS)),
+        "silu_mul": (ops.silu_mul, (torch.randn(3, 64),)),
+        "rope_write_kv": (
+            ops.rope_write_kv,
+            (qkv, cos, sin, cache[0], cache[1], torch.tensor([0, -1, 9]), nh, nkv),
+        ),
+        "paged_attention": (ops.paged_attention, attn.args()),
+    }
+
+
+@pytest.mark.unit
+def test_each_wrapper_is_one_op_in_dispatch() -> None:
+    for name, (fn, args) in _wrapper_calls().items():
+        with _OpRecorder() as rec:
+            fn(*args)
+        assert rec.ops == [f"rlt.{name}.default"], (name, rec.ops)
+
+
+@pytest.mark.unit
+def test_ops_pass_opcheck() -> None:
+    """Schemas (mutation declared), fake impls and aot dispatch agree with the real kernels."""
+    for name, (_, args) in _wrapper_calls().items():
+        torch.library.opcheck(getattr(torch.ops.rlt, name).default, args)
+
+
+@pytest.mark.unit
+def test_package_imports_without_triton() -> None:
+    """The ops run on CPU with triton absent, and the Triton kernel modules load lazily."""
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None  # import triton now raises ImportError\n"
+        "import torch, kernels.ops as ops\n"
+        "assert not ops.triton_available()\n"
+        "lazy = ('norms', 'activation', 'rope_kv', 'attention')\n"
+        "loaded = [m for m in lazy if f'kernels.ops.{m}_triton' in sys.modules]\n"
+        "assert not loaded, f'kernel modules imported eagerly: {loaded}'\n"
+        "x = torch.randn(2, 8)\n"
+        "assert ops.rms_norm(x, torch.ones(8), 1e-6).shape == x.shape\n"
+        "assert ops.silu_mul(x).shape == (2, 4)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- Triton kernels under the interpreter ---------------------------------------------------
+
+
+def _close(
+    name: str, got: torch.Tensor, want: torch.Tensor, tol: float, failures: list[str]
+) -> None:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        failures.append(f"{name}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}")
+        return
+    g, w = got.double(), want.double()
+    both_nan = g.isnan() & w.isnan()
+    err = ((g - w).abs() - tol * (1 + w.abs())).masked_fill(both_nan, 0)
+    if err.isnan().any():
+        failures.append(f"{name}: NaN where the other side is finite ({int(err.isnan().sum())})")
+    elif (err > 0).any():
+        worst = (g - w).abs().masked_fill(both_nan, 0).max().item()
+        failures.append(f"{name}: max abs diff {worst:.3g} over tolerance {tol:g}")
+
+
+# Interpreter casts to bf16 truncate (the GPU rounds to nearest), so bf16 gets a few ulps.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _check_norms(failures: list[str]) -> None:
+    rng = random.Random(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for _ in range(4):
+            rows, width = rng.randint(1, 9), rng.choice([16, 48, 100, 256])
+            gen = torch.Generator().manual_seed(rng.randrange(2**31))
+            h, a, x = (torch.randn(rows, width, generator=gen).to(dtype) for _ in range(3))
+            w1, w2 = (torch.randn(width, generator=gen).to(dtype) for _ in range(2))
+            tol, tag = TOLERANCE[dtype], f"{dtype} {rows}x{width}"
+            want = norms.rms_norm_reference(x, w1, EPS)
+            _close(f"rms_norm {tag}", norms.rms_norm_triton(x, w1, EPS), want, tol, failures)
+            got = norms.add_rms_norm_triton(h, a, w1, w2, EPS)
+            want2 = norms.add_rms_norm_reference(h, a, w1, w2, EPS)
+            for part, g, w in zip(("h_new", "x"), got, want2, strict=True):
+                _close(f"add_rms_norm {part} {tag}", g, w, tol, failures)
+        empty = torch.zeros(0, 16, dtype=dtype)
+        _close("rms_norm 0 rows", norms.rms_norm_triton(empty, w1[:16], EPS), empty, 0, failures)
+
+
+def _check_activation(failures: list[str]) -> None:
+    rng = random.Random(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        for _ in range(4):
+            rows, width = rng.randint(1, 9), rng.choice([8, 40, 1500])
+            gen = torch.Generator().manual_seed(rng.randrange(2**31))
+            gate_up = (torch.randn(rows, 2 * width, generator=gen) * 4).to(dtype)
+            _close(
+                f"silu_mul {dtype} {rows}x{width}",
+                activation.silu_mul_triton(gate_up),
+                activation.silu_mul_reference(gate_up),
+                TOLERANCE[dtype],
+                failures,
+            )
+
+
+def _check_rope(failures: list[str]) -> None:
+    rng = random.Random(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        for block_size in (1, 4, 16):
+            nkv = rng.choice([1, 2])
+            nh, hd, rows = nkv * rng.choice([1, 2]), rng.choice([16, 32, 64]), rng.randint(1, 9)
+            num_blocks = -(-rows // block_size) + 2
+            qkv, cos, sin = _rope_inputs(rng.randrange(2**31), rows, nh, nkv, hd, dtype)
+            slots = rng.sample(range(num_blocks * block_size), rows)
+            for t in rng.sample(range(rows), rows // 3):
+                slots[t] = -1
+            slot_mapping = torch.tensor(slots, dtype=rng.choice([torch.int64, torch.int32]))
+            results = []
+            for impl in (rope_kv.rope_write_kv_triton, rope_kv.rope_write_kv_reference):
+                pool = torch.full((2, 2, num_blocks, block_size, nkv, hd), float("nan"))
+                pool = pool.to(dtype)
+                q = impl(qkv, cos, sin, pool[0, 1], pool[1, 1], slot_mapping, nh, nkv)
+                results.append((q, pool))
+            (q_t, pool_t), (q_r, pool_r) = results
+            tag = f"{dtype} bs={block_size} nh={nh} nkv={nkv} hd={hd}"
+            _close(f"rope q {tag}", q_t, q_r, TOLERANCE[dtype], failures)
+            _close(f"rope caches {tag}", pool_t, pool_r, TOLERANCE[dtype], failures)
+
+
+def _check_attention(failures: list[str]) -> None:
+    rng = random.Random(3)
+    # (dtype, kernel): bf16 tl.dot is wrong in the interpreter (it multiplies the raw bits),
+    # so the dot kernel's low-precision run is fp16; the GPU tier covers bf16.
+    runs = [
+        (torch.float32, False),
+        (torch.float32, True),
+        (torch.bfloat16, False),
+        (torch.float16, True),
+    ]
+    for dtype, tiled in runs:
+        for block_size in (1, 4, 16):
+            kind = rng.choice(LAYOUT_KINDS) if not tiled else rng.choice(["prefill", "mixed"])
+            kv_heads, group = rng.choice(HEADS)
+            case = make_attention_case(
+                rng.randrange(2**31),
+                random_layout(rng, kind),
+                block_size,
+                kv_heads,
+                group,
+                head_dim=rng.choice([16, 32]),
+                dtype=dtype,
+                pad_rows=rng.choice([0, 2]),
+            )
+            tag = f"{dtype} tiled={tiled} bs={block_size} layout={case.layout}"
+            got = attention.paged_attention_triton(*case.args(), tiled=tiled)
+            want = attention.paged_attention_reference(*case.args())
+            _close(f"paged_attention {tag}", got, want, TOLERANCE[dtype], failures)
+    # the default choice (tl.dot from 16 query rows on), and 256-slot blocks
+    case = make_attention_case(9, [(17, 5), (1, 300), (0, 3)], 256, 2, 2, head_dim=32)
+    got = attention.paged_attention_triton(*case.args())
+    want = attention.paged_attention_reference(*case.args())
+    _close("paged_attention default bs=256", got, want, TOLERANCE[torch.float32], failures)
+
+
+INTERPRETER_CHECKS: dict[str, Callable[[list[str]], None]] = {
+    "norms": _check_norms,
+    "activation": _check_activation,
+    "rope": _check_rope,
+    "attention": _check_attention,
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("group", sorted(INTERPRETER_CHECKS))
+def test_triton_kernels_match_references_under_interpreter(group: str) -> None:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_kernel_ops", group],
+        cwd=ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"{group}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+
+
+def _interpreter_main(groups: list[str]) -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1: the checks run the Triton kernels on CPU tensors")
+        return 2
+    unknown = sorted(set(groups) - set(INTERPRETER_CHECKS))
+    if unknown:
+        print(f"unknown check groups {unknown}; known: {sorted(INTERPRETER_CHECKS)}")
+        return 2
+    failures: list[str] = []
+    for group in groups or sorted(INTERPRETER_CHECKS):
+        INTERPRETER_CHECKS[group](failures)
+    for line in failures:
+        print("MISMATCH", line)
+    return 1 if failures else 0
+
+
+# --- on a GPU ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_ops_match_cpu_references(dtype: torch.dtype) -> None:
+    assert ops.triton_available(), "the GPU image should have triton"
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    failures: list[str] = []
+    gen = torch.Generator().manual_seed(0)
+    x, a = (torch.randn(37, 2048, generator=gen).to(dtype) for _ in range(2))
+    w1, w2 = (torch.randn(2048, generator=gen).to(dtype) for _ in range(2))
+    _close(
+        "rms_norm",
+        ops.rms_norm(x.cuda(), w1.cuda(), EPS).cpu(),
+        ops.rms_norm(x, w1, EPS),
+        tol,
+        failures,
+    )
+    got = ops.add_rms_norm(x.cuda(), a.cuda(), w1.cuda(), w2.cuda(), EPS)
+    for part, g, w in zip(("h_new", "x"), got, ops.add_rms_norm(x, a, w1, w2, EPS), strict=True):
+        _close(f"add_rms_norm {part}", g.cpu(), w, tol, failures)
+    gate_up = torch.randn(37, 2 * 5504, generator=gen).to(dtype)
+    _close("silu_mul", ops.silu_mul(gate_up.cuda()).cpu(), ops.silu_mul(gate_up), tol, failures)
+
+    nh, nkv, hd, rows, bs = 16, 16, 128, 37, 16
+    qkv, cos, sin = _rope_inputs(1, rows, nh, nkv, hd, dtype)
+    slot_mapping = torch.randperm(8 * bs, generator=gen)[:rows]
+    slot_mapping[::5] = -1
+    outs = []
+    for dev in ("cpu", "cuda"):
+        pool = torch.full((2, 3, 8, bs, nkv, hd), float("nan"), dtype=dtype, device=dev)
+        q = ops.rope_write_kv(
+            qkv.to(dev),
+            cos.to(dev),
+            sin.to(dev),
+            pool[0, 1],
+            pool[1, 1],
+            slot_mapping.to(dev),
+            nh,
+            nkv,
+        )
+        outs.append((q.cpu(), pool.cpu()))
+    _close("rope q", outs[1][0], outs[0][0], tol, failures)
+    _close("rope caches", outs[1][1], outs[0][1], tol, failures)
+
+    rng = random.Random(4)
+    for block_size in (1, 16, 256):
+        for kind in LAYOUT_KINDS:
+            for head_dim in (64, 128):
+                case = make_attention_case(
+                    rng.randrange(2**31),
+                    random_layout(rng, kind),
+                    block_size,
+                    2,
+                    4,
+                    head_dim=head_dim,
+                    dtype=dtype,
+                    pad_rows=2,
+                )
+                got = ops.paged_attention(*case.to("cuda").args()).cpu()
+                want = ops.paged_attention(*case.args())
+                _close(
+                    f"paged_attention bs={block_size} {kind} hd={head_dim}",
+                    got,
+                    want,
+                    tol,
+                    failures,
+                )
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_decode_attention_replays_from_a_cuda_graph() -> None:
+    """Capture once at max_query_len 1, then grow every context and replay: the kernel reads
+    the new lengths and tables from the same buffers."""
+    dtype, block_size = torch.bfloat16, 16
+    first = make_attention_case(11, [(1, 20), (1, 3), (0, 9)], block_size, 2, 2, 64, dtype, 2)
+    grown = make_attention_case(12, [(1, 70), (1, 40), (1, 15)], block_size, 2, 2, 64, dtype, 1)
+    # one pool big enough for both; the captured tensors are updated in place
+    static = first.to("cuda")
+    later = grown.to("cuda")
+    num_blocks = max(static.k_cache.shape[0], later.k_cache.shape[0])
+    pool = torch.full((2, num_blocks, block_size, 2, 64), float("nan"), dtype=dtype, device="cuda")
+    tables = torch.zeros(
+        3,
+        max(static.block_tables.shape[1], later.block_tables.shape[1]),
+        dtype=torch.int32,
+        device="cuda",
+    )
+
+    def load(case: AttnCase) -> None:
+        pool.fill_(float("nan"))
+        pool[0, : case.k_cache.shape[0]] = case.k_cache
+        pool[1, : case.v_cache.shape[0]] = case.v_cache
+        tables.zero_()
+        tables[:, : case.block_tables.shape[1]] = case.block_tables
+        static.q.copy_(case.q)
+        static.context_lens.copy_(case.context_lens)
+        static.query_start.copy_(case.query_start)
+
+    def run() -> torch.Tensor:
+        return ops.paged_attention(
+            static.q,
+            pool[0],
+            pool[1],
+            tables,
+            static.context_lens,
+            static.query_start,
+            static.scale,
+            1,
+        )
+
+    load(static)
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for case, host in ((static, first), (later, grown)):
+        load(case)
+        graph.replay()
+        torch.cuda.synchronize()
+        host_case = replace(host, max_query_len=1)
+        torch.testing.assert_close(
+            out.cpu().double(), dense_attention(host_case), rtol=3e-2, atol=3e-2
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(_interpreter_main(sys.argv[1:]))
