@@ -9,11 +9,15 @@ tensors under ``TRITON_INTERPRET=1``. The wrappers below are one op call each.
 from kernels.ops._triton import triton_available
 from kernels.ops.activation import silu_mul
 from kernels.ops.attention import paged_attention
+from kernels.ops.exit_rule import exit_rule
+from kernels.ops.kv_copy import copy_kv_slots_masked
 from kernels.ops.norms import add_rms_norm, rms_norm
 from kernels.ops.rope_kv import rope_write_kv
 
 __all__ = [
     "add_rms_norm",
+    "copy_kv_slots_masked",
+    "exit_rule",
     "paged_attention",
     "rms_norm",
     "rope_write_kv",
