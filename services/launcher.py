@@ -427,6 +427,7 @@ print(c.completions.create(model="{model}", prompt="hello", max_tokens=8).choice
 
 def main_up(args: argparse.Namespace) -> int:
     config = scheduler_config_from_args(args)
+    device_from_args(args)  # --no-cuda-graphs reaches the worker processes
     checkpoint = _checkpoint(args.checkpoint)
     host = getattr(args, "host", "127.0.0.1")
     insecure = bool(getattr(args, "insecure", False))

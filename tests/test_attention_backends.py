@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import math
 import random
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -28,12 +27,6 @@ from kernels import (
 )
 from kernels.flash import _parse_version, build_flash_state, flash_paged_block_multiple
 from kernels.sdpa_attention import build_sdpa_state, sdpa_paged_attention
-from messages.sampling import SamplingParams
-from services.common.config import SchedulerConfig
-from services.engine.engine import LLMEngine
-from services.worker.model.ouro import OuroModel
-from services.worker.model.toy import write_toy_checkpoint
-from services.worker.runner import ModelRunner
 
 pytestmark = pytest.mark.unit
 
@@ -299,49 +292,3 @@ def test_flash_version_rule() -> None:
     assert flash_paged_block_multiple((2, 4, 2)) is None  # no paged KV before 2.5
     assert flash_paged_block_multiple((3, 0, 0)) is None  # unverified API: fall back
     assert flash_paged_block_multiple(None) is None
-
-
-# ------------------------------------------------------------------ through the engine
-
-
-@pytest.fixture(scope="module")
-def toy_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_toy_checkpoint(tmp_path_factory.mktemp("backend-toy"), seed=0, size="toy")
-
-
-def _generate(ckpt: Path, backend: str | None, flash_stub: bool = False) -> list[tuple]:
-    config = SchedulerConfig(block_size=4, num_blocks=128)
-    engine = LLMEngine(OuroModel.from_checkpoint(ckpt), config)
-    runner = ModelRunner(
-        engine.model,
-        config.num_blocks,
-        config.block_size,
-        config.kv_layout,
-        attention_backend=backend,
-    )
-    if flash_stub:
-        runner.attention = FlashBackend("test stub", kernel=fake_flash_with_kvcache)
-    engine.runner = runner  # LLMEngine has no backend knob: swap in our runner
-    prompts = [[5, 17, 42, 99, 3], [250, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [300]]
-    results = []
-    for threshold, min_loops in ((1.0, 2), (0.7, 1)):
-        params = SamplingParams(
-            max_tokens=8,
-            temperature=0.0,
-            ignore_eos=True,
-            exit_threshold=threshold,
-            min_loops=min_loops,
-        )
-        for fin in engine.generate(prompts, params):
-            results.append((tuple(fin.token_ids), tuple(fin.exit_depths)))
-    return results
-
-
-def test_engine_sdpa_matches_default(toy_ckpt: Path) -> None:
-    default = _generate(toy_ckpt, None)
-    assert len({d for _, depths in default for d in depths}) > 1  # early exit really happened
-    assert _generate(toy_ckpt, "sdpa") == default
-
-
-def test_engine_flash_index_math_matches_default(toy_ckpt: Path) -> None:
-    assert _generate(toy_ckpt, None, flash_stub=True) == _generate(toy_ckpt, None)

@@ -3,6 +3,9 @@ over randomized workloads and every scheduling configuration (DESIGN.md §6)."""
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -82,6 +85,19 @@ def test_shared_layout_engine_equals_oracle(toy_model, oracle, data) -> None:
     arrivals = data.draw(workloads())
     config = data.draw(configs(arrivals, KVLayout.SHARED))
     check_against_oracle(toy_model, oracle, arrivals, config)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_padded_static_decode_passes_equal_oracle(toy_model, oracle, data) -> None:
+    """The static padded decode path (what a CUDA graph replays), run eagerly on the CPU."""
+    layout = data.draw(st.sampled_from([KVLayout.LAST_EXITED, KVLayout.SHARED]))
+    arrivals = data.draw(workloads())
+    config = data.draw(configs(arrivals, layout))
+    with mock.patch.dict(os.environ, {"RLT_DECODE_MODE": "padded"}):
+        check_against_oracle(toy_model, oracle, arrivals, config)
 
 
 def test_preemption_under_pressure_still_equals_oracle(toy_model, oracle) -> None:

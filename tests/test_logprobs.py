@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from messages.api import FinishedEvent, TokenEvent
-from messages.batch import RowResult, WorkerSampling
+from messages.batch import SampledLogprobs
 from messages.errors import RequestError
 from messages.sampling import MAX_LOGPROBS, SamplingParams
 from services.common.config import KVLayout, ModelLimits, SchedulerConfig
@@ -23,8 +23,8 @@ from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.scheduler.engine_core import EngineCore
 from services.worker import runner as runner_module
+from services.worker.logprobs import LOGPROB_FLOOR, logprob_columns, read_scored
 from services.worker.model.toy import toy_config
-from services.worker.runner import LOGPROB_FLOOR, _attach_logprobs
 from services.worker.sim import SimCostModel, SimRunner
 
 PROMPT = [17, 4, 250, 31, 99, 8, 8, 140]
@@ -158,18 +158,15 @@ def test_infinite_logits_give_finite_logprobs() -> None:
     """JSON has no -inf or NaN: values are floored at vLLM's -9999, also for a row whose
     logits hold +inf (no finite distribution)."""
     logits = torch.tensor([[0.0, -math.inf, 1.0, 2.0], [math.inf, 0.0, 0.0, 0.0]])
-    sampling = WorkerSampling(
-        temperature=0.0, top_p=1.0, top_k=0, seed=0, min_loops=1, max_loops=4,
-        exit_threshold=1.0, logprobs=4,
-    )  # fmt: skip
-    results = [RowResult(row_index=0), RowResult(row_index=1)]
-    _attach_logprobs(logits, [sampling, sampling], [1, 0], results)
-    first, second = (r.logprobs for r in results)
+    columns = logprob_columns(logits, torch.tensor([1, 0]), 4)
+    scored = read_scored(columns.tolist(), 4)
+    results = [SampledLogprobs(logprob=c, top_ids=i, top_logprobs=v) for c, i, v in scored]
+    first, second = results
     assert first.logprob == LOGPROB_FLOOR  # the -inf logit
     assert first.top_ids == [3, 2, 0, 1]
     assert first.top_logprobs[:3] == pytest.approx(torch.log_softmax(logits[0, [3, 2, 0]], 0))
     assert all(
-        math.isfinite(v) for r in results for v in [r.logprobs.logprob, *r.logprobs.top_logprobs]
+        math.isfinite(v) for r in results for v in [r.logprob, *r.top_logprobs]
     )
     assert second.logprob <= 0.0
 

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from services.common.model_config import ConfigError, OuroConfig
 from services.worker.model.loader import CheckpointError, expected_shapes, load_checkpoint
-from services.worker.model.ouro import OuroModel, dense_causal_attention
+from services.worker.model.ouro import OuroModel, PassAttention
 from services.worker.model.toy import EOS_TOKEN, toy_config, write_toy_checkpoint
 
 pytestmark = pytest.mark.unit
@@ -41,29 +41,39 @@ def ckpt_copy(toy_dir: Path, tmp_path: Path) -> Path:
 
 
 class DenseKV:
-    """Test attend callback: per (depth, layer) K/V kept densely for one sequence."""
+    """One sequence's K/V per depth, each plane one block as long as the sequence may get:
+    the model's paged ops see a one-segment pass."""
 
-    def __init__(self) -> None:
-        self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.depth = 0
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self.planes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        key = (self.depth, layer)
-        if key in self.kv:
-            pk, pv = self.kv[key]
-            k, v = torch.cat([pk, k]), torch.cat([pv, v])
-        self.kv[key] = (k, v)
-        return dense_causal_attention(q, k, v)
+    def loop(
+        self, model: OuroModel, h: torch.Tensor, depth: int, start: int, rope_offset: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One core loop of rows at positions start.. (RoPE at ``rope_offset`` beyond)."""
+        if depth not in self.planes:
+            shape = (model.num_layers, 1, self.capacity, model.num_kv_heads, model.head_dim)
+            self.planes[depth] = (torch.zeros(shape), torch.zeros(shape))
+        k, v = self.planes[depth]
+        t = h.shape[0]
+        slots = torch.arange(start, start + t)
+        attn = PassAttention(
+            slots,
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([start + t], dtype=torch.int32),
+            torch.tensor([0, t], dtype=torch.int32),
+            t,
+        )
+        return model.core_loop(h, model.rope(slots + rope_offset), k, v, attn)
 
 
 def full_depth(model: OuroModel, ids: list[int], start: int, cache: DenseKV):
     """Run tokens ``ids`` at positions start.. through all loops; return (h, gate logits [D,T])."""
     h = model.prelude(torch.tensor(ids))
-    pos = torch.arange(start, start + len(ids))
     gates = []
     for d in range(model.cfg.total_ut_steps):
-        cache.depth = d
-        h, g = model.core_loop(h, pos, cache)
+        h, g = cache.loop(model, h, d, start)
         gates.append(g)
     return h, torch.stack(gates)
 
@@ -159,7 +169,7 @@ def test_matches_independent_reference(toy_dir: Path, toy_model: OuroModel) -> N
     h = toy_model.prelude(ids)
     for _ in range(2):  # two loops: the next loop consumes the normed state
         h_ref, g_ref = _reference_loop(w, cfg, h_ref, pos)
-        h, g = toy_model.core_loop(h, pos, lambda _i, q, k, v: dense_causal_attention(q, k, v))
+        h, g = DenseKV().loop(toy_model, h, 0, 0, rope_offset=1000)
         torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-4)
     assert g.dtype == torch.float32 and g.shape == (len(PROMPT),)

@@ -264,6 +264,6 @@ async def test_a_failed_kv_reset_is_retried_by_the_next_batch(toy_checkpoint: Pa
         assert failed.error is not None and "KV reset failed" in failed.error
         ok = await run(1)
         assert ok.error is None and worker.runner is not None
-        assert worker.runner.k_cache.shape[1:3] == (32, 4)  # the new geometry was built
+        assert worker.runner.k_cache.shape[1:3] == (33, 4)  # the new geometry, and a scratch block
     finally:
         await worker.teardown()

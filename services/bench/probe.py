@@ -3,16 +3,15 @@
 ``StatsProbe`` reads a runner's own ``RunnerStats`` instead: for the simulated device, which
 has no model to shadow, and (``counters_between``) for a worker process's health reply.
 
-The probe shadows two bound methods with instance attributes for the duration of a run:
-``ModelRunner.execute`` (batches, decode batches, time executing) and ``OuroModel.core_loop``
-(core passes and the rows in each). Both are called by attribute lookup, so the same probe
-works for the in-process engine and for the pipeline's worker service.
+The probe shadows ``ModelRunner.execute`` with an instance attribute for the duration of a
+run (batches, decode batches, time executing; called by attribute lookup, so the same probe
+works for the in-process engine and for the pipeline's worker service), and reads core
+passes and their rows from the runner's own stats (a replayed CUDA graph calls no Python).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from messages.batch import Batch, BatchResult, Phase, RowKind
 from services.bench.metrics import EngineCounters
@@ -26,10 +25,10 @@ class RunnerProbe:
         self.model = runner.model
         self.counters = EngineCounters()
         self._passes_at_start = runner.num_core_passes
+        self._rows_at_start = runner.stats.core_rows
 
     def __enter__(self) -> RunnerProbe:
         execute = self.runner.execute
-        core_loop = self.model.core_loop
         c = self.counters
 
         def counted_execute(batch: Batch) -> BatchResult:
@@ -45,20 +44,16 @@ class RunnerProbe:
                 ):
                     c.decode_batches += 1
 
-        def counted_core_loop(hidden: Any, *args: Any, **kwargs: Any) -> Any:
-            c.core_passes += 1
-            c.core_rows += int(hidden.shape[0])
-            return core_loop(hidden, *args, **kwargs)
-
         self.runner.execute = counted_execute  # type: ignore[method-assign]
-        self.model.core_loop = counted_core_loop  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         # dropping the instance attributes uncovers the class's methods again
         self.runner.__dict__.pop("execute", None)
-        self.model.__dict__.pop("core_loop", None)
-        self.counters.runner_core_passes = self.runner.num_core_passes - self._passes_at_start
+        passes = self.runner.num_core_passes - self._passes_at_start
+        self.counters.core_passes = passes
+        self.counters.core_rows = self.runner.stats.core_rows - self._rows_at_start
+        self.counters.runner_core_passes = passes
 
 
 class StatsProbe:

@@ -152,6 +152,13 @@ def add_device_flags(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         default=os.environ.get("RLT_DTYPE", "float32"),
         help="model and KV dtype (default: $RLT_DTYPE, else float32)",
     )
+    g.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        default=os.environ.get("RLT_DECODE_MODE") == "eager",
+        help="run every decode pass eagerly (default on CUDA: each row-count bucket's decode "
+        "pass is captured as a CUDA graph at start-up and replayed)",
+    )
 
 
 ROUTER_POLICIES = ("prefix", "round-robin", "least-loaded")
@@ -281,6 +288,8 @@ def service_args(
     args = [] if name == "prefix-cache" else ["--checkpoint", str(checkpoint)]
     args += engine_args(config)
     args += ["--device", device, "--dtype", dtype]
+    if os.environ.get("RLT_DECODE_MODE") == "eager":
+        args.append("--no-cuda-graphs")
     if shard is not None:
         args += ["--shard", shard]
     if name == "admission":
@@ -295,7 +304,10 @@ def prefill_mode(config: SchedulerConfig) -> str:
 
 
 def device_from_args(args: argparse.Namespace) -> tuple[str, torch.dtype]:
-    """(device, dtype) of the model, from ``--device`` / ``--dtype``."""
+    """(device, dtype) of the model, from ``--device`` / ``--dtype``. ``--no-cuda-graphs``
+    sets ``RLT_DECODE_MODE`` for the runners made after this (and child processes)."""
+    if getattr(args, "no_cuda_graphs", False):
+        os.environ["RLT_DECODE_MODE"] = "eager"
     return getattr(args, "device", "cpu"), torch_dtype(getattr(args, "dtype", "float32"))
 
 

@@ -23,6 +23,7 @@ from services.scheduler.scheduler import Scheduler
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from services.worker.sim import SimRunner
+from services.worker.static_decode import DecodeMode
 
 
 def model_limits(model: OuroModel) -> ModelLimits:
@@ -38,13 +39,14 @@ class LLMEngine:
         codec: TextCodec | None = None,
         on_batch: Callable[[ScheduledBatch], None] | None = None,
         simulated: SimRunner | None = None,
+        decode_mode: DecodeMode | None = None,
     ) -> None:
         """``simulated``: batches run on the simulated device instead of ``model`` (the
         bench's GPU-like arms; ``model`` then only supplies the limits)."""
         self.model = model
         self.config = config
         self.runner: ModelRunner | SimRunner = simulated or ModelRunner(
-            model, config.num_blocks, config.block_size, config.kv_layout
+            model, config.num_blocks, config.block_size, config.kv_layout, decode_mode=decode_mode
         )
         self.core = EngineCore(
             config,

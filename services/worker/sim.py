@@ -29,22 +29,20 @@ control plane's share look larger than on real hardware, not smaller.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import msgspec
-
-from messages.batch import (
-    Batch,
-    BatchResult,
-    BatchRow,
-    Phase,
-    RowKind,
-    RowResult,
-    SampledLogprobs,
-    WorkerSampling,
-)
+from messages.batch import Batch, BatchResult, Phase, SampledLogprobs, WorkerSampling
 from services.common.model_config import OuroConfig
-from services.worker.runner import LOGPROB_FLOOR, RunnerStats, batch_result
+from services.worker.logprobs import LOGPROB_FLOOR
+from services.worker.rows import (
+    LiveRow,
+    RowCursor,
+    RunnerStats,
+    batch_result,
+    end_loop,
+    live_rows,
+    token_sampled,
+)
 
 # NVIDIA H200 SXM: 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16 (published datasheet figures)
 H200_HBM_BYTES_PER_S = 4.8e12
@@ -108,22 +106,9 @@ def mix64(*values: int) -> int:
 
 
 @dataclass
-class _SimRequest:
-    num_prompt_tokens: int
-    sampling: WorkerSampling
-    next_decode: BatchRow | None = None
-
-
-@dataclass
-class _Row:
-    index: int
-    row: BatchRow
-    depth: int
-    loops_left: int
-    result: RowResult = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.result = RowResult(row_index=self.index)
+class _SimRequest(RowCursor):
+    num_prompt_tokens: int = 0
+    sampling: WorkerSampling | None = None
 
 
 class SimRunner:
@@ -184,33 +169,24 @@ class SimRunner:
         self._apply_deltas(batch)
         self.last_seq = batch.seq
         self.last_batch_passes = []
-        rows: list[_Row] = []
-        for i, row in enumerate(batch.rows):
-            resolved = self._resolve(row) if row.kind is RowKind.FOLLOW_ON else row
-            if resolved is not None:
-                rows.append(_Row(i, resolved, resolved.depth, resolved.num_loops))
+        rows = live_rows(batch, self.requests)
         seconds = 0.0 if batch.phase is Phase.PREFILLING_PRELUDE else self._run(rows)
         self.simulated_s += seconds
         wait = seconds * self.cost.dilation
         if self.sleep and wait > 0:
             time.sleep(max(0.0, wait - (time.perf_counter() - t0)))
         self.stats.record_batch(batch, time.perf_counter() - t0)
-        return batch_result(batch, {r.index: r.result for r in rows})
+        return batch_result(batch, rows)
 
     def _apply_deltas(self, batch: Batch) -> None:
         for request_id in batch.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in batch.new_requests:
-            self.requests[new.request_id] = _SimRequest(len(new.prompt_token_ids), new.sampling)
+            self.requests[new.request_id] = _SimRequest(
+                num_prompt_tokens=len(new.prompt_token_ids), sampling=new.sampling
+            )
 
-    def _resolve(self, row: BatchRow) -> BatchRow | None:
-        req = self.requests.get(row.request_id)
-        if req is None or req.next_decode is None:
-            return None
-        resolved, req.next_decode = req.next_decode, None
-        return resolved
-
-    def _run(self, rows: list[_Row]) -> float:
+    def _run(self, rows: list[LiveRow]) -> float:
         """Runs the rows' loops pass by pass; returns the device seconds they cost."""
         seconds = 0.0
         coda_rows = 0
@@ -225,8 +201,7 @@ class SimRunner:
                 context += end
                 pairs += r.row.token_count * end
             seconds += self.cost.core_pass_s(num_rows, context, pairs)
-            self.stats.core_passes += 1
-            self.stats.core_rows += num_rows
+            self.stats.record_pass(num_rows)
             self.last_batch_passes.append((len(active), num_rows))
             for r in active:
                 coda_rows += self._finish_loop(r)
@@ -234,31 +209,29 @@ class SimRunner:
             seconds += self.cost.coda_s(coda_rows)
         return seconds
 
-    def _finish_loop(self, r: _Row) -> int:
+    def _finish_loop(self, r: LiveRow) -> int:
         """One loop of a row ran; returns 1 if it reached the coda (samples a token)."""
         row = r.row
         req = self.requests[row.request_id]
+        assert req.sampling is not None
+        loops_run = r.loops_run
         r.loops_left -= 1
-        loops_run = r.depth + 1
         r.depth += 1
-        if row.kind is not RowKind.DECODE:
+        if not r.is_decode:
             end = row.token_start + row.token_count
             if row.compute_logits and loops_run == self.total_depths and r.loops_left == 0:
                 return self._sample(r, req, end - 1)
             return 0
-        forced = row.forced_exit_loops
-        exit_at = forced or self.exit_loops_at(req.sampling, row.token_start)
-        if loops_run < exit_at:
-            req.next_decode = msgspec.structs.replace(row, depth=loops_run, embed=False)
-            return 0
-        r.result.exited = True
-        r.result.exit_loops = loops_run
-        req.next_decode = None
-        return self._sample(r, req, row.token_start) if row.compute_logits else 0
+        exit_at = row.forced_exit_loops or self.exit_loops_at(req.sampling, row.token_start)
+        exited = loops_run >= exit_at
+        end_loop(r, req, loops_run=loops_run, exited=exited, remaining=row.remaining)
+        if exited and row.compute_logits:
+            return self._sample(r, req, row.token_start)
+        return 0
 
-    def _sample(self, r: _Row, req: _SimRequest, last_position: int) -> int:
+    def _sample(self, r: LiveRow, req: _SimRequest, last_position: int) -> int:
+        assert req.sampling is not None
         token = self.token_at(req.sampling.seed, last_position + 1)
-        r.result.token_id = token
         n = req.sampling.logprobs
         if n >= 0:  # simulated too: the token is certain, nothing else is possible
             r.result.logprobs = SampledLogprobs(
@@ -266,15 +239,5 @@ class SimRunner:
                 top_ids=[(token + i) % self.cfg.vocab_size for i in range(n)],
                 top_logprobs=[0.0, *[LOGPROB_FLOOR] * (n - 1)][:n],
             )
-        req.next_decode = BatchRow(
-            request_id=r.row.request_id,
-            kind=RowKind.DECODE,
-            token_start=last_position + 1,
-            token_count=1,
-            depth=0,
-            embed=True,
-            input_token_id=token,
-            compute_logits=True,
-            output_index=r.row.output_index + 1,
-        )
+        token_sampled(r, req, token)
         return 1

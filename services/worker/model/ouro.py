@@ -1,25 +1,35 @@
 """Ouro looped LM forward pass, split into prelude / one core loop / coda.
 
-The caller (worker) owns KV storage and attention: each layer hands its rotated q/k and v to an
-``attend`` callback, so the same math serves paged batched serving and a dense test oracle.
+Each fused step of a layer is one op of ``kernels.ops`` (a torch reference on CPU, a Triton
+kernel on CUDA), so a layer costs nine kernel launches: two matmuls in, RoPE + the paged KV
+write, paged attention, the output matmul, the sandwich norm step, the MLP's two matmuls
+around SiLU x mul, and the second sandwich norm step (which also applies the next layer's
+input norm, or the final norm after the last layer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from kernels.ops import add_rms_norm, paged_attention, rms_norm, rope_write_kv, silu_mul
 from services.common.model_config import OuroConfig
 
 from .loader import CheckpointError, expected_shapes, load_checkpoint
 
-# attend(layer_idx, q [T, n_heads, hd], k [T, n_kv_heads, hd], v [T, n_kv_heads, hd])
-#   -> attention output [T, n_heads, hd]; q and k are already rotated by RoPE.
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+class PassAttention(NamedTuple):
+    """Where one core pass's rows sit in the paged KV cache (device tensors, int32)."""
+
+    slot_mapping: torch.Tensor  # [T] slot receiving each row's K/V (-1: padding, not written)
+    block_tables: torch.Tensor  # [S, width] each segment's block table at its plane
+    context_lens: torch.Tensor  # [S] positions a segment's last row sees (its own included)
+    query_start: torch.Tensor  # [S + 1] first row of each segment
+    max_query_len: int
 
 
 @dataclass(frozen=True)
@@ -33,18 +43,6 @@ class _Layer:
     ln_in_2: torch.Tensor
     ln_post: torch.Tensor
     ln_post_2: torch.Tensor
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32, cast back before the weight multiply (as the HF reference does)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class OuroModel:
@@ -118,8 +116,16 @@ class OuroModel:
             cfg.rope_theta
             ** (torch.arange(0, hd, 2, dtype=torch.int64, device=self.device).float() / hd)
         )
-        self._q_dim = cfg.q_dim
-        self._kv_dim = cfg.kv_dim
+        # cos/sin of every position, so a pass looks its rows up (two gathers) instead of
+        # computing them; the same float32 products as the HF rotary embedding, then cast
+        angles = (
+            torch.arange(cfg.max_position_embeddings, device=self.device).float()[:, None]
+            * self.inv_freq[None, :]
+        )
+        emb = torch.cat((angles, angles), dim=-1)
+        self.cos_table = emb.cos().to(self.dtype)
+        self.sin_table = emb.sin().to(self.dtype)
+        self.scale = hd**-0.5
 
     @classmethod
     def from_checkpoint(
@@ -145,39 +151,49 @@ class OuroModel:
         return F.embedding(token_ids.to(self.device), self.embed)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, hd] in the model dtype, computed in float32."""
-        angles = positions.to(self.device, torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((angles, angles), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        """cos, sin [T, hd] in the model dtype for int ``positions`` [T] on the device."""
+        return self.cos_table.index_select(0, positions), self.sin_table.index_select(0, positions)
 
     def core_loop(
-        self, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: PassAttention,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One loop of all L layers over packed rows, then the final norm and the exit gate.
 
+        ``k_cache`` / ``v_cache``: [L, blocks, block_size, kv_heads, head_dim]; each layer
+        writes its rows' K/V there and attends through the block tables.
         Returns (normed h [T, H] in the model dtype, gate logits float32 [T]). The normed h is
         both the next loop's input and the coda's input if the row exits here.
         """
         t = h.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = self.rope(positions)
-        for idx, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.ln_in, self.eps)
-            q, k, v = F.linear(x, layer.qkv).split([self._q_dim, self._kv_dim, self._kv_dim], -1)
-            q = q.view(t, nh, hd)
-            k = k.view(t, nkv, hd)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            a = attend(idx, q, k, v.reshape(t, nkv, hd).contiguous())
-            a = F.linear(a.reshape(t, nh * hd), layer.o)
-            h = h + rms_norm(a, layer.ln_in_2, self.eps)
-            x = rms_norm(h, layer.ln_post, self.eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            m = F.linear(F.silu(gate) * up, layer.down)
-            h = h + rms_norm(m, layer.ln_post_2, self.eps)
-        h = rms_norm(h, self.final_norm, self.eps)
-        gate_logits = F.linear(h.float(), self.gate_w, self.gate_b).squeeze(-1)
-        return h, gate_logits
+        cos, sin = rope
+        layers = self.layers
+        x = rms_norm(h, layers[0].ln_in, self.eps)
+        for idx, layer in enumerate(layers):
+            qkv = F.linear(x, layer.qkv)
+            q = rope_write_kv(qkv, cos, sin, k_cache[idx], v_cache[idx], attn.slot_mapping, nh, nkv)
+            a = paged_attention(
+                q,
+                k_cache[idx],
+                v_cache[idx],
+                attn.block_tables,
+                attn.context_lens,
+                attn.query_start,
+                self.scale,
+                attn.max_query_len,
+            )
+            a = F.linear(a.view(t, nh * hd), layer.o)
+            h, x = add_rms_norm(h, a, layer.ln_in_2, layer.ln_post, self.eps)
+            m = F.linear(silu_mul(F.linear(x, layer.gate_up)), layer.down)
+            w_next = layers[idx + 1].ln_in if idx + 1 < len(layers) else self.final_norm
+            h, x = add_rms_norm(h, m, layer.ln_post_2, w_next, self.eps)
+        gate_logits = F.linear(x.float(), self.gate_w, self.gate_b).view(t)
+        return x, gate_logits
 
     def coda(self, h: torch.Tensor) -> torch.Tensor:
         """[N, H] exited (already normed) hidden -> float32 logits [N, V]."""
