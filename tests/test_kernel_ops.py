@@ -530,7 +530,53 @@ def _check_attention(failures: list[str]) -> None:
     _close("paged_attention default bs=256", got, want, TOLERANCE[torch.float32], failures)
 
 
+def _check_exit_rule(failures: list[str]) -> None:
+    module = importlib.import_module("kernels.ops.exit_rule")
+
+    g = torch.Generator().manual_seed(5)
+    n = 700  # several programs, the last one partial
+    args = (
+        torch.randn(n, generator=g) * 4,
+        torch.rand(n, generator=g),
+        torch.randint(1, 5, (n,), generator=g, dtype=torch.int32),
+        torch.randint(1, 5, (n,), generator=g, dtype=torch.int32),
+        torch.randint(1, 5, (n,), generator=g, dtype=torch.int32),
+        torch.where(torch.rand(n, generator=g) < 0.2, 1.0, torch.rand(n, generator=g)),
+        torch.where(
+            torch.rand(n, generator=g) < 0.2,
+            torch.randint(1, 5, (n,), generator=g, dtype=torch.int32),
+            0,
+        ).to(torch.int32),
+    )
+    want_survived, want_exit = module.exit_rule_reference(*args)
+    got_survived, got_exit = module.exit_rule_triton(*args)
+    _close("exit_rule survival", got_survived, want_survived, TOLERANCE[torch.float32], failures)
+    # the interpreter's exp may differ from torch's in the last bit: exits agree away from it
+    near = ((1.0 - want_survived) - args[5]).abs() < 1e-5
+    if not torch.equal(got_exit[~near], want_exit[~near]):
+        failures.append("exit_rule: exit flags differ away from the threshold")
+
+
+def _check_kv_copy(failures: list[str]) -> None:
+    module = importlib.import_module("kernels.ops.kv_copy")
+
+    g = torch.Generator().manual_seed(6)
+    for block_size in (1, 4, 16):
+        shape = (3, 40 // block_size + 2, block_size, 2, 16)
+        k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        slots = torch.randperm(shape[1] * block_size, generator=g)[:24]
+        src, dst = slots[:12], slots[12:]
+        mask = torch.rand(12, generator=g) < 0.5
+        want_k, want_v = k.clone(), v.clone()
+        module.copy_kv_slots_masked_reference(want_k, want_v, src, dst, mask)
+        module.copy_kv_slots_masked_triton(k, v, src, dst, mask)
+        if not (torch.equal(k, want_k) and torch.equal(v, want_v)):
+            failures.append(f"copy_kv_slots_masked bs={block_size}: caches differ")
+
+
 INTERPRETER_CHECKS: dict[str, Callable[[list[str]], None]] = {
+    "exit_rule": _check_exit_rule,
+    "kv_copy": _check_kv_copy,
     "norms": _check_norms,
     "activation": _check_activation,
     "rope": _check_rope,

@@ -23,59 +23,144 @@ _lib.define(
 )
 
 
+class _Grid:
+    """One grid's geometry: every index a layer's attention needs that depends only on the
+    pass's metadata, so the layers of a pass share it (see ``_grids``)."""
+
+    def __init__(
+        self,
+        tables: torch.Tensor,
+        ctx: torch.Tensor,
+        seg_start: torch.Tensor,
+        seg_rows: torch.Tensor,
+        num_rows: int,
+        block_size: int,
+        q_max: int,
+        c_max: int,
+    ) -> None:
+        dev = tables.device
+        num_segs = tables.shape[0]
+        self.q_max, self.c_max, self.num_segs = q_max, c_max, num_segs
+        j = torch.arange(q_max, device=dev)
+        q_ok = j < seg_rows[:, None]  # [S, Q]
+        q_pos = ctx[:, None] - seg_rows[:, None] + j
+        c = torch.arange(c_max, device=dev)
+        self.c_ok = c < ctx[:, None]  # [S, C]
+        visible = q_ok[:, :, None] & (c <= q_pos[:, :, None]) & self.c_ok[:, None, :]
+        self.hidden = ~visible[:, None, None]  # [S, 1, 1, Q, C]
+        # Positions past a segment's context read its position 0 instead (written, so finite:
+        # masked scores never multiply uninitialised, maybe NaN, memory); table entries there
+        # may be garbage and are never used.
+        tables = tables.long()
+        self.blocks = torch.where(self.c_ok, tables[:, c // block_size], tables[:, :1])
+        self.offsets = torch.where(self.c_ok, c % block_size, 0)
+        rows = seg_start[:, None] + j
+        self.query_rows = rows.clamp(0, num_rows - 1)
+        self.out_rows = torch.where(q_ok, rows, num_rows).flatten()
+
+
 def _attend_grid(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    tables: torch.Tensor,
-    ctx: torch.Tensor,
-    seg_start: torch.Tensor,
-    seg_rows: torch.Tensor,
+    grid: _Grid,
     scale: float,
-    q_max: int,
-    c_max: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Segments padded to q_max queries over positions 0 .. c_max - 1 of their context.
 
-    Returns the outputs [S * q_max, nh, hd] (float32 at least) and the packed row each belongs
-    to (T for a padding query).
+    Returns the outputs [S * q_max, nh, hd] (float32 at least); row i belongs to packed row
+    ``grid.out_rows[i]`` (T for a padding query).
     """
-    num_rows, num_heads, head_dim = q.shape
-    num_segs = tables.shape[0]
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    num_segs, q_max, c_max = grid.num_segs, grid.q_max, grid.c_max
     # Float32 at least for scores and softmax; float64 inputs stay float64.
     acc = torch.promote_types(q.dtype, torch.float32)
-    dev = q.device
     group = num_heads // kv_heads
-
-    j = torch.arange(q_max, device=dev)
-    q_ok = j < seg_rows[:, None]  # [S, Q]
-    q_pos = ctx[:, None] - seg_rows[:, None] + j
-    c = torch.arange(c_max, device=dev)
-    c_ok = c < ctx[:, None]  # [S, C]
-    visible = q_ok[:, :, None] & (c <= q_pos[:, :, None]) & c_ok[:, None, :]  # [S, Q, C]
-
-    # Unused table entries may be garbage: read block 0 there, then zero what was read.
-    blocks = torch.where(c_ok, tables.long()[:, c // block_size], 0)
-    offsets = (c % block_size).expand(num_segs, c_max)
-    keys = torch.where(c_ok[..., None, None], k_cache[blocks, offsets], 0).to(acc)
-    vals = torch.where(c_ok[..., None, None], v_cache[blocks, offsets], 0).to(acc)
+    keys = k_cache[grid.blocks, grid.offsets].to(acc)
+    vals = v_cache[grid.blocks, grid.offsets].to(acc)
 
     # GQA without repeating K/V: fold each kv head's query group into the query axis.
-    rows = seg_start[:, None] + j
-    qs = q[rows.clamp(0, num_rows - 1)].to(acc)
+    qs = q[grid.query_rows].to(acc)
     qs = qs.view(num_segs, q_max, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qs = qs.reshape(num_segs, kv_heads, group * q_max, head_dim)
     scores = torch.matmul(qs, keys.permute(0, 2, 3, 1)) * scale  # [S, kvh, G*Q, C]
     scores = scores.view(num_segs, kv_heads, group, q_max, c_max)
-    mask = visible[:, None, None]
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    # Padding queries see nothing and softmax to NaN; they are dropped, but zero them anyway.
-    probs = torch.where(mask, probs, 0).view(num_segs, kv_heads, group * q_max, c_max)
+    probs = torch.softmax(scores.masked_fill(grid.hidden, float("-inf")), dim=-1)
+    # Padding queries see nothing and softmax to NaN: their rows are dropped by the caller.
+    probs = probs.view(num_segs, kv_heads, group * q_max, c_max)
     out = torch.matmul(probs, vals.permute(0, 2, 1, 3))  # [S, kvh, G*Q, hd]
     out = out.view(num_segs, kv_heads, group, q_max, head_dim).permute(0, 3, 1, 2, 4)
-    out = out.reshape(num_segs * q_max, num_heads, head_dim)
-    return out, torch.where(q_ok, rows, num_rows).flatten()
+    return out.reshape(num_segs * q_max, num_heads, head_dim)
+
+
+# The grids of the last pass seen, keyed by its metadata tensors themselves: every layer of a
+# pass passes the same tensor objects, so the grids are built once per pass, not per layer.
+# Holding the key tensors keeps their ids from being reused by a later pass.
+_last: tuple[tuple[object, ...], list[_Grid]] | None = None
+
+
+def _grids(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    num_rows: int,
+    block_size: int,
+    max_query_len: int,
+    split_decode: bool,
+) -> list[_Grid]:
+    global _last
+    key = (
+        block_tables,
+        context_lens,
+        query_start,
+        num_rows,
+        block_size,
+        max_query_len,
+        split_decode,
+    )
+    if (
+        _last is not None
+        and len(_last[0]) == len(key)
+        and all(
+            a is b if isinstance(a, torch.Tensor) else a == b
+            for a, b in zip(_last[0], key, strict=True)
+        )
+    ):
+        return _last[1]
+    starts = query_start.long()
+    seg_start, seg_rows = starts[:-1], starts[1:] - starts[:-1]
+    ctx = context_lens.long()
+    grids: list[_Grid] = []
+    if not split_decode:
+        c_max = block_tables.shape[1] * block_size
+        grids.append(
+            _Grid(
+                block_tables, ctx, seg_start, seg_rows, num_rows, block_size, max_query_len, c_max
+            )
+        )
+    else:
+        for chosen in (seg_rows <= 1, seg_rows > 1):
+            idx = chosen.nonzero().squeeze(1)
+            if idx.numel() == 0:
+                continue
+            q_max, c_max = int(seg_rows[idx].max()), int(ctx[idx].max())
+            if q_max == 0 or c_max == 0:
+                continue
+            grids.append(
+                _Grid(
+                    block_tables[idx],
+                    ctx[idx],
+                    seg_start[idx],
+                    seg_rows[idx],
+                    num_rows,
+                    block_size,
+                    q_max,
+                    c_max,
+                )
+            )
+    _last = (key, grids)
+    return grids
 
 
 def paged_attention_reference(
@@ -102,28 +187,19 @@ def paged_attention_reference(
     out = q.new_zeros((num_rows + 1, num_heads, head_dim))
     if num_rows == 0 or num_segs == 0 or max_query_len <= 0 or max_blocks == 0:
         return out[:num_rows]
-    starts = query_start.long()
-    seg_start, seg_rows = starts[:-1], starts[1:] - starts[:-1]
-    ctx = context_lens.long()
-    common = (q, k_cache, v_cache)
     if split_decode is None:
         split_decode = q.device.type == "cpu"
-    if not split_decode:
-        c_max = max_blocks * k_cache.shape[1]
-        grid_args = (block_tables, ctx, seg_start, seg_rows, scale, max_query_len, c_max)
-        res, rows = _attend_grid(*common, *grid_args)
-        out[rows] = res.to(q.dtype)
-        return out[:num_rows]
-    for chosen in (seg_rows <= 1, seg_rows > 1):
-        idx = chosen.nonzero().squeeze(1)
-        if idx.numel() == 0:
-            continue
-        q_max, c_max = int(seg_rows[idx].max()), int(ctx[idx].max())
-        if q_max == 0 or c_max == 0:
-            continue
-        grid_args = (block_tables[idx], ctx[idx], seg_start[idx], seg_rows[idx], scale)
-        res, rows = _attend_grid(*common, *grid_args, q_max, c_max)
-        out[rows] = res.to(q.dtype)
+    grids = _grids(
+        block_tables,
+        context_lens,
+        query_start,
+        num_rows,
+        k_cache.shape[1],
+        max_query_len,
+        split_decode,
+    )
+    for grid in grids:
+        out[grid.out_rows] = _attend_grid(q, k_cache, v_cache, grid, scale).to(q.dtype)
     return out[:num_rows]
 
 

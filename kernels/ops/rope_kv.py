@@ -34,19 +34,28 @@ def rope_write_kv_reference(
 ) -> torch.Tensor:
     num_rows, head_dim = qkv.shape[0], k_cache.shape[-1]
     kv_dim = num_kv_heads * head_dim
-    q, k, v = qkv.split([num_heads * head_dim, kv_dim, kv_dim], -1)
-    q = q.view(num_rows, num_heads, head_dim)
-    k = k.view(num_rows, num_kv_heads, head_dim)
+    q_dim = num_heads * head_dim
+    # q and k rotate together: one set of elementwise ops over their heads
+    qk = qkv[:, : q_dim + kv_dim].view(num_rows, num_heads + num_kv_heads, head_dim)
     c, s = cos[:, None, :], sin[:, None, :]
-    q = q * c + _rotate_half(q) * s
-    k = k * c + _rotate_half(k) * s
+    qk = qk * c + _rotate_half(qk) * s
+    q, k = qk[:, :num_heads], qk[:, num_heads:]
+    v = qkv[:, q_dim + kv_dim :].view(num_rows, num_kv_heads, head_dim)
+    if slot_mapping.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous():
+        # a host read is free on the CPU: write every row at once unless some are padding
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+        k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping.long()] = k.to(k_cache.dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping.long()] = v.to(v_cache.dtype)
+        return q.contiguous()
     # Boolean indexing syncs on CUDA; this path only runs there when triton is missing.
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = k_cache.shape[1]
     blk, off = slots // block_size, slots % block_size
     k_cache[blk, off] = k[keep].to(k_cache.dtype)
-    v_cache[blk, off] = v.reshape(num_rows, num_kv_heads, head_dim)[keep].to(v_cache.dtype)
+    v_cache[blk, off] = v[keep].to(v_cache.dtype)
     return q.contiguous()
 
 
