@@ -16,6 +16,7 @@ words, so one buffer carries the whole pass. Sections (sizes in ``PassShape``):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,40 +48,42 @@ class PassShape:
 
     def offsets(self) -> dict[str, tuple[int, int]]:
         """(start, length) in int32 words of every field; int64 fields start 8-byte aligned."""
-        out: dict[str, tuple[int, int]] = {}
-        at = 0
-
-        def put(name: str, length: int, align: int = 1) -> None:
-            nonlocal at
-            at += -at % align
-            out[name] = (at, length)
-            at += length
-
-        t, s, n, m, c = (
-            self.num_tokens,
-            self.num_segments,
-            self.num_decode,
-            self.num_pairs,
-            self.num_coda,
-        )
-        for f in _TOKEN_FIELDS:
-            put(f"token.{f}", t)
-        put("segment.table", s * self.table_width)
-        put("segment.context_len", s)
-        put("segment.query_start", s + 1)
-        for f in _DECODE_FIELDS:
-            put(f"decode.{f.rstrip('*')}", n)
-        for f in _PAIR_FIELDS:
-            put(f"pair.{f}", m)
-        for f in _CODA_FIELDS:
-            wide = f.endswith("**")
-            put(f"coda.{f.rstrip('*')}", 2 * c if wide else c, 2 if wide else 1)
-        out["_size"] = (0, at + (-at % 2))
-        return out
+        return _offsets(self)
 
     @property
     def size(self) -> int:
         return self.offsets()["_size"][1]
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets(shape: PassShape) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    at = 0
+
+    def put(name: str, length: int, align: int = 1) -> None:
+        nonlocal at
+        at += -at % align
+        out[name] = (at, length)
+        at += length
+
+    for f in _TOKEN_FIELDS:
+        put(f"token.{f}", shape.num_tokens)
+    put("segment.table", shape.num_segments * shape.table_width)
+    put("segment.context_len", shape.num_segments)
+    put("segment.query_start", shape.num_segments + 1)
+    for f in _DECODE_FIELDS:
+        put(f"decode.{f.rstrip('*')}", shape.num_decode)
+    for f in _PAIR_FIELDS:
+        put(f"pair.{f}", shape.num_pairs)
+    for f in _CODA_FIELDS:
+        wide = f.endswith("**")
+        put(
+            f"coda.{f.rstrip('*')}",
+            2 * shape.num_coda if wide else shape.num_coda,
+            2 if wide else 1,
+        )
+    out["_size"] = (0, at + (-at % 2))
+    return out
 
 
 _FLOAT = {f"decode.{f.rstrip('*')}" for f in _DECODE_FIELDS if f.endswith("*")} | {

@@ -62,12 +62,11 @@ class LiveRow:
     loops_left: int
     result: RowResult = field(init=False)
 
+    is_decode: bool = field(init=False)
+
     def __post_init__(self) -> None:
         self.result = RowResult(row_index=self.index)
-
-    @property
-    def is_decode(self) -> bool:
-        return self.row.kind is RowKind.DECODE
+        self.is_decode = self.row.kind is RowKind.DECODE
 
     @property
     def loops_run(self) -> int:

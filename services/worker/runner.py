@@ -93,13 +93,15 @@ class ModelRunner:
             scratch_pool_slot=DecodePool.SCRATCH,
             host_words=self.transfer.host_words,
         )
-        mode = decode_mode or DecodeMode.default_for(model.device)
-        self.static = StaticDecode(self, mode) if mode is not DecodeMode.EAGER else None
         self.requests: dict[str, _WorkerRequest] = {}
         self.last_seq = -1
         self.stats = RunnerStats()
         # (rows, tokens) of each core pass of the last batch (the worker's metrics read it)
         self.last_batch_passes: list[tuple[int, int]] = []
+        mode = decode_mode or DecodeMode.default_for(model.device)
+        self.static = StaticDecode(self, mode) if mode is not DecodeMode.EAGER else None
+        if self.static is not None and mode is DecodeMode.GRAPHS:
+            self.static.capture_all()
 
     # ------------------------------------------------------------------ state mirroring
     def _apply_deltas(self, batch: Batch) -> None:

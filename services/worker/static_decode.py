@@ -88,6 +88,21 @@ class StaticDecode:
         self._static: dict[tuple[int, bool], _Captured] = {}
         self.replays = 0  # passes that ran through a static bucket
 
+    def capture_all(self) -> None:
+        """Captures every bucket's greedy decode pass (start-up; sampling passes are captured
+        on their first use) and logs what it captured and how long it took."""
+        t0 = time.perf_counter()
+        for bucket in self.buckets:
+            blank = self.runner.planner.plan(
+                [], self.runner.requests, False, pad_to=bucket, table_width=self.table_width
+            )
+            self._prepare(bucket, blank)
+        _log.info(
+            "cuda_graphs_ready",
+            buckets=self.buckets,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
+
     def try_run(self, active: list[LiveRow]) -> tuple[PassPlan, torch.Tensor] | None:
         """Runs ``active`` as a static decode pass if it is one; None: run it eagerly."""
         n = len(active)
