@@ -1,47 +1,158 @@
-"""Smoke test of the one-command device check: ``--device cpu --quick`` prints its table."""
+"""The one-command device check: ``--quick`` dry-runs every section on the CPU and writes its
+report; its comparison and byte-count helpers; the device pipeline script."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TABLE_HEADER = "| stage | config | result | detail |"
+SCRIPT = ROOT / "scripts" / "device_check.py"
+TABLE_HEADER = "| section | config | result | detail |"
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["device_check"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _table(report: str) -> list[list[str]]:
+    lines = report[report.index(TABLE_HEADER) :].strip().splitlines()[2:]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
 
 
 @pytest.mark.services
-def test_device_check_quick_cpu(tmp_path: Path) -> None:
-    env = dict(os.environ, OUT=str(tmp_path), PYTHONUNBUFFERED="1")
+def test_quick_dry_run_reports_every_section(tmp_path: Path) -> None:
+    out = tmp_path / "report" / "dc.md"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "device_check.py"), "--device", "cpu", "--quick"],
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
         cwd=tmp_path,  # the script must find the repo on its own
-        env=env,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
         capture_output=True,
         text=True,
         timeout=120,
     )
-    out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
-    assert TABLE_HEADER in out
-    table = out[out.rindex(TABLE_HEADER) :].strip().splitlines()
-    assert out.rstrip().splitlines()[-1].startswith("|")  # the table is printed last
-    stages = {line.split("|")[1].strip() for line in table[2:]}
-    assert {"env", "kernels", "parity", "decode", "floor"} <= stages, table
-    assert "FAILED" not in "\n".join(table)
-    report = (tmp_path / "device_check.md").read_text()
-    assert TABLE_HEADER in report
-    rows = json.loads((tmp_path / "device_check.json").read_text())
-    assert any(r["stage"] == "decode" and r["result"].endswith("tok/s") for r in rows)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("report: ")
+    report = out.read_text()
+    for key in ("date", "hardware", "commit", "command"):
+        assert f"- {key}: " in report, report[:600]
+    assert "--quick" in report and "not GPU numbers" in report
+    rows = _table(report)
+    assert all(r[2] not in ("FAILED", "SKIPPED") for r in rows), rows
+    by_section: dict[str, list[list[str]]] = {}
+    for row in rows:
+        by_section.setdefault(row[0], []).append(row)
+    assert set(by_section) == {"env", "setup", "pass_time", "decode", "hbm", "oracle", "bf16"}
+
+    # 1: three row counts, graphs (padded on a CPU) and eager, every timed pass decode-only
+    passes = by_section["pass_time"]
+    assert len(passes) == 6 and all(r[2].endswith(" ms/pass") for r in passes)
+    assert {r[1] for r in passes} >= {"1 row, graphs->padded", "8 rows, eager"}
+    # 2: two concurrencies, early exit off and on
+    decode = by_section["decode"]
+    assert len(decode) == 4 and all(r[2].endswith(" tok/s") for r in decode)
+    assert sum("exit on" in r[1] for r in decode) == 2
+    # 3: the floor, then one ratio per measured pass
+    hbm = by_section["hbm"]
+    assert hbm[0][2].endswith("ms/pass floor") and len(hbm) == 1 + len(passes)
+    assert all("% of HBM bound" in r[2] for r in hbm[1:])
+    # 4: the oracle, eager and static passes, both agreeing
+    oracle = by_section["oracle"]
+    assert [r[1] for r in oracle] == ["toy fp32, eager", "toy fp32, graphs->padded"]
+    assert all(r[2].startswith("ok ") for r in oracle)
+    # 5: bf16 against fp32
+    (agree,) = by_section["bf16"]
+    assert agree[2].startswith("top-1 ")
+
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["command"].endswith(f"--quick --out {out}") and data["hardware"]
+    assert len(data["rows"]) == len(rows) and not any(r["failed"] for r in data["rows"])
+    oracle_rows = [r for r in data["rows"] if r["section"] == "oracle"]
+    assert all(r["compared"] == r["total"] > 0 and not r["mismatches"] for r in oracle_rows)
+
+
+@pytest.mark.unit
+def test_a_failed_section_is_recorded_and_the_exit_code_says_so(tmp_path: Path) -> None:
+    """hbm alone has no pass timings to compare: its row fails, the report is still written."""
+    out = tmp_path / "dc.md"
+    assert _script().main(["--quick", "--only", "hbm", "--out", str(out)]) == 1
+    rows = _table(out.read_text())
+    assert rows[0][0] == "env" and rows[-1][:3] == ["hbm", "measured passes", "FAILED"]
+    assert "ms/pass floor" in rows[1][2]
+
+
+def _step(token: int, depth: int, gap: float = 1.0, margin: float = 1.0) -> SimpleNamespace:
+    return SimpleNamespace(token_id=token, exit_depth=depth, top2_gap=gap, threshold_margin=margin)
+
+
+def _oracle(*steps: SimpleNamespace) -> SimpleNamespace:
+    return SimpleNamespace(
+        steps=list(steps),
+        token_ids=[s.token_id for s in steps],
+        exit_depths=[s.exit_depth for s in steps],
+        finish_reason="length",
+    )
+
+
+def _engine(tokens: list[int], depths: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(token_ids=tokens, exit_depths=depths, finish_reason="length")
+
+
+@pytest.mark.unit
+def test_oracle_comparison_stops_only_at_the_oracles_near_ties() -> None:
+    compare = _script().compare_with_oracle
+    expected = _oracle(_step(5, 4), _step(7, 2), _step(9, 3))
+
+    same = compare(_engine([5, 7, 9], [4, 2, 3]), expected)
+    assert (same.compared, same.total, same.near_tie, same.mismatch) == (3, 3, None, None)
+
+    wrong = compare(_engine([5, 8, 9], [4, 2, 3]), expected)
+    assert wrong.compared == 1 and "token 1" in (wrong.mismatch or "")
+    assert compare(_engine([5, 7, 9], [4, 3, 3]), expected).mismatch is not None
+    assert compare(_engine([5, 7], [4, 2]), expected).mismatch is not None  # stopped early
+
+    # a top-2 gap tie at token 1: any token may follow, but its exit depth must agree
+    gap_tie = _oracle(_step(5, 4), _step(7, 2, gap=1e-6), _step(9, 3))
+    tie = compare(_engine([5, 8, 1], [4, 2, 4]), gap_tie)
+    assert (tie.compared, tie.mismatch) == (1, None) and "top-2 gap" in (tie.near_tie or "")
+    assert compare(_engine([5, 8, 1], [4, 3, 4]), gap_tie).mismatch is not None
+
+    # an exit-margin tie at token 1: even the depth may differ
+    margin_tie = _oracle(_step(5, 4), _step(7, 2, margin=1e-7), _step(9, 3))
+    tie = compare(_engine([5, 8], [4, 3]), margin_tie)
+    assert (tie.compared, tie.mismatch) == (1, None) and "exit margin" in (tie.near_tie or "")
+
+
+@pytest.mark.unit
+def test_hbm_bound_uses_the_cost_models_bytes() -> None:
+    from services.worker.model.toy import toy_config
+    from services.worker.sim import SimCostModel
+
+    script = _script()
+    cost = SimCostModel.for_model(toy_config("1.4b"))
+    # Ouro-1.4B in bf16: 2.47 GB of core weights, 0.514 ms at 4.8 TB/s; KV 196,608 B/token
+    assert script.pass_bytes(cost, 0) / cost.bytes_per_s * 1e3 == pytest.approx(0.514, abs=1e-3)
+    assert script.pass_bytes(cost, 100) - script.pass_bytes(cost, 0) == 100 * 196_608
+    assert script.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert script.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert script.first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 @pytest.mark.slow
 def test_device_pipeline_script_cpu(tmp_path: Path) -> None:
-    """The issue-14 GPU run, as the lease would run it, on the toy checkpoint here: both
+    """The pipeline comparison as a GPU lease would run it, on the toy checkpoint here: both
     benches finish inside their boxes and leave their reports where the lease fetches them."""
     out = tmp_path / "out"
     env = dict(
