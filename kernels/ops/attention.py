@@ -100,6 +100,11 @@ def _attend_grid(
 _last: tuple[tuple[object, ...], list[_Grid]] | None = None
 
 
+# Padded (query, context) pairs one grid may waste before the pass is split in two: each
+# grid costs about a dozen small ops per layer, about as much as this many pairs.
+_MERGE_SLACK = 4096
+
+
 def _grids(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
@@ -114,6 +119,7 @@ def _grids(
         block_tables,
         context_lens,
         query_start,
+        tuple(_version(t) for t in (block_tables, context_lens, query_start)),
         num_rows,
         block_size,
         max_query_len,
@@ -131,36 +137,50 @@ def _grids(
     starts = query_start.long()
     seg_start, seg_rows = starts[:-1], starts[1:] - starts[:-1]
     ctx = context_lens.long()
-    grids: list[_Grid] = []
     if not split_decode:
         c_max = block_tables.shape[1] * block_size
-        grids.append(
-            _Grid(
-                block_tables, ctx, seg_start, seg_rows, num_rows, block_size, max_query_len, c_max
-            )
-        )
+        parts = [(None, max_query_len, c_max)]
     else:
-        for chosen in (seg_rows <= 1, seg_rows > 1):
-            idx = chosen.nonzero().squeeze(1)
-            if idx.numel() == 0:
-                continue
-            q_max, c_max = int(seg_rows[idx].max()), int(ctx[idx].max())
-            if q_max == 0 or c_max == 0:
-                continue
-            grids.append(
-                _Grid(
-                    block_tables[idx],
-                    ctx[idx],
-                    seg_start[idx],
-                    seg_rows[idx],
-                    num_rows,
-                    block_size,
-                    q_max,
-                    c_max,
-                )
-            )
+        parts = _split(seg_rows.tolist(), ctx.tolist())
+    grids = [
+        _Grid(
+            block_tables if idx is None else block_tables[idx],
+            ctx if idx is None else ctx[idx],
+            seg_start if idx is None else seg_start[idx],
+            seg_rows if idx is None else seg_rows[idx],
+            num_rows,
+            block_size,
+            q_max,
+            c_max,
+        )
+        for idx, q_max, c_max in parts
+        if q_max > 0 and c_max > 0
+    ]
     _last = (key, grids)
     return grids
+
+
+def _version(t: torch.Tensor) -> int:
+    """In-place writes bump a tensor's version; inference tensors keep none (-1)."""
+    return -1 if t.is_inference() else t._version
+
+
+def _split(rows: list[int], ctx: list[int]) -> list[tuple[torch.Tensor | None, int, int]]:
+    """Decode segments (<= 1 row) and longer ones as two grids, each cut to its own longest
+    context, unless one grid over all of them pads fewer than ``_MERGE_SLACK`` pairs more."""
+    short = [i for i, n in enumerate(rows) if n <= 1]
+    long = [i for i, n in enumerate(rows) if n > 1]
+    whole = (None, max(rows, default=0), max(ctx, default=0))
+    if not short or not long:
+        return [whole]
+    parts = [
+        (torch.tensor(idx), max(rows[i] for i in idx), max(ctx[i] for i in idx))
+        for idx in (short, long)
+    ]
+    split_pairs = sum(len(idx) * q * c for idx, (_, q, c) in zip((short, long), parts, strict=True))
+    if len(rows) * whole[1] * whole[2] - split_pairs <= _MERGE_SLACK:
+        return [whole]
+    return parts
 
 
 def paged_attention_reference(

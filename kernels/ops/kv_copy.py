@@ -29,10 +29,20 @@ def copy_kv_slots_masked_reference(
 ) -> None:
     if src.numel() == 0:
         return
+    layers, blocks, bs = k_cache.shape[:3]
+    if mask.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous():
+        # a host read is free on the CPU: copy only the pairs that exited, by flat slot
+        keep = mask.nonzero().squeeze(1)
+        if keep.numel() == 0:
+            return
+        source, target = src.long()[keep], dst.long()[keep]
+        for cache in (k_cache, v_cache):
+            flat = cache.view(layers, blocks * bs, -1)
+            flat[:, target] = flat[:, source]
+        return
     # an unmasked pair copies its destination onto itself: fixed shapes, no selection
     source = torch.where(mask, src, dst).long()
     target = dst.long()
-    bs = k_cache.shape[2]
     for cache in (k_cache, v_cache):
         cache[:, target // bs, target % bs] = cache[:, source // bs, source % bs]
 

@@ -116,14 +116,22 @@ class HostPass:
 
 
 class DevicePass:
-    """The device side: tensor views of the copied buffer, one per field (no kernels)."""
+    """The device side: tensor views of the copied buffer, one per field (no kernels), each
+    made once per pass."""
 
     def __init__(self, shape: PassShape, words: torch.Tensor) -> None:
         self.shape = shape
         self.offsets = shape.offsets()
         self.words = words
+        self._views: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        view = self._views.get(name)
+        if view is None:
+            view = self._views[name] = self._view(name)
+        return view
+
+    def _view(self, name: str) -> torch.Tensor:
         start, length = self.offsets[name]
         words = self.words[start : start + length]
         if name in _FLOAT:

@@ -99,6 +99,8 @@ class ModelRunner:
         # (rows, tokens) of each core pass of the last batch (the worker's metrics read it)
         self.last_batch_passes: list[tuple[int, int]] = []
         mode = decode_mode or DecodeMode.default_for(model.device)
+        if mode is DecodeMode.GRAPHS and model.device.type != "cuda":
+            mode = DecodeMode.PADDED  # graphs need CUDA: the same static passes, eagerly
         self.static = StaticDecode(self, mode) if mode is not DecodeMode.EAGER else None
         if self.static is not None and mode is DecodeMode.GRAPHS:
             self.static.capture_all()
@@ -264,7 +266,7 @@ class ModelRunner:
         self, plan: PassPlan, device: DevicePass, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One core pass and everything after it on the device: the exit rule, the pool
-        write, the exit copy, the coda and the sampler. Returns (packed float64 results,
+        write, the exit copy, the coda and the sampler. Returns (packed float32 results,
         the pass's output rows)."""
         model = self.model
         attn = PassAttention(
@@ -299,15 +301,15 @@ class ModelRunner:
                     device["pair.dst"],
                     exited.index_select(0, device["pair.decode_row"]),
                 )
-            packed += [survived.double(), exited.double()]
+            packed += [survived, exited.float()]
         if plan.shape.num_coda:
             logits = model.coda(out.index_select(0, device["coda.row"]))
             ids, bad = self._sample(plan, device, logits)
-            packed += [ids.double(), bad.double()]
+            packed += [ids.float(), bad.float()]
             if plan.logprobs_top >= 0:
                 packed.append(logprob_columns(logits, ids, plan.logprobs_top).flatten())
         if not packed:
-            return out.new_zeros(0, dtype=torch.float64), out
+            return out.new_zeros(0, dtype=torch.float32), out
         return (torch.cat(packed) if len(packed) > 1 else packed[0]), out
 
     def _sample(
