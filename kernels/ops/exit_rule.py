@@ -130,6 +130,6 @@ def exit_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per decode row: (float32 survival after this loop, whether the row exits now).
     ``gate_logits``, ``remaining``, ``threshold``: float32 [N]; the loop counts int32 [N]."""
-    return torch.ops.rlt.exit_rule(
+    return torch.ops.rlt.exit_rule.default(
         gate_logits, remaining, loops_run, min_loops, max_loops, threshold, forced
     )

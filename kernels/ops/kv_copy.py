@@ -117,4 +117,4 @@ def copy_kv_slots_masked(
 ) -> None:
     """For every layer of [L, NB, bs, kvh, hd] caches: slot ``dst[i]`` := slot ``src[i]``
     where ``mask[i]``. Destinations are distinct; no destination is another pair's source."""
-    torch.ops.rlt.copy_kv_slots_masked(k_cache, v_cache, src, dst, mask)
+    torch.ops.rlt.copy_kv_slots_masked.default(k_cache, v_cache, src, dst, mask)
