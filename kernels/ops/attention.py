@@ -54,9 +54,16 @@ class _Grid:
         tables = tables.long()
         self.blocks = torch.where(self.c_ok, tables[:, c // block_size], tables[:, :1])
         self.offsets = torch.where(self.c_ok, c % block_size, 0)
+        self.slots = (self.blocks * block_size + self.offsets).flatten()
         rows = seg_start[:, None] + j
-        self.query_rows = rows.clamp(0, num_rows - 1)
+        self.query_rows = rows.clamp(0, num_rows - 1).flatten()
         self.out_rows = torch.where(q_ok, rows, num_rows).flatten()
+        # every packed row once, in order (a decode-only pass): no scatter needed
+        self.in_order = (
+            dev.type == "cpu"
+            and num_segs * q_max == num_rows
+            and bool(torch.equal(self.out_rows, torch.arange(num_rows, device=dev)))
+        )
 
 
 def _attend_grid(
@@ -77,11 +84,18 @@ def _attend_grid(
     # Float32 at least for scores and softmax; float64 inputs stay float64.
     acc = torch.promote_types(q.dtype, torch.float32)
     group = num_heads // kv_heads
-    keys = k_cache[grid.blocks, grid.offsets].to(acc)
-    vals = v_cache[grid.blocks, grid.offsets].to(acc)
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        # one gather per cache by flat slot (cheaper than indexing by block and offset)
+        keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, grid.slots)
+        vals = v_cache.view(-1, kv_heads, head_dim).index_select(0, grid.slots)
+        keys = keys.view(num_segs, c_max, kv_heads, head_dim).to(acc)
+        vals = vals.view(num_segs, c_max, kv_heads, head_dim).to(acc)
+    else:
+        keys = k_cache[grid.blocks, grid.offsets].to(acc)
+        vals = v_cache[grid.blocks, grid.offsets].to(acc)
 
     # GQA without repeating K/V: fold each kv head's query group into the query axis.
-    qs = q[grid.query_rows].to(acc)
+    qs = q.index_select(0, grid.query_rows).to(acc)
     qs = qs.view(num_segs, q_max, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qs = qs.reshape(num_segs, kv_heads, group * q_max, head_dim)
     scores = torch.matmul(qs, keys.permute(0, 2, 3, 1)) * scale  # [S, kvh, G*Q, C]
@@ -203,10 +217,8 @@ def paged_attention_reference(
     """
     num_rows, num_heads, head_dim = q.shape
     num_segs, max_blocks = block_tables.shape
-    # One spare row takes the padding queries' outputs, dropped at the end.
-    out = q.new_zeros((num_rows + 1, num_heads, head_dim))
     if num_rows == 0 or num_segs == 0 or max_query_len <= 0 or max_blocks == 0:
-        return out[:num_rows]
+        return q.new_zeros(q.shape)
     if split_decode is None:
         split_decode = q.device.type == "cpu"
     grids = _grids(
@@ -218,6 +230,10 @@ def paged_attention_reference(
         max_query_len,
         split_decode,
     )
+    if len(grids) == 1 and grids[0].in_order:
+        return _attend_grid(q, k_cache, v_cache, grids[0], scale).to(q.dtype)
+    # One spare row takes the padding queries' outputs, dropped at the end.
+    out = q.new_zeros((num_rows + 1, num_heads, head_dim))
     for grid in grids:
         out[grid.out_rows] = _attend_grid(q, k_cache, v_cache, grid, scale).to(q.dtype)
     return out[:num_rows]
