@@ -321,6 +321,17 @@ def test_paged_attention_reference_bf16_and_wide_blocks() -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("layout", [[(5, 0)], [(1, 7)] * 6, [(1, 3), (4, 2)]])
+def test_paged_attention_output_is_contiguous(layout: list[tuple[int, int]]) -> None:
+    """The model flattens the heads of the output with a view: it must be contiguous, for
+    one prompt chunk, a decode-only pass and a mix."""
+    case = make_attention_case(3, layout, 4, kv_heads=2, group=2)
+    out = ops.paged_attention(*case.args())
+    assert out.is_contiguous()
+    out.view(out.shape[0], -1)
+
+
+@pytest.mark.unit
 def test_paged_attention_degenerate_batches() -> None:
     # only zero-row segments (and padding rows): all zeros, no NaN from empty softmaxes
     case = make_attention_case(6, [(0, 5), (0, 0)], 4, 1, 2, pad_rows=3)

@@ -231,7 +231,7 @@ def paged_attention_reference(
         split_decode,
     )
     if len(grids) == 1 and grids[0].in_order:
-        return _attend_grid(q, k_cache, v_cache, grids[0], scale).to(q.dtype)
+        return _attend_grid(q, k_cache, v_cache, grids[0], scale).to(q.dtype).contiguous()
     # One spare row takes the padding queries' outputs, dropped at the end.
     out = q.new_zeros((num_rows + 1, num_heads, head_dim))
     for grid in grids:

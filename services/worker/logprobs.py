@@ -15,8 +15,8 @@ Scored = tuple[float, list[int], list[float]]
 def logprob_columns(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> torch.Tensor:
     """Per row of ``logits`` [N, V], on the device: float32 [N, 1 + 2 * top] holding the
     chosen token's log-probability, the ``top`` best log-probabilities, then their ids
-    (exact in float32 below 2**24, far above any vocabulary). One batched log-softmax; a row with an infinite logit
-    has no finite distribution, so values are floored."""
+    (exact in float32 below 2**24, far above any vocabulary). One batched log-softmax; a
+    row with an infinite logit has no finite distribution, so values are floored."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     logprobs = torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, posinf=0.0).clamp_(min=LOGPROB_FLOOR)
     columns = [logprobs.gather(1, chosen.long()[:, None])]

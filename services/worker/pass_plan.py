@@ -121,13 +121,19 @@ class PassPlanner:
         wide."""
         reqs = [requests[live.row.request_id] for live in rows]
         decode = [i for i, live in enumerate(rows) if live.is_decode]
+        may_exit = {i for i in decode if self._may_exit(rows[i], reqs[i].sampling)}
         coda_index = [
             i
             for i, live in enumerate(rows)
-            if live.reaches_coda(self.total_loops)
-            and (not live.is_decode or self._may_exit(live, reqs[i].sampling))
+            if live.reaches_coda(self.total_loops) and (not live.is_decode or i in may_exit)
         ]
-        pairs = [(j, p) for j, i in enumerate(decode) for p in self._pairs(rows[i], reqs[i])]
+        # exit copies only for rows that can exit now (none below max_loops at fixed depth)
+        pairs = [
+            (j, p)
+            for j, i in enumerate(decode)
+            if i in may_exit
+            for p in self._pairs(rows[i], reqs[i])
+        ]
         num_tokens = sum(live.row.token_count for live in rows)
         widths = [
             -(-(live.row.token_start + live.row.token_count) // self.block_size) for live in rows
