@@ -41,19 +41,27 @@ def run_bench(tree: Path, size: str, out: Path) -> dict[str, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ref", required=True, help="the commit to compare against")
+    p.add_argument(
+        "--this",
+        default=None,
+        help="a commit to measure instead of this working tree (also in a temporary worktree)",
+    )
     p.add_argument("--size", default="toy", choices=["toy", "small"])
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ref_tree = Path(tmp) / "ref"
-        subprocess.run(
-            ["git", "worktree", "add", "--detach", str(ref_tree), args.ref],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-        )
+        this_tree = Path(tmp) / "this" if args.this else ROOT
+        for tree, commit in ((ref_tree, args.ref), (this_tree, args.this)):
+            if commit:
+                subprocess.run(
+                    ["git", "worktree", "add", "--detach", str(tree), commit],
+                    cwd=ROOT,
+                    check=True,
+                    capture_output=True,
+                )
         try:
-            trees = {"this": ROOT, args.ref: ref_tree}
+            trees = {"this": this_tree, args.ref: ref_tree}
             samples: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
             for i in range(args.repeats):
                 for name, tree in trees.items():
@@ -62,8 +70,10 @@ def main() -> int:
                         samples[name].setdefault(workload, []).append(value)
                     print(f"round {i + 1}: {name}: {got}", file=sys.stderr)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(ref_tree)], cwd=ROOT)
-    print(f"| workload ({args.size}) | this tok/s | {args.ref} tok/s | ratio of medians |")
+            for tree in {ref_tree, this_tree} - {ROOT}:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
+    this = args.this or "this tree"
+    print(f"| workload ({args.size}) | {this} tok/s | {args.ref} tok/s | ratio of medians |")
     print("|---|---|---|---|")
     for workload in samples["this"]:
         row = []
