@@ -15,6 +15,7 @@ from messages.batch import RowKind
 from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
+from services.scheduler.running import preempt
 from services.scheduler.telemetry import SchedulerTelemetry
 from tests.engine_harness import Arrival, assert_matches_oracle, oracle_result, run_workload
 
@@ -226,7 +227,7 @@ def test_a_preempted_writer_hands_its_readers_back(toy_model, oracle) -> None:
     engine.step()
     scheduler = engine.scheduler
     assert [r.request_id for r in scheduler.running] == ["writer"]
-    scheduler._preempt(scheduler.requests["writer"])
+    preempt(scheduler._state, scheduler.requests["writer"])
     events = engine.run_until_done()
     finished = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
     assert finished["reader"].num_cached_tokens == 16

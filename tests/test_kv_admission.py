@@ -220,7 +220,7 @@ def test_an_equal_priority_newcomer_waits_for_kv(policy) -> None:
 def test_a_victim_with_work_in_flight_is_not_preempted_at_admission() -> None:
     s = decoding(KVAdmission.RESERVE, newcomer_priority=-1)
     s.requests["y"].inflight_batches = 1  # as if its decode row were still on the worker
-    s._admit_waiting()
+    s._admission.admit_waiting()
     assert s.requests["y"].phase == Phase.RECURRENT
     assert s.requests["x"].phase == Phase.WAITING
     assert s.stats.num_preemptions == 0

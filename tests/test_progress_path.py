@@ -12,7 +12,9 @@ from messages.prefix import BlockStored, prompt_block_hashes
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
 from services.scheduler.batch import ScheduledBatch, ScheduledTask
-from services.scheduler.scheduler import Scheduler, SchedulerInvariantError, _Selection
+from services.scheduler.running import insert_running
+from services.scheduler.scheduler import Scheduler, SchedulerInvariantError
+from services.scheduler.selection import Selection
 
 pytestmark = pytest.mark.unit
 
@@ -174,12 +176,12 @@ def test_a_gap_in_prelude_spans_raises_and_moves_nothing() -> None:
     request = split_request(s)
     spans = [task(request, RowKind.PRELUDE, 0, 2), task(request, RowKind.PRELUDE, 3, 2)]
     with pytest.raises(SchedulerInvariantError, match="prelude span starts at 3"):
-        s._apply_prelude_spans(request, spans)
+        s._progress._apply_prelude_spans(request, spans)
     assert request.num_preluded_tokens == 0
     with pytest.raises(SchedulerInvariantError, match="prelude span starts at 2"):
-        s._apply_prelude_spans(request, [task(request, RowKind.PRELUDE, 2, 2)])
+        s._progress._apply_prelude_spans(request, [task(request, RowKind.PRELUDE, 2, 2)])
     # contiguous spans in any order merge into one advance
-    s._apply_prelude_spans(
+    s._progress._apply_prelude_spans(
         request, [task(request, RowKind.PRELUDE, 2, 3), task(request, RowKind.PRELUDE, 0, 2)]
     )
     assert request.num_preluded_tokens == 5
@@ -190,16 +192,16 @@ def test_a_span_ending_beyond_the_shallower_frontier_raises() -> None:
     request = split_request(s)
     request.num_preluded_tokens = 6
     with pytest.raises(SchedulerInvariantError, match="beyond the prelude's frontier 6"):
-        s._advance_prefill_depth_frontier(request, 0, 0, 8, 1)
-    s._advance_prefill_depth_frontier(request, 0, 0, 6, 1)
+        s._progress._advance_prefill_depth_frontier(request, 0, 0, 8, 1)
+    s._progress._advance_prefill_depth_frontier(request, 0, 0, 6, 1)
     with pytest.raises(SchedulerInvariantError, match="beyond depth 0's frontier 6"):
-        s._advance_prefill_depth_frontier(request, 1, 0, 7, 1)
+        s._progress._advance_prefill_depth_frontier(request, 1, 0, 7, 1)
     assert rights(s, "a") == [6, 0, 0, 0]
     # a multi-depth task moves every depth it runs, each bounded by the one above it
-    assert s._advance_prefill_depth_frontier(request, 1, 0, 4, 3) is True
+    assert s._progress._advance_prefill_depth_frontier(request, 1, 0, 4, 3) is True
     assert rights(s, "a") == [6, 4, 4, 4]
     with pytest.raises(SchedulerInvariantError, match="depth 1 task ends at 8, beyond depth 0"):
-        s._advance_prefill_depth_frontier(request, 1, 4, 8, 3)
+        s._progress._advance_prefill_depth_frontier(request, 1, 4, 8, 3)
 
 
 @pytest.mark.parametrize("loops", [0, -1])
@@ -209,8 +211,8 @@ def test_a_task_without_loops_moves_no_frontier_and_never_reaches_the_final_dept
     s = Scheduler(SchedulerConfig(split_prefill=True), LIMITS)
     request = split_request(s)
     request.num_preluded_tokens = 10
-    assert s._advance_prefill_depth_frontier(request, 0, 0, 4, loops) is False
-    assert s._advance_prefill_depth_frontier(request, D, 0, 4, loops) is False
+    assert s._progress._advance_prefill_depth_frontier(request, 0, 0, 4, loops) is False
+    assert s._progress._advance_prefill_depth_frontier(request, D, 0, 4, loops) is False
     assert rights(s, "a") == [0] * D
 
 
@@ -230,11 +232,11 @@ def two_prefilling_requests() -> Scheduler:
     s.add_request("x", [5, 6, 7, 8], SamplingParams(max_tokens=1, temperature=0.0, priority=-1))
     for rid in ("x", "y"):
         request = s.requests[rid]
-        s._waiting.remove((request.priority_key, request))
+        s._state.waiting.remove((request.priority_key, request))
         request.reset_prefill(origin=0)
         request.phase = Phase.PREFILLING_RECURRENT
         request.num_preluded_tokens = 4
-        s._insert_running(request)
+        insert_running(s._state, request)
     assert s.kv.ensure("y", 4)  # 2 blocks x 4 planes
     assert s.kv.num_free_blocks == 4
     return s
@@ -242,19 +244,19 @@ def two_prefilling_requests() -> Scheduler:
 
 def test_a_request_selected_by_a_prefill_row_is_never_preempted_in_that_batch() -> None:
     s = two_prefilling_requests()
-    sel = _Selection(budget_left=64, max_seqs=2)
+    sel = Selection(budget_left=64, max_seqs=2)
     y = s.requests["y"]
-    assert s._accept_task(task(y, RowKind.PREFILL, 0, 4), sel) is not None
+    assert s._selector._accept_task(task(y, RowKind.PREFILL, 0, 4), sel) is not None
     x = s.requests["x"]
-    assert s._accept_task(task(x, RowKind.PREFILL, 0, 4), sel) is None  # x waits
+    assert s._selector._accept_task(task(x, RowKind.PREFILL, 0, 4), sel) is None  # x waits
     assert s.stats.num_preemptions == 0
     assert y.phase == Phase.PREFILLING_RECURRENT and s.kv.num_held_blocks("y") == 8
 
 
 def test_contrast_an_unselected_prefill_request_is_preempted() -> None:
     s = two_prefilling_requests()
-    sel = _Selection(budget_left=64, max_seqs=2)
+    sel = Selection(budget_left=64, max_seqs=2)
     x = s.requests["x"]
-    assert s._accept_task(task(x, RowKind.PREFILL, 0, 4), sel) is not None
+    assert s._selector._accept_task(task(x, RowKind.PREFILL, 0, 4), sel) is not None
     assert s.stats.num_preemptions == 1
     assert s.requests["y"].phase == Phase.WAITING and s.kv.num_held_blocks("y") == 0

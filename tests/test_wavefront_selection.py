@@ -213,10 +213,10 @@ def test_out_of_order_retirement_and_gapped_spans_raise() -> None:
     request.reset_prefill(origin=0)
     request.num_preluded_tokens = 10
     with pytest.raises(SchedulerInvariantError, match="frontier"):
-        s._advance_prefill_depth_frontier(request, 0, 2, 4, 1)  # starts past right_0
+        s._progress._advance_prefill_depth_frontier(request, 0, 2, 4, 1)  # starts past right_0
     request.prefill_depth_ranges = [(0, 10), (0, 10), (0, 10), (0, 2)]
     with pytest.raises(SchedulerInvariantError, match="out of prompt order"):
-        s._retire_prefill_chunk(request, 2, 4, batch_seq=0)  # chunk [0, 2) never retired
+        s._progress._retire_prefill_chunk(request, 2, 4, batch_seq=0)  # chunk [0, 2) never retired
 
 
 def decoding_low_priority_request(wavefront: bool) -> Scheduler:

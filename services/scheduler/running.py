@@ -1,0 +1,118 @@
+"""The running set's transitions: a request joins it at admission and leaves it either for
+the waiting queue (recompute preemption) or for good (finish).
+
+Every exit gives the request's KV back here, so the footprint sum admission relies on, the
+reserve-waste counter and the finished ids the worker frees cannot drift apart. Also the
+footprint arithmetic both admission and these exits use.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+
+from messages.api import FinishedEvent, StreamEvent
+from messages.batch import Phase
+from services.common.config import KVAdmission
+from services.scheduler.kv_admission import Commitment, Preemption
+from services.scheduler.kv_manager import KVManager
+from services.scheduler.request import Request
+from services.scheduler.state import SchedulerState
+
+
+def _priority_key(request: Request) -> tuple[int, int]:
+    return request.priority_key
+
+
+def unallocated(kv: KVManager, request: Request, claimed: int = 0) -> Commitment:
+    """Blocks of the request's footprint it does not hold yet (nor would get from a
+    ``claimed`` prefix hit), split into its prompt's and its decode's."""
+    held = kv.num_held_blocks(request.request_id) + claimed
+    prompt = max(0, kv.blocks_for(request.num_prompt_tokens) - held)
+    total = max(0, kv.blocks_for(request.kv_footprint_tokens) - held)
+    return Commitment(prompt=prompt, decode=total - prompt)
+
+
+def footprint(kv: KVManager, request: Request) -> Commitment:
+    """The request's whole footprint, split like ``unallocated`` (its upper bound)."""
+    prompt = kv.blocks_for(request.num_prompt_tokens)
+    return Commitment(prompt=prompt, decode=kv.blocks_for(request.kv_footprint_tokens) - prompt)
+
+
+def committed(state: SchedulerState) -> Commitment:
+    """What the running requests will still allocate, exactly."""
+    return sum((unallocated(state.kv, r) for r in state.running), Commitment())
+
+
+def insert_running(state: SchedulerState, request: Request) -> None:
+    # queue order; after equal keys (there are none: arrival_seq is unique)
+    bisect.insort_right(state.running, request, key=_priority_key)
+
+
+def preempt(state: SchedulerState, request: Request, for_request_id: str = "") -> None:
+    """Recompute-style preemption: free KV, keep outputs, requeue at its old priority."""
+    _record_preemption(state, request, for_request_id)
+    _release_kv(state, request)
+    request.note_dropped_prefill()
+    state.kv.free(request.request_id)
+    state.running.remove(request)
+    request.generation += 1
+    request.phase = Phase.WAITING
+    request.reset_prefill(origin=0)
+    state.pending_finished.append(request.request_id)
+    if request in state.pending_new:
+        state.pending_new.remove(request)
+    heapq.heappush(state.waiting, (request.priority_key, request))
+    state.stats.num_preemptions += 1
+
+
+def finish(state: SchedulerState, request: Request, reason: str, events: list[StreamEvent]) -> None:
+    """Ends the request (running or waiting) and appends its finished event."""
+    request.phase = Phase.FINISHED
+    request.finish_reason = reason
+    running = request in state.running
+    if running:
+        _release_kv(state, request)
+    state.kv.free(request.request_id)
+    if running:
+        state.running.remove(request)
+        state.pending_finished.append(request.request_id)
+    if request in state.pending_new:
+        state.pending_new.remove(request)
+    state.requests.pop(request.request_id, None)
+    events.append(
+        FinishedEvent(
+            request_id=request.request_id,
+            finish_reason=reason,
+            token_ids=list(request.output_token_ids),
+            exit_depths=list(request.output_exit_depths),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+    )
+
+
+def _record_preemption(state: SchedulerState, request: Request, for_request_id: str) -> None:
+    decoding = request.phase is Phase.RECURRENT
+    prompt = request.num_prompt_tokens if decoding else request.prefill_right(0)
+    output = request.num_computed_tokens - request.num_prompt_tokens if decoding else 0
+    state.pending_preemptions.append(
+        Preemption(
+            seq=state.next_seq,
+            request_id=request.request_id,
+            for_request_id=for_request_id,
+            prompt_tokens=prompt,
+            output_tokens=max(0, output),
+            blocks=state.kv.num_held_blocks(request.request_id),
+            generation=request.generation + 1,  # preempt bumps it next
+        )
+    )
+
+
+def _release_kv(state: SchedulerState, request: Request) -> None:
+    """A running request gives its KV back (it leaves ``running``): what its reservation
+    never wrote is waste."""
+    state.running_footprints -= footprint(state.kv, request)
+    if state.config.kv_admission is KVAdmission.RESERVE:
+        unused = unallocated(state.kv, request)
+        state.stats.num_reserved_unused_blocks += unused.prompt + unused.decode

@@ -1,0 +1,348 @@
+"""Choosing one batch's tasks: the phase, decode rows and follow-ons, depth-major wavefront
+selection of prompt work, and the preemption that makes KV room for an accepted task.
+
+Selection only decides rows and allocates their KV; the batch is built from the tasks by
+``batch_builder.py`` and progress is applied by ``progress.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from messages.batch import Phase, RowKind
+from services.scheduler.batch import ScheduledTask
+from services.scheduler.request import PREFILL_PHASES, Request
+from services.scheduler.running import preempt
+from services.scheduler.state import SchedulerState
+
+# The per-row loops compare enum members by identity against module globals: on Python 3.11
+# an Enum class attribute (RowKind.DECODE) costs ~75 ns a lookup, a module global ~10.
+_DECODE, _FOLLOW_ON = RowKind.DECODE, RowKind.FOLLOW_ON
+_PREFILL, _PRELUDE = RowKind.PREFILL, RowKind.PRELUDE
+_ATOMIC, _RECURRENT = Phase.PREFILL, Phase.RECURRENT
+_SPLIT_PRELUDE, _SPLIT_RECURRENT = Phase.PREFILLING_PRELUDE, Phase.PREFILLING_RECURRENT
+_SPLIT_PREFILLING = (_SPLIT_PRELUDE, _SPLIT_RECURRENT)
+
+
+@dataclass
+class Selection:
+    """State of one batch while it is being selected."""
+
+    budget_left: int
+    max_seqs: int
+    selected: dict[str, Request] = field(default_factory=dict)
+    tasks: list[ScheduledTask] = field(default_factory=list)
+
+
+class Selector:
+    """Builds one batch's task list per ``select()``; remembers only the last phase it chose
+    (atomic prefill alternates with decode)."""
+
+    def __init__(self, state: SchedulerState) -> None:
+        self._state = state
+        config = state.config
+        self._total_depths = state.total_depths
+        # async refill: a request whose decode row is in flight sends its next loop as a
+        # follow-on row instead of sitting out a batch (cohort batching holds rows anyway)
+        self._follow_ons = config.async_scheduling and config.refill
+        self._last_phase: Phase | None = None
+
+    def select(self) -> tuple[Phase, list[ScheduledTask]] | None:
+        """The next batch's phase and tasks (KV allocated), or None if nothing can run."""
+        config = self._state.config
+        # the requests with prompt work, in queue order (one scan of `running` per step)
+        prefilling = [r for r in self._state.running if r.phase in PREFILL_PHASES]
+        for phase in self._phase_preference(prefilling):
+            selection = Selection(config.max_num_batched_tokens, config.max_num_seqs)
+            if phase == Phase.RECURRENT:
+                self._take_decode_rows(selection)
+            self._take_wavefront_phase(phase, selection, prefilling)
+            if selection.tasks:
+                self._last_phase = phase
+                return phase, selection.tasks
+        return None
+
+    def _phase_preference(self, prefilling: list[Request]) -> list[Phase]:
+        if not self._state.config.split_prefill:
+            # atomic prefill and decode cannot share a batch: alternate when both have work
+            if self._last_phase == Phase.PREFILL:
+                return [Phase.RECURRENT, Phase.PREFILL]
+            return [Phase.PREFILL, Phase.RECURRENT]
+        # split: the prelude is cheap; run it when some request's depth-0 work has caught
+        # up with its prelude (it would stall otherwise), else keep the core busy
+        starved = any(
+            r.phase is _SPLIT_PRELUDE and r.prefill_right(0) >= r.num_preluded_tokens
+            for r in prefilling
+        )
+        if starved:
+            return [Phase.PREFILLING_PRELUDE, Phase.RECURRENT]
+        return [Phase.RECURRENT, Phase.PREFILLING_PRELUDE]
+
+    # ------------------------------------------------------------------ decode rows
+    def _take_decode_rows(self, sel: Selection) -> None:
+        """Decode rows come first in a RECURRENT batch, one loop per request."""
+        running = self._state.running
+        cohort_busy = not self._state.config.refill and any(
+            r.phase is _RECURRENT and r.decode_depth > 0 for r in running
+        )
+        for request in list(running):
+            if request.phase is not _RECURRENT:
+                continue
+            if request.awaiting_output:
+                task = self._follow_on_task(request)
+                if task is not None:
+                    self._accept_task(task, sel)
+            elif cohort_busy and request.decode_depth == 0:
+                continue  # no-refill baseline: wait for the whole cohort to exit
+            else:
+                self._accept_decode_row(request, sel)
+            if sel.budget_left <= 0:
+                return
+
+    def _accept_decode_row(self, request: Request, sel: Selection) -> None:
+        """``_accept_task`` for a plain decode row (one token, one loop), without the
+        generic branches: it runs for every decoding request in every step. Its KV slot is
+        allocated with its depth-0 row."""
+        rid = request.request_id
+        selected = sel.selected
+        if sel.budget_left <= 0 or (len(selected) >= sel.max_seqs and rid not in selected):
+            return
+        position = request.num_computed_tokens
+        depth = request.decode_depth
+        if depth == 0 and not self._ensure_execution_capacity(request, position + 1, sel):
+            return
+        # Request.forced_exit_loops_at, inlined
+        index = position - request.num_prompt_tokens + 1
+        forced = request.output_exit_depths[index] if index < len(request.output_token_ids) else 0
+        # positional: (request, kind, token_start, token_count, depth, num_loops, embed,
+        # compute_logits, forced_exit_loops, generation)
+        task = ScheduledTask(
+            request, _DECODE, position, 1, depth, 1, depth == 0, forced == 0, forced,
+            request.generation,
+        )  # fmt: skip
+        sel.budget_left -= 1
+        selected[rid] = request
+        sel.tasks.append(task)
+        if request.prefill_high_water:  # preempted before: this may rebuild dropped KV
+            self._count_recompute(task)
+
+    def _follow_on_task(self, request: Request) -> ScheduledTask | None:
+        """The request's next decode loop while its previous row is still in flight.
+
+        Whatever that row's result (exit or not), the next loop is one 1-token row, so it can
+        be scheduled now and resolved by the worker. Not while recorded exits are replayed
+        (their tokens are not the worker's to choose), and not when the rows in flight may
+        already produce the last token: a follow-on there could need a KV slot past the
+        request's footprint.
+        """
+        if not self._follow_ons:
+            return None
+        if request.forced_exit_loops_at(request.num_computed_tokens):
+            return None  # replaying a recorded exit
+        if len(request.output_token_ids) + request.pending_token_rows >= request.params.max_tokens:
+            return None
+        # if every loop in flight exits, the follow-on feeds this position
+        furthest = request.num_computed_tokens + request.pending_decode_loops
+        return ScheduledTask(request=request, kind=_FOLLOW_ON, token_start=furthest, token_count=1)
+
+    # ------------------------------------------------------------------ prompt work
+    def _take_wavefront_phase(
+        self, phase: Phase, sel: Selection, candidates: list[Request]
+    ) -> None:
+        """Depth-major selection shared by PRELUDE, split RECURRENT and atomic PREFILL.
+
+        For each level (PRELUDE: chunk order; RECURRENT: depth 0..D-1; PREFILL: one level)
+        every candidate (a request with prompt work, in queue order) offers its ready task;
+        ``_accept_task`` checks KV capacity and charges (and truncates to) the budget as each
+        task is accepted.
+        """
+        if not candidates or sel.budget_left <= 0:
+            return
+        prelude_cursors: dict[str, int] | None = {} if phase == Phase.PREFILLING_PRELUDE else None
+        for level in self._levels(phase):
+            accepted_any = False
+            for request in candidates:
+                if request.phase not in PREFILL_PHASES:
+                    continue  # preempted by an earlier acceptance in this batch
+                task = self._make_wavefront_task(request, phase, level, prelude_cursors)
+                if task is None:
+                    continue
+                accepted = self._accept_task(task, sel)
+                if accepted is not None:
+                    accepted_any = True
+                    if prelude_cursors is not None:
+                        prelude_cursors[request.request_id] = accepted.token_end
+                if sel.budget_left <= 0:
+                    return
+            if prelude_cursors is not None and not accepted_any:
+                return  # PRELUDE levels go on only while some request still advances
+
+    def _levels(self, phase: Phase) -> Iterable[int]:
+        if phase == Phase.PREFILLING_PRELUDE:
+            return _count_up()
+        if phase == Phase.PREFILL:
+            return (0,)
+        return range(self._total_depths)
+
+    def _chunk_end(self, request: Request, start: int) -> int:
+        """Chunk boundaries are measured from the prefill origin (the prefix-cache hit)."""
+        origin = request.prefill_window_origin
+        size = self._state.config.prefill_chunk_size
+        end = origin + ((start - origin) // size + 1) * size
+        return min(end, request.num_prompt_tokens)
+
+    def _make_wavefront_task(
+        self,
+        request: Request,
+        phase: Phase,
+        level: int,
+        prelude_cursors: dict[str, int] | None,
+    ) -> ScheduledTask | None:
+        prompt_len = request.num_prompt_tokens
+        total_depths = self._total_depths
+        if phase is _SPLIT_PRELUDE:
+            if request.phase is not _SPLIT_PRELUDE or prelude_cursors is None:
+                return None
+            start = prelude_cursors.get(request.request_id, request.num_preluded_tokens)
+            if start >= prompt_len:
+                return None
+            end = self._chunk_end(request, start)
+            return _task(request, _PRELUDE, start, end, depth=0, loops=0)
+
+        if phase is _ATOMIC:
+            if request.phase is not _ATOMIC:
+                return None
+            start = request.prefill_right(total_depths - 1)
+            if start >= prompt_len:
+                return None
+            end = self._chunk_end(request, start)
+            return _task(request, _PREFILL, start, end, depth=0, loops=total_depths, embed=True)
+
+        if request.phase not in _SPLIT_PREFILLING:
+            return None
+        depth = level
+        start = request.prefill_right(depth)
+        # ready as of the start of the step: [right_d, ...) bounded by the level above
+        limit = request.ready_end(depth)
+        end = min(self._chunk_end(request, start), limit)
+        if end <= start:
+            return None
+        loops = 1
+        if not self._state.config.wavefront_chunked_prefill:
+            # depth-serial split prefill: run every depth whose frontier is level with this
+            # one in the same task (several depths of one request in one update)
+            while depth + loops < total_depths and request.prefill_right(depth + loops) == start:
+                loops += 1
+        return _task(request, _PREFILL, start, end, depth=depth, loops=loops)
+
+    # ------------------------------------------------------------------ acceptance and KV
+    def _accept_task(self, task: ScheduledTask, sel: Selection) -> ScheduledTask | None:
+        """Admits one task into the batch: seats, budget (truncating), then KV capacity."""
+        # called once per row: enum members compare by identity, locals save lookups
+        request = task.request
+        selected = sel.selected
+        if len(selected) >= sel.max_seqs and request.request_id not in selected:
+            return None
+        budget = sel.budget_left
+        if budget <= 0:
+            return None
+        count = task.token_count if task.token_count <= budget else budget
+        kind = task.kind
+        # prelude spans need no KV (decode rows take the other path: _accept_decode_row)
+        needs_kv = kind is _FOLLOW_ON or kind is _PREFILL
+        if needs_kv and not self._ensure_execution_capacity(request, task.token_start + count, sel):
+            return None
+        task.token_count = count
+        task.generation = request.generation
+        if kind is _PREFILL:
+            reaches_coda = (
+                task.depth + task.num_loops == self._total_depths
+                and task.token_end == request.num_prompt_tokens
+            )
+            # a recomputed request already knows its first token
+            task.compute_logits = reaches_coda and not request.output_token_ids
+        sel.budget_left = budget - count
+        selected[request.request_id] = request
+        sel.tasks.append(task)
+        if request.prefill_high_water:  # preempted before: part of this may be recompute
+            self._count_recompute(task)
+        return task
+
+    def _count_recompute(self, task: ScheduledTask) -> None:
+        request, stats = task.request, self._state.stats
+        if task.kind is _DECODE:
+            if task.forced_exit_loops:  # rebuilding a dropped generated token's KV
+                stats.num_recomputed_decode_loops += 1
+            return
+        if task.kind is not _PREFILL:
+            return  # prelude spans are embeddings, not core work
+        start, end = task.token_start, task.token_end
+        stats.num_recomputed_prompt_token_loops += request.recomputed_prompt_work(
+            task.depth, task.num_loops, start, end
+        )
+        if task.depth == 0:
+            stats.num_recomputed_prompt_tokens += request.recomputed_prompt_work(0, 1, start, end)
+
+    def _ensure_execution_capacity(self, request: Request, num_tokens: int, sel: Selection) -> bool:
+        """Allocates KV for ``num_tokens`` positions, preempting lower-priority requests.
+
+        Never preempts a request already selected in this batch, one with work in flight,
+        or one ahead of ``request`` in queue order (that would thrash).
+        """
+        kv = self._state.kv
+        if kv.ensure(request.request_id, num_tokens):
+            return True
+        shortfall = kv.blocks_to_grow(request.request_id, num_tokens)
+        reclaimable = sum(kv.num_held_blocks(r.request_id) for r in self._victims(request, sel))
+        if reclaimable < shortfall - kv.num_free_blocks:
+            return False  # preempting them all would throw their work away and still not fit
+        while not kv.ensure(request.request_id, num_tokens):
+            victim = next(self._victims(request, sel), None)
+            if victim is None:
+                return False
+            preempt(self._state, victim, for_request_id=request.request_id)
+        return True
+
+    def _victims(self, request: Request, sel: Selection) -> Iterator[Request]:
+        """Who ``request`` may preempt, first victim first: behind it in queue order, not
+        selected in this batch, no work in flight, holding KV."""
+        kv = self._state.kv
+        for candidate in reversed(self._state.running):
+            if candidate.priority_key <= request.priority_key:
+                return
+            if (
+                candidate.request_id not in sel.selected
+                and candidate.inflight_batches == 0
+                and kv.num_held_blocks(candidate.request_id) > 0
+            ):
+                yield candidate
+
+
+def _task(
+    request: Request,
+    kind: RowKind,
+    start: int,
+    end: int,
+    *,
+    depth: int,
+    loops: int,
+    embed: bool = False,
+) -> ScheduledTask:
+    return ScheduledTask(
+        request=request,
+        kind=kind,
+        token_start=start,
+        token_count=end - start,
+        depth=depth,
+        num_loops=loops,
+        embed=embed,
+        generation=request.generation,
+    )
+
+
+def _count_up() -> Iterator[int]:
+    level = 0
+    while True:
+        yield level
+        level += 1
