@@ -23,7 +23,7 @@ import nats
 import pytest
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
-from services.admission import core as admission_core
+from services.admission import validation as admission_validation
 from services.admission.core import AdmissionConfig
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
@@ -238,7 +238,7 @@ async def test_limits_prompt_length_max_payload_and_reply_subjects(
             assert [e.token_id for e in events[0].prompt_logprobs] == [1, 2, 3]
             # should the estimate be short, the scheduler measures the event as the client
             # gets it, and ends the request with a clear error rather than lose its token 0
-            monkeypatch.setattr(admission_core, "_PROMPT_ALTERNATIVE_BYTES", 0)
+            monkeypatch.setattr(admission_validation, "_PROMPT_ALTERNATIVE_BYTES", 0)
             too_big = {"prompt_token_ids": [(5 * i) % 400 + 1 for i in range(40)],
                        "prompt_logprobs": 20, "max_tokens": 3}  # fmt: skip
             err = await error_of(too_big)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from messages.internal import SchedulerLoad, ShardAnnounce
 from services.runtime import subjects
@@ -246,3 +247,22 @@ class ShardTable:
             n += load.num_waiting
             tokens += load.waiting_tokens
         return n, tokens
+
+    def health(self, now: float) -> dict[str, dict[str, Any]]:
+        """Each shard as the health reply shows it, by shard id."""
+        healthy = self.healthy(now)
+        return {s.shard_id: self._health(s, s in healthy, now) for s in self.shards.values()}
+
+    def _health(self, shard: Shard, healthy: bool, now: float) -> dict[str, Any]:
+        load = self.load(shard, now)
+        return {
+            "scheduler": shard.scheduler_id,
+            "producer": shard.producer_id,
+            "healthy": healthy,
+            "running": load.num_running,
+            "waiting": load.num_waiting,
+            "active_blocks": load.active_blocks,
+            "free_blocks": load.num_free_blocks,
+            "step_time_s": load.step_time_s,
+            "report_age_s": round(now - shard.report_at, 3) if shard.report else None,
+        }
