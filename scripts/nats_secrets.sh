@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Writes random NATS passwords for deploy/nats.conf into .env (read by docker compose).
+# Writes random NATS passwords for deploy/nats.conf into .env, for running nats-server by
+# hand with it: set -a; . ./.env; set +a; nats-server -c deploy/nats.conf
+# (docker compose does not need it: its init service writes the secrets into a volume).
 # Existing values are kept, so running it again changes nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
