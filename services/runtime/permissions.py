@@ -332,9 +332,10 @@ DEPLOY_HEADER = """\
 # `rlt up` renders the same one with random passwords per run). Regenerate with
 #   python -m services.runtime.permissions > deploy/nats.conf
 # (`--tenant NAME`, repeatable, adds a tenant user). Passwords come from the environment
-# (nats-server resolves $NAME); `scripts/nats_secrets.sh` writes random ones into .env.
-# JetStream, ports and the cluster's listen address and routes are set on the command line
-# (compose.yaml), so this file can also be used as is by tests.
+# (nats-server resolves $NAME): under compose, deploy/nats-entrypoint.sh exports them from
+# the files compose's init step wrote; by hand, `scripts/nats_secrets.sh` writes them to .env.
+# JetStream and ports are set on the command line; compose's cluster block (listen address
+# and authenticated routes) is in deploy/nats-cluster.conf, which includes this file.
 #
 # Roles (docs/services.md, "Security model"):
 #   admission     takes rlt.v1.generate / rlt.v1.abort (and rlt.v1.tenant.<t>.*), routes
