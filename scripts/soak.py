@@ -14,7 +14,7 @@ aborts of honest ids, honest ids taken first, streams pointed into honest inboxe
 huge trace ids, forged internal messages, subscribing to ``>``. Then also: every honest
 request's output equals the in-process engine's (a truncated prefix of it if aborted), no
 honest stream got a foreign event, every attacker probe got exactly the refusal it should,
-and the attacker never received anything that was not its own.
+and the attacker never received anything that was not its own (``scripts/soak_adversary.py``).
 
     python scripts/soak.py --duration 600 --clients 8      # the long variant
     python scripts/soak.py --duration 300 --adversary      # with an attacker mixed in
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import sys
@@ -39,20 +38,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from messages.api import ErrorEvent, FinishedEvent, TokenEvent  # noqa: E402
-from messages.batch import Batch, Phase  # noqa: E402
-from messages.internal import AdmittedRequest, WorkerBatch  # noqa: E402
 from messages.sampling import SamplingParams  # noqa: E402
+from scripts.soak_adversary import ATTACKER, run_adversary  # noqa: E402
+from services.launcher.probes import StreamCollector, client, health  # noqa: E402
+from services.launcher.processes import ServiceProcs, service_procs, wait_for  # noqa: E402
 from services.runtime import subjects  # noqa: E402
-from services.runtime.bus import HEADER_TRACE_ID, encode_json, encode_msgpack  # noqa: E402
-from tests.service_procs import (  # noqa: E402
-    ServiceProcs,
-    StreamCollector,
-    client,
-    health,
-    wait_for,
-)
-
-ATTACKER = "mallory"
+from services.runtime.bus import encode_json  # noqa: E402
 
 ENGINE_ARGS = [
     "--async-scheduling",
@@ -214,12 +205,17 @@ async def run_soak(
         attacker = None
         if adversary_url is not None:
             attacker = asyncio.ensure_future(
-                run_adversary(adversary_url, report, stop_at, seed, clients, honest_inboxes)
+                run_adversary(adversary_url, stop_at, seed, clients, honest_inboxes)
             )
         cols = await asyncio.gather(*(one_client(c) for c in range(clients)))
         await sampler
         if attacker is not None:
-            await attacker
+            adversary = await attacker
+            report.adversary_probes = adversary.probes
+            report.adversary_wrong = adversary.wrong
+            report.adversary_leaks = adversary.leaks
+            report.adversary_denied = adversary.denied
+            report.adversary_wrong_examples = adversary.wrong_examples
 
         for col in cols:
             for i, kind in col.kinds.items():  # type: ignore[attr-defined]
@@ -316,153 +312,27 @@ def verify_honest_outputs(
             report.altered += 1
 
 
-async def run_adversary(
-    url: str,
-    report: SoakReport,
-    stop_at: float,
-    seed: int,
-    clients: int,
-    honest_inboxes: list[str],
-) -> None:
-    """Tenant ``mallory`` tries what a compromised client can, for the whole soak. It knows
-    the honest request ids and inbox subjects (as if they leaked). Every probe with a reply
-    has one expected answer; streams it points elsewhere must reach nobody."""
-    rng = random.Random(seed ^ 0x5EED)
-    denied: list[str] = []
-
-    async def on_error(exc: Exception) -> None:
-        denied.append(str(exc))
-
-    inbox = subjects.tenant_inbox(ATTACKER)
-    generate, abort = subjects.tenant_generate(ATTACKER), subjects.tenant_abort(ATTACKER)
-    async with client(url, inbox_prefix=inbox, error_cb=on_error) as nc:
-        col = await StreamCollector(nc).start()
-        expect: dict[int, str] = {}
-        actions: dict[int, str] = {}
-        squatted: set[str] = set()
-        leaks: list[str] = []
-
-        async def spy(msg) -> None:  # type: ignore[no-untyped-def]
-            leaks.append(msg.subject)
-
-        for wide in (">", "_INBOX.>", "rlt.v1.>"):  # refused by NATS: nothing arrives
-            await nc.subscribe(wide, cb=spy)
-        honest_id = lambda: f"soak-{seed}-{rng.randrange(clients)}-{rng.randrange(200)}"  # noqa: E731
-        deep = b'{"request_id": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
-        n = 0
-        while time.monotonic() < stop_at:
-            action = rng.choice(
-                ["poison", "priority", "abort", "squat", "deep", "trace", "inject", "forge"]
-            )
-            small = {"prompt_token_ids": [rng.randrange(1, 500)], "max_tokens": 1}
-            if action == "poison":
-                bad = rng.choice([{"temperature": 1e-300}, {"top_p": 1e-46, "temperature": 1.0}])
-                expect[n] = "error:invalid_request"
-                await col.send(n, {**small, **bad}, generate)
-            elif action == "priority":
-                expect[n] = "error:invalid_request"
-                await col.send(n, {**small, "priority": -1000}, generate)
-            elif action == "abort":
-                expect[n] = "error:not_found"
-                await col.send(n, {"request_id": honest_id()}, abort)
-            elif action == "squat":  # an honest id, maybe before the honest client uses it
-                rid = honest_id()
-                # (its own second try of one id from another reply subject is a conflict)
-                expect[n] = "error:invalid_request" if rid in squatted else "finished"
-                squatted.add(rid)
-                await col.send(n, {**small, "request_id": rid}, generate)
-            elif action == "deep":
-                expect[n] = "error:invalid_request"
-                await col.send(n, deep, rng.choice([abort, generate]))
-            elif action == "trace":
-                expect[n] = "finished"
-                col.events.setdefault(n, [])
-                await nc.publish(
-                    generate,
-                    encode_json(small),
-                    reply=col.reply(n),
-                    headers={HEADER_TRACE_ID: "x" * 200_000},
-                )
-            elif action == "inject" and honest_inboxes:
-                target = f"{rng.choice(honest_inboxes)}.{rng.randrange(200)}"
-                await nc.publish(generate, encode_json(small), reply=target)
-                await nc.publish(abort, encode_json({"request_id": honest_id()}), reply=target)
-                n -= 1  # no answer expected anywhere
-            else:  # forged internal messages: NATS refuses each publish
-                await _forge(nc, rng, honest_inboxes)
-                n -= 1
-            if n in expect:
-                actions[n] = action
-            n += 1
-            report.adversary_probes += 1
-            await asyncio.sleep(0.03)
-        with contextlib.suppress(TimeoutError):  # counted below
-            await col.wait_done(list(expect), 60)
-        await asyncio.sleep(0.5)
-        for i, want in expect.items():
-            terminals = col.terminals(i)
-            got = [
-                t.finish_reason and "finished"
-                if isinstance(t, FinishedEvent)
-                else f"error:{t.code}"
-                for t in terminals
-            ]
-            if got != [want]:
-                report.adversary_wrong += 1
-                if len(report.adversary_wrong_examples) < 5:
-                    report.adversary_wrong_examples.append(f"{actions[i]}: {want} -> {got}")
-        report.adversary_leaks += len(leaks)
-        report.adversary_denied += len(denied)
-
-
-async def _forge(nc, rng: random.Random, honest_inboxes: list[str]) -> None:  # type: ignore[no-untyped-def]
-    """Internal messages a client is not allowed to publish (each is a permission error)."""
-    target = f"{rng.choice(honest_inboxes)}.0" if honest_inboxes else "_INBOX.x"
-    forged = AdmittedRequest(
-        request_id="forged",
-        prompt_token_ids=[1],
-        params=SamplingParams(max_tokens=1),
-        reply_subject=target,
-    )
-    batch = WorkerBatch(
-        epoch="mallory.999999999", batch=Batch(seq=0, phase=Phase.RECURRENT, rows=[])
-    )
-    subject, body = rng.choice(
-        [
-            (subjects.SCHED_SUBMIT, encode_msgpack(forged)),
-            (subjects.worker_batch("any"), encode_msgpack(batch)),
-            (f"{subjects.WORKER_RESULT}.any.0", b"\x80"),
-            (subjects.prefix_events("scheduler"), b"\x80"),
-            (target, encode_json({"type": "finished", "request_id": "x", "finish_reason": "stop",
-                                  "token_ids": [], "exit_depths": [], "num_prompt_tokens": 1})),
-            ("$JS.API.STREAM.CREATE.EVIL", encode_json({"subjects": ["_INBOX.>"]})),
-        ]
-    )  # fmt: skip
-    await nc.publish(subject, body)
-
-
 async def _main(args: argparse.Namespace) -> int:
-    from services.launcher import NatsServer, free_port
+    from services.launcher.nats_servers import NatsServer, free_port
     from services.worker.model.toy import write_toy_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="rlt-soak-") as tmp:
         work = Path(tmp)
         ckpt = write_toy_checkpoint(work / "ckpt", seed=0, size="toy")
         if not args.adversary:
-            with NatsServer(port=free_port()) as server:
-                procs = ServiceProcs(server.url, ckpt, work, ENGINE_ARGS)
-                try:
-                    await procs.start_all()
-                    report = await run_soak(
-                        server.url,
-                        procs,
-                        duration_s=args.duration,
-                        clients=args.clients,
-                        concurrency=args.concurrency,
-                        seed=args.seed,
-                    )
-                finally:
-                    procs.stop_all()
+            with (
+                NatsServer(port=free_port()) as server,
+                service_procs(server.url, ckpt, work, ENGINE_ARGS) as procs,
+            ):
+                await procs.start_all()
+                report = await run_soak(
+                    server.url,
+                    procs,
+                    duration_s=args.duration,
+                    clients=args.clients,
+                    concurrency=args.concurrency,
+                    seed=args.seed,
+                )
         else:
             report = await run_adversary_soak(
                 ckpt,
@@ -486,33 +356,32 @@ async def run_adversary_soak(
     seed: int = 0,
 ) -> SoakReport:
     """The soak on NATS secured as ``rlt up`` secures it, with the attacker mixed in."""
-    from services.launcher import NatsServer, free_port
+    from services.launcher.nats_servers import NatsServer, free_port
     from services.runtime.permissions import LocalAuth
 
     auth = LocalAuth.generate([ATTACKER])
     conf = work / "nats.conf"
     conf.write_text(auth.config())
-    with NatsServer(port=free_port(), config_file=conf) as server:
-        procs = ServiceProcs(server.url, checkpoint, work, ENGINE_ARGS)
-        envs = {
-            name: {"RLT_NATS_USER": name, "RLT_NATS_PASSWORD": auth.passwords[name]}
-            for name in ("worker", "prefix-cache", "scheduler", "admission")
-        }
-        try:
-            await procs.start_all(envs=envs)
-            return await run_soak(
-                auth.url("client", server.url),
-                procs,
-                duration_s=duration_s,
-                clients=clients,
-                concurrency=concurrency,
-                seed=seed,
-                control_url=auth.url("operator", server.url),
-                adversary_url=auth.url(f"tenant-{ATTACKER}", server.url),
-                verify_outputs=True,
-            )
-        finally:
-            procs.stop_all()
+    envs = {
+        name: {"RLT_NATS_USER": name, "RLT_NATS_PASSWORD": auth.passwords[name]}
+        for name in ("worker", "prefix-cache", "scheduler", "admission")
+    }
+    with (
+        NatsServer(port=free_port(), config_file=conf) as server,
+        service_procs(server.url, checkpoint, work, ENGINE_ARGS) as procs,
+    ):
+        await procs.start_all(envs=envs)
+        return await run_soak(
+            auth.url("client", server.url),
+            procs,
+            duration_s=duration_s,
+            clients=clients,
+            concurrency=concurrency,
+            seed=seed,
+            control_url=auth.url("operator", server.url),
+            adversary_url=auth.url(f"tenant-{ATTACKER}", server.url),
+            verify_outputs=True,
+        )
 
 
 def main() -> int:

@@ -34,7 +34,7 @@ def cmd_check_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if not args.offline:
-        from services.launcher import main_generate_online
+        from services.launcher.generate import main_generate_online
 
         return main_generate_online(args)
     from services.engine.offline import run_offline
@@ -49,13 +49,13 @@ def cmd_schedule_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.launcher import main_up
+    from services.launcher.up import main_up
 
     return main_up(args)
 
 
 def cmd_service(args: argparse.Namespace) -> int:
-    from services.launcher import main_service
+    from services.launcher.service import main_service
 
     return main_service(args)
 

@@ -89,12 +89,13 @@ _NO_TORCH = """
 import sys
 from services.cli import build_parser
 from services.common.flags import scheduler_config_from_args
-from services.launcher import _admission_config, build_service
+from services.launcher.build import admission_config, build_service
 
 args = build_parser().parse_args(["service", "scheduler", "--checkpoint", sys.argv[1]])
 config = scheduler_config_from_args(args)
+admission = admission_config(args.router)
 for name in ("scheduler", "admission", "prefix-cache", "gateway"):
-    build_service(name, "nats://127.0.0.1:1", args.checkpoint, config, _admission_config(args))
+    build_service(name, "nats://127.0.0.1:1", args.checkpoint, config, admission)
 assert "torch" not in sys.modules, "torch imported"
 build_service("worker", "nats://127.0.0.1:1", args.checkpoint, config)
 assert "torch" in sys.modules  # the check can fail: the worker does import it

@@ -352,7 +352,7 @@ async def test_client_streams_json_lines(
 ) -> None:
     """``rlt generate --json`` (online): one terminal JSON line per request, in input order."""
     from services.cli import build_parser
-    from services.launcher import main_generate_online
+    from services.launcher.generate import main_generate_online
 
     config = CONFIGS["wcpb-off"]
     async with services_up(nats_server.url, toy_checkpoint, config):
