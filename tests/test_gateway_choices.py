@@ -14,7 +14,6 @@ import pytest
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, StreamEvent, TokenEvent
 from services.gateway.app import build_app
-from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
     MAX_CHOICES,
     ApiError,
@@ -25,8 +24,7 @@ from services.gateway.protocol import (
     to_generate,
 )
 from services.gateway.stream import Answer, SseEncoder, answers_body
-from services.runtime.logging import get_logger
-from services.runtime.tracing import Tracer
+from tests.gateway_helpers import ScriptedBackend, choice_index, token_events
 from tests.gateway_helpers import json_body as _body
 
 pytestmark = pytest.mark.unit
@@ -109,102 +107,7 @@ def test_a_response_of_several_choices_counts_the_prompt_once() -> None:
 
 
 # ---------------------------------------------------------------------- over HTTP
-class _Scripted:
-    """A stream that hands out the events its script gives the request, then waits. A
-    script may also give a coroutine function, which feeds the stream as it likes."""
-
-    def __init__(self, events: Any) -> None:
-        self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        self.feeder: asyncio.Task[None] | None = None
-        if callable(events):
-            self.feeder = asyncio.ensure_future(events(self.queue.put_nowait))
-            return
-        for event in events:
-            self.queue.put_nowait(event)
-
-    async def next(self, timeout: float) -> StreamEvent:
-        return await asyncio.wait_for(self.queue.get(), timeout)
-
-    def next_nowait(self) -> StreamEvent | None:
-        try:
-            return self.queue.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
-
-    def close(self) -> None:
-        pass
-
-
-class _Backend:
-    """What the HTTP side needs, with each engine request's events from ``script``; an
-    abort ends its stream as the engine does (``finished``, reason ``abort``)."""
-
-    model_name = "toy"
-    created = 0
-    max_model_len = 2048
-    codec = None
-    draining = False
-    request_timeout_s = 5.0
-
-    def __init__(self, script: Any, fail_open: int | None = None) -> None:
-        self.script = script
-        self.fail_open = fail_open  # opening this choice's stream raises
-        self.metrics = GatewayMetrics("toy")
-        self.tracer = Tracer("gateway")
-        self.log = get_logger("gateway")
-        self.sent: list[GenerateRequest] = []
-        self.aborted: list[str] = []
-        self.abort_seen: dict[int, asyncio.Event] = {}  # by choice index
-        self._streams: dict[str, _Scripted] = {}
-
-    def aborted_event(self, index: int) -> asyncio.Event:
-        return self.abort_seen.setdefault(index, asyncio.Event())
-
-    async def open_stream(self, request: GenerateRequest, traceparent: str, trace_id: str):
-        assert request.request_id is not None
-        if self.fail_open is not None and _index(request.request_id) == self.fail_open:
-            raise ConnectionError("the bus went away")
-        self.sent.append(request)
-        stream = self._streams[request.request_id] = _Scripted(self.script(request))
-        return stream
-
-    def abort_soon(self, request_id: str, trace_id: str) -> None:
-        self.aborted.append(request_id)
-        self.aborted_event(_index(request_id)).set()
-        if (stream := self._streams.get(request_id)) is not None:
-            stream.queue.put_nowait(
-                FinishedEvent(request_id=request_id, finish_reason="abort", token_ids=[],
-                              exit_depths=[], num_prompt_tokens=3, text="")
-            )  # fmt: skip
-
-    async def readiness(self) -> tuple[bool, dict[str, Any]]:
-        return True, {}
-
-
-def _tokens(rid: str, texts: list[str], finish: bool = True) -> list[StreamEvent]:
-    events: list[StreamEvent] = [
-        TokenEvent(request_id=rid, index=i, token_id=10 + i, exit_depth=2, text=t)
-        for i, t in enumerate(texts)
-    ]
-    if finish:
-        events.append(
-            FinishedEvent(
-                request_id=rid,
-                finish_reason="length",
-                token_ids=[10 + i for i in range(len(texts))],
-                exit_depths=[2] * len(texts),
-                num_prompt_tokens=3,
-                text="".join(texts),
-            )
-        )
-    return events
-
-
-def _index(rid: str) -> int:
-    return int(rid.rsplit("-", 1)[1])
-
-
-async def _post(backend: _Backend, path: str, body: dict[str, Any]) -> httpx.Response:
+async def _post(backend: ScriptedBackend, path: str, body: dict[str, Any]) -> httpx.Response:
     transport = httpx.ASGITransport(app=build_app(backend))
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
         return await client.post(path, json=body)
@@ -217,7 +120,9 @@ def _sse(response: httpx.Response) -> list[Any]:
 
 
 async def test_n_choices_answer_as_one_response() -> None:
-    backend = _Backend(lambda r: _tokens(r.request_id, [f"<{_index(r.request_id)}>", "!"]))
+    backend = ScriptedBackend(
+        lambda r: token_events(r.request_id, [f"<{choice_index(r.request_id)}>", "!"])
+    )
     r = await _post(backend, "/v1/completions", {"prompt": "hi", "n": 3, "seed": 4})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -229,7 +134,9 @@ async def test_n_choices_answer_as_one_response() -> None:
 
 
 async def test_streamed_choices_interleave_and_each_ends() -> None:
-    backend = _Backend(lambda r: _tokens(r.request_id, ["a", "b", "c"][: _index(r.request_id) + 1]))
+    backend = ScriptedBackend(
+        lambda r: token_events(r.request_id, ["a", "b", "c"][: choice_index(r.request_id) + 1])
+    )
     body = {"messages": [{"role": "user", "content": "hi"}], "n": 3, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     r = await _post(backend, "/v1/chat/completions", body)
@@ -251,46 +158,46 @@ async def test_streamed_choices_interleave_and_each_ends() -> None:
 
 async def test_one_refused_choice_fails_the_call_and_aborts_the_others() -> None:
     def script(r: GenerateRequest) -> list[StreamEvent]:
-        if _index(r.request_id) == 1:
+        if choice_index(r.request_id) == 1:
             return [ErrorEvent(request_id=r.request_id, code="overloaded", message="full")]
-        return _tokens(r.request_id, ["x"], finish=False)  # still running
+        return token_events(r.request_id, ["x"], finish=False)  # still running
 
-    backend = _Backend(script)
+    backend = ScriptedBackend(script)
     for stream in (False, True):
         backend.aborted.clear()
         r = await _post(backend, "/v1/completions", {"prompt": "hi", "n": 3, "stream": stream})
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "overloaded"
         assert sorted(backend.aborted) == sorted(
-            g.request_id for g in backend.sent[-3:] if _index(g.request_id) != 1
+            g.request_id for g in backend.sent[-3:] if choice_index(g.request_id) != 1
         )
 
 
 async def test_a_choice_failing_mid_stream_ends_the_stream_with_its_error() -> None:
     def script(r: GenerateRequest) -> list[StreamEvent]:
-        events = _tokens(r.request_id, ["x", "y"], finish=False)
-        if _index(r.request_id) == 1:
+        events = token_events(r.request_id, ["x", "y"], finish=False)
+        if choice_index(r.request_id) == 1:
             events.append(ErrorEvent(request_id=r.request_id, code="internal", message="boom"))
         return events
 
-    backend = _Backend(script)
+    backend = ScriptedBackend(script)
     r = await _post(backend, "/v1/completions", {"prompt": "hi", "n": 2, "stream": True})
     assert r.status_code == 200  # the stream had started
     frames = [line for line in r.text.split("\n") if line]
     assert frames[-1] == "data: [DONE]"
     error = json.loads(frames[-2][len("data: ") :])
     assert error["error"]["code"] == "internal" and error["error"]["message"] == "boom"
-    assert [_index(rid) for rid in backend.aborted] == [0]  # the one still running
+    assert [choice_index(rid) for rid in backend.aborted] == [0]  # the one still running
 
 
 async def test_a_stop_string_ends_only_its_choice_and_aborts_its_request() -> None:
     # choice 1's first token holds the stop string; choice 0 never meets it
     def script(r: GenerateRequest) -> list[StreamEvent]:
-        texts = ["a", "b", "c"] if _index(r.request_id) == 0 else ["zEND", "q"]
-        return _tokens(r.request_id, texts, finish=_index(r.request_id) == 0)
+        texts = ["a", "b", "c"] if choice_index(r.request_id) == 0 else ["zEND", "q"]
+        return token_events(r.request_id, texts, finish=choice_index(r.request_id) == 0)
 
     for stream in (False, True):
-        backend = _Backend(script)
+        backend = ScriptedBackend(script)
         body = {"prompt": "hi", "n": 2, "stop": ["END"], "stream": stream}
         r = await _post(backend, "/v1/completions", body)
         assert r.status_code == 200, r.text
@@ -305,23 +212,25 @@ async def test_a_stop_string_ends_only_its_choice_and_aborts_its_request() -> No
             texts = [c["text"] for c in choices]
             reasons = [c["finish_reason"] for c in choices]
         assert texts == ["abc", "z"] and reasons == ["length", "stop"]
-        assert [_index(rid) for rid in backend.aborted] == [1]  # its engine request stops
+        assert [choice_index(rid) for rid in backend.aborted] == [1]  # its engine request stops
 
 
 async def test_choices_stream_as_their_tokens_come() -> None:
     # choice 0's tokens at 0, 40, 80 ms, choice 1's at 20, 60 ms: the frames alternate
     def script(r: GenerateRequest) -> Any:
-        i = _index(r.request_id)
+        i = choice_index(r.request_id)
 
         async def feed(put: Any) -> None:
             await asyncio.sleep(0.02 * i)
-            for event in _tokens(r.request_id, ["a", "b", "c"][: 3 - i]):
+            for event in token_events(r.request_id, ["a", "b", "c"][: 3 - i]):
                 put(event)
                 await asyncio.sleep(0.04)
 
         return feed
 
-    r = await _post(_Backend(script), "/v1/completions", {"prompt": "hi", "n": 2, "stream": True})
+    r = await _post(
+        ScriptedBackend(script), "/v1/completions", {"prompt": "hi", "n": 2, "stream": True}
+    )
     order = [c["choices"][0]["index"] for c in _sse(r) if c["choices"][0]["text"]]
     assert order == [0, 1, 0, 1, 0]
 
@@ -330,16 +239,16 @@ async def test_a_stopped_choice_is_aborted_while_the_others_run() -> None:
     # choice 0 goes on only once choice 1 (stopped by its first token) was aborted: a
     # gateway that waited for choice 0 before aborting choice 1 would wait for ever
     for stream in (False, True):
-        backend = _Backend(None)
+        backend = ScriptedBackend(None)
 
-        def script(r: GenerateRequest, backend: _Backend = backend) -> Any:
-            if _index(r.request_id) == 1:
-                return _tokens(r.request_id, ["zEND"], finish=False)
+        def script(r: GenerateRequest, backend: ScriptedBackend = backend) -> Any:
+            if choice_index(r.request_id) == 1:
+                return token_events(r.request_id, ["zEND"], finish=False)
 
             async def feed(put: Any) -> None:
-                put(_tokens(r.request_id, ["a"], finish=False)[0])
+                put(token_events(r.request_id, ["a"], finish=False)[0])
                 await backend.aborted_event(1).wait()
-                for event in _tokens(r.request_id, ["a", "b"])[1:]:
+                for event in token_events(r.request_id, ["a", "b"])[1:]:
                     put(event)
 
             return feed
@@ -348,24 +257,24 @@ async def test_a_stopped_choice_is_aborted_while_the_others_run() -> None:
         body = {"prompt": "hi", "n": 2, "stop": ["END"], "stream": stream}
         r = await asyncio.wait_for(_post(backend, "/v1/completions", body), 2.0)
         assert r.status_code == 200, r.text
-        assert [_index(rid) for rid in backend.aborted] == [1]
+        assert [choice_index(rid) for rid in backend.aborted] == [1]
 
 
 async def test_a_refusal_answers_at_once_while_another_choice_waits() -> None:
     # choice 0 has no first token until it is aborted; choice 1 is refused at once
     def script(r: GenerateRequest) -> Any:
-        if _index(r.request_id) == 1:
+        if choice_index(r.request_id) == 1:
             return [ErrorEvent(request_id=r.request_id, code="overloaded", message="full")]
         return []
 
-    backend = _Backend(script)
+    backend = ScriptedBackend(script)
     r = await asyncio.wait_for(_post(backend, "/v1/completions", {"prompt": "hi", "n": 2}), 2.0)
     assert r.status_code == 429
-    assert [_index(rid) for rid in backend.aborted] == [0]
+    assert [choice_index(rid) for rid in backend.aborted] == [0]
 
 
 async def test_a_client_gone_before_any_token_aborts_every_choice() -> None:
-    backend = _Backend(lambda r: [])  # nothing ever comes
+    backend = ScriptedBackend(lambda r: [])  # nothing ever comes
     app = build_app(backend)
     body = json.dumps({"prompt": "hi", "n": 3}).encode()
     messages = [{"type": "http.request", "body": body, "more_body": False}]
@@ -385,15 +294,17 @@ async def test_a_client_gone_before_any_token_aborts_every_choice() -> None:
              "query_string": b"", "http_version": "1.1", "scheme": "http",
              "server": ("t", 80), "client": ("c", 1), "root_path": ""}  # fmt: skip
     await asyncio.wait_for(app(scope, receive, send), 2.0)
-    assert sorted(_index(rid) for rid in backend.aborted) == [0, 1, 2]
+    assert sorted(choice_index(rid) for rid in backend.aborted) == [0, 1, 2]
 
 
 async def test_a_choice_that_cannot_be_sent_aborts_those_sent_before_it() -> None:
-    backend = _Backend(lambda r: _tokens(r.request_id, ["x"], finish=False), fail_open=1)
+    backend = ScriptedBackend(
+        lambda r: token_events(r.request_id, ["x"], finish=False), fail_open=1
+    )
     transport = httpx.ASGITransport(app=build_app(backend), raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
         r = await client.post("/v1/completions", json={"prompt": "hi", "n": 3})
     assert r.status_code == 500
-    assert [_index(g.request_id) for g in backend.sent] == [0]  # 1 failed, 2 never went
+    assert [choice_index(g.request_id) for g in backend.sent] == [0]  # 1 failed, 2 never went
     # 0 went out, 1 may have before its send failed: both are aborted, never 2
-    assert [_index(rid) for rid in backend.aborted] == [0, 1]
+    assert [choice_index(rid) for rid in backend.aborted] == [0, 1]

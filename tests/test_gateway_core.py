@@ -5,7 +5,10 @@ and the merge of every instance's metrics into one scrape. No NATS, no HTTP."""
 from __future__ import annotations
 
 import json
+import re
 import time
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -20,7 +23,11 @@ from services.gateway.protocol import (
     MAX_STOP_CHARS,
     MAX_STOPS,
     ApiError,
+    ChatRequest,
+    CompletionRequest,
     Options,
+    StreamOptions,
+    choice_requests,
     options,
     parse_chat,
     parse_completion,
@@ -29,6 +36,7 @@ from services.gateway.protocol import (
 from services.gateway.stops import StopMatcher
 from services.gateway.stream import DONE_FRAME, Answer, SseEncoder
 from services.runtime import tracing
+from services.runtime.bus import encode_json
 from services.runtime.tracing import TraceContext, Tracer, parse_traceparent
 from tests.gateway_helpers import json_body as _body
 
@@ -123,6 +131,22 @@ def test_chat_translation() -> None:
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
         ({"suffix": "x"}, "suffix"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        (
+            {"stream": True, "stream_options": {"include_obfuscation": True}},
+            "stream_options.include_obfuscation",
+        ),
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"presence_penalty": True}, "presence_penalty"),  # a boolean is not the number 0
         ({"min_tokens": 50}, "min_tokens"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"guided_choice": ["a", "b"]}, "guided_choice"),
@@ -153,15 +177,179 @@ def test_unsupported_completion_options_are_refused_by_name(
         {"response_format": {"type": "json_object"}},
         {"messages": []},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
         {"messages": [{"content": "no role"}]},
+        {"modalities": ["text", "audio"]},
+        {"service_tier": "flex"},
+        {"store": True},
     ],
 )
 def test_unsupported_chat_options_are_refused(fields: dict[str, object]) -> None:
-    """(The param each names is checked for the completions endpoint above.)"""
+    """(The param each names is checked for the completions endpoint above, and for every
+    field by the table of docs/gateway.md below.)"""
     base = {"messages": [{"role": "user", "content": "hi"}], **fields}
     with pytest.raises(ApiError) as err:
         parse_chat(_body(**base))
     assert err.value.status == 400
+
+
+def test_a_non_text_content_part_is_refused_by_its_type() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(ApiError) as err:
+        parse_chat(_body(messages=[{"role": "user", "content": [image]}]))
+    assert "'image_url'" in err.value.message and err.value.param == "messages"
+
+
+# the values of a refused field that ask for nothing beyond what rlt does: accepted, and the
+# request is the same as without them (as are the ignored fields)
+_HARMLESS: dict[str, Any] = {
+    "logit_bias": {},
+    "presence_penalty": 0,
+    "frequency_penalty": 0.0,
+    "tools": [],
+    "tool_choice": "none",
+    "response_format": {"type": "text"},
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "skip_special_tokens": True,
+    "use_beam_search": False,
+    "user": "someone",
+}
+_HARMLESS_CHAT: dict[str, Any] = {
+    "modalities": ["text"],
+    "service_tier": "auto",
+    "store": False,
+    "echo": False,
+    "add_generation_prompt": True,
+    "metadata": {"team": "a"},
+    "prompt_cache_key": "k",
+    "safety_identifier": "s",
+}
+
+
+def test_harmless_values_of_refused_fields_change_nothing() -> None:
+    plain = to_generate(parse_completion(_body(prompt="x")), "r")
+    full = to_generate(parse_completion(_body(prompt="x", suffix="", **_HARMLESS)), "r")
+    assert encode_json(full) == encode_json(plain)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    plain = to_generate(parse_chat(_body(**chat)), "r")
+    full = to_generate(parse_chat(_body(**chat, **_HARMLESS, **_HARMLESS_CHAT)), "r")
+    assert encode_json(full) == encode_json(plain)
+    streamed = {"stream": True, "stream_options": {"include_usage": True,
+                "continuous_usage_stats": False, "include_obfuscation": False}}  # fmt: skip
+    assert options(parse_chat(_body(**chat, **streamed))).include_usage
+
+
+def _field_table() -> list[tuple[str, str, str]]:
+    """docs/gateway.md's table of request fields: (field, completions, chat)."""
+    text = (Path(__file__).parents[1] / "docs" / "gateway.md").read_text()
+    rows = re.findall(r"^\| `([a-z_.]+)` \| (\S+) \| (\S+) \|", text, re.MULTILINE)
+    assert len(rows) > 60, "the table of request fields is gone from docs/gateway.md"
+    return rows
+
+
+_REQUESTS = {
+    "completions": (parse_completion, CompletionRequest, {"prompt": "hi"}),
+    "chat": (parse_chat, ChatRequest, {"messages": [{"role": "user", "content": "hi"}]}),
+}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_the_documented_table_of_fields_is_what_the_gateway_does(endpoint: str) -> None:
+    """Every field the table says is refused is refused by name; every one it says is
+    honoured is read; every one it says is ignored (or is not the endpoint's) changes
+    nothing."""
+    parse, struct, base = _REQUESTS[endpoint]
+    declared = set(struct.__struct_fields__) | {
+        f"stream_options.{name}" for name in StreamOptions.__struct_fields__
+    }
+    plain = encode_json(to_generate(parse(_body(**base)), "r"))
+    for field, *verdicts in _field_table():
+        verdict = verdicts[0 if endpoint == "completions" else 1]
+        if verdict == "honoured":
+            assert field in declared, field
+            continue
+        if "." in field:  # stream_options' own fields
+            outer, inner = field.split(".")
+            fields: dict[str, Any] = {"stream": True, outer: {inner: True}}
+        else:
+            fields = {field: {"not": "harmless"}}
+        if verdict == "refused":
+            with pytest.raises(ApiError) as err:
+                parse(_body(**base, **fields))
+            assert (err.value.status, err.value.param) == (400, field), field
+        else:
+            assert verdict in ("ignored", "-"), (field, verdict)
+            sample = {field: "x"} if "." not in field else {}
+            req = parse(_body(**base, **sample))
+            assert encode_json(to_generate(req, "r")) == plain, field
+
+
+def test_deeply_nested_json_is_a_400_as_on_the_nats_api() -> None:
+    deep = b"[" * 5000 + b"]" * 5000
+    for body in (
+        b'{"prompt": ' + deep + b"}",
+        b'{"messages": [{"role": "user", "content": "x", "extra": ' + deep + b"}]}",
+        b'{"unknown": ' + deep + b"}",
+        deep,
+    ):
+        for parse in (parse_completion, parse_chat):
+            with pytest.raises(ApiError) as err:
+                parse(body)
+            assert err.value.status == 400
+    with pytest.raises(ApiError) as err:
+        parse_completion(b'{"prompt": ' + deep + b"}")
+    assert err.value.message == "invalid JSON: nested too deeply"
+
+
+def test_an_echo_of_token_ids_beyond_any_vocabulary_is_a_400() -> None:
+    def decode(ids: list[int]) -> str:  # as the tokenizers library does past 32 bits
+        if any(i >= 2**32 for i in ids):
+            raise OverflowError("number too large to fit in target type")
+        return "text"
+
+    with pytest.raises(ApiError) as err:
+        options(parse_completion(_body(prompt=[2**40], echo=True)), decode)
+    assert (err.value.status, err.value.param) == (400, "prompt")
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_FIELD_NAMES = st.sampled_from(
+    sorted(set(ChatRequest.__struct_fields__) | set(CompletionRequest.__struct_fields__))
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    fields=st.dictionaries(_FIELD_NAMES, _JSON_VALUES, max_size=5),
+    chat=st.booleans(),
+    raw=st.binary(max_size=40),
+)
+def test_any_body_is_an_api_error_or_a_request_that_can_be_sent(
+    fields: dict[str, Any], chat: bool, raw: bytes
+) -> None:
+    """Whatever the body (known fields of any JSON value, or bytes), parsing ends in an
+    ApiError (a 4xx) or a request the shell can encode and send: never another exception
+    (a 500)."""
+    base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    parse = parse_chat if chat else parse_completion
+    for body in (json.dumps({**base, **fields}).encode(), raw):
+        try:
+            req = parse(body)
+            opts = options(req, lambda ids: "text")
+            requests = choice_requests(to_generate(req, "r"), req.n or 1)
+        except ApiError as exc:
+            assert 400 <= exc.status < 500
+            continue
+        assert opts.stream in (True, False)
+        for request in requests:
+            encode_json(request)
 
 
 def test_stop_strings_are_bounded() -> None:

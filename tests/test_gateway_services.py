@@ -6,6 +6,8 @@
 - A caller's W3C traceparent: every service logs its trace id, and with an exporter the
   spans of gateway, admission, scheduler and worker form one trace, parent by parent.
 - Refusals keep OpenAI's error shape and HTTP status (400, 429 + Retry-After, 503).
+- With API keys, the service's /v1 routes need one (the openai client), /health does not,
+  and its HTTP server is the bounded edge (a late head is dropped, deep JSON is a 400).
 - Handler exceptions are counted in ``nats micro stats``.
 """
 
@@ -19,15 +21,18 @@ import json
 import random
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats
+import openai
 import pytest
 from nats.aio.msg import Msg
 
 from messages.sampling import SamplingParams
 from services.admission.core import AdmissionConfig
 from services.common.config import SchedulerConfig
+from services.gateway.edge import HttpLimits
 from services.gateway.protocol import MAX_BODY_BYTES
 from services.gateway.service import GatewayService
 from services.launcher import NatsServer
@@ -55,8 +60,10 @@ def fast_metrics(monkeypatch: pytest.MonkeyPatch, run_dir: Path) -> None:
 
 
 @contextlib.asynccontextmanager
-async def gateway_up(nats_url: str, checkpoint: Path) -> AsyncIterator[httpx.AsyncClient]:
-    gateway = GatewayService(nats_url, checkpoint, port=0, served_model_name="toy")
+async def gateway_up(
+    nats_url: str, checkpoint: Path, **options: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    gateway = GatewayService(nats_url, checkpoint, port=0, served_model_name="toy", **options)
     await gateway.start()
     try:
         async with httpx.AsyncClient(
@@ -339,6 +346,37 @@ async def test_refusals_keep_the_openai_error_shape_and_status(
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
             r = await http.get("/v1/completions")
             assert r.status_code == 405 and "message" in r.json()["error"]
+
+
+async def test_api_keys_and_the_bounded_edge_through_the_service(
+    nats_server: NatsServer, toy_checkpoint: Path
+) -> None:
+    key = "sk-rlt-service"
+    options = {
+        "api_keys": [key],
+        "metrics_api_keys": ["sk-rlt-metrics"],
+        "http_limits": HttpLimits(head_timeout_s=0.3),
+    }
+    async with gateway_up(nats_server.url, toy_checkpoint, **options) as http:
+        base = f"{str(http.base_url).rstrip('/')}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            await openai.AsyncOpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+        client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+        assert [m.id for m in (await client.models.list()).data] == ["toy"]
+        assert (await http.get("/health")).status_code == 503  # open: nothing behind it
+        assert (await http.get("/metrics")).status_code == 401
+        # deep JSON: a 400 before anything is sent
+        deep = b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+        r = await http.post(
+            "/v1/completions", content=deep, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+        # a head left unfinished is answered 408 and closed
+        reader, writer = await asyncio.open_connection(http.base_url.host, http.base_url.port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: rlt\r\n")
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 408")
 
 
 def _chat(**extra: object) -> dict:

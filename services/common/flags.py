@@ -215,6 +215,11 @@ def add_bus_flags(p: argparse.ArgumentParser, client: bool = False) -> None:
     )
 
 
+# the gateway's keys when no flag names any: one key, or several one a line
+API_KEY_ENV = "RLT_API_KEY"
+METRICS_API_KEY_ENV = "RLT_METRICS_API_KEY"
+
+
 def add_http_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("gateway (HTTP, OpenAI-compatible)")
     g.add_argument("--http-port", type=int, default=8000, help="default: 8000")
@@ -224,6 +229,59 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the model's name in the API (default: the checkpoint directory's name)",
     )
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="every /v1/* request must send 'Authorization: Bearer KEY' (repeatable: any of "
+        f"them; default: ${API_KEY_ENV}, one key a line; /health stays open). A command "
+        "line shows in ps: prefer the environment or --api-key-file",
+    )
+    g.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="API keys, one a line (blank lines skipped; with --api-key: both)",
+    )
+    g.add_argument(
+        "--metrics-api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="/metrics needs 'Authorization: Bearer KEY' (repeatable; default: "
+        f"${METRICS_API_KEY_ENV}; without: /metrics is open)",
+    )
+
+
+def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The gateway's API keys: ``--api-key`` and ``--api-key-file``'s lines, else
+    ``$RLT_API_KEY``'s lines; none: the API is open."""
+    keys = list(args.api_key or ())
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as exc:
+            raise SystemExit(f"--api-key-file {args.api_key_file}: {exc.strerror}") from None
+        from_file = [line.strip() for line in lines if line.strip()]
+        if not from_file:  # an empty file must not leave the API open
+            raise SystemExit(f"--api-key-file {args.api_key_file} holds no key")
+        keys += from_file
+    return _keys(keys, API_KEY_ENV, "--api-key")
+
+
+def metrics_api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--metrics-api-key``, else ``$RLT_METRICS_API_KEY``'s lines; none: /metrics is open."""
+    return _keys(list(args.metrics_api_key or ()), METRICS_API_KEY_ENV, "--metrics-api-key")
+
+
+def _keys(given: list[str], env: str, flag: str) -> tuple[str, ...]:
+    if not given:
+        given = [line.strip() for line in os.environ.get(env, "").splitlines() if line.strip()]
+    # a key travels in an HTTP header (and in rlt up's environment, one a line)
+    if any(not key or any(c.isspace() or not c.isprintable() for c in key) for key in given):
+        raise SystemExit(f"{flag}: a key is empty or holds whitespace or a control character")
+    return tuple(given)
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:

@@ -9,6 +9,10 @@ OpenAI's error body rather than an error inside a 200 stream.
 A client that goes away (the connection closes) aborts its request at once, so its KV is
 freed; the disconnect is watched on the ASGI ``receive`` channel, also while the request
 waits for its first token.
+
+Every response is counted once in ``rlt:http_requests_total{route,status}``
+(``GatewayMetrics.count_response``); with API keys (``auth.py``), ``/v1/*`` and ``/metrics``
+answer 401 without one.
 """
 
 from __future__ import annotations
@@ -25,15 +29,16 @@ import msgspec
 import prometheus_client
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from messages.api import ErrorEvent, GenerateRequest, StreamEvent
 from messages.errors import ErrorCode
 from services.common.tokenizer import TextCodec
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.auth import OPEN, ApiKeys, Authorized
+from services.gateway.metrics import GatewayMetrics, route_label
 from services.gateway.protocol import (
     MAX_BODY_BYTES,
     ApiError,
@@ -42,12 +47,12 @@ from services.gateway.protocol import (
     Options,
     choice_requests,
     error_body,
-    models_body,
     options,
     parse_chat,
     parse_completion,
     to_generate,
 )
+from services.gateway.responses import models_body
 from services.gateway.stream import (
     DONE_FRAME,
     Answer,
@@ -92,15 +97,27 @@ class Backend(Protocol):
     async def readiness(self) -> tuple[bool, dict[str, Any]]: ...
 
 
-def build_app(backend: Backend) -> Starlette:
+def build_app(
+    backend: Backend, api_keys: ApiKeys = OPEN, metrics_api_keys: ApiKeys = OPEN
+) -> ASGIApp:
+    """The gateway's ASGI app; ``api_keys`` guard ``/v1/*``, ``metrics_api_keys``
+    ``/metrics`` (none: open)."""
+
+    def counted(request: Request, response: Response) -> Response:
+        backend.metrics.count_response(
+            request.scope, route_label(request.scope), response.status_code
+        )
+        return response
+
     async def completions(request: Request) -> Response:
         return await _generate(backend, request, chat=False)
 
     async def chat_completions(request: Request) -> Response:
         return await _generate(backend, request, chat=True)
 
-    async def models(_request: Request) -> Response:
-        return _json(models_body(backend.model_name, backend.created, backend.max_model_len))
+    async def models(request: Request) -> Response:
+        listed = models_body(backend.model_name, backend.created, backend.max_model_len)
+        return counted(request, _json(listed))
 
     async def model(request: Request) -> Response:  # client.models.retrieve(name)
         name = request.path_params["name"]
@@ -108,26 +125,33 @@ def build_app(backend: Backend) -> Starlette:
             message = (
                 f"The model `{name}` does not exist; this server serves `{backend.model_name}`"
             )
-            return _json(error_body(ErrorCode.NOT_FOUND, message, "model"), 404)
+            return counted(request, _json(error_body(ErrorCode.NOT_FOUND, message, "model"), 404))
         listed = models_body(backend.model_name, backend.created, backend.max_model_len)
-        return _json(listed["data"][0])
+        return counted(request, _json(listed["data"][0]))
 
-    async def health(_request: Request) -> Response:
+    async def health(request: Request) -> Response:
         ready, details = await backend.readiness()
-        return _json(
-            {"status": "ready" if ready else "unavailable", **details}, 200 if ready else 503
-        )
+        body = {"status": "ready" if ready else "unavailable", **details}
+        return counted(request, _json(body, 200 if ready else 503))
 
-    async def internal_error(_request: Request, exc: Exception) -> Response:
+    async def metrics(request: Request) -> Response:
+        text = prometheus_client.generate_latest(backend.metrics.registry)
+        return counted(request, Response(text, media_type=prometheus_client.CONTENT_TYPE_LATEST))
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        """Starlette's own 404 / 405, in OpenAI's error shape (SDKs parse every error body)."""
+        assert isinstance(exc, HTTPException)
+        code = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.INVALID_REQUEST
+        body = error_body(code, str(exc.detail))
+        return counted(request, _json(body, exc.status_code, dict(exc.headers or {})))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
         # the details go to the log, not to the client
         backend.log.error("gateway error", error=repr(exc)[:500])
-        return _json(error_body(ErrorCode.INTERNAL, "internal gateway error"), 500)
+        body = error_body(ErrorCode.INTERNAL, "internal gateway error")
+        return counted(request, _json(body, 500))
 
-    async def metrics(_request: Request) -> Response:
-        text = prometheus_client.generate_latest(backend.metrics.registry)
-        return Response(text, media_type=prometheus_client.CONTENT_TYPE_LATEST)
-
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -136,15 +160,11 @@ def build_app(backend: Backend) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],
-        exception_handlers={HTTPException: _http_error, Exception: internal_error},
+        exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
-
-
-async def _http_error(_request: Request, exc: Exception) -> Response:
-    """Starlette's own 404 / 405, in OpenAI's error shape (SDKs parse every error body)."""
-    assert isinstance(exc, HTTPException)
-    code = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.INVALID_REQUEST
-    return _json(error_body(code, str(exc.detail)), exc.status_code, dict(exc.headers or {}))
+    if not api_keys and not metrics_api_keys:
+        return app
+    return Authorized(app, backend.metrics, backend.log, api_keys, metrics_api_keys)
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -185,9 +205,14 @@ async def _generate(backend: Backend, request: Request, *, chat: bool) -> Respon
             raise ApiError("the gateway is shutting down", ErrorCode.UNAVAILABLE)
         opts = options(req, backend.codec.decode if backend.codec else None)
     except ApiError as exc:
-        backend.metrics.http_requests.labels(route, str(exc.status)).inc()
+        backend.metrics.count_response(request.scope, route, exc.status)
         return _json(exc.body(), exc.status, exc.headers())
-    call = _Call(backend, req, opts, chat, route, started, request.headers.get(TRACEPARENT))
+    except ClientDisconnect:  # the client left while sending its body: nothing to answer
+        backend.metrics.client_disconnects.inc()
+        backend.metrics.count_response(request.scope, route, 499)
+        backend.log.info("client disconnected before sending its whole body", route=route)
+        return Response(status_code=499)
+    call = _Call(backend, req, opts, chat, request, started)
     return await call.run(request.receive)
 
 
@@ -219,14 +244,15 @@ class _Call:
         req: CompletionRequest | ChatRequest,
         opts: Options,
         chat: bool,
-        route: str,
+        request: Request,
         started: float,
-        traceparent: str | None,
     ) -> None:
         self.backend = backend
         self.chat = chat
-        self.route = route
+        self.scope = request.scope
+        self.route = request.url.path
         self.started = started
+        traceparent = request.headers.get(TRACEPARENT)
         self.options = opts
         self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         requests = choice_requests(to_generate(req, self.request_id), req.n or 1)
@@ -238,7 +264,7 @@ class _Call:
         self.span = backend.tracer.start(
             "gateway.request",
             parse_traceparent(traceparent),
-            attributes={ATTR_REQUEST_ID: self.request_id, "http.route": route},
+            attributes={ATTR_REQUEST_ID: self.request_id, "http.route": self.route},
         )
         self.deadline = time.monotonic() + backend.request_timeout_s
         self.events = _Events(self)
@@ -280,8 +306,8 @@ class _Call:
                         self.answers,
                     )
                 )  # fmt: skip
-        except BaseException:
-            self._end_early()
+        except BaseException as exc:
+            self._end_early(exc)
             raise
         finally:
             gone.cancel()
@@ -349,9 +375,9 @@ class _Call:
                 yield encoders[0].usage(combined_usage(self.answers))
             yield DONE_FRAME
             self._finish()
-        except BaseException:
+        except BaseException as exc:
             events.cancel()
-            self._end_early()
+            self._end_early(exc)
             raise
 
     async def _next(self, choice: _Choice) -> StreamEvent:
@@ -392,8 +418,10 @@ class _Call:
             self._finish()
         return Response(status_code=499)
 
-    def _end_early(self) -> None:
+    def _end_early(self, exc: BaseException) -> None:
         """Cancelled or failed mid-way: the engine must not run on for nobody."""
+        if isinstance(exc, Exception) and not self.closed:
+            self.status = 500  # what the error handler answers (or a stream broken off)
         self._abort_all()
         self._finish()
 
@@ -414,7 +442,7 @@ class _Call:
                 choice.stream.close()
                 choice.stream = None
         backend, first = self.backend, self.choices[0].answer
-        backend.metrics.http_requests.labels(self.route, str(self.status)).inc()
+        backend.metrics.count_response(self.scope, self.route, self.status)
         error = self._failed()
         self.span.end(
             error=f"{error.code}: {error.message[:200]}" if error is not None else None,

@@ -10,14 +10,21 @@ publishing (it died or stopped) is dropped after ``stale_after_s``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
+from starlette.routing import BaseRoute, Match
+
+# the route label of a response to a path no route serves (a label per path would let
+# clients make series without end), or refused before routing (``edge.py``)
+OTHER_ROUTE = "other"
+_COUNTED = "rlt.counted"  # in an ASGI scope: its response is counted already
 
 
 @dataclass
@@ -99,3 +106,21 @@ class GatewayMetrics:
             "Requests aborted because their HTTP client went away.",
             registry=self.registry,
         )
+
+    def count_response(self, scope: MutableMapping[str, Any], route: str, status: int) -> None:
+        """Counts a request's response in ``rlt:http_requests_total``, once: the first count
+        wins (a stream that counted its status is not counted again should its end fail in
+        the error handler)."""
+        if scope.get(_COUNTED):
+            return
+        scope[_COUNTED] = True
+        self.http_requests.labels(route, str(status)).inc()
+
+
+def route_label(scope: MutableMapping[str, Any], routes: Sequence[BaseRoute] = ()) -> str:
+    """The route a request went to (its path template), ``OTHER_ROUTE`` if none; ``routes``
+    are matched here for a request not routed yet."""
+    route = scope.get("route")
+    if route is None:
+        route = next((r for r in routes if r.matches(scope)[0] is not Match.NONE), None)
+    return getattr(route, "path", OTHER_ROUTE)

@@ -11,7 +11,9 @@ beside its engine core, it runs where the operating system can put it on another
 clear message) and hands the listening socket to ``rlt service gateway --http-fd N``; the
 child is ready once it answers HTTP on it. ``ChildProcess`` does the rest: credentials in
 the environment, its own session, stopped with SIGTERM (it drains like any service),
-started again should it die, and gone should ``rlt up`` be killed.
+started again should it die, and gone should ``rlt up`` be killed. The API keys travel in
+the environment too (``$RLT_API_KEY``, one a line, which ``rlt service gateway`` reads when
+no key flag is given), never on the command line.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.common.flags import API_KEY_ENV, METRICS_API_KEY_ENV
 from services.runtime.child import ChildProcess, service_command
 
 
@@ -56,6 +59,8 @@ class GatewayProcess(ChildProcess):
         host: str = "127.0.0.1",
         port: int = 8000,
         served_model_name: str | None = None,
+        api_keys: Sequence[str] = (),
+        metrics_api_keys: Sequence[str] = (),
     ) -> None:
         super().__init__("gateway", nats_url)
         self.checkpoint = Path(checkpoint)
@@ -64,6 +69,12 @@ class GatewayProcess(ChildProcess):
         self.served_model_name = served_model_name
         self.model_name = model_name_for(checkpoint, served_model_name)
         self._socket: socket.socket | None = None
+        # exactly these keys, whatever the shell's environment holds
+        for name, keys in ((API_KEY_ENV, api_keys), (METRICS_API_KEY_ENV, metrics_api_keys)):
+            self.env.pop(name, None)
+            if keys:
+                self.env[name] = "\n".join(keys)
+        self._probe_key = api_keys[0] if api_keys else None
 
     async def start(self) -> None:
         self._socket = bind_http(self.host, self.port)
@@ -91,17 +102,20 @@ class GatewayProcess(ChildProcess):
 
     async def is_ready(self) -> bool:
         """It answers HTTP on the socket (connections wait in its backlog meanwhile)."""
-        return await _answers_http(self.host, self.port)
+        return await _answers_http(self.host, self.port, self._probe_key)
 
 
-async def _answers_http(host: str, port: int) -> bool:
+async def _answers_http(host: str, port: int, api_key: str | None = None) -> bool:
     probe = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(probe, port), 1.0)
     except (OSError, TimeoutError):
         return False
     try:
-        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: rlt\r\nConnection: close\r\n\r\n")
+        auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
+        writer.write(
+            b"GET /v1/models HTTP/1.1\r\nHost: rlt\r\n" + auth + b"Connection: close\r\n\r\n"
+        )
         await writer.drain()
         status = await asyncio.wait_for(reader.readline(), 1.0)
         return status.startswith(b"HTTP/1.1 200")

@@ -2,21 +2,23 @@
 
 ``parse_completion`` / ``parse_chat`` decode and check a request body (``ApiError`` with an
 HTTP status for what rlt refuses), ``to_generate`` builds the ``GenerateRequest`` for
-``rlt.v1.generate``, and the builders below shape responses, usage and errors as the
-``openai`` client expects them.
+``rlt.v1.generate``, and ``error_body`` shapes errors as the ``openai`` client expects them
+(``responses.py`` shapes the answers).
 
 Accepted beyond OpenAI's fields (vLLM's extra body fields, the loop knobs):
 ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_loops``, ``max_loops``,
 ``exit_threshold``, ``priority``, ``chat_template_kwargs``, ``include_stop_str_in_output``
 and ``return_token_ids`` (the choice carries ``token_ids`` and, rlt's own, ``exit_depths``).
-Unknown fields are ignored, as OpenAI-compatible servers do; known options rlt cannot honour
-(``logit_bias``, penalties, ``suffix``, tools, ...) are refused with a 400 that names them,
-never silently dropped. ``n`` choices are ``n`` engine requests (``choice_requests``: ids
+Unknown fields are ignored, as OpenAI-compatible servers do; every field of OpenAI's schema
+for the two endpoints (and the vLLM fields that would change the answer) that rlt does not
+honour is refused with a 400 that names it (``_UNSUPPORTED``), never silently dropped; the few
+OpenAI documents as hints (``user``, ``metadata``, ...) are ignored (docs/gateway.md has the
+table). ``n`` choices are ``n`` engine requests (``choice_requests``: ids
 ``<id>-<i>``, a given seed ``+ i`` as vLLM derives them), answered as one response.
 ``logprobs`` (completions: how many alternatives; chat: ``logprobs`` and ``top_logprobs``)
-come back in OpenAI's two shapes (``completion_logprobs``, ``chat_logprobs``); completions'
-``echo`` puts the prompt (and its log-probabilities) first, and vLLM's ``prompt_logprobs``
-comes back in vLLM's shape (``vllm_prompt_logprobs``).
+come back in OpenAI's two shapes (``responses.py``); completions' ``echo`` puts the prompt
+(and its log-probabilities) first, and vLLM's ``prompt_logprobs`` comes back in vLLM's
+shape.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from typing import Any
 
 import msgspec
 
-from messages.api import GenerateRequest, TokenLogprobs
+from messages.api import GenerateRequest
 from messages.errors import ErrorCode
 from messages.sampling import MAX_LOGPROBS
 
+# the gateway's own code for a missing or wrong API key (OpenAI's)
+INVALID_API_KEY = "invalid_api_key"
 # rlt error code -> (HTTP status, OpenAI error type)
 _STATUS: dict[str, tuple[int, str]] = {
+    INVALID_API_KEY: (401, "invalid_request_error"),
     ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
     ErrorCode.NOT_FOUND: (404, "not_found_error"),
     ErrorCode.OVERLOADED: (429, "rate_limit_error"),
@@ -85,6 +90,12 @@ def error_body(code: str, message: str, param: str | None = None) -> dict[str, A
 # ---------------------------------------------------------------------- requests
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+    # vLLM's usage on every frame: the prompt's token count is known only when the engine's
+    # last event comes, so it is refused rather than sent wrong
+    continuous_usage_stats: bool = False
+    # OpenAI's random padding of stream frames (against a network observer guessing token
+    # lengths from frame sizes): not implemented, so only ``false`` is taken
+    include_obfuscation: bool | None = None
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -99,31 +110,46 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
-    user: str | None = None
+    user: str | None = None  # ignored: OpenAI's abuse-monitoring id
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
     # vLLM's extra body fields
     top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None
     priority: int | None = None
-    # known elsewhere (OpenAI's legacy functions, vLLM's constrained decoding and output
-    # options) and not supported: declared so a request that sets them is refused by name
-    # instead of being answered as if they were honoured
-    min_tokens: int | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[Any] | None = None
-    guided_grammar: str | None = None
-    structured_outputs: Any = None
     prompt_logprobs: int | None = None
-    skip_special_tokens: bool | None = None
+    # OpenAI's and vLLM's fields rlt does not implement (``_UNSUPPORTED``): of any type, so
+    # that a request setting one is refused by the field's name, never answered as if it
+    # were honoured
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    use_beam_search: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    truncate_prompt_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
     # rlt's loop knobs
     min_loops: int | None = None
     max_loops: int | None = None
@@ -136,23 +162,84 @@ class CompletionRequest(_Common, kw_only=True):
     prompt: Any = None
     echo: bool | None = None
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: Any = None  # not implemented
+    prompt_embeds: Any = None  # vLLM's: not implemented
 
 
 class ChatRequest(_Common, kw_only=True):
     messages: list[dict[str, Any]] | None = None
-    echo: bool | None = None  # vLLM's (echo the last message): not supported
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
+    # not implemented (``_UNSUPPORTED``): OpenAI's, then vLLM's
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    service_tier: Any = None
+    store: Any = None
+    echo: Any = None  # vLLM's: echo the last message
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    documents: Any = None
+
+
+# Fields rlt does not implement, each with the values that ask for nothing beyond what rlt
+# does anyway (a client may send those); any other value is a 400 naming the field.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    # OpenAI's
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),  # OpenAI refuses it without tools too
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    # vLLM's
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_tokens": (None, 0),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structured_outputs": (None,),
+    "skip_special_tokens": (None, True),  # the streams' text always skips special tokens
+    "spaces_between_special_tokens": (None, True),
+    "use_beam_search": (None, False),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "return_tokens_as_token_ids": (None, False),
+}
+_UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""),
+    "prompt_embeds": (None,),
+}
+_UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),  # rlt keeps no completions
+    # vLLM's
+    "echo": (None, False),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "documents": (None,),
+}
 
 
 _COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
@@ -180,8 +267,8 @@ class Options:
 def parse_completion(body: bytes) -> CompletionRequest:
     req = _decode(_COMPLETION_DECODER, body)
     _check_common(req)
+    _refuse_unsupported(req, _UNSUPPORTED_COMPLETION)
     _check_logprobs(req.logprobs, "logprobs")
-    _refuse_if(req.suffix is not None, "suffix")
     _prompt_fields(req.prompt)  # shape check now, before anything is sent
     return req
 
@@ -189,18 +276,10 @@ def parse_completion(body: bytes) -> CompletionRequest:
 def parse_chat(body: bytes) -> ChatRequest:
     req = _decode(_CHAT_DECODER, body)
     _check_common(req)
-    _refuse_if(req.echo, "echo")
+    _refuse_unsupported(req, _UNSUPPORTED_CHAT)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
     _check_logprobs(req.top_logprobs, "top_logprobs")
-    _refuse_if(bool(req.tools), "tools")
-    _refuse_if(req.tool_choice not in (None, "none"), "tool_choice")
-    _refuse_if(bool(req.functions), "functions")
-    _refuse_if(req.function_call not in (None, "none"), "function_call")
-    fmt = (req.response_format or {}).get("type", "text")
-    _refuse_if(fmt != "text", "response_format", f"response_format {fmt!r} is not supported")
-    _refuse_if(req.add_generation_prompt is False, "add_generation_prompt")
-    _refuse_if(req.continue_final_message, "continue_final_message")
     if not req.messages:
         raise ApiError("'messages' must be a non-empty list", param="messages")
     _chat_messages(req.messages)
@@ -218,7 +297,12 @@ def options(
         if "prompt" in prompt:
             echo_text = prompt["prompt"]
         elif decode is not None:
-            echo_text = decode(prompt["prompt_token_ids"])
+            try:
+                echo_text = decode(prompt["prompt_token_ids"])
+            except (OverflowError, ValueError, TypeError):  # an id beyond what a token id holds
+                raise ApiError(
+                    "prompt token ids out of the tokenizer's range", param="prompt"
+                ) from None
         else:
             raise ApiError(
                 "echo of a token-id prompt needs a checkpoint with a tokenizer", param="echo"
@@ -307,6 +391,8 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise ApiError(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ApiError(f"invalid JSON: {exc}") from None
+    except RecursionError:  # msgspec's decoder recurses per level (as admission's does)
+        raise ApiError("invalid JSON: nested too deeply") from None
 
 
 def _check_common(req: _Common) -> None:
@@ -318,20 +404,27 @@ def _check_common(req: _Common) -> None:
             "choice it makes)",
             param="best_of",
         )
-    _refuse_if(bool(req.logit_bias), "logit_bias")
-    _refuse_if(req.presence_penalty not in (None, 0, 0.0), "presence_penalty")
-    _refuse_if(req.frequency_penalty not in (None, 0, 0.0), "frequency_penalty")
-    _refuse_if(req.repetition_penalty not in (None, 1, 1.0), "repetition_penalty")
-    _refuse_if(req.min_p not in (None, 0, 0.0), "min_p")
-    _refuse_if(req.min_tokens not in (None, 0), "min_tokens")
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        _refuse_if(getattr(req, name) is not None, name)
-    _refuse_if(req.structured_outputs is not None, "structured_outputs")
+    _refuse_unsupported(req, _UNSUPPORTED)
+    fmt = (req.response_format or {"type": "text"}).get("type")  # {} asks for nothing
+    _refuse_if(
+        fmt != "text",
+        "response_format",
+        f"response_format {fmt!r} is not supported by rlt (structured outputs are not "
+        "implemented): only {'type': 'text'}",
+    )
     _check_logprobs(req.prompt_logprobs, "prompt_logprobs")
-    # the streams' text always skips special tokens
-    _refuse_if(req.skip_special_tokens is False, "skip_special_tokens")
-    if req.stream_options is not None and not req.stream:
-        raise ApiError("stream_options is only allowed with stream=true", param="stream_options")
+    if req.stream_options is not None:
+        if not req.stream:
+            raise ApiError(
+                "stream_options is only allowed with stream=true", param="stream_options"
+            )
+        _refuse_if(
+            req.stream_options.continuous_usage_stats,
+            "stream_options.continuous_usage_stats",
+            "stream_options.continuous_usage_stats is not supported by rlt: with "
+            "include_usage, the usage comes in the stream's last frame",
+        )
+        _refuse_if(req.stream_options.include_obfuscation, "stream_options.include_obfuscation")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if any(not s for s in stops):
         raise ApiError("stop strings must not be empty", param="stop")
@@ -346,6 +439,19 @@ def _check_common(req: _Common) -> None:
 def _check_logprobs(value: int | None, param: str) -> None:
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
         raise ApiError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}", param=param)
+
+
+def _refuse_unsupported(req: _Common, fields: dict[str, tuple[Any, ...]]) -> None:
+    for name, harmless in fields.items():
+        value = getattr(req, name)
+        _refuse_if(not any(_same(value, h) for h in harmless), name)
+
+
+def _same(value: Any, harmless: Any) -> bool:
+    # True == 1 in Python: a boolean only stands for itself
+    if isinstance(value, bool) or isinstance(harmless, bool):
+        return value is harmless
+    return bool(value == harmless)
 
 
 def _refuse_if(condition: Any, param: str, message: str | None = None) -> None:
@@ -400,154 +506,3 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ApiError("message content must be a string or text parts", param="messages")
         out.append(message)
     return out
-
-
-# ---------------------------------------------------------------------- responses
-@dataclass
-class Usage:
-    """Token counts of one response; ``exit_depths`` are the loops of each completion token
-    (of every choice: the prompt is counted once, as OpenAI does)."""
-
-    prompt_tokens: int
-    cached_tokens: int
-    exit_depths: list[int]
-
-    def body(self) -> dict[str, Any]:
-        completion = len(self.exit_depths)
-        loops = sum(self.exit_depths)
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            # rlt's extension: loops of the shared core per completion token, and their sum
-            # (the decode's loops; the prefill of a prompt is full depth on top of this)
-            "mean_exit_depth": round(loops / completion, 6) if completion else None,
-            "core_loops": loops,
-        }
-
-
-def completion_logprobs(entries: list[TokenLogprobs], offsets: list[int]) -> dict[str, Any]:
-    """The completions API's (legacy) shape: per token its text, log-probability, offset
-    (where it starts in the tokens' texts joined, as vLLM counts it) and a map of
-    alternatives that always holds the token itself (so up to ``logprobs`` + 1 entries, as
-    OpenAI documents)."""
-    top: list[dict[str, float | None] | None] = []
-    for e in entries:
-        if e.logprob is None and not e.top_logprobs:
-            top.append(None)  # an echoed prompt's first token: nothing predicts it
-            continue
-        alternatives = {t.token: t.logprob for t in e.top_logprobs}
-        alternatives.setdefault(e.token, e.logprob)
-        top.append(alternatives)
-    return {
-        "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(entries: list[TokenLogprobs]) -> dict[str, Any]:
-    """The chat API's shape: per token its text, UTF-8 bytes, log-probability and the
-    ``top_logprobs`` most likely alternatives."""
-
-    def one(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-    return {
-        "content": [
-            {
-                **one(e.token, e.logprob),
-                "top_logprobs": [one(t.token, t.logprob) for t in e.top_logprobs],
-            }
-            for e in entries
-        ],
-        "refusal": None,
-    }
-
-
-def vllm_prompt_logprobs(entries: list[TokenLogprobs]) -> list[dict[str, Any] | None]:
-    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else a map from
-    token id to its log-probability and text, holding the prompt token and the N most
-    likely (vLLM also gives each a ``rank``; rlt does not compute ranks)."""
-    out: list[dict[str, Any] | None] = []
-    for e in entries:
-        if e.logprob is None and not e.top_logprobs:
-            out.append(None)
-            continue
-        scored = {str(t.token_id): {"logprob": t.logprob, "decoded_token": t.token}
-                  for t in e.top_logprobs}  # fmt: skip
-        scored.setdefault(str(e.token_id), {"logprob": e.logprob, "decoded_token": e.token})
-        out.append(scored)
-    return out
-
-
-def completion_choice(
-    index: int,
-    text: str,
-    finish_reason: str | None,
-    extra: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        **extra,
-    }
-
-
-def chat_choice(
-    index: int,
-    text: str,
-    finish_reason: str | None,
-    extra: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        **extra,
-    }
-
-
-def response_body(
-    chat: bool,
-    request_id: str,
-    model: str,
-    created: int,
-    choices: list[dict[str, Any]],
-    usage: Usage,
-    top: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """A non-streaming response; ``top``: fields of the response itself (vLLM's chat
-    ``prompt_logprobs``)."""
-    return {
-        "id": request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage.body(),
-        **(top or {}),
-    }
-
-
-def models_body(model: str, created: int, max_model_len: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": model,
-                "object": "model",
-                "created": created,
-                "owned_by": "rlt",
-                "root": model,
-                "max_model_len": max_model_len,
-            }
-        ],
-    }

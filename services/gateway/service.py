@@ -11,21 +11,23 @@ on ``rlt.v1.metrics.<service>``; the gateway keeps the latest of each instance
 
 Stopping: new HTTP requests get 503, the ones in flight finish (up to the drain timeout),
 then the HTTP server closes.
+
+The HTTP server is ``edge.py``'s: uvicorn's httptools protocol with a bounded request head.
+With API keys, ``/v1/*`` (and with metrics keys ``/metrics``) need ``Authorization:
+Bearer <key>`` (``auth.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import uvicorn
 from nats.aio.msg import Msg
 
 from messages.api import AbortRequest, ErrorEvent, GenerateRequest, StreamEvent
@@ -33,6 +35,8 @@ from messages.errors import ErrorCode
 from services.common.checkpoint import load_model_limits
 from services.common.tokenizer import TextCodec
 from services.gateway.app import build_app
+from services.gateway.auth import ApiKeys
+from services.gateway.edge import HttpLimits, Server, http_server
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.process import bind_http, model_name_for
 from services.runtime import subjects
@@ -57,15 +61,6 @@ DEFAULT_HTTP_PORT = 8000
 # what /health needs to answer: someone to take requests, schedule them and run them
 READY_NEEDS = ("admission", "scheduler", "worker")
 _EVENT = json_decoder(StreamEvent)  # type: ignore[arg-type]
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: ``services.runtime.service.serve`` owns
-    SIGINT/SIGTERM and stops the gateway like every other service."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class _Inbox:
@@ -164,6 +159,9 @@ class GatewayService(Service):
         served_model_name: str | None = None,
         request_timeout_s: float = 3600.0 + 60.0,
         listen_fd: int | None = None,
+        api_keys: Sequence[str] = (),
+        metrics_api_keys: Sequence[str] = (),
+        http_limits: HttpLimits | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(nats_url, **kwargs)
@@ -175,6 +173,10 @@ class GatewayService(Service):
         # a socket already listening, handed over by `rlt up` (services/gateway/process.py)
         self.listen_fd = listen_fd
         self.request_timeout_s = request_timeout_s
+        # Authorization: Bearer <key> on /v1/* and on /metrics (none: open)
+        self.api_keys = ApiKeys(api_keys)
+        self.metrics_api_keys = ApiKeys(metrics_api_keys)
+        self.http_limits = http_limits or HttpLimits()
         self.created = int(time.time())
         self.max_model_len = 0
         self.codec: TextCodec | None = None
@@ -184,7 +186,7 @@ class GatewayService(Service):
         )
         self.inbox = _Inbox(subjects.gateway_inbox(self.instance_id))
         self._socket: socket.socket | None = None
-        self._server: _Server | None = None
+        self._server: Server | None = None
         self._server_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._ready_cache: tuple[float, bool, dict[str, Any]] = (float("-inf"), False, {})
@@ -216,14 +218,8 @@ class GatewayService(Service):
         )
 
     async def on_ready(self) -> None:
-        config = uvicorn.Config(
-            build_app(self),
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=5,
-        )
-        self._server = _Server(config)
+        app = build_app(self, self.api_keys, self.metrics_api_keys)
+        self._server = http_server(app, self.metrics, self.log, self.http_limits)
         assert self._socket is not None
         self._server_task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
         while not self._server.started and not self._server_task.done():
@@ -231,7 +227,11 @@ class GatewayService(Service):
         if self._server_task.done():
             self._server_task.result()  # raises what stopped it
         self.log.info(
-            "http listening", url=f"http://{self.host}:{self.port}", model=self.model_name
+            "http listening",
+            url=f"http://{self.host}:{self.port}",
+            model=self.model_name,
+            api_keys=len(self.api_keys),  # how many, never which
+            metrics_api_keys=len(self.metrics_api_keys),
         )
 
     async def drain(self, timeout: float) -> None:
@@ -283,7 +283,12 @@ class GatewayService(Service):
         assert request.request_id is not None
         subject, queue = self.inbox.open(request.request_id)
         headers = {TRACEPARENT: traceparent, HEADER_TRACE_ID: trace_id}
-        data = encode_json(request)
+        try:
+            data = encode_json(request)
+        except RecursionError:  # decoded a few frames shallower than this: at the edge
+            message = "invalid JSON: nested too deeply"
+            queue.put_nowait(_error_msg(request.request_id, ErrorCode.INVALID_REQUEST, message))
+            return _Stream(self.inbox, subject, queue, request.request_id)
         if not fits(self.nc, len(data)):  # a retry would not help: say what is wrong
             message = (
                 f"the request is too large: {len(data)} bytes as JSON, over the bus's "

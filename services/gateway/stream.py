@@ -18,14 +18,13 @@ from typing import Any
 import msgspec
 
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent, TokenLogprobs
-from services.gateway.protocol import (
-    Options,
+from services.gateway.protocol import Options, error_body
+from services.gateway.responses import (
     Usage,
     chat_choice,
     chat_logprobs,
     completion_choice,
     completion_logprobs,
-    error_body,
     response_body,
     vllm_prompt_logprobs,
 )
