@@ -224,3 +224,35 @@ def test_rlt_up_nats_cluster_3(tmp_path: Path, toy_checkpoint: Path) -> None:
 def _port_taken(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.services
+def test_rlt_up_cluster_routes_refuse_a_node_without_the_route_password(tmp_path: Path) -> None:
+    """rlt up's nodes authenticate their routes: a nats-server that routes to one of them
+    without the route password never joins, while the real nodes route to each other."""
+    from services.launcher import NatsServer
+    from services.runtime.permissions import LocalAuth
+
+    auth = LocalAuth.generate()
+    conf = tmp_path / "nats.conf"
+    conf.write_text(auth.config(cluster=True))
+    with NatsCluster(3, config_file=conf, route_auth=auth.route) as cluster:
+        node = cluster.servers[0]
+        assert node.cluster_port is not None
+        rogue = NatsServer(
+            port=free_port(),
+            server_name="rogue",
+            cluster_name="rlt",
+            cluster_port=free_port(),
+            routes=[f"nats://127.0.0.1:{node.cluster_port}"],
+        )
+        with rogue:
+            deadline = time.monotonic() + 10
+            refused = False
+            while time.monotonic() < deadline and not refused:
+                log = Path(node.log_path).read_text(errors="replace")
+                refused = "Authorization Violation" in log or "authentication error" in log
+                time.sleep(0.1)
+            assert refused, log[-2000:]
+        routed = Path(node.log_path).read_text(errors="replace")
+        assert routed.count("Route connection created") >= 2

@@ -4,6 +4,7 @@ cluster (``NatsCluster``). ``rlt up`` runs them; tests, benchmarks and scripts s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -64,6 +65,8 @@ class NatsServer:
         self.cluster_name = cluster_name
         self.cluster_port = cluster_port
         # routes present these credentials when the config asks routes to authenticate
+        self.route_auth = route_auth
+        self._node_config_path: Path | None = None
         self.routes = (
             [with_credentials(r, *route_auth) for r in routes] if route_auth else list(routes)
         )
@@ -83,13 +86,16 @@ class NatsServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="rlt-nats-")
         store = self._store_dir or os.path.join(self._tmp.name, "jetstream")
         cmd = [find_nats_server(), "-a", self.host, "-p", str(self.port), "-js", "-sd", store]
-        if self.config_file is not None:
-            cmd += ["-c", str(self.config_file)]
+        config_file = self.config_file
+        if config_file is not None and self.cluster_port is not None:
+            config_file = self._node_config(config_file)
+        if config_file is not None:
+            cmd += ["-c", str(config_file)]
         if self.monitor_port is not None:
             cmd += ["-m", str(self.monitor_port)]
         if self.server_name is not None:
             cmd += ["-n", self.server_name]
-        if self.cluster_port is not None:
+        if self.cluster_port is not None and config_file is None:
             loopback = "127.0.0.1" if is_loopback(self.host) else self.host
             cmd += ["--cluster_name", self.cluster_name or "rlt"]
             cmd += ["--cluster", f"nats://{loopback}:{self.cluster_port}"]
@@ -122,6 +128,34 @@ class NatsServer:
         self.stop()
         raise RuntimeError(f"nats-server did not listen on {self.url} within {timeout}s")
 
+    def _node_config(self, base: str | Path) -> Path:
+        """This node's config: ``base`` plus its cluster block. The listen address and routes
+        go here, not on the command line: ``--cluster`` makes nats-server drop the config's
+        route authorization (any local process could join as a route), and route URLs carry
+        credentials, which a command line shows to every user of the machine."""
+        assert self._tmp is not None and self.cluster_port is not None
+        loopback = "127.0.0.1" if is_loopback(self.host) else self.host
+        lines = [
+            # nats-server resolves an include against the including file's folder
+            f"include {json.dumps(Path(base).name)}",
+            "cluster {",
+            f"  name: {json.dumps(self.cluster_name or 'rlt')}",
+            f"  listen: {json.dumps(f'{loopback}:{self.cluster_port}')}",
+        ]
+        if self.route_auth is not None:
+            user, password = self.route_auth
+            lines.append(
+                f"  authorization {{ user: {json.dumps(user)}, password: {json.dumps(password)} }}"
+            )
+        if self.routes:
+            lines.append(f"  routes: {json.dumps(self.routes)}")
+        lines.append("}")
+        path = Path(base).parent / f"{Path(base).stem}-node-{self.port}.conf"
+        path.touch(mode=0o600)
+        path.write_text("\n".join(lines) + "\n")
+        self._node_config_path = path
+        return path
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -136,6 +170,9 @@ class NatsServer:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        if self._node_config_path is not None:
+            self._node_config_path.unlink(missing_ok=True)
+            self._node_config_path = None
 
     def __enter__(self) -> NatsServer:
         return self.start()
