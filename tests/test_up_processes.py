@@ -245,3 +245,57 @@ def test_a_child_does_not_outlive_an_rlt_up_killed_while_it_starts(
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.services
+def test_banner_commands_work_as_printed_and_api_keys_guard_the_api(
+    toy_checkpoint: Path, tmp_path: Path
+) -> None:
+    """``rlt up --client-url-file F --api-key K``: the banner's ``rlt generate`` line runs as
+    printed from a shell that knows neither file nor URL, and /v1/* needs the key."""
+    import httpx
+
+    url_file = tmp_path / "elsewhere" / "client-url"
+    env = {k: v for k, v in os.environ.items() if k not in ("RLT_NATS_URL", "RLT_CLIENT_URL_FILE")}
+    env |= {"RLT_RUN_DIR": str(tmp_path), "RLT_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
+    http_port = free_port()
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(free_port())]
+    cmd += ["--http-port", str(http_port), "--checkpoint", str(toy_checkpoint)]
+    cmd += ["--client-url-file", str(url_file), "--one-process"]
+    up, banner = start_rlt_up(
+        cmd, {**env, "RLT_API_KEY": "k-123"}, tmp_path / "up.log", timeout_s=90
+    )
+    try:
+        (line,) = [
+            x.strip()
+            for x in banner.splitlines()
+            if x.strip().endswith('generate --max-tokens 8 "hello"')
+        ]
+        assert f"RLT_CLIENT_URL_FILE={url_file}" in line
+        gen = subprocess.run(
+            ["bash", "-c", line], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert gen.returncode == 0 and gen.stdout.strip(), gen.stderr
+        assert "RLT_API_KEY" in banner and "k-123" not in banner
+        base = f"http://127.0.0.1:{http_port}"
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        auth = {"Authorization": "Bearer k-123"}
+        assert httpx.get(f"{base}/v1/models", headers=auth).status_code == 200
+        assert httpx.get(f"{base}/health").status_code == 200
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=30)
+        finally:
+            if up.poll() is None:
+                up.kill()
+                up.wait()
+
+
+@pytest.mark.services
+def test_serving_http_beyond_loopback_needs_a_key_or_no_api_key(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "services.cli", "up", "--http-host", "0.0.0.0"]
+    env = {k: v for k, v in os.environ.items() if k != "RLT_API_KEY"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2
+    assert "--api-key" in proc.stderr and "--no-api-key" in proc.stderr

@@ -252,6 +252,11 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
         help="/metrics needs 'Authorization: Bearer KEY' (repeatable; default: "
         f"${METRICS_API_KEY_ENV}; without: /metrics is open)",
     )
+    g.add_argument(
+        "--no-api-key",
+        action="store_true",
+        help="serve the API without keys on a non-loopback --http-host (refused otherwise)",
+    )
 
 
 def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:

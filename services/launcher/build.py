@@ -86,6 +86,8 @@ def build_service(
             port=http.port,
             served_model_name=http.served_model_name,
             listen_fd=http.listen_fd,
+            api_keys=http.api_keys,
+            metrics_api_keys=http.metrics_api_keys,
         )
     raise ValueError(f"unknown service {name!r}; choose one of {subjects.SERVICE_NAMES}")
 

@@ -187,9 +187,9 @@ async def wait_for(predicate: Any, timeout: float, what: str, interval: float = 
 def start_rlt_up(
     cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float = 120.0
 ) -> tuple[subprocess.Popen[str], str]:
-    """``rlt up`` (``cmd``) and its banner's first line, once it printed it (it is killed if
-    it does not within ``timeout_s``). Its stderr, which its service processes share, goes
-    to ``log_path``: a pipe nobody reads would fill and stall them all."""
+    """``rlt up`` (``cmd``) and its banner, once it printed it (it is killed if it does not
+    within ``timeout_s``). Its stderr, which its service processes share, goes to
+    ``log_path``: a pipe nobody reads would fill and stall them all."""
     with open(log_path, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
@@ -205,6 +205,9 @@ def start_rlt_up(
         proc.kill()
         proc.wait()
         raise
+    with contextlib.suppress(queue.Empty):  # the rest of the banner comes in the same write
+        while True:
+            banner += lines.get(timeout=0.5)
     return proc, banner
 
 

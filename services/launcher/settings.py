@@ -11,7 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.config import SchedulerConfig
-from services.common.flags import scheduler_config_from_args
+from services.common.flags import (
+    api_keys_from_args,
+    metrics_api_keys_from_args,
+    scheduler_config_from_args,
+)
 
 
 @dataclass(frozen=True)
@@ -23,10 +27,21 @@ class HttpSettings:
     served_model_name: str | None = None  # None: the checkpoint directory's name
     # `rlt service gateway --http-fd`: a socket `rlt up` already bound and listens on
     listen_fd: int | None = None
+    api_keys: tuple[str, ...] = ()  # none: /v1/* is open
+    metrics_api_keys: tuple[str, ...] = ()  # none: /metrics is open
+    no_api_key: bool = False  # serving without keys beyond loopback was asked for
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, *, listen_fd: int | None = None) -> HttpSettings:
-        return cls(args.http_host, args.http_port, args.served_model_name, listen_fd)
+        return cls(
+            args.http_host,
+            args.http_port,
+            args.served_model_name,
+            listen_fd,
+            api_keys=api_keys_from_args(args),
+            metrics_api_keys=metrics_api_keys_from_args(args),
+            no_api_key=args.no_api_key,
+        )
 
 
 @dataclass(frozen=True)

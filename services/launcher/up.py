@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import shutil
 import sys
 import tempfile
@@ -48,6 +49,14 @@ def run_up(settings: UpSettings) -> int:
     except ValueError as exc:
         print(f"rlt up: {exc}", file=sys.stderr)
         return 2
+    http = settings.http
+    if not is_loopback(http.host) and not http.api_keys and not http.no_api_key:
+        print(
+            f"rlt up: --http-host {http.host} serves beyond this machine: give --api-key "
+            "(or --api-key-file, or $RLT_API_KEY), or --no-api-key to serve without keys",
+            file=sys.stderr,
+        )
+        return 2
     _warn_unauthenticated(settings)
     auth = None if settings.insecure else LocalAuth.generate(tenants)
     secrets_dir = Path(tempfile.mkdtemp(prefix="rlt-up-"))  # 0700
@@ -72,6 +81,8 @@ def run_up(settings: UpSettings) -> int:
             host=settings.http.host,
             port=settings.http.port,
             served_model_name=settings.http.served_model_name,
+            api_keys=settings.http.api_keys,
+            metrics_api_keys=settings.http.metrics_api_keys,
         )
         services.append(gateway)
         children.append(gateway)
@@ -94,6 +105,7 @@ def run_up(settings: UpSettings) -> int:
                 gateway.model_name,
                 settings.shards,
                 settings.router,
+                keyed=bool(settings.http.api_keys),
             )
 
         return run_main("rlt up", _serve(services, children, banner))
@@ -158,10 +170,10 @@ def _warn_unauthenticated(settings: UpSettings) -> None:
             "requests, read every stream and publish into the services' internal subjects",
             file=sys.stderr,
         )
-    if not is_loopback(settings.http.host):
+    if not is_loopback(settings.http.host) and not settings.http.api_keys:
         print(
-            f"rlt up: warning: the HTTP gateway listens on {settings.http.host} without "
-            "authentication; put an authenticating proxy in front of it",
+            f"rlt up: warning: --no-api-key: the HTTP gateway listens on {settings.http.host} "
+            "without authentication; put an authenticating proxy in front of it",
             file=sys.stderr,
         )
 
@@ -244,6 +256,18 @@ def _url_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else (f"[{host}]" if ":" in host else host)
 
 
+def _rlt_command() -> str:
+    """The ``rlt`` that is running, as a command a shell finds: its full path unless the
+    first ``rlt`` on PATH is this one (a virtualenv's rlt is often not on PATH)."""
+    argv0 = Path(sys.argv[0])
+    if argv0.name != "rlt":
+        return f"{shlex.quote(sys.executable)} -m services.cli"
+    on_path = shutil.which("rlt")
+    if on_path is not None and Path(on_path).resolve() == argv0.resolve():
+        return "rlt"
+    return shlex.quote(str(argv0.resolve()))
+
+
 def _banner(
     url: str,
     checkpoint: Path,
@@ -252,22 +276,32 @@ def _banner(
     model: str,
     shards: int = 1,
     router: str = "prefix",
+    keyed: bool = False,
 ) -> str:
     payload = '{"prompt":"hello","max_tokens":8}'
     nodes = len(url.split(","))
     what = f"JetStream, a {nodes}-node cluster" if nodes > 1 else "JetStream"
     layout = "" if shards == 1 else f"   {shards} shards (ids 0..{shards - 1}), router {router}"
+    if keyed:
+        key_expr = '__import__("os").environ["RLT_API_KEY"]'
+        key_header = ' -H "Authorization: Bearer $RLT_API_KEY"'
+        key_note = "the API needs one of the keys rlt up was given (here: in $RLT_API_KEY)"
+    else:
+        key_expr, key_header = '"-"', ""
+        key_note = "no API key: the gateway answers anyone who can reach its address"
+    rlt = _rlt_command()
     head = f"""\
 rlt is up: NATS {url} ({what}), HTTP {http_url}, checkpoint {checkpoint}
 services: worker, prefix-cache, scheduler, admission, gateway{layout}   (Ctrl-C stops everything)
 
   with the OpenAI client (pip install openai):
     python -c 'from openai import OpenAI
-c = OpenAI(base_url="{http_url}/v1", api_key="-")
+c = OpenAI(base_url="{http_url}/v1", api_key={key_expr})
 print(c.completions.create(model="{model}", prompt="hello", max_tokens=8).choices[0].text)'
   with curl (server-sent events as tokens are made):
-    curl -N {http_url}/v1/completions -H "Content-Type: application/json" \\
+    curl -N {http_url}/v1/completions -H "Content-Type: application/json"{key_header} \\
       -d '{{"model":"{model}","prompt":"hello","max_tokens":8,"stream":true}}'
+  {key_note}
 """
     if client_files is None:
         return (
@@ -275,18 +309,21 @@ print(c.completions.create(model="{model}", prompt="hello", max_tokens=8).choice
             + f"""
   NO AUTHENTICATION (--insecure): every local process can read every stream.
     nats -s {url} req --replies 0 --timeout 5s rlt.v1.generate '{payload}'
-    rlt generate --nats-url {url} --max-tokens 8 "hello"
+    {rlt} generate --nats-url {url} --max-tokens 8 "hello"
 """
         )
     path = client_files[""]
+    default = default_client_url_file()
+    reads = "it reads that file by itself" if path == default else "told where the file is"
+    env = "" if path == default else f"RLT_CLIENT_URL_FILE={shlex.quote(str(path.resolve()))} "
     tenants = "".join(f"\n    tenant {t}: {p}" for t, p in client_files.items() if t)
     return (
         head
         + f"""
   NATS requires credentials: each service has its own user, and the client URL (with the
   client credentials, readable by you only) is in {path}{tenants}
-  with the rlt client (it reads that file by itself):
-    rlt generate --max-tokens 8 "hello"
+  with the rlt client ({reads}):
+    {env}{rlt} generate --max-tokens 8 "hello"
   with the nats CLI (--replies 0 keeps reading the whole stream):
     nats -s "$(cat {path})" req --replies 0 --timeout 5s rlt.v1.generate '{payload}'
   with Python (nats-py): services.client.stream_requests(None, ...) reads it too
