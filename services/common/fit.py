@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from messages.errors import RequestError
 
 
+def blocks_per_plane(num_tokens: int, block_size: int) -> int:
+    """Blocks ``num_tokens`` positions take in one plane."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     """The KV cache's shape as far as fitting a request goes."""
@@ -16,9 +21,12 @@ class KVGeometry:
     num_blocks: int
     num_planes: int
 
+    def blocks_per_plane(self, num_tokens: int) -> int:
+        return blocks_per_plane(num_tokens, self.block_size)
+
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks ``num_tokens`` positions take over all planes."""
-        return -(-num_tokens // self.block_size) * self.num_planes
+        return blocks_per_plane(num_tokens, self.block_size) * self.num_planes
 
 
 def kv_tokens(num_prompt: int, max_tokens: int) -> int:

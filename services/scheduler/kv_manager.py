@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from messages.batch import BlockDelta
 from messages.prefix import AllBlocksCleared, BlockRemoved, BlockStored, PrefixEvent
-from services.common.fit import KVGeometry
+from services.common.fit import KVGeometry, blocks_per_plane
 
 
 @dataclass(eq=False)
@@ -49,6 +49,7 @@ class KVManager:
         self.block_size = block_size
         self.num_planes = num_planes
         self.enable_prefix_caching = enable_prefix_caching
+        self.geometry = KVGeometry(block_size, num_blocks, num_planes)
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[str, list[list[int]]] = {}
         self._pending: dict[str, list[list[int]]] = {}
@@ -60,20 +61,16 @@ class KVManager:
 
     # capacity -------------------------------------------------------------------------
     def blocks_per_plane(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return self.geometry.blocks_per_plane(num_tokens)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return self.blocks_per_plane(num_tokens) * self.num_planes
+        return self.geometry.blocks_for(num_tokens)
 
     def blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         """Blocks ``ensure(request_id, num_tokens)`` would allocate (off its hot path)."""
         tables = self._tables.get(request_id)
         have = len(tables[0]) if tables else 0
         return max(0, self.blocks_per_plane(num_tokens) - have) * self.num_planes
-
-    @property
-    def geometry(self) -> KVGeometry:
-        return KVGeometry(self.block_size, self.num_blocks, self.num_planes)
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,7 +93,7 @@ class KVManager:
         """
         tables = self._tables.get(request_id)
         have = len(tables[0]) if tables else 0
-        want = -(-num_tokens // self.block_size)  # blocks_per_plane: called per row per step
+        want = blocks_per_plane(num_tokens, self.block_size)
         if want <= have:
             return True
         needed = (want - have) * self.num_planes
