@@ -28,7 +28,7 @@ class AdmittedRequest(msgspec.Struct, kw_only=True):
     # the shard admission routed it to ("" = whichever scheduler receives it)
     shard_id: str = ""
     # where the scheduler sends the stream's events (admission relays them to the client, so
-    # it knows what the client was sent); "" = straight to ``reply_subject``
+    # it knows what the client was sent); a submit without one is dropped
     relay_subject: str = ""
     # a request resumed after its shard was lost: the outputs the client already has. The
     # scheduler replays them as forced exits (like a preemption recompute) without streaming
@@ -173,14 +173,15 @@ class WorkerHeartbeat(msgspec.Struct, kw_only=True):
 
 class RequestNotice(msgspec.Struct, kw_only=True):
     """scheduler -> admission, on the per-request tracking subject admission gave the
-    submit: ``accepted`` (this scheduler owns the stream) and ``done`` (its terminal event
-    was published). Lets admission answer ``unavailable`` for requests a lost scheduler held."""
+    submit: ``accepted`` (this scheduler owns the stream) and ``done`` (a client's retry
+    through another try took the stream over: this entry closes without a word). Lets
+    admission answer ``unavailable`` for requests a lost scheduler held."""
 
     request_id: str
     scheduler_id: str
     state: str  # "accepted" | "done"
-    # with "done" after a finished event: a copy of it, so admission can answer a client that
-    # retries the same request_id (it missed the event) without running it again
+    # a copy of a finished event for admission's retry record; schedulers now relay every
+    # terminal event (admission keeps its record from that), so they leave it out
     finished: FinishedEvent | None = None
 
 

@@ -165,7 +165,6 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
         if mut.rng.random() < 0.05:
             driver.bind(ids["worker"])
             driver.step()
-            driver.executor.take_outbox()
     return report
 
 
@@ -180,7 +179,7 @@ def _heartbeat(tracker: Any, loss: Any, driver: Any) -> Callable[[WorkerHeartbea
     def apply(hb: WorkerHeartbeat) -> None:
         tracker.heartbeat(hb, time.monotonic())
         tracker.choose(None, time.monotonic(), 0.0)
-        loss.check(hb, driver.epoch, [b.seq for b in driver.inflight], driver.executor.sent_at, 1e9)
+        driver.check_worker(hb, loss, 1e9)
 
     return apply
 

@@ -204,7 +204,8 @@ def valid_messages(ids: dict[str, str]) -> list[tuple[str, Any, Callable[[Any], 
             _mp,
         ),
         (subjects.sched_alive(ids["scheduler"]), b"", lambda _o: b""),
-        (
+        (  # shaped as admission submits, from an admission nobody runs (its relayed
+            # events reach no one, never another request's client)
             subjects.sched_submit("0"),
             _plain(
                 AdmittedRequest(
@@ -214,6 +215,7 @@ def valid_messages(ids: dict[str, str]) -> list[tuple[str, Any, Callable[[Any], 
                     reply_subject="_INBOX.fuzz-sink",
                     admission_id="fuzz",
                     admission_seq=1,
+                    relay_subject=subjects.admission_relay("fuzz"),
                 )
             ),
             _mp,
@@ -310,7 +312,6 @@ def valid_messages(ids: dict[str, str]) -> list[tuple[str, Any, Callable[[Any], 
             _plain(RequestNotice(request_id="x", scheduler_id="fz", state="done")),
             _mp,
         ),
-        (subjects.stream_gone(ids["scheduler"], 1), b"", lambda _o: b""),
         (subjects.worker_discover("0"), b"", lambda _o: b""),
     ]
 

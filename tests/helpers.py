@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from messages.api import StreamEvent
 from messages.batch import BatchResult, RowKind, RowResult
 from messages.internal import WorkerBatch, WorkerResult
 from services.scheduler.batch import ScheduledBatch
+from services.scheduler.step_output import StepOutput
 from services.worker.runner import ModelRunner
 
 
@@ -30,3 +32,9 @@ def fake_result(batch: ScheduledBatch, token: int = 7) -> BatchResult:
         else:
             rows.append(RowResult(row_index=i, token_id=token if task.compute_logits else -1))
     return BatchResult(seq=batch.seq, rows=rows)
+
+
+def relayed_events(out: StepOutput) -> list[StreamEvent]:
+    """The stream events a scheduler driver's output relays to admission (a resync, which
+    carries the outputs so far, has none)."""
+    return [r.item.event for r in out.relays if r.item.event is not None]

@@ -27,6 +27,7 @@ from services.runtime.bus import HEADER_CHUNK, Reassembler, redact_url, split_cr
 from services.scheduler.driver import SchedulerDriver
 from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.tombstones import AbortTombstones
+from tests.helpers import relayed_events
 
 pytestmark = pytest.mark.unit
 
@@ -253,13 +254,18 @@ def _admitted(rid: str, seq: int, tenant: str = "", admission: str = "a1") -> Ad
         admission_id=admission,
         admission_seq=seq,
         tenant=tenant,
+        relay_subject=subjects.admission_relay(admission),
     )
 
 
 def test_driver_fences_a_try_never_its_retry(toy_checkpoint: Path) -> None:
     driver = SchedulerDriver(SchedulerConfig(), load_model_limits(toy_checkpoint))
-    assert driver.add(_admitted("r", 1), track="rlt.v1.adm.a1.1") == []
-    assert driver.add(_admitted("r", 2), track="rlt.v1.adm.a1.2") == []  # a retry re-attaches
+    first = driver.add(_admitted("r", 1), track="rlt.v1.adm.a1.1")
+    retry = driver.add(_admitted("r", 2), track="rlt.v1.adm.a1.2")  # re-attaches
+    assert not relayed_events(first) and not relayed_events(retry)
+    # the retry's admission learns what the stream produced so far (nothing yet)
+    (resync,) = retry.relays
+    assert resync.key == ("a1", 2) and resync.item.known_token_ids == []
     assert driver.drop_fenced({("a1", 1)}) == [] and "r" in driver.streams
     assert driver.stream_key("r") == ("a1", 2)
     assert driver.drop_fenced({("a1", 2)}) == [("a1", 2)]
@@ -271,7 +277,7 @@ def test_driver_fences_a_try_never_its_retry(toy_checkpoint: Path) -> None:
     assert errors == 1 and not driver.telemetry._timings
     # the first try's entry is told "done" when the retry takes the stream over; nothing
     # more is said about a fenced try: admission already ended it
-    notices = [(track, n.state) for track, n in driver.take_notices()]
+    notices = [(track, n.state) for track, n in first.notices + retry.notices]
     assert notices == [
         ("rlt.v1.adm.a1.1", "accepted"),
         ("rlt.v1.adm.a1.1", "done"),
@@ -285,18 +291,20 @@ def test_driver_aims_aborts_at_one_try_and_hands_a_retried_stream_over(
     driver = SchedulerDriver(SchedulerConfig(), load_model_limits(toy_checkpoint))
     driver.add(_admitted("x", 3, admission="a1"), track="rlt.v1.adm.a1.3")
     # seqs are counted per admission: an abort of a2's seq 3 is not an abort of a1's
-    (out,) = driver.abort("x", "_INBOX.c", admission_id="a2", admission_seq=3)
+    (out,) = driver.abort("x", "_INBOX.c", admission_id="a2", admission_seq=3).deliveries
     assert isinstance(out[1], ErrorEvent) and out[1].code == "not_found"
     assert "x" in driver.streams
     # the client retries x through admission a2, and aborts it there; the abort overtakes
     # the retry's submit: the retry re-attaches to the live stream, which then ends
     driver.abort("x", "_INBOX.c", admission_id="a2", admission_seq=7)
-    driver.take_notices()
-    events = driver.add(_admitted("x", 7, admission="a2"), track="rlt.v1.adm.a2.7")
-    assert [e.finish_reason for _, e in events if isinstance(e, FinishedEvent)] == ["abort"]
+    out = driver.add(_admitted("x", 7, admission="a2"), track="rlt.v1.adm.a2.7")
+    events = relayed_events(out)
+    assert [e.finish_reason for e in events if isinstance(e, FinishedEvent)] == ["abort"]
+    # through a2's relay, under the retry's seq
+    assert {(r.subject, r.key) for r in out.relays} == {(subjects.admission_relay("a2"), ("a2", 7))}
     assert "x" not in driver.streams and not driver.scheduler.requests
     # a1, the admission it came through first, closes its entry without a word
-    notices = [(t, n.state) for t, n in driver.take_notices()]
+    notices = [(t, n.state) for t, n in out.notices]
     assert ("rlt.v1.adm.a1.3", "done") in notices and ("rlt.v1.adm.a2.7", "accepted") in notices
 
 
@@ -304,36 +312,34 @@ def test_driver_aborts_are_per_tenant_and_remembered(toy_checkpoint: Path) -> No
     driver = SchedulerDriver(SchedulerConfig(), load_model_limits(toy_checkpoint))
     driver.add(_admitted("r", 1, tenant="acme"))
     # another tenant: not found, and no outputs; the request runs on
-    (out,) = driver.abort("r", "_INBOX.tenant.beta.x", tenant="beta")
+    (out,) = driver.abort("r", "_INBOX.tenant.beta.x", tenant="beta").deliveries
     assert isinstance(out[1], ErrorEvent) and out[1].code == "not_found"
     assert "r" in driver.streams
-    events = driver.abort("r", "_INBOX.tenant.acme.y", tenant="acme")
-    ack = [e for s, e in events if s == "_INBOX.tenant.acme.y"]
-    assert len(ack) == 1 and isinstance(ack[0], FinishedEvent)
-    assert ack[0].finish_reason == "abort" and ack[0].token_ids == []  # never the outputs
-    # an abort before its request: remembered, and the request ends without running
+    aborted = driver.abort("r", "_INBOX.tenant.acme.y", tenant="acme")
+    (ack,) = [e for s, e in aborted.deliveries if s == "_INBOX.tenant.acme.y"]
+    assert isinstance(ack, FinishedEvent)
+    assert ack.finish_reason == "abort" and ack.token_ids == []  # never the outputs
+    # an abort before its request: remembered, and the request ends without running; the
+    # abort goes where every other event of the stream goes (admission passes it on)
     driver.abort("early", tenant="")
-    (delivery,) = driver.add(_admitted("early", 2))
-    assert isinstance(delivery[1], FinishedEvent) and delivery[1].finish_reason == "abort"
+    (relay,) = driver.add(_admitted("early", 2), track="rlt.v1.adm.a1.2").relays
+    assert relay.subject == subjects.admission_relay("a1") and relay.item.seq == 2
+    event = relay.item.event
+    assert isinstance(event, FinishedEvent) and event.finish_reason == "abort"
     assert "early" not in driver.scheduler.requests
-    # the same through admission's relay: the abort goes where every other event of a
-    # relayed stream goes (admission passes it on), never straight to the client
-    driver.abort("early2", tenant="")
-    relayed = msgspec.structs.replace(_admitted("early2", 3), relay_subject="rlt.v1.relay.a1")
-    assert driver.add(relayed, track="rlt.v1.adm.a1.3") == []
-    (item,) = driver.take_relayed()["rlt.v1.relay.a1"]
-    assert item.seq == 3 and isinstance(item.event, FinishedEvent)
-    assert item.event.finish_reason == "abort" and "early2" not in driver.scheduler.requests
-    # metrics count every ending, the ones that never ran included
     # a client's abort that overtook its submit (the scheduler reads them on two
     # subscriptions): confirmed to the requester, and the copy it names ends on arrival
-    (ack,) = driver.abort("late", "_INBOX.c", tenant="", admission_id="a1", admission_seq=4)
-    assert isinstance(ack[1], FinishedEvent) and ack[1].finish_reason == "abort"
-    (delivery,) = driver.add(_admitted("late", 4))
-    assert isinstance(delivery[1], FinishedEvent) and delivery[1].finish_reason == "abort"
+    out = driver.abort("late", "_INBOX.c", tenant="", admission_id="a1", admission_seq=4)
+    (ack,) = [e for _, e in out.deliveries]
+    assert isinstance(ack, FinishedEvent) and ack.finish_reason == "abort"
+    (event,) = relayed_events(driver.add(_admitted("late", 4)))
+    assert isinstance(event, FinishedEvent) and event.finish_reason == "abort"
     # one aimed at a copy that already ended here: not found
-    (out,) = driver.abort("late", "_INBOX.c", tenant="", admission_id="a1", admission_seq=4)
+    (out,) = driver.abort(
+        "late", "_INBOX.c", tenant="", admission_id="a1", admission_seq=4
+    ).deliveries
     assert isinstance(out[1], ErrorEvent) and out[1].code == "not_found"
+    # metrics count every ending, the ones that never ran included
     registry = driver.telemetry.registry
     aborts = registry.get_sample_value("rlt:request_success_total", {"finished_reason": "abort"})
-    assert aborts == 4  # "r", "early", "early2", "late"
+    assert aborts == 3  # "r", "early", "late"

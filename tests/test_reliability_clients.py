@@ -29,7 +29,7 @@ from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.launcher import NatsServer, free_port
 from services.runtime import subjects
-from services.scheduler.service import SchedulerService
+from services.scheduler.output_publisher import OutputPublisher
 
 pytest.register_assert_rewrite("tests.conftest_nats")
 
@@ -247,7 +247,7 @@ async def test_limits_prompt_length_max_payload_and_reply_subjects(
             await wait_for(lambda: _reclaimed(services), 10, "the request ended at its shard")
             # and admission would too, were the scheduler to send it (an event that fits as
             # msgpack, the scheduler's form, but not as JSON, the client's)
-            monkeypatch.setattr(SchedulerService, "_fits_client", lambda _self, item: item)
+            monkeypatch.setattr(OutputPublisher, "_fits_client", lambda _self, item, _failed: item)
             too_big["prompt_token_ids"] = too_big["prompt_token_ids"][:9]
             (*_, err) = await client.generate(too_big, timeout=10)
             assert isinstance(err, ErrorEvent) and "max_payload" in err.message, err

@@ -26,7 +26,7 @@ from services.runtime import subjects
 from services.scheduler.driver import SchedulerDriver
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
-from tests.helpers import run_on
+from tests.helpers import relayed_events, run_on
 
 pytest.register_assert_rewrite("tests.conftest_nats")
 
@@ -231,10 +231,17 @@ def _driver_and_runner(ckpt: Path, config: SchedulerConfig) -> tuple[SchedulerDr
     return driver, ModelRunner(model, config.num_blocks, config.block_size, config.kv_layout)
 
 
+_RELAY = subjects.admission_relay("a1")
+
+
 def _admitted(rid: str, ids: list[int], max_tokens: int) -> AdmittedRequest:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return AdmittedRequest(
-        request_id=rid, prompt_token_ids=ids, params=params, reply_subject=f"_INBOX.{rid}"
+        request_id=rid,
+        prompt_token_ids=ids,
+        params=params,
+        reply_subject=f"_INBOX.{rid}",
+        relay_subject=_RELAY,
     )
 
 
@@ -248,12 +255,14 @@ def test_scheduler_error_for_one_request_spares_the_others(toy_checkpoint: Path)
     out: list = []
 
     def step() -> None:
-        out.extend(driver.step())
-        for wb in driver.executor.take_outbox():
+        stepped = driver.step()
+        assert {r.subject for r in stepped.relays} <= {_RELAY}
+        out.extend(relayed_events(stepped))
+        for wb in stepped.batches:
             driver.on_result(run_on(runner, wb))
 
-    assert driver.add(_admitted("good", [5, 6, 7, 8], 8)) == []
-    while not any(isinstance(e, TokenEvent) for _, e in out):
+    assert not driver.add(_admitted("good", [5, 6, 7, 8], 8)).relays
+    while not any(isinstance(e, TokenEvent) for e in out):
         step()
     real = driver.scheduler.update_from_output
 
@@ -267,8 +276,7 @@ def test_scheduler_error_for_one_request_spares_the_others(toy_checkpoint: Path)
     while not driver.idle:
         step()
     by_request: dict[str, list] = {}
-    for subject, event in out:
-        assert subject == f"_INBOX.{event.request_id}"
+    for event in out:
         by_request.setdefault(event.request_id, []).append(event)
     bad = check_stream(by_request["bad"])
     assert isinstance(bad, ErrorEvent) and bad.code == "internal"
@@ -296,18 +304,19 @@ def test_results_apply_strictly_in_seq_order(toy_checkpoint: Path) -> None:
     driver.add(_admitted("a", list(range(1, 9)), 4))
     events: list = []
     while not driver.idle:
-        events.extend(driver.step())
-        results = [run_on(runner, wb) for wb in driver.executor.take_outbox()]
+        stepped = driver.step()
+        events.extend(relayed_events(stepped))
+        results = [run_on(runner, wb) for wb in stepped.batches]
         for result in reversed(results):  # the newer one arrives first
             assert driver.on_result(result)
             if result is not results[0]:
-                events.extend(driver.step(schedule=False))
+                events.extend(relayed_events(driver.step(schedule=False)))
                 assert len(driver.inflight) == len(results)  # held back until its predecessor
-        events.extend(driver.step(schedule=False))
+        events.extend(relayed_events(driver.step(schedule=False)))
         assert not driver.inflight  # both applied, in order
         if results:
             assert not driver.on_result(results[-1])  # a late duplicate: ignored
-    finished = check_stream([e for _, e in events])
+    finished = check_stream(events)
     assert isinstance(finished, FinishedEvent) and len(finished.token_ids) == 4
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import structlog
 
 from messages.api import ErrorEvent, FinishedEvent, TokenEvent
 from messages.batch import WorkerSampling
@@ -365,14 +366,14 @@ def _shard(toy_checkpoint: Path, shard: str, model: OuroModel):  # type: ignore[
 def _pump(driver, runner, table: OpenRequests, client: list, steps: int) -> None:  # type: ignore[no-untyped-def]
     """``steps`` driver steps; relayed events go through admission's table to the client."""
     for _ in range(steps):
-        assert driver.step() == []  # relayed streams: nothing goes straight to a client
-        for wb in driver.executor.take_outbox():
+        out = driver.step()
+        assert not out.deliveries  # every event goes through admission
+        for wb in out.batches:
             driver.on_result(run_on(runner, wb))
-        for items in driver.take_relayed().values():
-            for item in items:
-                _, event = table.relayed(driver.shard_id, item, driver.instance)
-                if event is not None:
-                    client.append(event)
+        for relay in out.relays:
+            _, event = table.relayed(driver.shard_id, relay.item, driver.instance)
+            if event is not None:
+                client.append(event)
         if driver.idle:
             return
 
@@ -439,13 +440,34 @@ def test_a_lost_shards_stream_goes_on_elsewhere_each_index_once(
     )
 
 
+class _FenceHost:
+    """A scheduler service as far as its fence's dropping goes."""
+
+    instance_id = "s0"
+    bus_connected = True
+    bus_connected_since = 0.0
+
+    def __init__(self, driver) -> None:  # type: ignore[no-untyped-def]
+        self.driver = driver
+        self.log = structlog.get_logger("test")
+
+    def live_tries(self):  # type: ignore[no-untyped-def]
+        return self.driver.tries()
+
+    def drop_fenced(self, keys):  # type: ignore[no-untyped-def]
+        return self.driver.drop_fenced(keys)
+
+
 def test_fenced_tries_lose_their_unsent_relayed_events(
     toy_model: OuroModel, toy_checkpoint: Path
 ) -> None:
-    """While a scheduler is dark its relayed events wait in the driver; the tries admission
+    """While a scheduler is dark its relayed events wait in its fence; the tries admission
     fenced meanwhile are dropped from them (a short one that ended meanwhile included), the
     others are kept in order."""
+    from services.scheduler.fencing import Fence
+
     driver, runner = _shard(toy_checkpoint, "0", toy_model)
+    fence = Fence(_FenceHost(driver), reconnect_grace_s=0.0, scheduler_lost_s=10.0)  # type: ignore[arg-type]
     relay = "rlt.v1.adm.adm.relay.events"
     for seq, max_tokens in ((1, 2), (2, 30), (3, 30)):
         driver.add(
@@ -460,13 +482,15 @@ def test_fenced_tries_lose_their_unsent_relayed_events(
             ),
             track=f"rlt.v1.adm.adm.{seq}",
         )
-    for _ in range(30):  # nothing taken: as if dark
-        driver.step()
-        for wb in driver.executor.take_outbox():
+    for _ in range(30):  # nothing sent: as if dark
+        out = driver.step()
+        fence.held_relays += out.relays
+        for wb in out.batches:
             driver.on_result(run_on(runner, wb))
     assert "r1" not in driver.streams  # ended while its events waited
-    assert driver.drop_relayed({("adm", 1), ("adm", 2), ("other", 3)}) == {("adm", 1), ("adm", 2)}
-    (items,) = driver.take_relayed().values()
+    assert fence.drop({("adm", 1), ("adm", 2), ("other", 3)}) == {("adm", 1), ("adm", 2)}
+    assert "r2" not in driver.streams and "r3" in driver.streams  # r2 ends without a word
+    items = [relay.item for relay in fence.held_relays]
     assert {item.seq for item in items} == {3}
     indices = [item.event.index for item in items if isinstance(item.event, TokenEvent)]
     assert indices == list(range(len(indices))) and indices
@@ -478,7 +502,8 @@ def test_a_scheduler_forgets_admissions_that_stopped_submitting(toy_checkpoint: 
     import msgspec
 
     from services.common.checkpoint import load_model_limits
-    from services.scheduler.driver import ADMISSION_FORGET_S, SchedulerDriver
+    from services.scheduler.driver import SchedulerDriver
+    from services.scheduler.load_report import ADMISSION_FORGET_S
 
     driver = SchedulerDriver(SchedulerConfig(), load_model_limits(toy_checkpoint))
     params = msgspec.structs.replace(SamplingParams(max_tokens=2), seed=1)
@@ -491,8 +516,9 @@ def test_a_scheduler_forgets_admissions_that_stopped_submitting(toy_checkpoint: 
                 reply_subject=f"_INBOX.{i}",
                 admission_id=admission,
                 admission_seq=7 + i,
+                relay_subject=f"rlt.v1.adm.{admission}.relay.events",
             )
         )
     assert driver.load().last_admission_seq == {"old": 7, "new": 8}
-    driver._admission_heard["old"] -= ADMISSION_FORGET_S + 1  # silent since
+    driver.load_report.admission_heard["old"] -= ADMISSION_FORGET_S + 1  # silent since
     assert driver.load().last_admission_seq == {"new": 8}

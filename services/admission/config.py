@@ -8,8 +8,9 @@ knows them.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.common.config import scheduler_lost_s
 from services.runtime import subjects
 
 
@@ -31,7 +32,7 @@ class AdmissionConfig:
     max_payload: int | None = None
     # a scheduler that holds open requests and has not been heard from for this long (while
     # we were connected) is gone: its requests end with "unavailable"
-    scheduler_lost_s: float = 10.0
+    scheduler_lost_s: float = field(default_factory=scheduler_lost_s)
     # an open-request entry older than this is forgotten (the scheduler ends it itself)
     max_request_s: float = 3600.0
     # finished events kept to answer a client's retry of the same request_id (the window in
@@ -69,7 +70,7 @@ class AdmissionConfig:
             ),
             max_waiting_tokens=int(env.get("RLT_MAX_WAITING_TOKENS", base.max_waiting_tokens)),
             max_prompt_tokens=int(max_prompt) if max_prompt else None,
-            scheduler_lost_s=float(env.get("RLT_SCHEDULER_LOST_S", base.scheduler_lost_s)),
+            scheduler_lost_s=scheduler_lost_s(),
             max_request_s=float(env.get("RLT_MAX_REQUEST_S", base.max_request_s)),
             finished_record_s=float(env.get("RLT_FINISHED_RECORD_S", base.finished_record_s)),
             priority_tenants=parse_priority_tenants(env.get("RLT_PRIORITY_TENANTS", "")),

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from messages.sampling import API_DEFAULTS, RequestDefaults, SamplingParams
+
+
+def scheduler_lost_s() -> float:
+    """``RLT_SCHEDULER_LOST_S`` (default 10 s): how long admission and the prefix cache hear
+    nothing from a shard's scheduler before they take it for gone; the scheduler's fence
+    check relies on the same value."""
+    value = os.environ.get("RLT_SCHEDULER_LOST_S")
+    return float(value) if value else 10.0
 
 
 class KVLayout(StrEnum):

@@ -67,7 +67,8 @@ def build_service(
             inline_max_s=_inline_max_s(),
         )
     if name == "scheduler":
-        from services.scheduler.service import SchedulerOptions, SchedulerService
+        from services.scheduler.options import SchedulerOptions
+        from services.scheduler.service import SchedulerService
 
         options = SchedulerOptions.from_env(shard_id=shard_id)
         return SchedulerService(nats_url, checkpoint, config, options=options)

@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 
 from messages.internal import SchedulerLoad
 from messages.prefix import PrefixLookup, blocks_digest
+from services.common.config import scheduler_lost_s
 from services.prefix_cache.core import PrefixIndex
 from services.prefix_cache.liveness import ProducerLiveness
 from services.prefix_cache.stream import EventReader, SnapshotStore
@@ -61,7 +62,7 @@ class PrefixCacheService(Service):
         self.num_lookups = 0
         self.num_hits = 0
         # a shard whose scheduler's reports stopped: its blocks leave the index
-        self.liveness = ProducerLiveness(float(env.get("RLT_SCHEDULER_LOST_S", "10")))
+        self.liveness = ProducerLiveness(scheduler_lost_s())
         self.dropped_producers: list[str] = []
 
     async def setup(self) -> None:

@@ -26,7 +26,6 @@ from services.runtime import subjects
 from services.runtime.bus import with_credentials
 from services.runtime.jetstream import EVENT_STREAM, SNAPSHOT_BUCKET
 
-V = subjects.VERSION_PREFIX
 _OBJ = f"OBJ_{SNAPSHOT_BUCKET}"
 
 
@@ -103,7 +102,6 @@ SERVICE_ROLES: dict[str, Permissions] = {
             subjects.SHARD_DISCOVER,
             f"{subjects.WORKER_HEARTBEAT}.>",
             f"{subjects.WORKER_RESULT}.>",
-            f"{V}.sched.gone.>",
             subjects.health("scheduler"),
             f"{subjects.health('scheduler')}.>",  # one shard's scheduler
             "$SRV.>",

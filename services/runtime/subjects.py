@@ -165,20 +165,9 @@ def worker_results_of(instance: str) -> str:
     return f"{WORKER_RESULT}.{instance}.*"
 
 
-# scheduler -> scheduler itself: reply subject of stream events. nats-server answers a
-# publish whose destination has no subscriber (a client that went away) with a "no responders"
-# status on the reply subject, naming the stream; the scheduler then aborts it and frees its KV
-def stream_gone(scheduler_id: str, stream_no: int) -> str:
-    return f"{VERSION_PREFIX}.sched.gone.{scheduler_id}.{stream_no}"
-
-
-def streams_gone_of(scheduler_id: str) -> str:
-    return f"{VERSION_PREFIX}.sched.gone.{scheduler_id}.*"
-
-
 # admission <- scheduler: per-request tracking subject (the submit's reply subject) that
-# receives RequestNotice ("accepted" / "done") and, when no scheduler listens, the "no
-# responders" status for the submit itself
+# receives RequestNotice ("accepted"; "done" once a retry took the stream elsewhere) and,
+# when no scheduler listens, the "no responders" status for the submit itself
 ADMISSION_TRACK_PREFIX = f"{VERSION_PREFIX}.adm"
 
 

@@ -6,13 +6,13 @@ producer process calls ``announce()`` once, so consumers drop what its previous 
 even before it caches anything. (A wall clock stepped back across a restart by more than the
 restart takes would make the new epoch look old; consumers then need ``drop_producer``.)
 
-Every emitted envelope also waits in a small outbox until ``take_emitted`` hands it to the
-publisher, so one emitted by the scheduler core on its own (``AllBlocksCleared`` after a worker
-loss) is published too: a seq that is emitted but never published is a gap, which costs the
-consumer the producer's blocks. Keeping and replaying envelopes is the JetStream event stream's
-job (``prefix_publisher.py``), not this log's. One case is left to the producer: when
-envelopes could not be published at all (the bus was gone longer than the publisher may
-buffer), ``rebase(snapshot)`` starts a NEW epoch
+The log keeps no events: they wait in the KV manager (the one buffer, ``AllBlocksCleared``
+after a worker loss or at a producer's start included) until ``Scheduler.take_prefix_events``
+wraps them here into the next envelope, which its caller must publish: a seq that is emitted
+but never published is a gap, which costs the consumer the producer's blocks. Keeping and
+replaying envelopes is the JetStream event stream's job (``prefix_publisher.py``), not this
+log's. One case is left to the producer: when envelopes could not be published at all (the
+bus was gone longer than the publisher may buffer), ``rebase(snapshot)`` starts a NEW epoch
 whose seq 1 carries ``AllBlocksCleared`` + the full cache (the KV manager's
 ``snapshot_prefix_events``); consumers drop the old epoch on sight and converge on it.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import deque
 
 from messages.prefix import AllBlocksCleared, PrefixEvent, PrefixEventBatch
 
@@ -36,14 +35,10 @@ def new_epoch(after: str | None = None) -> str:
 
 
 class PrefixEventLog:
-    def __init__(
-        self, producer_id: str, epoch: str | None = None, max_outbox: int = 1 << 16
-    ) -> None:
+    def __init__(self, producer_id: str, epoch: str | None = None) -> None:
         self.producer_id = producer_id
         self.epoch = epoch if epoch is not None else new_epoch()
         self._last_seq = 0  # seqs start at 1 in every epoch
-        # bounded: a caller that never takes them (an in-process engine) holds no more
-        self._outbox: deque[PrefixEventBatch] = deque(maxlen=max_outbox)
 
     @property
     def last_seq(self) -> int:
@@ -54,38 +49,30 @@ class PrefixEventLog:
         if not events:
             return None
         self._last_seq += 1
-        batch = PrefixEventBatch(
+        return PrefixEventBatch(
             producer_id=self.producer_id,
             epoch=self.epoch,
             event_seq=self._last_seq,
             events=list(events),
         )
-        self._outbox.append(batch)
-        return batch
-
-    def take_emitted(self) -> list[PrefixEventBatch]:
-        """Every envelope emitted since the last call, in event_seq order."""
-        out = list(self._outbox)
-        self._outbox.clear()
-        return out
 
     def announce(self) -> PrefixEventBatch:
-        """First envelope of a new producer process: nothing of its older epochs survives."""
+        """First envelope of a new producer process: nothing of its older epochs survives.
+        (The scheduler says it through its KV manager's buffer, like every other event.)"""
         batch = self.emit([AllBlocksCleared()])
         assert batch is not None
         return batch
 
     def rebase(self, snapshot: list[PrefixEvent]) -> PrefixEventBatch:
-        """New epoch whose seq 1 is ``AllBlocksCleared`` + ``snapshot`` (the full state).
+        """New epoch whose seq 1 is ``AllBlocksCleared`` + ``snapshot`` (the full state),
+        for the caller to publish at once.
 
-        Drain pending events before taking the snapshot; events emitted after this are
-        ordinary deltas on top of it.
+        Drain pending events before taking the snapshot (it holds their effect); events
+        emitted after this are ordinary deltas on top of it.
         """
         self.epoch = new_epoch(after=self.epoch)
         self._last_seq = 0
         head: list[PrefixEvent] = [AllBlocksCleared()]
         batch = self.emit(head + [e for e in snapshot if not isinstance(e, AllBlocksCleared)])
         assert batch is not None
-        # the caller publishes it at once; what waited in the outbox is of the old epoch
-        self._outbox.clear()
         return batch

@@ -22,7 +22,7 @@ import random
 from messages.api import StreamEvent
 from messages.batch import BatchResult
 from messages.errors import ErrorCode, RequestError
-from messages.prefix import AllBlocksCleared, PrefixEventBatch, prompt_block_hashes
+from messages.prefix import PrefixEventBatch, prompt_block_hashes
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.fit import check_request_fits
@@ -172,8 +172,7 @@ class Scheduler:
         # the new worker starts empty: nothing to free there, and no cached prefix survives
         state.pending_finished = []
         state.kv = new_kv(self.config, self.limits)
-        if self.config.enable_prefix_caching:
-            self.prefix_log.emit([AllBlocksCleared()])
+        state.kv.reset_prefix_cache()  # consumers forget every block of the lost worker
         return affected
 
     def has_unfinished_requests(self) -> bool:
@@ -196,7 +195,8 @@ class Scheduler:
         return build_batch(self._state, phase, tasks)
 
     def take_prefix_events(self) -> PrefixEventBatch | None:
-        """Drains block stored/removed events into the next envelope of the producer log."""
+        """Drains the KV manager's prefix events (the one buffer) into the next envelope of
+        the producer log."""
         if not self.config.enable_prefix_caching:
             return None
         return self.prefix_log.emit(self.kv.take_prefix_events())
