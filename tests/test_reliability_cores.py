@@ -6,6 +6,7 @@ worker hangs."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -13,8 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from messages.api import FinishedEvent
-from messages.internal import AdmittedRequest, RequestNotice, WorkerHeartbeat
+from messages.api import FinishedEvent, TokenEvent
+from messages.batch import Batch, Phase
+from messages.internal import (
+    AdmittedRequest,
+    RelayBatch,
+    RelayedEvent,
+    RequestNotice,
+    WorkerBatch,
+    WorkerHeartbeat,
+)
 from messages.sampling import SamplingParams
 from services.admission.core import AdmissionCore, OpenRequests
 from services.common.checkpoint import load_model_limits
@@ -23,9 +32,12 @@ from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.launcher import NatsServer
 from services.runtime import subjects
-from services.runtime.bus import HEADER_CHUNK, Reassembler
+from services.runtime.bus import HEADER_CHUNK, Reassembler, decode_msgpack
 from services.scheduler.driver import SchedulerDriver
+from services.scheduler.fencing import Fence
 from services.scheduler.liveness import LossDetector, WorkerTracker
+from services.scheduler.output_publisher import OutputPublisher, StepTimings
+from services.scheduler.step_output import Relay, StepOutput
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from services.worker.service import _is_older_epoch
@@ -196,6 +208,74 @@ def test_driver_deadlines(toy_checkpoint: Path) -> None:
 def _declare_suspects(table: OpenRequests, now: float, connected_since: float) -> list:
     """What admission does once nats-server confirms the suspects' schedulers are gone."""
     return table.declare(list(table.suspects(now, connected_since)))
+
+
+class _RecordingBus:
+    """A NATS client stand-in that yields on every publish (as a busy one may)."""
+
+    is_connected = True
+    max_payload = 1 << 20
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject: str, data: bytes, reply: str = "", headers=None) -> None:  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0)
+        self.sent.append((subject, data))
+
+
+class _OpenBus:
+    """A fence host that is never dark."""
+
+    instance_id = "s"
+    bus_connected = True
+    bus_connected_since = 0.0
+
+    def __init__(self, nc: _RecordingBus) -> None:
+        self.nc = nc
+
+
+@pytest.mark.unit
+async def test_outputs_go_out_whole_in_the_order_the_driver_handed_them_out(
+    toy_checkpoint: Path,
+) -> None:
+    """A handler's output never overtakes the loop's: the loop's relayed token goes out
+    before the finished event a handler produced after it, though the loop's batch went
+    first and awaited."""
+    driver = SchedulerDriver(SchedulerConfig(), load_model_limits(toy_checkpoint))
+    bus = _RecordingBus()
+    fence = Fence(_OpenBus(bus), reconnect_grace_s=0.0, scheduler_lost_s=10.0)  # type: ignore[arg-type]
+    publisher = OutputPublisher(
+        bus,  # type: ignore[arg-type]
+        driver,
+        fence,
+        prefix_publisher=None,
+        timings=StepTimings(),
+        log=driver.log,
+        shard_id="0",
+        scheduler_id="s",
+    )
+    relay = subjects.admission_relay("a")
+    token = TokenEvent(request_id="r", index=0, token_id=3, exit_depth=1, text="")
+    finished = FinishedEvent(
+        request_id="r", finish_reason="abort", token_ids=[3], exit_depths=[1], num_prompt_tokens=1
+    )
+    batch = WorkerBatch(
+        epoch=driver.epoch, batch=Batch(seq=0, phase=Phase.RECURRENT, rows=[]), worker_id="w"
+    )
+    loop_out = StepOutput(
+        batches=[batch], relays=[Relay(relay, "a", RelayedEvent(seq=1, event=token))]
+    )
+    handler_out = StepOutput(relays=[Relay(relay, "a", RelayedEvent(seq=1, event=finished))])
+    await asyncio.gather(publisher.publish(loop_out), publisher.publish(handler_out))
+    relayed = [
+        type(event).__name__
+        for subject, data in bus.sent
+        if subject == relay
+        for event in (e.event for e in decode_msgpack(data, RelayBatch).events)
+        if event is not None
+    ]
+    assert relayed == ["TokenEvent", "FinishedEvent"]
 
 
 @pytest.mark.unit
