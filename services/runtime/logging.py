@@ -22,6 +22,17 @@ BATCH_SEQ = "batch_seq"
 EVENT_SEQ = "event_seq"
 
 
+class _Stderr:
+    """Whatever ``sys.stderr`` is when a line is written, not when logging was configured:
+    a stream swapped in and closed since (pytest's capture does both) is never written."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str | None = None, stream: TextIO | None = None) -> None:
     """JSON lines to ``stream`` (default stderr) at ``level`` (default $RLT_LOG_LEVEL or info).
 
@@ -41,7 +52,7 @@ def configure_logging(level: str | None = None, stream: TextIO | None = None) ->
         ],
         # filtering at the bound-logger level makes disabled debug calls nearly free
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=stream or _Stderr()),
         # not cached, so a later configure_logging (tests) reaches loggers bound earlier
         cache_logger_on_first_use=False,
     )
