@@ -202,8 +202,8 @@ async def test_limits_prompt_length_max_payload_and_reply_subjects(
     conf = tmp_path / "small.conf"
     conf.write_text("max_payload: 8192\n")  # tiny, so the limits are reachable on the toy
     admission = AdmissionConfig(max_prompt_tokens=1000)
-    # atomic prefill with a budget that takes every waiting prompt: whatever the arrival
-    # order, at least four 700-token prompts share a batch, well over max_payload
+    # atomic prefill with a budget that takes every waiting prompt: five 700-token prompts
+    # waiting together share a batch, well over max_payload
     config = dataclasses.replace(CONFIG, split_prefill=False, max_num_batched_tokens=8192)
     with NatsServer(port=free_port(), config_file=conf) as server:
         async with (
@@ -258,8 +258,14 @@ async def test_limits_prompt_length_max_payload_and_reply_subjects(
             with pytest.raises(nats.errors.MaxPayloadError):
                 await client.nc.publish(subjects.GENERATE, b"x" * 9000, reply="_INBOX.big")
 
-            # batches over max_payload travel in parts: 5 new 700-token prompts at once
+            # batches over max_payload travel in parts: 5 new 700-token prompts at once. The
+            # scheduler holds off until all five wait, so they share a batch however fast a
+            # pass is (one 700-token prompt alone fits the bus)
             prompts = [[(7 * i + j) % 500 + 1 for j in range(700)] for i in range(5)]
+            sched = services["scheduler"]
+            bind_worker = sched._bind_worker  # type: ignore[attr-defined]
+            held = [True]
+            monkeypatch.setattr(sched, "_bind_worker", lambda: not held[0] and bind_worker())
             col = await StreamCollector(client.nc).start()
             for i, ids in enumerate(prompts):
                 await col.send(
@@ -271,6 +277,10 @@ async def test_limits_prompt_length_max_payload_and_reply_subjects(
                         "ignore_eos": True,
                     },
                 )
+            waiting = sched.driver.scheduler.num_waiting  # type: ignore[attr-defined]
+            await wait_for(lambda: waiting() == 5, 10, "all five prompts waiting")
+            held[0] = False
+            sched._wake.set()  # type: ignore[attr-defined]
             await col.wait_done(range(5), 60)  # type: ignore[arg-type]
             expected = LLMEngine.from_checkpoint(toy_checkpoint, config).generate(
                 prompts,
