@@ -49,63 +49,34 @@ def copy_kv_slots_masked_reference(
 
 _lib.impl("copy_kv_slots_masked", copy_kv_slots_masked_reference, "CPU")
 
-if triton_available():
-    import triton
-    import triton.language as tl
 
-    @triton.jit
-    def _copy_kernel(
-        cache_ptr,
-        src_ptr,
-        dst_ptr,
-        mask_ptr,
-        layer_stride,
-        slot_stride,
-        ROW: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        pair = tl.program_id(0)
-        layer = tl.program_id(1)
-        if tl.load(mask_ptr + pair) != 0:
-            src = tl.load(src_ptr + pair).to(tl.int64)
-            dst = tl.load(dst_ptr + pair).to(tl.int64)
-            base = cache_ptr + layer.to(tl.int64) * layer_stride
-            for start in range(0, ROW, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                keep = offs < ROW
-                values = tl.load(base + src * slot_stride + offs, mask=keep)
-                tl.store(base + dst * slot_stride + offs, values, mask=keep)
+def copy_kv_slots_masked_triton(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    mask: torch.Tensor,
+) -> None:
+    """The Triton kernel on any device Triton drives (CPU tensors under TRITON_INTERPRET=1)."""
+    from kernels.ops import kv_copy_triton
 
-    def copy_kv_slots_masked_triton(
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        src: torch.Tensor,
-        dst: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> None:
-        """Caches [L, NB, bs, kvh, hd], each layer's slots contiguous rows of kvh * hd."""
-        pairs = src.numel()
-        if pairs == 0:
-            return
-        layers = k_cache.shape[0]
-        row = k_cache.shape[3] * k_cache.shape[4]
-        flags = mask.to(torch.int8)
-        for cache in (k_cache, v_cache):
-            assert cache.stride(2) == row and cache.stride(1) == row * cache.shape[2]
-            _copy_kernel[(pairs, layers)](
-                cache,
-                src,
-                dst,
-                flags,
-                cache.stride(0),
-                row,
-                ROW=row,
-                BLOCK=min(1024, triton.next_power_of_2(row)),
-            )
+    kv_copy_triton.copy_kv_slots_masked(k_cache, v_cache, src, dst, mask)
 
-    _lib.impl("copy_kv_slots_masked", copy_kv_slots_masked_triton, "CUDA")
-else:
-    _lib.impl("copy_kv_slots_masked", copy_kv_slots_masked_reference, "CUDA")
+
+def _copy_kv_slots_masked_cuda(*args: torch.Tensor) -> None:
+    if triton_available():
+        copy_kv_slots_masked_triton(*args)
+    else:
+        copy_kv_slots_masked_reference(*args)
+
+
+def _copy_kv_slots_masked_fake(*args: torch.Tensor) -> None:
+    return None
+
+
+_lib.impl("copy_kv_slots_masked", _copy_kv_slots_masked_cuda, "CUDA")
+torch.library.register_fake("rlt::copy_kv_slots_masked", _copy_kv_slots_masked_fake, lib=_lib)
+_copy_kv_slots_masked_op = torch.ops.rlt.copy_kv_slots_masked.default
 
 
 def copy_kv_slots_masked(
@@ -117,4 +88,4 @@ def copy_kv_slots_masked(
 ) -> None:
     """For every layer of [L, NB, bs, kvh, hd] caches: slot ``dst[i]`` := slot ``src[i]``
     where ``mask[i]``. Destinations are distinct; no destination is another pair's source."""
-    torch.ops.rlt.copy_kv_slots_masked.default(k_cache, v_cache, src, dst, mask)
+    _copy_kv_slots_masked_op(k_cache, v_cache, src, dst, mask)
