@@ -77,6 +77,11 @@ class FinishedEvent(msgspec.Struct, gc=False, kw_only=True, tag="finished", tag_
     shard: str = ""
     # produced by the ``--device sim`` worker (benchmarks only): the tokens are not a model's
     simulated: bool = False
+    # generated tokens that ran under a depth budget overload shedding lowered below the
+    # request's max_loops; with any, ``depth_budgets`` holds each token's budget (the most
+    # loops it could run; entry 0, the prompt's token, always ran full depth)
+    shed_tokens: int = 0
+    depth_budgets: list[int] | None = None
 
 
 class ErrorEvent(msgspec.Struct, gc=False, kw_only=True, tag="error", tag_field="type"):

@@ -10,6 +10,8 @@ from enum import StrEnum
 
 import msgspec
 
+from messages.sampling import StructuredOutput
+
 
 class Phase(StrEnum):
     """The one phase vocabulary: where a request is in its life, and which of those phases a
@@ -48,12 +50,20 @@ class WorkerSampling(msgspec.Struct, gc=False, kw_only=True):
     logprobs: int = -1
     # the same for the prompt's tokens (from its final-depth prefill rows); -1: none
     prompt_logprobs: int = -1
+    # the format every sampled token must keep the output in (the worker masks the logits)
+    structured_output: StructuredOutput | None = None
 
 
 class NewRequest(msgspec.Struct, gc=False, kw_only=True):
+    """A request the worker learns of: on admission, and again after a preemption, a worker
+    loss or a move to another shard, when its known tokens are replayed by decode rows."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: WorkerSampling
+    # with a structured output: the tokens it has generated so far, from which the worker
+    # rebuilds the grammar's state (empty otherwise, and for a request that starts now)
+    generated_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class BlockDelta(msgspec.Struct, gc=False, kw_only=True):
@@ -74,6 +84,10 @@ class BatchRow(msgspec.Struct, gc=False, kw_only=True):
     ``compute_logits`` asks for the coda + a sample on the row's last position.
     A FOLLOW_ON row carries only its request: the worker fills in the rest from the result
     of the request's previous row.
+    ``max_loops`` (decode and follow-on rows) is the depth budget of the row's token when
+    overload shedding lowered it below the request's own ``max_loops`` (None: not shed). A
+    token's budget is fixed by its first loop: the worker takes a follow-on's only when it
+    resolves to depth 0, and carries it on to the token's later loops.
     """
 
     request_id: str
@@ -88,6 +102,7 @@ class BatchRow(msgspec.Struct, gc=False, kw_only=True):
     forced_exit_loops: int = 0
     compute_logits: bool = False
     output_index: int = 0
+    max_loops: int | None = None
 
 
 class Batch(msgspec.Struct, gc=False, kw_only=True):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from enum import StrEnum
 
 import msgspec
 
@@ -51,6 +53,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0
+    # the output must follow this format (JSON schema, regex, choice, grammar); None: free
+    structured_output: StructuredOutput | None = None
     # with each generated token, its log-probability and those of the ``logprobs`` most
     # likely tokens (0: the token's own only); None: no log-probabilities
     logprobs: int | None = None
@@ -58,6 +62,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the tokens before), sent with the first generated token; such a request computes its
     # whole prompt (no prefix-cache hit), as in vLLM
     prompt_logprobs: int | None = None
+    # under overload (``--overload-policy shed-depth``) the scheduler may cap this request's
+    # generated tokens at fewer loops than ``max_loops`` (never below ``min_loops``); false
+    # keeps its full depth whatever the load
+    shed_depth: bool = True
 
     def validate(self) -> None:
         """Model-independent range checks of the fields that are set; raises RequestError."""
@@ -92,10 +100,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for tok in self.stop_token_ids:
             _check_int("stop_token_ids entry", tok, lo=0, hi=2**31 - 1)
         _check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
+        if self.structured_output is not None:
+            self.structured_output.validate()
+            if self.ignore_eos:
+                raise RequestError(
+                    "ignore_eos cannot be combined with structured_output: the output ends "
+                    "when it completes the format"
+                )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
+        if not isinstance(self.shed_depth, bool):
+            raise RequestError(f"shed_depth must be true or false, got {self.shed_depth!r}")
 
     def resolve(
         self, total_ut_steps: int, vocab_size: int, defaults: RequestDefaults = API_DEFAULTS
@@ -126,6 +143,78 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         )
         resolved.validate()  # the defaults come from checkpoint files: check them too
         return resolved
+
+
+class StructuredOutputKind(StrEnum):
+    """What a ``StructuredOutput``'s ``spec`` holds."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON schema (JSON text); the output is JSON it validates
+    JSON_OBJECT = "json_object"  # spec unused (""): the output is any JSON object
+    REGEX = "regex"  # the output matches this regular expression
+    CHOICE = "choice"  # a JSON array of strings: the output is exactly one of them
+    GRAMMAR = "grammar"  # an EBNF grammar (xgrammar's, as llama.cpp's GBNF): its root rule
+
+
+# a spec is compiled into a grammar on the worker and held in its cache: bounded like a prompt
+MAX_STRUCTURED_SPEC_CHARS = 64 * 1024
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A constraint on what a request may generate (``SamplingParams.structured_output``):
+    each token is sampled from those that keep the output a prefix of the format, and end of
+    sequence is allowed exactly when the output is complete. These checks are of the shape
+    only; whether the spec compiles is checked where the grammar engine lives (admission
+    before routing, the in-process engine when a request is added)."""
+
+    kind: StructuredOutputKind
+    spec: str = ""
+
+    def validate(self) -> None:
+        if not isinstance(self.spec, str):
+            raise RequestError("structured_output.spec must be a string")
+        if len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise RequestError(
+                f"structured_output.spec has {len(self.spec)} characters, at most "
+                f"{MAX_STRUCTURED_SPEC_CHARS} are allowed"
+            )
+        try:
+            kind = StructuredOutputKind(self.kind)
+        except ValueError:
+            kinds = ", ".join(k.value for k in StructuredOutputKind)
+            raise RequestError(
+                f"structured_output.kind must be one of {kinds}, got {self.kind!r}"
+            ) from None
+        if kind == StructuredOutputKind.JSON_OBJECT:
+            if self.spec:
+                raise RequestError("structured_output of kind json_object takes no spec")
+            return
+        if not self.spec:
+            raise RequestError(f"structured_output of kind {kind.value} needs a spec")
+        if kind == StructuredOutputKind.JSON_SCHEMA:
+            schema = _json_spec(self.spec, "a JSON schema")
+            if not isinstance(schema, dict | bool):
+                raise RequestError("structured_output: a JSON schema must be an object")
+        elif kind == StructuredOutputKind.CHOICE:
+            choices = _json_spec(self.spec, "a JSON array of strings")
+            if (
+                not isinstance(choices, list)
+                or not choices
+                or not all(isinstance(c, str) for c in choices)
+            ):
+                raise RequestError(
+                    "structured_output: choice needs a non-empty JSON array of strings"
+                )
+
+    def choices(self) -> list[str]:
+        """The strings of a CHOICE spec (validated)."""
+        return list(json.loads(self.spec))
+
+
+def _json_spec(spec: str, what: str) -> object:
+    try:
+        return json.loads(spec)
+    except (ValueError, RecursionError) as exc:
+        raise RequestError(f"structured_output: the spec is not {what}: {exc}") from None
 
 
 def _or(value, default):  # type: ignore[no-untyped-def]

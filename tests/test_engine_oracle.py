@@ -48,6 +48,7 @@ def configs(draw: st.DrawFn, arrivals: list[Arrival], layout: KVLayout) -> Sched
         max_inflight_batches=draw(st.integers(2, 3)),
         kv_admission=draw(st.sampled_from(list(KVAdmission))),
         kv_watermark=draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])),
+        max_admission_bypasses=draw(st.integers(0, 4)),
     )
 
 

@@ -40,6 +40,7 @@ def _configs() -> st.SearchStrategy[SchedulerConfig]:
         max_inflight_batches=st.integers(1, 8),
         kv_admission=st.sampled_from(list(KVAdmission)),
         kv_watermark=st.floats(0.0, 1.0),
+        max_admission_bypasses=st.integers(0, 16),
     )
 
 

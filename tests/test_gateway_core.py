@@ -131,8 +131,11 @@ def test_chat_translation() -> None:
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
         ({"suffix": "x"}, "suffix"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema.schema",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"parallel_tool_calls": False}, "parallel_tool_calls"),
@@ -150,7 +153,10 @@ def test_chat_translation() -> None:
         ({"min_tokens": 50}, "min_tokens"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"guided_choice": ["a", "b"]}, "guided_choice"),
-        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        (
+            {"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}},
+            "structured_outputs.whitespace_pattern",
+        ),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"skip_special_tokens": False}, "skip_special_tokens"),
     ],
@@ -174,7 +180,7 @@ def test_unsupported_completion_options_are_refused_by_name(
         {"logprobs": False, "top_logprobs": 2},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"},
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "structural_tag"}},
         {"messages": []},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
@@ -484,6 +490,7 @@ def test_answer_counts_usage_with_loop_extensions() -> None:
         "prompt_tokens_details": {"cached_tokens": 4},
         "mean_exit_depth": 3.0,
         "core_loops": 9,
+        "shed_tokens": 0,
     }
     body = a.body(chat=True, model="toy", created=1)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "abc"}

@@ -281,6 +281,9 @@ class AdmissionService(Service):
         if self.draining:
             raise AdmissionError("", ErrorCode.UNAVAILABLE, "admission is shutting down")
         prepared = self.core.prepare(data, trace_id, tenant)
+        if prepared.params.structured_output is not None:
+            # compiling the format loads xgrammar (and torch) on first use: off the loop
+            await asyncio.to_thread(self.core.check_structured_output, prepared)
         span = self.tracer.start(
             "admission.admit",
             parent,

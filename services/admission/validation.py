@@ -23,6 +23,7 @@ from services.admission.config import AdmissionConfig
 from services.admission.errors import AdmissionError
 from services.common.config import ModelLimits
 from services.common.fit import KVGeometry, check_request_fits
+from services.common.grammar import check_structured_output
 from services.common.tokenizer import TextCodec
 from services.runtime import subjects
 from services.runtime.tracing import new_trace_id
@@ -94,6 +95,10 @@ class RequestValidator:
             assert params.max_tokens is not None
             self._check_fits(len(prompt), params.max_tokens, params.prompt_logprobs)
             _check_encodable(params)
+            if params.structured_output is not None and self.codec is None:
+                raise RequestError(
+                    "structured_output needs the checkpoint's tokenizer (tokenizer.json)"
+                )
         except RequestError as exc:
             raise AdmissionError(request_id, exc.code, exc.message) from None
         return Prepared(
@@ -104,6 +109,18 @@ class RequestValidator:
             request.prompt,
             tenant,
         )
+
+    def check_structured_output(self, prepared: Prepared) -> None:
+        """Raises AdmissionError naming the problem when the request's structured output
+        does not compile. The first call loads xgrammar (and torch), which takes seconds:
+        the service calls this off its event loop."""
+        constraint = prepared.params.structured_output
+        if constraint is None:
+            return
+        try:
+            check_structured_output(constraint)
+        except RequestError as exc:
+            raise AdmissionError(prepared.request_id, exc.code, exc.message) from None
 
     @staticmethod
     def check_reply_subject(reply: str, tenant: str = subjects.DEFAULT_TENANT) -> str | None:

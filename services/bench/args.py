@@ -17,11 +17,17 @@ COMPARISON_NAMES = (
 )
 # many OS processes per run (minutes each): only when asked for with --only
 SHARD_COMPARISON_NAMES = ("routing", "scaling")
+# long requests under KV pressure (admission order; ~5 min on toy, far more on small): only
+# when asked for with --only
+BYPASS_COMPARISON_NAMES = ("admission_bypass",)
+# open-loop overload on this machine's model and the simulated H200 (services/bench/
+# overload.py, ~5 min on two cores): only when asked for with --only
+OPT_IN_COMPARISON_NAMES = (*SHARD_COMPARISON_NAMES, *BYPASS_COMPARISON_NAMES, "overload")
 
 
 def _names(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    known = COMPARISON_NAMES + SHARD_COMPARISON_NAMES
+    known = COMPARISON_NAMES + OPT_IN_COMPARISON_NAMES
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
@@ -73,7 +79,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=list(COMPARISON_NAMES),
         metavar="NAMES",
         help=f"comma-separated subset of: {', '.join(COMPARISON_NAMES)} (the default), "
-        f"and {', '.join(SHARD_COMPARISON_NAMES)} (shards as OS processes: only when named)",
+        f"and {', '.join(SHARD_COMPARISON_NAMES)} (shards as OS processes), admission_bypass "
+        "(long requests under KV pressure) and overload (shed-depth vs reject under "
+        "open-loop overload): only when named",
     )
     p.add_argument(
         "--arms",

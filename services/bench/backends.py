@@ -99,10 +99,14 @@ class InProcessBackend:
         def send(i: int, due: float) -> None:
             spec = specs[i]
             engine.add_request(ids[i], list(spec.prompt_token_ids), sampling_params(spec, workload))
-            records[i] = RequestRecord(arrival=due, num_prompt_tokens=spec.num_prompt_tokens)
+            records[i] = RequestRecord(
+                arrival=due, num_prompt_tokens=spec.num_prompt_tokens, kind=spec.kind
+            )
+            records[i].sent_step = steps
 
         runner = engine.runner
         probe = RunnerProbe(runner) if isinstance(runner, ModelRunner) else StatsProbe(runner)
+        steps = 0  # engine steps so far: the schedule's clock (RequestRecord.sent_step)
         with probe:
             cpu_before = own_cpu_s()
             start = time.perf_counter()
@@ -123,13 +127,17 @@ class InProcessBackend:
                     raise BenchError("the engine went idle with requests outstanding")
                 events = engine.step()
                 t = time.perf_counter()
+                steps += 1
                 for event in events:
                     rec = records[index[event.request_id]]
                     assert rec is not None
                     if isinstance(event, TokenEvent):
+                        if not rec.token_times:
+                            rec.first_token_step = steps
                         rec.token_times.append(t)
                     elif isinstance(event, FinishedEvent):
                         finish_record(rec, event, t)
+                        rec.finish_step = steps
                         finished += 1
                         if workload.mode == LoopMode.CLOSED and unsent:
                             send(unsent.popleft(), t)
@@ -143,6 +151,8 @@ class InProcessBackend:
             end,
             requests,
             probe.counters,
+            # requests admitted ahead of one the KV policy refused (max_admission_bypasses)
+            extra={"admission_bypasses": engine.scheduler.stats.num_admission_bypasses},
             waste=waste_counters(engine),
             cpu_before={"engine": cpu_before},
             cpu_after={"engine": cpu_after},

@@ -24,6 +24,12 @@ class RequestRecord:
     num_cached_tokens: int = 0
     exit_depths: list[int] = field(default_factory=list)
     shard: str = ""  # the engine shard it finished on (sharded runs)
+    kind: str = ""  # the workload's class for it (RequestSpec.kind)
+    # engine steps (in-process only) when it was sent, gave its first token, finished: a
+    # schedule's own clock, the same in every repeat however busy the machine is
+    sent_step: int | None = None
+    first_token_step: int | None = None
+    finish_step: int | None = None
 
 
 @dataclass
@@ -123,6 +129,8 @@ def run_metrics(run: RunRecord) -> Metrics:
             (opening if r.arrival == run.start else later).append(r.token_times[0] - r.arrival)
     m["ttft_ms_opening_p50"] = _ms(percentile(opening, 50))
     m["ttft_ms_later_p50"] = _ms(percentile(later, 50))
+    for kind in REQUEST_KINDS:
+        m.update(_kind_metrics(kind, [r for r in reqs if r.kind == kind]))
     m.update(_counter_metrics(run.counters, wall, out_tokens, len(reqs)))
     m.update(_waste_metrics(run.waste, run.counters, out_tokens))
     if run.cpu_after:
@@ -130,6 +138,50 @@ def run_metrics(run: RunRecord) -> Metrics:
         m.update(cpu_per_batch(run.cpu_before, run.cpu_after, batches, wall))
     m.update(run.extra)
     return m
+
+
+# request classes a workload may mark (RequestSpec.kind), each also measured on its own
+REQUEST_KINDS = ("short", "long")
+_KIND_MEASURES = (
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "latency_ms_mean",
+    "latency_ms_p50",
+    "latency_ms_max",
+    "ttft_steps_p50",
+    "ttft_steps_p99",
+    "latency_steps_mean",
+)
+KIND_METRICS = tuple(f"{m}_{kind}" for kind in REQUEST_KINDS for m in _KIND_MEASURES)
+
+
+def _kind_metrics(kind: str, reqs: list[RequestRecord]) -> Metrics:
+    """TTFT and end-to-end latency (send to finished) of one class; None where it has none."""
+    ttft = [r.token_times[0] - r.arrival for r in reqs if r.token_times]
+    latency = [r.finish_time - r.arrival for r in reqs if r.finish_time is not None]
+    return {
+        f"ttft_ms_p50_{kind}": _ms(percentile(ttft, 50)),
+        f"ttft_ms_p99_{kind}": _ms(percentile(ttft, 99)),
+        f"latency_ms_mean_{kind}": _ms(_mean(latency)),
+        f"latency_ms_p50_{kind}": _ms(percentile(latency, 50)),
+        f"latency_ms_max_{kind}": _ms(max(latency, default=None)),
+        **_kind_step_metrics(kind, reqs),
+    }
+
+
+def _kind_step_metrics(kind: str, reqs: list[RequestRecord]) -> Metrics:
+    """The same in engine steps (None where a backend does not count them)."""
+    ttft = [r.first_token_step - r.sent_step for r in reqs if _stepped(r, r.first_token_step)]
+    latency = [r.finish_step - r.sent_step for r in reqs if _stepped(r, r.finish_step)]
+    return {
+        f"ttft_steps_p50_{kind}": percentile(ttft, 50),
+        f"ttft_steps_p99_{kind}": percentile(ttft, 99),
+        f"latency_steps_mean_{kind}": _mean(latency),
+    }
+
+
+def _stepped(r: RequestRecord, step: int | None) -> bool:
+    return r.sent_step is not None and step is not None
 
 
 # a process-per-service pipeline run: where each batch's time goes, µs per batch

@@ -209,7 +209,9 @@ async def _drive(
                 ignore_eos=p.ignore_eos,
                 stop_token_ids=p.stop_token_ids,
             )
-            records[i] = RequestRecord(arrival=due, num_prompt_tokens=spec.num_prompt_tokens)
+            records[i] = RequestRecord(
+                arrival=due, num_prompt_tokens=spec.num_prompt_tokens, kind=spec.kind
+            )
             await nc.publish(subjects.GENERATE, encode_json(req), reply=f"{prefix}.{i}")
 
         def fail(message: str) -> None:

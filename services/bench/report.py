@@ -42,6 +42,23 @@ METRIC_LABELS = {
     "recomputed_decode_loops": "replayed decode loops",
     "reserved_unused_blocks": "reserved unused blocks",
     "reserved_unused_share": "reserved unused share",
+    "ttft_ms_p50_short": "short: TTFT p50 ms",
+    "ttft_ms_p99_short": "short: TTFT p99 ms",
+    "latency_ms_mean_short": "short: completion mean ms",
+    "latency_ms_p50_short": "short: completion p50 ms",
+    "latency_ms_max_short": "short: completion max ms",
+    "ttft_ms_p50_long": "long: TTFT p50 ms",
+    "ttft_ms_p99_long": "long: TTFT p99 ms",
+    "latency_ms_mean_long": "long: completion mean ms",
+    "latency_ms_p50_long": "long: completion p50 ms",
+    "latency_ms_max_long": "long: completion max ms",
+    "ttft_steps_p50_short": "short: TTFT p50, steps",
+    "ttft_steps_p99_short": "short: TTFT p99, steps",
+    "latency_steps_mean_short": "short: completion mean, steps",
+    "ttft_steps_p50_long": "long: TTFT p50, steps",
+    "ttft_steps_p99_long": "long: TTFT p99, steps",
+    "latency_steps_mean_long": "long: completion mean, steps",
+    "admission_bypasses": "admission bypasses",
     "shard_imbalance": "max/mean requests per shard",
     "control_cpu_us_per_token": "control-plane CPU µs/token",
     "scheduler_cpu_us_per_step": "scheduler CPU µs/step",
@@ -67,6 +84,16 @@ WASTE_TABLE_METRICS = (
     "recomputed_prompt_core_share",
     "recomputed_core_share",
     "reserved_unused_share",
+)
+# likewise: per request class and admission order (workloads that mark long and short)
+CLASS_TABLE_METRICS = (
+    "ttft_ms_p50_short",
+    "ttft_ms_p99_short",
+    "latency_ms_mean_long",
+    "latency_ms_max_long",
+    "ttft_steps_p99_short",
+    "latency_steps_mean_long",
+    "admission_bypasses",
 )
 TABLE_METRICS = (
     "output_tokens_per_s",
@@ -164,6 +191,11 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
     lines = [f"## {c['title']}", "", c["question"], ""]
     if c.get("error"):
         return [*lines, f"**Failed**: `{c['error']}`", ""]
+    if c.get("kind") == "overload":
+        from services.bench import overload
+
+        lines = overload.markdown(c)
+        return [*lines, f"![{c['name']}]({plot})", ""] if plot else lines
     lines += [f"- {n}" for n in c["notes"]]
     for name, cal in c["calibration"].items():
         caps = ", ".join(f"{arm} {fmt(v)}" for arm, v in cal["closed_loop_requests_per_s"].items())
@@ -216,7 +248,7 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
     ]
     metrics += [
         m
-        for m in (*WASTE_TABLE_METRICS, *SHARD_METRICS)
+        for m in (*CLASS_TABLE_METRICS, *WASTE_TABLE_METRICS, *SHARD_METRICS)
         if any(row["stats"].get(m, {}).get("median") for row in c["summary"])
     ]
     lines += _table(
@@ -302,7 +334,12 @@ def report_markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
         f"{m['total_ut_steps']} loops, {m['dtype']}",
         f"- Repeats: {s['repeats']} ({s['interleaving']}); seed {s['seed']}; "
         f"elapsed {results['elapsed_s']:.0f} s",
-        "- Greedy decoding with ignore_eos, so every arm generates exactly the same tokens.",
+        "- Greedy decoding with ignore_eos, so every arm generates exactly the same tokens"
+        + (
+            " (but overload's shed-depth arm where it sheds: fewer loops, other tokens)."
+            if any(c.get("kind") == "overload" for c in results["comparisons"])
+            else "."
+        ),
         "",
         "## Targets",
         "",
@@ -369,7 +406,11 @@ def write_report(results: dict[str, Any], out_dir: Path, plots: bool = True) -> 
             if c.get("error") or c.get("kind") == "microbench":
                 continue
             path = out_dir / f"{c['name']}.png"
-            if plot_comparison(c, path):
+            if c.get("kind") == "overload":
+                from services.bench.overload import plot as draw
+            else:
+                draw = plot_comparison
+            if draw(c, path):
                 plot_names[c["name"]] = path.name
                 written.append(path)
             else:

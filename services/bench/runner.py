@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from services.bench import scheduler_step
+from services.bench import overload, scheduler_step
 from services.bench.analysis import arm_summary, ratio_result
 from services.bench.backends import Backend, InProcessBackend
 from services.bench.comparisons import (
@@ -35,6 +35,7 @@ from services.bench.comparisons import (
 from services.bench.metrics import (
     BREAKDOWN_METRICS,
     CPU_METRICS,
+    KIND_METRICS,
     SHARD_METRICS,
     WASTE_METRICS,
     run_metrics,
@@ -69,6 +70,8 @@ SUMMARY_METRICS = (
     "host_us_per_batch",
     "wall_s",
     *WASTE_METRICS,
+    *KIND_METRICS,
+    "admission_bypasses",
     *BREAKDOWN_METRICS,
     *CPU_METRICS,
     *SHARD_METRICS,
@@ -346,7 +349,7 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         comparisons = build_comparisons(
-            [n for n in args.only if n != "scheduler"], settings, arms=args.arms
+            [n for n in args.only if n not in ("scheduler", "overload")], settings, arms=args.arms
         )
     except UnknownArmError:
         bench.close()
@@ -356,6 +359,8 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
         + (len(c.workloads) * len(c.arms) if c.loads else 0)
         for c in comparisons
     )
+    if "overload" in args.only:
+        total += overload.num_runs(args.repeats, args.quick)
     progress = Progress(total, enabled=not args.no_progress)
     results: list[dict[str, Any]] = []
     try:
@@ -364,6 +369,24 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 results.append(run_comparison(bench, c, args.repeats, progress))
             except Exception as exc:  # one broken comparison must not discard the others
                 results.append(failed_comparison(c, exc))
+        if "overload" in args.only:
+            try:
+                results.append(
+                    overload.run_comparison(
+                        bench.model,
+                        settings.vocab,
+                        repeats=args.repeats,
+                        seed=args.seed,
+                        quick=args.quick,
+                        model_label=f"{settings.model_size or 'checkpoint'} model, {args.device}",
+                        progress=progress,
+                    )
+                )
+            except Exception as exc:  # as a broken comparison above: the others still report
+                results.append(
+                    {"name": "overload", "title": "Overload", "question": "",
+                     "error": f"{type(exc).__name__}: {exc}", "runs": [], "ratios": []}
+                )  # fmt: skip
         if "scheduler" in args.only:
             steps = 200 if args.quick else 2000
             results.append(scheduler_step.run_comparison(args.repeats, steps=steps))

@@ -41,6 +41,8 @@ class RequestSpec:
     arrival_s: float = 0.0  # open loop only: offset from the start of the run
     # an answer that may end early, where the model emits one of these (same in every arm)
     stop_token_ids: tuple[int, ...] = ()
+    # a class the metrics also report on its own ("long", "short"; "" for none)
+    kind: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,10 +75,7 @@ class Workload:
         if rate <= 0 or not math.isfinite(rate):
             raise ValueError(f"arrival rate must be a positive number, got {rate}")
         times = poisson_arrivals(len(self.requests), rate, _rng(self.seed, self.name, "arrivals"))
-        reqs = [
-            RequestSpec(r.prompt_token_ids, r.max_tokens, t, r.stop_token_ids)
-            for r, t in zip(self.requests, times, strict=True)
-        ]
+        reqs = [replace(r, arrival_s=t) for r, t in zip(self.requests, times, strict=True)]
         return Workload(
             name=name or self.name,
             description=self.description,
@@ -306,6 +305,51 @@ def kv_pressure(scale: Scale, vocab: TokenRange, concurrency: int, seed: int) ->
             "short_requests": n_short,
             "stop_vocab_fraction": STOP_FRACTION,
             "prompt_range": scale.pressure_prompt,
+        },
+    )
+
+
+def long_and_short(
+    vocab: TokenRange,
+    concurrency: int,
+    seed: int,
+    *,
+    long: LengthMix,
+    short: LengthMix,
+    long_share: float,
+    num_requests: int,
+    name: str = "long_short",
+) -> Workload:
+    """Long requests (long prompts and answers) among short ones, from ``concurrency``
+    closed-loop clients, marked ``kind`` "long" / "short" so each class is measured on its
+    own. Longs stay long: under KV pressure they fill the pool and wait for it."""
+    rng = _rng(seed, name)
+    reqs = [
+        replace(long.draw(rng, vocab), kind="long")
+        if rng.random() < long_share
+        else replace(short.draw(rng, vocab), kind="short")
+        for _ in range(num_requests)
+    ]
+    n_long = sum(1 for r in reqs if r.kind == "long")
+    return Workload(
+        name=name,
+        description=(
+            f"{n_long} long (prompt {long.prompt[0]}–{long.prompt[1]}, output "
+            f"{long.output[0]}–{long.output[1]}) among {len(reqs) - n_long} short (prompt "
+            f"{short.prompt[0]}–{short.prompt[1]}, output {short.output[0]}–{short.output[1]}), "
+            f"closed loop x{concurrency}, {EARLY_EXIT.label}"
+        ),
+        mode=LoopMode.CLOSED,
+        requests=reqs,
+        exit=EARLY_EXIT,
+        concurrency=concurrency,
+        seed=seed,
+        params={
+            "long_requests": n_long,
+            "long_prompt_range": long.prompt,
+            "long_output_range": long.output,
+            "short_prompt_range": short.prompt,
+            "short_output_range": short.output,
         },
     )
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from messages.errors import RequestError
 from messages.sampling import API_DEFAULTS, RequestDefaults, SamplingParams
 
 
@@ -21,6 +22,18 @@ def scheduler_lost_s() -> float:
 class KVLayout(StrEnum):
     LAST_EXITED = "last_exited"  # one plane per depth; exited tokens copied upwards
     SHARED = "shared"  # one plane overwritten by every loop
+
+
+class OverloadPolicy(StrEnum):
+    """What the scheduler does when more work arrives than it can serve at full depth
+    (docs/ARCHITECTURE.md, "Overload")."""
+
+    # keep every token at its request's depth; admission refuses (``overloaded``) once the
+    # queue is full
+    REJECT = "reject"
+    # lower the depth budget of new decode tokens while the queue stays long, restore it as
+    # the queue drains; ``overloaded`` still comes once the budget is at its floor
+    SHED_DEPTH = "shed-depth"
 
 
 class KVAdmission(StrEnum):
@@ -72,6 +85,12 @@ class ModelLimits:
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """The one place a request's unset fields get this model's defaults (admission and
         the scheduler both call it); raises RequestError for values the model cannot take."""
+        if params.structured_output is not None and not self.eos_token_ids:
+            # the grammar ends the output with an end of sequence: the model must have one
+            raise RequestError(
+                "structured_output needs a model with an end-of-sequence token, and this "
+                "checkpoint names none (config.json / generation_config.json eos_token_id)"
+            )
         return params.resolve(self.total_ut_steps, self.vocab_size, self.defaults)
 
 
@@ -103,9 +122,21 @@ class SchedulerConfig:
     # computing waits for it to be published instead of computing it a second time
     share_inflight_prefill: bool = True
     async_scheduling: bool = True
+    # overload: shed loops per generated token (a looped model's own knob) before requests
+    # are refused; the default is chosen by docs/benchmarks/overload.md
+    overload_policy: OverloadPolicy = OverloadPolicy.REJECT
+    # the lowest depth budget shedding goes to (a request's own min_loops still wins)
+    shed_min_loops: int = 2
+    # shed while the waiting requests are at least this share of the running ones (the
+    # queue's tail then waits about that share of a request's lifetime for a seat)
+    shed_queue_high: float = 0.5
     max_inflight_batches: int = 2
     kv_admission: KVAdmission = KVAdmission.WATERMARK
     kv_watermark: float = 0.25
+    # under reserve/watermark: how many times a waiting request the KV policy refuses may
+    # be passed by requests of its priority behind it that fit; then nothing passes it for
+    # KV until it starts. 0 = strict queue order (docs/benchmarks/admission_bypass.md)
+    max_admission_bypasses: int = 4
 
     def __post_init__(self) -> None:
         for name in (
@@ -119,6 +150,17 @@ class SchedulerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         try:
+            object.__setattr__(self, "overload_policy", OverloadPolicy(self.overload_policy))
+        except ValueError:
+            choices = ", ".join(p.value for p in OverloadPolicy)
+            raise ValueError(
+                f"overload_policy must be one of {choices}, got {self.overload_policy!r}"
+            ) from None
+        if self.shed_min_loops < 1:
+            raise ValueError(f"shed_min_loops must be >= 1, got {self.shed_min_loops}")
+        if not self.shed_queue_high > 0.0:
+            raise ValueError(f"shed_queue_high must be > 0, got {self.shed_queue_high}")
+        try:
             object.__setattr__(self, "kv_admission", KVAdmission(self.kv_admission))
         except ValueError:
             choices = ", ".join(k.value for k in KVAdmission)
@@ -127,6 +169,10 @@ class SchedulerConfig:
             ) from None
         if not 0.0 <= self.kv_watermark <= 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1], got {self.kv_watermark}")
+        if self.max_admission_bypasses < 0:
+            raise ValueError(
+                f"max_admission_bypasses must be >= 0, got {self.max_admission_bypasses}"
+            )
         wavefront = self.wavefront_chunked_prefill
         if wavefront is None:
             wavefront = self.split_prefill is None and self.kv_layout != KVLayout.SHARED

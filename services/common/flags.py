@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from messages.sampling import SamplingParams
-from services.common.config import KVAdmission, KVLayout, SchedulerConfig
+from services.common.config import KVAdmission, KVLayout, OverloadPolicy, SchedulerConfig
 from services.runtime.bus import DEFAULT_NATS_URL
 
 if TYPE_CHECKING:
@@ -118,6 +118,31 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="batches submitted before the oldest result is applied (async scheduling)",
     )
     g.add_argument(
+        "--overload-policy",
+        choices=[p.value for p in OverloadPolicy],
+        default=SchedulerConfig.overload_policy.value,
+        help="when more arrives than the engine serves at full depth: reject (admission "
+        "refuses once the queue is full) or shed-depth (fewer loops per generated token "
+        "while the queue stays long, restored as it drains; a request may refuse with "
+        "shed_depth: false) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--shed-min-loops",
+        type=int,
+        default=SchedulerConfig.shed_min_loops,
+        metavar="N",
+        help="shed-depth: the lowest depth budget (a request's own min_loops still wins) "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--shed-queue-high",
+        type=float,
+        default=SchedulerConfig.shed_queue_high,
+        metavar="SHARE",
+        help="shed-depth: shed while the waiting requests are at least this share of the "
+        "running ones (default: %(default)s)",
+    )
+    g.add_argument(
         "--kv-admission",
         choices=[k.value for k in KVAdmission],
         default=SchedulerConfig.kv_admission.value,
@@ -134,6 +159,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="watermark admission: share in [0, 1] of the running requests' unwritten "
         "footprint kept free (0 = admit when the prompt fits, 1 = reserve) "
         "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-admission-bypasses",
+        type=int,
+        default=SchedulerConfig.max_admission_bypasses,
+        metavar="N",
+        help="reserve/watermark admission: a waiting request whose KV does not fit may be "
+        "passed N times by requests of its priority behind it that fit; then nothing passes "
+        "it until it starts (0 = strict queue order) (default: %(default)s)",
     )
     add_device_flags(g)
 
@@ -305,8 +339,12 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         share_inflight_prefill=not args.no_share_inflight_prefill,
         max_inflight_batches=args.max_inflight_batches,
+        overload_policy=OverloadPolicy(args.overload_policy),
+        shed_min_loops=args.shed_min_loops,
+        shed_queue_high=args.shed_queue_high,
         kv_admission=KVAdmission(args.kv_admission),
         kv_watermark=args.kv_watermark,
+        max_admission_bypasses=args.max_admission_bypasses,
         **unset,
     )
 
@@ -322,8 +360,12 @@ def engine_args(config: SchedulerConfig) -> list[str]:
         f"--num-blocks={config.num_blocks}",
         f"--kv-layout={config.kv_layout.value}",
         f"--max-inflight-batches={config.max_inflight_batches}",
+        f"--overload-policy={config.overload_policy.value}",
+        f"--shed-min-loops={config.shed_min_loops}",
+        f"--shed-queue-high={config.shed_queue_high!r}",
         f"--kv-admission={config.kv_admission.value}",
         f"--kv-watermark={config.kv_watermark!r}",
+        f"--max-admission-bypasses={config.max_admission_bypasses}",
     ]
     mode = prefill_mode(config)
     args += [f"--prefill={mode}"]

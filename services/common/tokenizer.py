@@ -179,6 +179,28 @@ class TextCodec:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    # ------------------------------------------------------------------ vocabulary
+    def token_pieces(self, size: int) -> list[str]:
+        """Ids ``0 .. size-1`` as the vocabulary spells them (byte-level ``Ġthe``, or
+        SentencePiece ``▁the``): what a grammar engine matches text against. Special tokens
+        and ids the tokenizer lacks are "" (never text: the streams skip specials)."""
+        pieces = [""] * size
+        for piece, token_id in self._tok.get_vocab(with_added_tokens=True).items():
+            if token_id < size and token_id not in self.special_ids:
+                pieces[token_id] = piece
+        return pieces
+
+    @property
+    def byte_fallback(self) -> bool:
+        """SentencePiece-style byte fallback (``<0xE2>`` pieces)."""
+        return self._byte_fallback
+
+    @property
+    def adds_prefix_space(self) -> bool:
+        """Whether encoding a text starts it with a space piece (SentencePiece's ``▁``)."""
+        pieces = self._tok.encode("a", add_special_tokens=False).tokens
+        return bool(pieces) and pieces[0].startswith(("\u2581", "\u0120"))
+
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 

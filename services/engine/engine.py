@@ -13,13 +13,16 @@ from pathlib import Path
 import torch
 
 from messages.api import FinishedEvent, StreamEvent
+from messages.errors import RequestError
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
+from services.common.grammar import check_structured_output
 from services.common.tokenizer import TextCodec
 from services.engine.executor import InProcessExecutor
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.scheduler import Scheduler
+from services.worker.grammar import GrammarBook
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from services.worker.sim import SimRunner
@@ -42,15 +45,25 @@ class LLMEngine:
         decode_mode: DecodeMode | None = None,
     ) -> None:
         """``simulated``: batches run on the simulated device instead of ``model`` (the
-        bench's GPU-like arms; ``model`` then only supplies the limits)."""
+        bench's GPU-like arms; ``model`` then only supplies the limits). ``codec``: the
+        checkpoint's tokenizer, for text and structured outputs."""
         self.model = model
         self.config = config
+        limits = model_limits(model)
+        self.grammars = (
+            GrammarBook(codec, model.cfg.vocab_size, limits.eos_token_ids) if codec else None
+        )
         self.runner: ModelRunner | SimRunner = simulated or ModelRunner(
-            model, config.num_blocks, config.block_size, config.kv_layout, decode_mode=decode_mode
+            model,
+            config.num_blocks,
+            config.block_size,
+            config.kv_layout,
+            decode_mode=decode_mode,
+            grammars=self.grammars,
         )
         self.core = EngineCore(
             config,
-            model_limits(model),
+            limits,
             InProcessExecutor(self.runner),
             codec=codec,
             on_batch=on_batch,
@@ -78,6 +91,12 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
+        """Raises RequestError for a request that cannot run (as admission would refuse it:
+        a structured output that does not compile, or one without a tokenizer)."""
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise RequestError("structured_output needs an engine with the tokenizer")
+            check_structured_output(params.structured_output)
         self.core.add_request(request_id, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> list[StreamEvent]:

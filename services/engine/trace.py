@@ -2,6 +2,8 @@
 
 Plain output prints one line per batch, an indented line per request that the batch's
 selection preempted (with the tokens it will recompute), and the waste totals at the end;
+with ``--overload-policy shed-depth`` each line also shows the depth budget new decode
+tokens started under in that step (``budget=N``);
 ``--json`` one JSON object per batch, ``preemptions`` included; ``--diagram`` adds, per
 request, a wavefront grid (depth rows x chunk columns) whose cells name the step(s) that ran
 that piece, so a maintainer sees the anti-diagonals at a glance.
@@ -16,6 +18,7 @@ import string
 from collections import defaultdict
 
 from messages.batch import RowKind
+from services.common.config import OverloadPolicy
 from services.common.flags import sampling_params_from_args
 from services.engine.engine import LLMEngine
 from services.engine.offline import build_offline_engine
@@ -41,6 +44,9 @@ def batch_record(batch: ScheduledBatch) -> dict:
         "kinds": [str(t.kind) for t in batch.tasks],
         "loops": [t.num_loops for t in batch.tasks],
         "preemptions": [dataclasses.asdict(p) for p in batch.preemptions],
+        "depth_budget": batch.depth_budget,
+        # decode rows' lowered budgets (null: the request's own max_loops)
+        "loop_budgets": [t.loop_budget for t in batch.tasks],
     }
 
 
@@ -123,16 +129,20 @@ def run_schedule_trace(args: argparse.Namespace) -> int:
     for name, prompt in zip(names, prompts, strict=True):
         engine.add_request(name, prompt, params)
     engine.run_until_done()
+    shedding = engine.config.overload_policy is OverloadPolicy.SHED_DEPTH
     for batch, _ in traced:
         if args.json:
             print(json.dumps(batch_record(batch)))
         else:
             rows = " ".join(row_text(t) for t in batch.tasks)
-            print(f"seq={batch.seq:<4} {batch.phase!s:<19} {rows}")
+            budget = f"budget={batch.depth_budget} " if shedding else ""
+            print(f"seq={batch.seq:<4} {budget}{batch.phase!s:<19} {rows}")
             for preemption in batch.preemptions:
                 print(f"{'':<28} {preemption.describe()}")
     if not args.json:
         print(waste_summary(engine))
+        if shedding:
+            print(f"shed_tokens={engine.scheduler.stats.num_shed_tokens}")
     if args.diagram:
         lens = {name: len(p) for name, p in zip(names, prompts, strict=True)}
         print()

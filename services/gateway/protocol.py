@@ -7,8 +7,11 @@ HTTP status for what rlt refuses), ``to_generate`` builds the ``GenerateRequest`
 
 Accepted beyond OpenAI's fields (vLLM's extra body fields, the loop knobs):
 ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_loops``, ``max_loops``,
-``exit_threshold``, ``priority``, ``chat_template_kwargs``, ``include_stop_str_in_output``
+``exit_threshold``, ``shed_depth`` (false: full depth under overload shedding),
+``priority``, ``chat_template_kwargs``, ``include_stop_str_in_output``
 and ``return_token_ids`` (the choice carries ``token_ids`` and, rlt's own, ``exit_depths``).
+Structured outputs: ``response_format`` (json_object, json_schema) and vLLM's
+``structured_outputs`` (json, regex, choice, grammar, json_object), ``structured.py``.
 Unknown fields are ignored, as OpenAI-compatible servers do; every field of OpenAI's schema
 for the two endpoints (and the vLLM fields that would change the answer) that rlt does not
 honour is refused with a 400 that names it (``_UNSUPPORTED``), never silently dropped; the few
@@ -31,7 +34,8 @@ import msgspec
 
 from messages.api import GenerateRequest
 from messages.errors import ErrorCode
-from messages.sampling import MAX_LOGPROBS
+from messages.sampling import MAX_LOGPROBS, StructuredOutput
+from services.gateway.structured import FormatError, structured_output
 
 # the gateway's own code for a missing or wrong API key (OpenAI's)
 INVALID_API_KEY = "invalid_api_key"
@@ -112,7 +116,8 @@ class _Common(msgspec.Struct, kw_only=True):
     seed: int | None = None
     best_of: int | None = None
     user: str | None = None  # ignored: OpenAI's abuse-monitoring id
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    # text, json_object or json_schema (services/gateway/structured.py)
+    response_format: dict[str, Any] | None = None
     # vLLM's extra body fields
     top_k: int | None = None
     ignore_eos: bool | None = None
@@ -154,6 +159,7 @@ class _Common(msgspec.Struct, kw_only=True):
     min_loops: int | None = None
     max_loops: int | None = None
     exit_threshold: float | None = None
+    shed_depth: bool | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -210,7 +216,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
-    "structured_outputs": (None,),
     "skip_special_tokens": (None, True),  # the streams' text always skips special tokens
     "spaces_between_special_tokens": (None, True),
     "use_beam_search": (None, False),
@@ -349,12 +354,13 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str) -> Genera
         "max_loops": req.max_loops,
         "exit_threshold": req.exit_threshold,
     }
-    for name in ("min_loops", "ignore_eos", "stop_token_ids", "priority"):
+    for name in ("min_loops", "ignore_eos", "stop_token_ids", "priority", "shed_depth"):
         value = getattr(req, name)
         if value is not None:
             fields[name] = value
     fields["logprobs"] = _logprobs(req)
     fields["prompt_logprobs"] = _prompt_logprobs(req)
+    fields["structured_output"] = _structured_output(req)
     if isinstance(req, ChatRequest):
         if req.max_completion_tokens is not None:
             fields["max_tokens"] = req.max_completion_tokens
@@ -405,13 +411,7 @@ def _check_common(req: _Common) -> None:
             param="best_of",
         )
     _refuse_unsupported(req, _UNSUPPORTED)
-    fmt = (req.response_format or {"type": "text"}).get("type")  # {} asks for nothing
-    _refuse_if(
-        fmt != "text",
-        "response_format",
-        f"response_format {fmt!r} is not supported by rlt (structured outputs are not "
-        "implemented): only {'type': 'text'}",
-    )
+    _structured_output(req)
     _check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     if req.stream_options is not None:
         if not req.stream:
@@ -434,6 +434,14 @@ def _check_common(req: _Common) -> None:
             f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each",
             param="stop",
         )
+
+
+def _structured_output(req: _Common) -> StructuredOutput | None:
+    """``response_format`` or vLLM's ``structured_outputs`` as the NATS API's format."""
+    try:
+        return structured_output(req.response_format, req.structured_outputs)
+    except FormatError as exc:
+        raise ApiError(exc.message, param=exc.param) from None
 
 
 def _check_logprobs(value: int | None, param: str) -> None:

@@ -18,6 +18,7 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     exit_depths: list[int]
+    shed_tokens: int = 0  # completion tokens run under a depth budget overload shedding lowered
 
     def body(self) -> dict[str, Any]:
         completion = len(self.exit_depths)
@@ -31,6 +32,7 @@ class Usage:
             # (the decode's loops; the prefill of a prompt is full depth on top of this)
             "mean_exit_depth": round(loops / completion, 6) if completion else None,
             "core_loops": loops,
+            "shed_tokens": self.shed_tokens,
         }
 
 

@@ -60,6 +60,7 @@ class Answer:
     error: ErrorEvent | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_shed_tokens: int = 0
     engine_done: bool = False  # the engine's terminal event arrived
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
     _stops: StopMatcher = field(init=False)
@@ -86,6 +87,7 @@ class Answer:
         if isinstance(event, FinishedEvent):
             self.num_prompt_tokens = event.num_prompt_tokens
             self.num_cached_tokens = event.num_cached_tokens
+            self.num_shed_tokens = event.shed_tokens
             if self.finish_reason is not None:  # a stop string ended it already
                 return []
             self.finish_reason = event.finish_reason
@@ -181,7 +183,8 @@ def combined_usage(answers: list[Answer]) -> Usage:
     # timeout never did)
     counted = next((a for a in answers if a.num_prompt_tokens), answers[0])
     depths = [d for a in answers for d in a.exit_depths]
-    return Usage(counted.num_prompt_tokens, counted.num_cached_tokens, depths)
+    shed = sum(a.num_shed_tokens for a in answers)
+    return Usage(counted.num_prompt_tokens, counted.num_cached_tokens, depths, shed)
 
 
 def _top_only(entry: TokenLogprobs, n: int) -> TokenLogprobs:

@@ -421,13 +421,16 @@ class SerialOracle:
         prefill_chunk_size: int | None = None,
         sampler: Sampler | None = None,
         forced_exit_depths: Sequence[int] | None = None,
+        max_loops_per_token: Sequence[int] | None = None,
     ) -> OracleResult:
         """Generate up to ``max_tokens`` tokens for one request.
 
         ``sampler(logits_f32[V], output_index) -> token`` defaults to greedy argmax (lowest
         index on exact ties). ``forced_exit_depths[i]`` (i >= 1) makes generated token i exit
         after exactly that many loops instead of following the policy; entry 0 is ignored
-        because the first token always comes from the full-depth prefill. Unset
+        because the first token always comes from the full-depth prefill.
+        ``max_loops_per_token[i]`` (i >= 1) replaces ``max_loops`` for generated token i (a
+        depth budget the engine's overload shedding gave it); entry 0 is ignored too. Unset
         ``max_tokens`` / ``exit_threshold`` take the checkpoint's defaults
         (generation_config.json's max_new_tokens, else 16; config.json's early_exit_threshold).
         """
@@ -479,7 +482,14 @@ class SerialOracle:
                 forced = int(forced_exit_depths[index])
                 if not 1 <= forced <= D:
                     raise ValueError(f"forced exit depth {forced} not in [1, {D}]")
-            tracker = ExitTracker(min_loops, max_loops, exit_threshold)
+            cap = max_loops
+            if max_loops_per_token is not None:
+                if index >= len(max_loops_per_token):
+                    raise ValueError(f"max_loops_per_token has no entry for token {index}")
+                cap = int(max_loops_per_token[index])
+                if not 1 <= cap <= D:
+                    raise ValueError(f"max_loops_per_token entry {cap} not in [1, {D}]")
+            tracker = ExitTracker(min_loops, cap, exit_threshold)
             h = self._embed[torch.tensor([token])]
             for r in range(1, D + 1):
                 plane = r - 1 if layout == "last_exited" else 0

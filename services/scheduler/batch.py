@@ -28,6 +28,9 @@ class ScheduledTask(msgspec.Struct, gc=False, eq=False):
     compute_logits: bool = False
     forced_exit_loops: int = 0
     generation: int = 0
+    # decode and follow-on rows: the depth budget of a token this row starts, when shedding
+    # lowered it (a follow-on's applies only if it resolves to a token's first loop)
+    loop_budget: int | None = None
 
     @property
     def token_end(self) -> int:
@@ -49,6 +52,8 @@ class ScheduledBatch:
     outputs_applied: bool = False
     # requests preempted while this batch was selected (or since the last batch)
     preemptions: list[Preemption] = field(default_factory=list)
+    # the depth budget new decode tokens started under in this batch (depth_budget.py)
+    depth_budget: int = 0
 
     def rows(self) -> list[tuple[str, int, int, int]]:
         return [t.key() for t in self.tasks]

@@ -41,7 +41,14 @@ def build_batch(state: SchedulerState, phase: Phase, tasks: list[ScheduledTask])
     stats.num_decode_rows += len(decode)
     if _mixed_depths(ordered):
         stats.num_batches_with_mixed_depths += 1
-    return ScheduledBatch(seq=seq, phase=phase, tasks=ordered, wire=wire, preemptions=preemptions)
+    return ScheduledBatch(
+        seq=seq,
+        phase=phase,
+        tasks=ordered,
+        wire=wire,
+        preemptions=preemptions,
+        depth_budget=state.depth_budget,
+    )
 
 
 def _wire_row(task: ScheduledTask) -> BatchRow:
@@ -53,6 +60,7 @@ def _wire_row(task: ScheduledTask) -> BatchRow:
             token_start=task.token_start,
             token_count=1,
             compute_logits=True,
+            max_loops=task.loop_budget,
         )
     if task.kind is _DECODE:
         return BatchRow(
@@ -68,6 +76,7 @@ def _wire_row(task: ScheduledTask) -> BatchRow:
             forced_exit_loops=task.forced_exit_loops,
             compute_logits=task.compute_logits,
             output_index=len(request.output_token_ids),
+            max_loops=task.loop_budget,
         )
     return BatchRow(
         request_id=request.request_id,
@@ -98,7 +107,10 @@ def _new_request(request: Request) -> NewRequest:
             exit_threshold=p.exit_threshold,
             logprobs=-1 if p.logprobs is None else p.logprobs,
             prompt_logprobs=-1 if request.prompt_logprobs is None else p.prompt_logprobs,
+            structured_output=p.structured_output,
         ),
+        # the worker rebuilds the grammar's state from what the request has generated
+        generated_token_ids=list(request.output_token_ids) if p.structured_output else [],
     )
 
 

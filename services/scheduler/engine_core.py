@@ -142,6 +142,15 @@ class EngineCore:
                 return events + self._fail(
                     list(self.scheduler.requests), ErrorCode.INTERNAL, f"scheduler error: {exc!r}"
                 )
+            for change in self.scheduler.take_depth_budget_changes():
+                self.log.info(
+                    "depth budget changed",
+                    old=change.old,
+                    new=change.new,
+                    waiting=change.waiting,
+                    running=change.running,
+                    **{BATCH_SEQ: change.batch_seq},
+                )
             if batch is None:
                 break
             if self.on_batch is not None:

@@ -95,7 +95,8 @@ class Progress:
                 fill_prompt_logprobs(request, row.prompt_logprobs)
             if task.compute_logits:
                 request.pending_token_rows -= 1
-                self._append_token(request, row, self._total_depths, events)
+                # the prompt's token: full depth, never shed
+                self._append_token(request, row, self._total_depths, None, events)
         return events
 
     def fail_batch(self, batch: ScheduledBatch, message: str) -> list[StreamEvent]:
@@ -253,6 +254,8 @@ class Progress:
             raise SchedulerInvariantError(
                 f"{request.request_id}: row scheduled at depth {task.depth}, cursor at {depth}"
             )
+        if depth == 0:  # this row started the token: its budget is the token's (as the worker's)
+            request.token_loop_budget = task.loop_budget
         if not row.exited:
             request.decode_depth += 1
             request.decode_remaining = row.remaining
@@ -268,10 +271,15 @@ class Progress:
         request.decode_remaining = 1.0
         if task.forced_exit_loops:
             return  # replayed position: its token is already known
-        self._append_token(request, row, exit_loops, events)
+        self._append_token(request, row, exit_loops, request.token_loop_budget, events)
 
     def _append_token(
-        self, request: Request, row: RowResult, exit_loops: int, events: list[StreamEvent]
+        self,
+        request: Request,
+        row: RowResult,
+        exit_loops: int,
+        loop_budget: int | None,
+        events: list[StreamEvent],
     ) -> None:
         token_id = row.token_id
         prompt = None
@@ -280,6 +288,14 @@ class Progress:
         request.output_token_ids.append(token_id)
         # the public API names this loop count "exit_depth" (docs/ARCHITECTURE.md)
         request.output_exit_depths.append(exit_loops)
+        params = request.params
+        if loop_budget is None:
+            assert params.max_loops is not None  # resolved at add_request
+            request.output_loop_budgets.append(params.max_loops)
+        else:
+            request.output_loop_budgets.append(loop_budget)
+            request.num_shed_tokens += 1
+            self._state.stats.num_shed_tokens += 1
         events.append(
             TokenEvent(
                 request_id=request.request_id,
@@ -291,7 +307,6 @@ class Progress:
                 prompt_logprobs=prompt,
             )
         )
-        params = request.params
         if token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in self._eos_token_ids
         ):

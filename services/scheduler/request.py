@@ -34,6 +34,10 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     output_exit_depths: list[int] = field(default_factory=list)
+    # overload shedding: each output token's depth budget (the most loops it could run),
+    # and how many of them ran under one lowered below params.max_loops
+    output_loop_budgets: list[int] = field(default_factory=list)
+    num_shed_tokens: int = 0
     finish_reason: str | None = None
     # asked for prompt logprobs and not sent yet: one slot per prompt token, filled in by
     # position as final-depth prefill rows come back (sent with the first token). While
@@ -58,6 +62,9 @@ class Request:
     num_computed_tokens: int = 0
     decode_depth: int = 0
     decode_remaining: float = 1.0
+    # the depth budget of the token being decoded when shedding lowered it (None: the
+    # request's own max_loops), fixed when its first loop ran
+    token_loop_budget: int | None = None
     # decode rows and the prompt's coda row in flight: until their results are applied the
     # scheduler does not know the next position and depth (the worker does)
     pending_token_rows: int = 0
@@ -136,5 +143,6 @@ class Request:
         self.num_computed_tokens = origin
         self.decode_depth = 0
         self.decode_remaining = 1.0
+        self.token_loop_budget = None
         self.pending_token_rows = 0
         self.pending_decode_loops = 0

@@ -88,6 +88,8 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
             exit_depths=list(request.output_exit_depths),
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            shed_tokens=request.num_shed_tokens,
+            depth_budgets=list(request.output_loop_budgets) if request.num_shed_tokens else None,
         )
     )
 

@@ -10,8 +10,8 @@ The parts, one concept each, share one ``SchedulerState`` (``state.py``):
 ``waiting.py`` (who leaves the waiting queue: KV policy, in-flight prefixes, prefix claims),
 ``selection.py`` (the batch's tasks and the preemption that makes room for them),
 ``batch_builder.py`` (tasks to the wire ``Batch``), ``progress.py`` (submissions and
-results), ``running.py`` (joining and leaving the running set) and ``intake.py``
-(validation).
+results), ``running.py`` (joining and leaving the running set), ``depth_budget.py`` (depth
+shedding under overload) and ``intake.py`` (validation).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from services.common.config import ModelLimits, SchedulerConfig
 from services.common.fit import check_request_fits
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.batch_builder import build_batch
+from services.scheduler.depth_budget import BudgetChange, DepthBudget
 from services.scheduler.intake import validate_known_outputs, validate_prompt
 from services.scheduler.kv_admission import Commitment
 from services.scheduler.kv_manager import KVManager
@@ -63,6 +64,7 @@ class Scheduler:
         self._admission = Admission(self._state)
         self._selector = Selector(self._state)
         self._progress = Progress(self._state)
+        self._depth_budget = DepthBudget(self._state)
 
     # the shared state, read by the engine, the driver, telemetry and tests
     @property
@@ -81,6 +83,12 @@ class Scheduler:
     @property
     def stats(self) -> SchedulerStats:
         return self._state.stats
+
+    @property
+    def depth_budget(self) -> int:
+        """Loops a new decode token may run (total_depths unless overload shedding lowered
+        it; a request's own max_loops and min_loops still bound its tokens)."""
+        return self._state.depth_budget
 
     @property
     def _running_footprints(self) -> Commitment:
@@ -125,6 +133,8 @@ class Scheduler:
             trace_id=trace_id,
             output_token_ids=list(known_ids),
             output_exit_depths=list(known_loops),
+            # what budgets the other shard ran them under is not known: counted as not shed
+            output_loop_budgets=[resolved.max_loops or self.total_depths] * len(known_ids),
         )
         if self.config.enable_prefix_caching:
             request.block_hashes = prompt_block_hashes(
@@ -188,11 +198,16 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch | None:
         self._admission.admit_waiting()
+        self._depth_budget.update()
         selected = self._selector.select()
         if selected is None:
             return None
         phase, tasks = selected
         return build_batch(self._state, phase, tasks)
+
+    def take_depth_budget_changes(self) -> list[BudgetChange]:
+        """Moves of the depth budget since the last call (the engine logs each)."""
+        return self._depth_budget.take_changes()
 
     def take_prefix_events(self) -> PrefixEventBatch | None:
         """Drains the KV manager's prefix events (the one buffer) into the next envelope of

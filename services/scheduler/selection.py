@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from messages.batch import Phase, RowKind
 from services.scheduler.batch import ScheduledTask
+from services.scheduler.depth_budget import token_budget
 from services.scheduler.request import PREFILL_PHASES, Request
 from services.scheduler.running import preempt
 from services.scheduler.state import SchedulerState
@@ -115,11 +116,18 @@ class Selector:
         # Request.forced_exit_loops_at, inlined
         index = position - request.num_prompt_tokens + 1
         forced = request.output_exit_depths[index] if index < len(request.output_token_ids) else 0
+        # a token keeps the budget its first loop ran under; a replayed exit needs none
+        if forced:
+            budget = None
+        elif depth:
+            budget = request.token_loop_budget
+        else:
+            budget = self._token_budget(request)
         # positional: (request, kind, token_start, token_count, depth, num_loops, embed,
-        # compute_logits, forced_exit_loops, generation)
+        # compute_logits, forced_exit_loops, generation, loop_budget)
         task = ScheduledTask(
             request, _DECODE, position, 1, depth, 1, depth == 0, forced == 0, forced,
-            request.generation,
+            request.generation, budget,
         )  # fmt: skip
         sel.budget_left -= 1
         selected[rid] = request
@@ -144,7 +152,18 @@ class Selector:
             return None
         # if every loop in flight exits, the follow-on feeds this position
         furthest = request.num_computed_tokens + request.pending_decode_loops
-        return ScheduledTask(request=request, kind=_FOLLOW_ON, token_start=furthest, token_count=1)
+        # the budget a new token would start under (the worker ignores it for a later loop)
+        return ScheduledTask(
+            request=request,
+            kind=_FOLLOW_ON,
+            token_start=furthest,
+            token_count=1,
+            loop_budget=self._token_budget(request),
+        )
+
+    def _token_budget(self, request: Request) -> int | None:
+        budget = self._state.depth_budget
+        return None if budget >= self._total_depths else token_budget(request, budget)
 
     # ------------------------------------------------------------------ prompt work
     def _take_wavefront_phase(

@@ -24,6 +24,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_decode_rows: int = 0
     num_batches_with_mixed_depths: int = 0
+    # generated tokens that ran under a depth budget shedding lowered (depth_budget.py)
+    num_shed_tokens: int = 0
     # what preemption wastes: prompt positions prefilled again (counted at depth 0), the
     # same in core work (token x loop, the unit of a core pass's rows), and decode loops
     # replayed to rebuild dropped generated tokens
@@ -37,6 +39,9 @@ class SchedulerStats:
     # waiting requests parked on a prompt block a running prefill was writing
     # (share_inflight_prefill), once per block waited for
     num_prefix_deferrals: int = 0
+    # requests admitted ahead of a waiting request the KV policy refused
+    # (max_admission_bypasses)
+    num_admission_bypasses: int = 0
 
 
 def new_kv(config: SchedulerConfig, limits: ModelLimits) -> KVManager:
@@ -69,6 +74,10 @@ class SchedulerState:
     pending_new: list[Request] = field(default_factory=list)
     pending_finished: list[str] = field(default_factory=list)
     pending_preemptions: list[Preemption] = field(default_factory=list)
+    # loops a new decode token may run under overload shedding (total_depths: none shed);
+    # written only by ``DepthBudget``
+    depth_budget: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.total_depths = self.limits.total_ut_steps
+        self.depth_budget = self.total_depths

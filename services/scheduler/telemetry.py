@@ -24,6 +24,9 @@ Looped-model metrics (a loop = one pass of the shared core for one token):
 - ``rlt:exit_depth``: histogram of the loops each generated token ran (1..total_ut_steps);
 - ``rlt:decode_core_loops_total``: their sum; ``rlt:loops_saved_total``: total_ut_steps minus
   each token's exit depth, summed (what early exit saved against full depth);
+- ``rlt:depth_budget``: the loops a new generated token may run now (total_ut_steps unless
+  ``--overload-policy shed-depth`` lowered it under a long queue);
+  ``rlt:shed_tokens_total``: generated tokens that ran under a lowered budget;
 - ``rlt:wasted_follow_on_rows_total``: follow-on rows sent for a request that finished
   before they ran (async scheduling's speculation that did not pay);
 - ``rlt:bus_overhead_seconds``: per batch, the round trip scheduler -> worker -> scheduler
@@ -91,6 +94,11 @@ class _LiveState(Collector):
             "rlt:prefix_inflight_waits",
             "Waiting requests parked on a prompt block a running prefill was computing.",
         ),
+        (
+            "num_shed_tokens",
+            "rlt:shed_tokens",
+            "Generated tokens that ran under a depth budget overload shedding lowered.",
+        ),
     )
 
     def __init__(self, scheduler: Callable[[], Scheduler]) -> None:
@@ -120,6 +128,12 @@ class _LiveState(Collector):
             "Fraction of KV blocks held by requests (1 = full; cached but unreferenced "
             "blocks count as free).",
             value=1.0 - kv.num_free_blocks / kv.num_blocks if kv.num_blocks else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "rlt:depth_budget",
+            "Loops a new generated token may run (total_ut_steps unless overload shedding "
+            "lowered it; each request's min_loops and max_loops still bound its tokens).",
+            value=s.depth_budget,
         )
         for name, metric, doc in self._COUNTERS:
             yield CounterMetricFamily(metric, doc, value=self._before[name] + self._last[name])

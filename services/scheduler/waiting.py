@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from dataclasses import dataclass, field
 
 from messages.batch import Phase
 from messages.prefix import cacheable_prefix_blocks
 from services.common.config import KVAdmission
-from services.scheduler.inflight_prefix import ParkedReaders, add_writer, prefix_writers
+from services.scheduler.inflight_prefix import (
+    ParkedReaders,
+    QueueEntry,
+    add_writer,
+    prefix_writers,
+)
 from services.scheduler.kv_admission import Commitment, admits
 from services.scheduler.request import Request
 from services.scheduler.running import (
@@ -25,62 +31,150 @@ from services.scheduler.running import (
 )
 from services.scheduler.state import SchedulerState
 
+# How many requests refused for KV admission sets aside in one scan, looking for one behind
+# them that fits: each costs a heap pop and push (and a KV test) per step while KV is short
+_BYPASS_SCAN_LIMIT = 32
+
+
+@dataclass
+class _Scan:
+    """One admission scan: the requests it set aside and what it learnt about KV."""
+
+    refused: list[QueueEntry] = field(default_factory=list)  # in queue order
+    exact: Commitment | None = None  # the running requests' exact sum, once KV is tight
+    # footprints refused so far, none covering another (without prefix caching)
+    refused_needs: list[Commitment] = field(default_factory=list)
+
+
+def _at_least(a: Commitment, b: Commitment) -> bool:
+    return a.prompt >= b.prompt and a.decode >= b.decode
+
 
 class Admission:
     """Moves waiting requests into the running set, in queue order, while seats and the KV
-    policy allow; holds the readers parked on an in-flight prefix."""
+    policy allow; holds the readers parked on an in-flight prefix.
+
+    Bounded bypass (``max_admission_bypasses`` = N): when the head of the queue does not
+    fit the KV policy, requests behind it of the same priority that fit as they are (no
+    preemption for them) may start ahead of it; each such start passes the head once. A
+    head passed N times in its current wait is protected: nothing behind it starts for KV
+    until it does. The count is kept here per waiting request, bumped only while it is the
+    head, and dropped when it starts (a preempted request waits afresh) or ends. Requests
+    refused behind a refused head are passed too, uncounted: they wait for that head anyway,
+    and each head ahead of them lets at most N by, so no request waits forever. A less
+    urgent request never passes a refused one: it would take the KV the other needs (which
+    would preempt it back out at admission). N = 0 is strict queue order."""
 
     def __init__(self, state: SchedulerState) -> None:
         self._state = state
         config = state.config
         self._share_inflight = config.enable_prefix_caching and config.share_inflight_prefill
         self._parked = ParkedReaders()
+        # heads refused for KV: how often a later request started ahead of one in its wait
+        self._passed: dict[Request, int] = {}
 
     def admit_waiting(self) -> None:
         """Admits waiting requests in queue order while seats and KV allow. With in-flight
         sharing, a request whose next uncached prompt block a running prefill of the same or
         higher priority is writing is parked on it (``inflight_prefix.py``) and queued again
         once the writer published it or stopped; requests behind it may be admitted
-        meanwhile (and take seats and KV). Once back, it is the head like any other."""
+        meanwhile (and take seats and KV). Once back, it is the head like any other. A head
+        the KV policy refuses may be passed (class docstring), at most N times."""
         state = self._state
-        config, waiting = state.config, state.waiting
+        waiting = state.waiting
         if self._parked:
             for entry in self._parked.ready():
                 heapq.heappush(waiting, entry)
+        scan = _Scan()
+        try:
+            self._admit_in_order(scan)
+        finally:
+            for entry in scan.refused:
+                heapq.heappush(waiting, entry)
+
+    def _admit_in_order(self, scan: _Scan) -> None:
+        """The admission loop; requests refused for KV that may still be passed are moved
+        from the heap to ``scan.refused`` (the caller puts them back)."""
+        state = self._state
+        config, waiting = state.config, state.waiting
         by_kv = config.kv_admission is not KVAdmission.INCREMENTAL
-        exact: Commitment | None = None  # the exact sum, once KV is tight
+        refused = scan.refused
         writers: dict[int, Request] | None = None  # built when a request first needs it
         while waiting and len(state.running) < config.max_num_seqs:
             _, request = waiting[0]
             if request.is_finished:
                 heapq.heappop(waiting)
+                self._passed.pop(request, None)
                 continue  # aborted while waiting
+            if refused and request.params.priority != refused[0][1].params.priority:
+                return  # a less urgent request never passes a refused one
             if self._share_inflight and request.block_hashes:
                 if writers is None:
                     writers = prefix_writers(state.running)
                 if self._park_if_in_flight(request, writers):
                     continue
             made_room = False
-            if by_kv and not self._kv_admits(request, state.running_footprints):
-                exact = committed(state) if exact is None else exact
-                if not self._kv_admits(request, exact):
-                    if not self._make_room_by_priority(request):
-                        return  # in queue order: a later, smaller request never jumps the head
-                    made_room = True
+            if by_kv and not self._fits(request, scan):
+                # only the head may preempt: a request passing it must fit as it is
+                if refused or not self._make_room_by_priority(request):
+                    if not self._may_be_passed(request) or len(refused) >= _BYPASS_SCAN_LIMIT:
+                        return  # protected: nothing behind it starts for KV
+                    refused.append(heapq.heappop(waiting))
+                    continue
+                made_room = True
             heapq.heappop(waiting)
-            request.reset_prefill(origin=self._claim_cached_prefix(request))
-            state.running_footprints += footprint(state.kv, request)
-            if exact is not None:
-                exact += unallocated(state.kv, request)
-            if config.kv_admission is KVAdmission.RESERVE:
-                state.stats.num_reserved_blocks += state.kv.blocks_for(request.kv_footprint_tokens)
-            request.phase = Phase.PREFILLING_PRELUDE if config.split_prefill else Phase.PREFILL
-            insert_running(state, request)
-            state.pending_new.append(request)
+            self._start(request)
+            if scan.exact is not None:
+                scan.exact += unallocated(state.kv, request)
             if writers is not None:
                 add_writer(request, writers)
             if made_room:
                 return  # the requests it preempted do not come straight back in this batch
+            if refused and self._count_pass(refused[0][1]):
+                return  # the head it passed is protected now
+
+    def _fits(self, request: Request, scan: _Scan) -> bool:
+        """The KV policy's verdict: against the running requests' whole footprints first
+        (enough while KV is loose), then against the exact sum, taken once per scan. Without
+        prefix caching a waiting request needs its footprint, and KV only tightens as
+        requests start, so one no smaller than a refused one is refused unchecked."""
+        state = self._state
+        if scan.exact is None:
+            if self._kv_admits(request, state.running_footprints):
+                return True
+            scan.exact = committed(state)
+        if state.config.enable_prefix_caching:
+            return self._kv_admits(request, scan.exact)
+        need = footprint(state.kv, request)
+        if any(_at_least(need, r) for r in scan.refused_needs):
+            return False
+        if self._kv_admits(request, scan.exact):
+            return True
+        scan.refused_needs = [r for r in scan.refused_needs if not _at_least(r, need)] + [need]
+        return False
+
+    def _start(self, request: Request) -> None:
+        """Moves a request just taken off the queue into the running set."""
+        state = self._state
+        config = state.config
+        self._passed.pop(request, None)  # its wait is over
+        request.reset_prefill(origin=self._claim_cached_prefix(request))
+        state.running_footprints += footprint(state.kv, request)
+        if config.kv_admission is KVAdmission.RESERVE:
+            state.stats.num_reserved_blocks += state.kv.blocks_for(request.kv_footprint_tokens)
+        request.phase = Phase.PREFILLING_PRELUDE if config.split_prefill else Phase.PREFILL
+        insert_running(state, request)
+        state.pending_new.append(request)
+
+    def _may_be_passed(self, request: Request) -> bool:
+        return self._passed.get(request, 0) < self._state.config.max_admission_bypasses
+
+    def _count_pass(self, head: Request) -> bool:
+        """A request started ahead of the refused ``head``; whether the head is protected
+        now."""
+        self._state.stats.num_admission_bypasses += 1
+        passes = self._passed[head] = self._passed.get(head, 0) + 1
+        return passes >= self._state.config.max_admission_bypasses
 
     def num_waiting(self) -> int:
         waiting = sum(1 for _, r in self._state.waiting if not r.is_finished)

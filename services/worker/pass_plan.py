@@ -93,7 +93,8 @@ class PassPlanner:
         loops = live.loops_run
         if live.row.forced_exit_loops:
             return loops >= live.row.forced_exit_loops
-        if loops >= sampling.max_loops:
+        # a token's shed depth budget (BatchRow.max_loops) caps the request's own
+        if loops >= (live.row.max_loops or sampling.max_loops):
             return True
         return sampling.exit_threshold < 1.0 and loops >= sampling.min_loops
 
@@ -241,7 +242,7 @@ class PassPlanner:
             row[j] = plan.row_offsets[i]
             loops_run[j] = live.loops_run
             min_loops[j] = s.min_loops
-            max_loops[j] = s.max_loops
+            max_loops[j] = live.row.max_loops or s.max_loops
             forced[j] = live.row.forced_exit_loops
             threshold[j] = s.exit_threshold
             remaining[j] = live.row.remaining

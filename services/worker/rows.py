@@ -93,7 +93,11 @@ def live_rows(batch: Batch, cursors: Mapping[str, RowCursor]) -> list[LiveRow]:
             cursor = cursors.get(row.request_id)
             if cursor is None or cursor.next_decode is None:
                 continue
-            row, cursor.next_decode = cursor.next_decode, None
+            follow_on, (row, cursor.next_decode) = row, (cursor.next_decode, None)
+            if row.depth == 0 and follow_on.max_loops != row.max_loops:
+                # a token's depth budget is the one its first loop was sent with; later
+                # loops keep it (end_loop carries the row's fields on)
+                row = msgspec.structs.replace(row, max_loops=follow_on.max_loops)
         rows.append(LiveRow(i, row, row.depth, row.num_loops))
     return rows
 

@@ -30,6 +30,13 @@ from messages.batch import (
 from services.common.config import KVLayout
 from services.common.sampling import sample_batch
 from services.worker.decode_pool import DecodePool
+from services.worker.grammar import (
+    GrammarBook,
+    PassMasks,
+    RequestGrammar,
+    fill_pass_masks,
+    mask_words,
+)
 from services.worker.logprobs import logprob_columns, read_scored
 from services.worker.model.ouro import OuroModel, PassAttention
 from services.worker.pass_inputs import DevicePass
@@ -66,7 +73,10 @@ class ModelRunner:
         kv_layout: KVLayout = KVLayout.LAST_EXITED,
         *,
         decode_mode: DecodeMode | None = None,
+        grammars: GrammarBook | None = None,
     ) -> None:
+        """``grammars``: structured outputs (the checkpoint's tokenizer); without it a
+        request with one fails."""
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
@@ -94,6 +104,9 @@ class ModelRunner:
             host_words=self.transfer.host_words,
         )
         self.requests: dict[str, _WorkerRequest] = {}
+        self.grammars = grammars
+        # the live requests with a structured output (empty: passes skip every mask step)
+        self.constrained: dict[str, RequestGrammar] = {}
         self.last_seq = -1
         self.stats = RunnerStats()
         # (rows, tokens) of each core pass of the last batch (the worker's metrics read it)
@@ -110,6 +123,7 @@ class ModelRunner:
         for request_id in batch.finished_request_ids:
             if (req := self.requests.pop(request_id, None)) is not None:
                 self.pool.free(req.pool_slot)
+            self.constrained.pop(request_id, None)
         num_planes = self.total_loops if self.kv_layout == KVLayout.LAST_EXITED else 1
         for new in batch.new_requests:
             old = self.requests.get(new.request_id)
@@ -119,6 +133,13 @@ class ModelRunner:
                 tables=[[] for _ in range(num_planes)],
                 pool_slot=old.pool_slot if old is not None else self.pool.allocate(),
             )
+            constraint = new.sampling.structured_output
+            if constraint is not None:
+                book = self.grammars
+                compiled = book.compile(constraint) if book is not None else None
+                self.constrained[new.request_id] = RequestGrammar(
+                    book, compiled, new.generated_token_ids
+                )
         for delta in batch.block_deltas:
             state = self.requests.get(delta.request_id)
             if state is None:
@@ -234,10 +255,27 @@ class ModelRunner:
         plan = self.planner.plan(active, self.requests, first_pass)  # type: ignore[arg-type]
         words = self.transfer.to_device(plan.host.buffer)
         device = DevicePass(plan.shape, words)
+        masks = self._token_masks(plan) if self.constrained else None
         hidden = self.pass_inputs(plan, device)
-        packed, out = self.run_core(plan, device, hidden)
+        packed, out = self.run_core(plan, device, hidden, masks)
         self._store_prompt_rows(plan, out)
         return plan, packed
+
+    def _token_masks(self, plan: PassPlan) -> PassMasks | None:
+        """The masks of the pass's coda rows with a structured output, filled on the host
+        and sent in one copy; None when it has none."""
+        rows = [
+            (j, grammar)
+            for j, (live, wanted) in enumerate(zip(plan.coda, plan.coda_wanted, strict=True))
+            if wanted and (grammar := self.constrained.get(live.row.request_id)) is not None
+        ]
+        if not rows:
+            return None
+        per_mask = mask_words(self.model.vocab_size)
+        host = self.transfer.host_words(len(rows) * (1 + per_mask))
+        fill_pass_masks(host, rows, per_mask)
+        every_row = len(rows) == len(plan.coda)  # then row i is coda row i
+        return PassMasks(len(rows), self.transfer.to_device(host), every_row)
 
     def _store_prompt_rows(self, plan: PassPlan, out: torch.Tensor) -> None:
         """Prompt rows keep their hidden rows for their next loop (and the coda)."""
@@ -263,11 +301,15 @@ class ModelRunner:
         return hidden
 
     def run_core(
-        self, plan: PassPlan, device: DevicePass, hidden: torch.Tensor
+        self,
+        plan: PassPlan,
+        device: DevicePass,
+        hidden: torch.Tensor,
+        masks: PassMasks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One core pass and everything after it on the device: the exit rule, the pool
-        write, the exit copy, the coda and the sampler. Returns (packed float32 results,
-        the pass's output rows)."""
+        write, the exit copy, the coda, the structured outputs' token masks and the
+        sampler. Returns (packed float32 results, the pass's output rows)."""
         model = self.model
         attn = PassAttention(
             device["token.slot"],
@@ -304,7 +346,8 @@ class ModelRunner:
             packed += [survived, exited.float()]
         if plan.shape.num_coda:
             logits = model.coda(out.index_select(0, device["coda.row"]))
-            ids, bad = self._sample(plan, device, logits)
+            allowed = logits if masks is None else masks.apply(logits)
+            ids, bad = self._sample(plan, device, allowed)
             packed += [ids.float(), bad.float()]
             if plan.logprobs_top >= 0:
                 packed.append(logprob_columns(logits, ids, plan.logprobs_top).flatten())
@@ -366,6 +409,12 @@ class ModelRunner:
                     )
                     continue
                 token = int(tokens[j])
+                grammar = self.constrained.get(live.row.request_id) if self.constrained else None
+                if grammar is not None:
+                    problem = grammar.accept(token, live.row.output_index)
+                    if problem is not None:
+                        row_failed(live, cursor, problem)
+                        continue
                 token_sampled(live, cursor, token)
                 n_top = cursor.sampling.logprobs
                 if n_top >= 0 and width:

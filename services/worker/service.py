@@ -41,11 +41,13 @@ from messages.batch import Batch, BatchResult
 from messages.internal import WorkerBatch, WorkerHeartbeat, WorkerResult
 from services.common.config import KVLayout, SchedulerConfig
 from services.common.model_config import OuroConfig
+from services.common.tokenizer import TextCodec
 from services.runtime import subjects
 from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, publish_chunked
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
 from services.worker.compute import ExecuteTimeEstimate, JobRunner
+from services.worker.grammar import GrammarBook
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from services.worker.sim import SimRunner
@@ -100,6 +102,8 @@ class WorkerService(Service):
         self.dtype = dtype
         self.model: OuroModel | None = None
         self.runner: ModelRunner | SimRunner | None = None
+        # structured outputs (the checkpoint's tokenizer); kept across runner rebuilds
+        self.grammars: GrammarBook | None = None
         self.simulated = device == SIM_DEVICE
         self._sim_config: OuroConfig | None = None
         self._geometry: tuple[int, int, str] = (0, 0, "")
@@ -138,6 +142,10 @@ class WorkerService(Service):
             self.model = await asyncio.to_thread(
                 OuroModel.from_checkpoint, self.checkpoint, dtype=self.dtype, device=self.device
             )
+            codec = await asyncio.to_thread(TextCodec.from_checkpoint, self.checkpoint)
+            if codec is not None:
+                cfg = self.model.cfg
+                self.grammars = GrammarBook(codec, cfg.vocab_size, cfg.stop_token_ids)
         cfg = self.config
         geometry = (cfg.num_blocks, cfg.block_size, str(cfg.kv_layout))
         await asyncio.to_thread(self._make_runner, *geometry)
@@ -193,6 +201,8 @@ class WorkerService(Service):
     async def teardown(self) -> None:
         if self.compute is not None:
             await asyncio.to_thread(self.compute.stop)
+        if self.grammars is not None:
+            self.grammars.close()
         self.telemetry.end_all()
 
     def metrics_registry(self) -> CollectorRegistry | None:
@@ -491,7 +501,9 @@ class WorkerService(Service):
             self.runner = SimRunner.h200(self._sim_config, dilation=dilation)
         else:
             assert self.model is not None
-            self.runner = ModelRunner(self.model, num_blocks, block_size, KVLayout(kv_layout))
+            self.runner = ModelRunner(
+                self.model, num_blocks, block_size, KVLayout(kv_layout), grammars=self.grammars
+            )
 
 
 def _token_loops(batch: Batch) -> int:

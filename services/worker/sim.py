@@ -41,6 +41,7 @@ from services.worker.rows import (
     batch_result,
     end_loop,
     live_rows,
+    row_failed,
     token_sampled,
 )
 
@@ -105,6 +106,12 @@ def mix64(*values: int) -> int:
     return x
 
 
+SIM_REFUSES_STRUCTURED_OUTPUT = (
+    "structured outputs are not supported by the simulated device (--device sim): its tokens "
+    "are not a model's"
+)
+
+
 @dataclass
 class _SimRequest(RowCursor):
     num_prompt_tokens: int = 0
@@ -153,13 +160,17 @@ class SimRunner:
             token = (token + 1) % vocab
         return token
 
-    def exit_loops_at(self, s: WorkerSampling, position: int) -> int:
-        """How many loops the token fed at ``position`` runs before it exits."""
+    def exit_loops_at(self, s: WorkerSampling, position: int, budget: int | None = None) -> int:
+        """How many loops the token fed at ``position`` runs before it exits; a shed depth
+        ``budget`` (BatchRow.max_loops) caps where the request's own rule would exit, as it
+        caps a model's exit gate."""
         high = max(1, min(s.max_loops, self.total_depths))
         if s.exit_threshold >= 1.0:
-            return high
-        low = min(max(1, s.min_loops), high)
-        return low + mix64(s.seed, position, 2) % (high - low + 1)
+            natural = high
+        else:
+            low = min(max(1, s.min_loops), high)
+            natural = low + mix64(s.seed, position, 2) % (high - low + 1)
+        return natural if budget is None else min(natural, budget)
 
     # ------------------------------------------------------------------ execution
     def execute(self, batch: Batch) -> BatchResult:
@@ -222,7 +233,9 @@ class SimRunner:
             if row.compute_logits and loops_run == self.total_depths and r.loops_left == 0:
                 return self._sample(r, req, end - 1)
             return 0
-        exit_at = row.forced_exit_loops or self.exit_loops_at(req.sampling, row.token_start)
+        exit_at = row.forced_exit_loops or self.exit_loops_at(
+            req.sampling, row.token_start, row.max_loops
+        )
         exited = loops_run >= exit_at
         end_loop(r, req, loops_run=loops_run, exited=exited, remaining=row.remaining)
         if exited and row.compute_logits:
@@ -231,6 +244,10 @@ class SimRunner:
 
     def _sample(self, r: LiveRow, req: _SimRequest, last_position: int) -> int:
         assert req.sampling is not None
+        if req.sampling.structured_output is not None:
+            # refused, not ignored: made-up tokens would never follow the format
+            row_failed(r, req, SIM_REFUSES_STRUCTURED_OUTPUT)
+            return 1
         token = self.token_at(req.sampling.seed, last_position + 1)
         n = req.sampling.logprobs
         if n >= 0:  # simulated too: the token is certain, nothing else is possible

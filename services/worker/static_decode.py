@@ -4,9 +4,9 @@ once as a CUDA graph and replayed (one launch instead of hundreds).
 
 Buckets are 1, 2, 4, ... up to ``max_rows``; a decode pass of n rows runs in the smallest
 bucket that holds it, its padding rows masked (no KV write, no exit, a scratch pool row).
-Passes with prompt rows, more rows than the largest bucket, or log-probabilities asked for
-run eagerly. On a CPU the same padded path runs eagerly under ``DecodeMode.PADDED``, so the
-oracle tests cover what a graph replays.
+Passes with prompt rows, more rows than the largest bucket, log-probabilities asked for or
+a structured output's rows run eagerly. On a CPU the same padded path runs eagerly under
+``DecodeMode.PADDED``, so the oracle tests cover what a graph replays.
 """
 
 from __future__ import annotations
@@ -112,6 +112,9 @@ class StaticDecode:
             return None
         requests = self.runner.requests
         if any(requests[live.row.request_id].sampling.logprobs >= 0 for live in active):
+            return None
+        # token masks are filled on the host per pass: a captured graph has no step for them
+        if any(requests[live.row.request_id].sampling.structured_output for live in active):
             return None
         bucket = next(b for b in self.buckets if b >= n)
         plan = self.runner.planner.plan(

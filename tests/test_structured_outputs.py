@@ -1,0 +1,376 @@
+"""Structured outputs in the in-process engine (xgrammar masks on the worker): on a random
+model the mask does all the work, so every output must follow its format; greedy and
+sampled tokens equal the serial oracle run with the same mask; a preemption, a worker loss
+or a move to another shard rebuilds the grammar's state from the tokens; and a request
+without a format is unchanged."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from messages.api import FinishedEvent, TokenEvent
+from messages.errors import RequestError
+from messages.sampling import SamplingParams, StructuredOutput
+from services.common.config import KVAdmission, SchedulerConfig
+from services.common.grammar import check_structured_output, choice_ebnf
+from services.common.tokenizer import TextCodec
+from services.engine.engine import LLMEngine
+from services.engine.executor import InProcessExecutor
+from services.gateway.structured import FormatError, structured_output
+from services.worker.grammar import GrammarBook, PassMasks
+from services.worker.model.toy import toy_config
+from services.worker.runner import ModelRunner
+from services.worker.sim import SIM_REFUSES_STRUCTURED_OUTPUT, SimCostModel, SimRunner
+from tests.engine_harness import TIE_EPS
+from tests.helpers import FORMATS, MaskedSampler, assert_follows
+
+VOCAB = 512  # the toy model's
+
+
+@pytest.fixture(scope="module")
+def codec(toy_checkpoint: Path) -> TextCodec:
+    found = TextCodec.from_checkpoint(toy_checkpoint)
+    assert found is not None
+    return found
+
+
+@pytest.fixture(scope="module")
+def book(codec: TextCodec, toy_model) -> GrammarBook:
+    return GrammarBook(codec, VOCAB, toy_model.cfg.stop_token_ids)
+
+
+def _constraint(name: str) -> StructuredOutput:
+    if name == "json_object":
+        return StructuredOutput(kind="json_object")
+    kind, spec = FORMATS[name]
+    return StructuredOutput(kind=kind, spec=spec)
+
+
+def _workload(
+    count: int, seed: int, json_max_tokens: int = 512
+) -> list[tuple[str, list[int], SamplingParams, str]]:
+    """Random prompts, each with a format (every kind in turn), greedy and sampled, some with
+    early exit: (request id, prompt, params, format name)."""
+    rng = random.Random(seed)
+    names = [*FORMATS, "json_object"]
+    out = []
+    for i in range(count):
+        name = names[i % len(names)]
+        prompt = [rng.randrange(1, 509) for _ in range(rng.randrange(2, 24))]
+        params = SamplingParams(
+            max_tokens=json_max_tokens if name == "json_schema" else 64,
+            temperature=0.0 if i % 2 == 0 else 1.0,
+            seed=1000 + i,
+            min_loops=1,
+            exit_threshold=0.7 if i % 3 == 0 else 1.0,
+            structured_output=_constraint(name),
+        )
+        out.append((f"r{i}", prompt, params, name))
+    return out
+
+
+def _run(engine: LLMEngine, workload) -> tuple[dict[str, FinishedEvent], list[TokenEvent]]:
+    for rid, prompt, params, _ in workload:
+        engine.add_request(rid, prompt, params)
+    events = engine.run_until_done()
+    finished = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
+    return finished, [e for e in events if isinstance(e, TokenEvent)]
+
+
+def _check_formats(finished, workload, codec: TextCodec, book: GrammarBook) -> None:
+    """Every output follows its format: complete ones validate, and json_object outputs cut
+    by max_tokens are prefixes the grammar accepts."""
+    import xgrammar as xgr
+
+    for rid, _, params, name in workload:
+        done = finished[rid]
+        text = codec.decode(done.token_ids)
+        constraint = params.structured_output
+        assert constraint is not None
+        if name == "json_object" and done.finish_reason == "length":
+            matcher = xgr.GrammarMatcher(book.compile(constraint).result())
+            assert all(matcher.accept_token(t) for t in done.token_ids), (rid, text)
+            continue
+        assert done.finish_reason == "stop", (rid, name, done.finish_reason, text)
+        assert_follows(constraint.kind, constraint.spec, text)
+
+
+def _oracle_run(oracle, book: GrammarBook, prompt: list[int], params: SamplingParams):
+    assert params.structured_output is not None
+    sampler = MaskedSampler(book.compile(params.structured_output).result(), VOCAB, params)
+    expected = oracle.generate(
+        prompt,
+        max_tokens=params.max_tokens,
+        min_loops=params.min_loops,
+        exit_threshold=params.exit_threshold,
+        sampler=sampler,
+    )
+    return expected, sampler.gaps
+
+
+def _assert_equals_oracle(done: FinishedEvent, expected, gaps: list[float], label: str) -> int:
+    """Tokens and exit depths equal the oracle's up to its first near-tie (of the masked
+    scores, or of the exit rule); returns how many were compared."""
+    for i, step in enumerate(expected.steps):
+        if step.threshold_margin < TIE_EPS or gaps[i] < TIE_EPS:
+            return i
+        got = (done.token_ids[i], done.exit_depths[i])
+        assert got == (step.token_id, step.exit_depth), (label, i, done.token_ids, expected)
+    assert done.token_ids == expected.token_ids, label
+    assert done.finish_reason == expected.finish_reason, label
+    return len(expected.steps)
+
+
+# ---------------------------------------------------------------------- the engine
+@pytest.mark.oracle
+def test_every_output_follows_its_format_and_equals_the_oracle(
+    toy_model, oracle, codec, book
+) -> None:
+    """Ten random requests, greedy and sampled, every kind, some exiting early, sharing
+    batches (async scheduling, follow-on rows, chunked prefill): each output is complete and
+    valid, and equals the oracle's with the same mask."""
+    workload = _workload(10, seed=7)
+    config = SchedulerConfig(block_size=4, num_blocks=1024, prefill_chunk_size=8)
+    finished, _ = _run(LLMEngine(toy_model, config, codec=codec), workload)
+    _check_formats(finished, workload, codec, book)
+    compared = 0
+    for rid, prompt, params, _ in workload:
+        expected, gaps = _oracle_run(oracle, book, prompt, params)
+        compared += _assert_equals_oracle(finished[rid], expected, gaps, rid)
+    assert compared >= 0.9 * sum(len(f.token_ids) for f in finished.values())
+    depths = {d for f in finished.values() for d in f.exit_depths}
+    assert len(depths) > 1  # early exit happened under the mask
+
+
+@pytest.mark.oracle
+def test_a_request_without_a_format_is_unchanged_beside_constrained_ones(toy_model, codec) -> None:
+    """The same unconstrained requests, alone on an engine without grammars and sharing
+    batches with constrained ones: identical tokens, exit depths and text."""
+    rng = random.Random(3)
+    plain = [
+        (
+            f"p{i}",
+            [rng.randrange(1, 509) for _ in range(rng.randrange(2, 16))],
+            SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.9, seed=i),
+            "",
+        )
+        for i in range(6)
+    ]
+    config = SchedulerConfig(block_size=4, num_blocks=1024, prefill_chunk_size=8)
+    alone, _ = _run(LLMEngine(toy_model, config, codec=codec), plain)
+    mixed_engine = LLMEngine(toy_model, config, codec=codec)
+    mixed, _ = _run(mixed_engine, plain + _workload(5, seed=11))
+    for rid, *_ in plain:
+        assert mixed[rid] == alone[rid], rid
+    # a grammar lives as long as its request on the worker (freed with the next batch)
+    assert set(mixed_engine.runner.constrained) <= set(mixed_engine.runner.requests)
+
+
+@pytest.mark.oracle
+def test_preemption_rebuilds_the_grammar_from_the_generated_tokens(
+    toy_model, oracle, codec, book
+) -> None:
+    """A KV cache too small for everyone: requests are preempted mid-output, recomputed and
+    their known tokens replayed; the worker rebuilds each matcher from those tokens."""
+    # long JSON outputs, so requests hold more KV as they go
+    workload = [w for w in _workload(25, seed=5, json_max_tokens=320) if w[3] == "json_schema"]
+    config = SchedulerConfig(
+        block_size=8,
+        num_blocks=240,
+        max_num_seqs=6,
+        prefill_chunk_size=8,
+        kv_admission=KVAdmission.INCREMENTAL,
+    )
+    resent: list[int] = []  # tokens a request had generated when the worker got it again
+
+    def on_batch(batch) -> None:
+        resent.extend(len(n.generated_token_ids) for n in batch.wire.new_requests)
+
+    engine = LLMEngine(toy_model, config, codec=codec, on_batch=on_batch)
+    finished, tokens = _run(engine, workload)
+    assert engine.scheduler.stats.num_preemptions > 0
+    assert any(n > 0 for n in resent)  # some matchers were rebuilt mid-output
+    _check_formats(finished, workload, codec, book)
+    for rid, prompt, params, _ in workload:
+        expected, gaps = _oracle_run(oracle, book, prompt, params)
+        _assert_equals_oracle(finished[rid], expected, gaps, rid)
+        # each token reached the client once, in order
+        indices = [t.index for t in tokens if t.request_id == rid]
+        assert indices == list(range(len(finished[rid].token_ids)))
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("crash_step", [6, 40])
+def test_a_worker_loss_rebuilds_the_grammar_on_the_new_worker(
+    toy_model, codec, crash_step: int
+) -> None:
+    workload = [w for w in _workload(8, seed=9) if w[3] != "json_object"]
+    config = SchedulerConfig(block_size=4, num_blocks=1024, prefill_chunk_size=8)
+    expected, _ = _run(LLMEngine(toy_model, config, codec=codec), workload)
+    engine = LLMEngine(toy_model, config, codec=codec)
+    for rid, prompt, params, _ in workload:
+        engine.add_request(rid, prompt, params)
+    events = []
+    for _ in range(crash_step):
+        events += engine.step()
+    engine.core.reset_after_executor_loss()
+    engine.runner = ModelRunner(
+        toy_model, config.num_blocks, config.block_size, grammars=engine.grammars
+    )
+    engine.core.executor = InProcessExecutor(engine.runner)
+    events += engine.run_until_done()
+    got = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
+    for rid, want in expected.items():
+        assert (got[rid].token_ids, got[rid].exit_depths) == (want.token_ids, want.exit_depths)
+
+
+@pytest.mark.oracle
+def test_a_request_resumed_with_known_tokens_goes_on_in_its_format(toy_model, codec, book) -> None:
+    """A shard loss resumes a request elsewhere with the tokens its client has: the new
+    worker's matcher starts from them, and the rest equals the uninterrupted run."""
+    workload = [w for w in _workload(4, seed=13) if w[3] in ("json_schema", "grammar")]
+    config = SchedulerConfig(block_size=4, num_blocks=1024)
+    expected, _ = _run(LLMEngine(toy_model, config, codec=codec), workload)
+    engine = LLMEngine(toy_model, config, codec=codec)
+    for rid, prompt, params, _ in workload:
+        want = expected[rid]
+        k = len(want.token_ids) // 2
+        known = (want.token_ids[:k], want.exit_depths[:k])
+        engine.core.add_request(rid, prompt, params, known_outputs=known)
+    got = {e.request_id: e for e in engine.run_until_done() if isinstance(e, FinishedEvent)}
+    for rid, want in expected.items():
+        assert (got[rid].token_ids, got[rid].exit_depths) == (want.token_ids, want.exit_depths)
+    _check_formats(got, workload, codec, book)
+
+
+# ---------------------------------------------------------------------- refusals
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("constraint", "problem"),
+    [
+        (StructuredOutput(kind="regex", spec="a(b"), "parenthesis is not closed"),
+        (StructuredOutput(kind="grammar", spec='root ::= "a" | b'), 'Rule "b" is not defined'),
+        (
+            StructuredOutput(kind="json_schema", spec='{"type": "strin"}'),
+            'Unsupported type "strin"',
+        ),
+        (StructuredOutput(kind="json_schema", spec="[1, 2"), "not a JSON schema"),
+        (StructuredOutput(kind="json_schema", spec="[1, 2]"), "must be an object"),
+        (StructuredOutput(kind="choice", spec='["a", 1]'), "array of strings"),
+        (StructuredOutput(kind="choice", spec="[]"), "array of strings"),
+        (StructuredOutput(kind="regex", spec=""), "needs a spec"),
+        (StructuredOutput(kind="json_object", spec="{}"), "takes no spec"),
+        (StructuredOutput(kind="xml", spec="x"), "kind must be one of"),
+    ],
+)
+def test_a_format_that_does_not_compile_is_refused_naming_the_problem(
+    constraint: StructuredOutput, problem: str
+) -> None:
+    with pytest.raises(RequestError) as err:
+        check_structured_output(constraint)
+    assert problem in err.value.message
+    assert "/project/cpp" not in err.value.message  # xgrammar's source location is not ours
+
+
+@pytest.mark.unit
+def test_the_engine_refuses_what_cannot_run(toy_model, codec) -> None:
+    config = SchedulerConfig(block_size=4, num_blocks=64)
+    bad = SamplingParams(structured_output=StructuredOutput(kind="regex", spec="(("))
+    with pytest.raises(RequestError, match="does not compile"):
+        LLMEngine(toy_model, config, codec=codec).add_request("r", [1, 2], bad)
+    ok = SamplingParams(structured_output=_constraint("regex"))
+    with pytest.raises(RequestError, match="tokenizer"):
+        LLMEngine(toy_model, config).add_request("r", [1, 2], ok)
+    with pytest.raises(RequestError, match="ignore_eos"):
+        SamplingParams(structured_output=_constraint("regex"), ignore_eos=True).validate()
+
+
+@pytest.mark.unit
+def test_the_simulated_device_refuses_a_format() -> None:
+    from services.common.config import ModelLimits
+    from services.scheduler.engine_core import EngineCore
+
+    cfg = toy_config("toy")
+    core = EngineCore(
+        SchedulerConfig(block_size=4, num_blocks=64),
+        ModelLimits.from_model_config(cfg),
+        InProcessExecutor(SimRunner(cfg, SimCostModel.for_model(cfg), sleep=False)),  # type: ignore[arg-type]
+    )
+    core.add_request("r", [1, 2, 3], SamplingParams(structured_output=_constraint("choice")))
+    events = []
+    while core.has_unfinished_requests():
+        events += core.step()
+    assert [e.message for e in events if e.request_id == "r"] == [SIM_REFUSES_STRUCTURED_OUTPUT]
+
+
+# ---------------------------------------------------------------------- pieces
+@pytest.mark.unit
+def test_pass_masks_equal_xgrammars_own_kernel() -> None:
+    """The device-side mask (torch ops) against xgrammar's kernel: random bitmasks with the
+    sign bit set, a vocabulary that is not a multiple of 32, rows without a mask kept."""
+    import xgrammar as xgr
+
+    g = torch.Generator().manual_seed(0)
+    vocab, rows = 77, 5
+    logits = torch.randn(rows, vocab, generator=g)
+    masked_rows = [0, 2, 3]
+    bits = torch.randint(-(2**31), 2**31 - 1, (len(masked_rows), 3), generator=g, dtype=torch.int64)
+    bits = bits.to(torch.int32)
+    words = torch.cat([torch.tensor(masked_rows, dtype=torch.int32), bits.flatten()])
+    got = PassMasks(len(masked_rows), words).apply(logits)
+    want = logits.clone()
+    full = torch.full((rows, 3), -1, dtype=torch.int32)
+    full[masked_rows] = bits
+    xgr.apply_token_bitmask_inplace(want, full)
+    assert torch.equal(got, want)
+    # every row masked, in order: the same without the gather
+    every = torch.randint(-(2**31), 2**31 - 1, (rows, 3), generator=g, dtype=torch.int64)
+    every = every.to(torch.int32)
+    words = torch.cat([torch.arange(rows, dtype=torch.int32), every.flatten()])
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, every)
+    assert torch.equal(PassMasks(rows, words, every_row=True).apply(logits), want)
+
+
+@pytest.mark.unit
+def test_choices_become_an_exact_grammar() -> None:
+    assert choice_ebnf(["a", 'b"c', "déjà"]) == 'root ::= "a" | "b\\"c" | "déjà"'
+
+
+@pytest.mark.unit
+def test_the_gateway_reads_openai_and_vllm_formats() -> None:
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}}
+    got = structured_output(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}},
+        None,
+    )
+    assert got == StructuredOutput(kind="json_schema", spec=json.dumps(schema).replace(" ", ""))
+    assert structured_output({"type": "json_object"}, None) == StructuredOutput(kind="json_object")
+    assert structured_output(None, {"choice": ["x", "y"]}) == StructuredOutput(
+        kind="choice", spec='["x","y"]'
+    )
+    assert structured_output(None, {"regex": "a+", "disable_fallback": True}) == (
+        StructuredOutput(kind="regex", spec="a+")
+    )
+    assert structured_output({"type": "text"}, None) is None
+    for response_format, vllm, param in [
+        ({"type": "json_object"}, {"regex": "a"}, "structured_outputs"),
+        (None, {"regex": "a", "json": "{}"}, "structured_outputs"),
+        (None, {"regex": "a", "whitespace_pattern": " "}, "structured_outputs.whitespace_pattern"),
+        (None, {"regex": "a", "nope": 1}, "structured_outputs.nope"),
+        (None, {"choice": "a"}, "structured_outputs.choice"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x"}},
+            None,
+            "response_format.json_schema.schema",
+        ),
+        ({"type": "grammar"}, None, "response_format"),
+    ]:
+        with pytest.raises(FormatError) as err:
+            structured_output(response_format, vllm)
+        assert err.value.param == param
