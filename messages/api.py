@@ -63,6 +63,10 @@ class TokenEvent(
     # the first token's event (index 0), when the request asked for ``prompt_logprobs``:
     # one entry per prompt token, in order
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # the first token's event only: the prompt's token count and how many of them the prefix
+    # cache held, so a stream can report its usage before it ends
+    num_prompt_tokens: int | None = None
+    num_cached_tokens: int | None = None
 
 
 class FinishedEvent(msgspec.Struct, gc=False, kw_only=True, tag="finished", tag_field="type"):

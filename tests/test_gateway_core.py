@@ -140,10 +140,6 @@ def test_chat_translation() -> None:
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"parallel_tool_calls": False}, "parallel_tool_calls"),
         (
-            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
-            "stream_options.continuous_usage_stats",
-        ),
-        (
             {"stream": True, "stream_options": {"include_obfuscation": True}},
             "stream_options.include_obfuscation",
         ),

@@ -5,6 +5,8 @@ httpx:
 - completions and chat completions, streamed and not: greedy tokens and exit depths equal
   the serial oracle, usage numbers are right, string stops cut the text; log-probabilities
   (of the generated tokens, and of an echoed prompt as lm-eval asks) equal the oracle's;
+- usage: a repeated prompt's prefix-cache hit in ``cached_tokens``, and vLLM's continuous
+  usage on every streamed frame;
 - server-sent events leave as tokens are made: the first frame reaches curl before the
   scheduler finished the request (its log says when);
 - a client that disconnects mid-stream has its request aborted and its KV freed, seen
@@ -73,7 +75,7 @@ def up(toy_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     http_port = free_port()
     env = {**_up_env(workdir), "RLT_METRICS_INTERVAL_S": "0.2"}
     cmd = _up_command(toy_checkpoint, free_port(), http_port, workdir)
-    cmd += ["--served-model-name", MODEL, "--async-scheduling"]
+    cmd += ["--served-model-name", MODEL, "--async-scheduling", "--enable-prefix-caching"]
     proc, _ = start_rlt_up(cmd, env, log, timeout_s=90)
     try:
         yield Up(f"http://127.0.0.1:{http_port}", log, proc)
@@ -208,6 +210,54 @@ def test_openai_client_chat_equals_the_oracle(
     assert text == choice.message.content
     assert chunks[-1].usage.prompt_tokens == len(prompt)
     assert chunks[-1].usage.completion_tokens == 9
+
+
+def test_usage_reports_cached_tokens_and_streams_it_on_every_frame(up: Up) -> None:
+    """A repeated prompt reports the prefix cache's hit in ``cached_tokens``; with vLLM's
+    ``continuous_usage_stats`` every streamed frame carries the usage so far."""
+    client = _client(up)
+    block = CONFIG.block_size
+    prompt = [(11 * i) % 300 + 3 for i in range(4 * block + 3)]
+    first = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body=GREEDY
+    )
+    again = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body=GREEDY
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # every whole block of the prompt but the one holding its last token
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (len(prompt) - 1) // block * block, cached
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count to nine."}],
+        max_tokens=9,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body=GREEDY,
+    )
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks), "a frame without usage"
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+    assert prompt_tokens > 0 and all(c.usage.prompt_tokens == prompt_tokens for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 9, counts
+    framed = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    # a frame with text counts every token framed up to it
+    ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
+    assert len(ids) == 9 and framed[-1].usage.completion_tokens <= 9
+    for c in chunks:
+        assert c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens
+
+    # without it, only the last frame has usage (OpenAI's rule)
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=GREEDY,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
 
 
 def test_n_choices_equal_the_engine_with_their_seeds(

@@ -313,7 +313,7 @@ class _Call:
             gone.cancel()
         model, opts = self.backend.model_name, self.options
         encoders = [
-            SseEncoder(self.chat, self.request_id, model, self.created, opts, c.index)
+            SseEncoder(self.chat, self.request_id, model, self.created, opts, c.index, c.answer)
             for c in self.choices
         ]
         frames = b"".join(e.deltas(d) for e, d in zip(encoders, first, strict=True))

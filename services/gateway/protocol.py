@@ -94,8 +94,7 @@ def error_body(code: str, message: str, param: str | None = None) -> dict[str, A
 # ---------------------------------------------------------------------- requests
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
-    # vLLM's usage on every frame: the prompt's token count is known only when the engine's
-    # last event comes, so it is refused rather than sent wrong
+    # vLLM's usage on every frame (with include_usage, as vLLM reads it): the counts so far
     continuous_usage_stats: bool = False
     # OpenAI's random padding of stream frames (against a network observer guessing token
     # lengths from frame sizes): not implemented, so only ``false`` is taken
@@ -267,6 +266,8 @@ class Options:
     # or its token ids decoded by the checkpoint's tokenizer); None: no echo
     echo_text: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt's, in vLLM's shape
+    # vLLM's continuous_usage_stats: every frame carries the usage so far
+    continuous_usage: bool = False
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
@@ -313,9 +314,11 @@ def options(
                 "echo of a token-id prompt needs a checkpoint with a tokenizer", param="echo"
             )
     stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    usage = req.stream_options or StreamOptions()
     return Options(
         stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        include_usage=usage.include_usage,
+        continuous_usage=usage.include_usage and usage.continuous_usage_stats,
         stops=stops,
         include_stop_str=bool(req.include_stop_str_in_output),
         return_token_ids=bool(req.return_token_ids),
@@ -418,12 +421,6 @@ def _check_common(req: _Common) -> None:
             raise ApiError(
                 "stream_options is only allowed with stream=true", param="stream_options"
             )
-        _refuse_if(
-            req.stream_options.continuous_usage_stats,
-            "stream_options.continuous_usage_stats",
-            "stream_options.continuous_usage_stats is not supported by rlt: with "
-            "include_usage, the usage comes in the stream's last frame",
-        )
         _refuse_if(req.stream_options.include_obfuscation, "stream_options.include_obfuscation")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if any(not s for s in stops):

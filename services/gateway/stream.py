@@ -102,6 +102,9 @@ class Answer:
         if self.finish_reason is not None or self.error is not None:
             return []  # the engine ran on after a stop string matched: not shown
         first = not self.token_ids
+        if event.num_prompt_tokens is not None:  # the first token's: usage before the end
+            self.num_prompt_tokens = event.num_prompt_tokens
+            self.num_cached_tokens = event.num_cached_tokens or 0
         self.token_ids.append(event.token_id)
         self.exit_depths.append(event.exit_depth)
         delta = Delta("", [event.token_id], [event.exit_depth])
@@ -215,10 +218,15 @@ class SseEncoder:
         created: int,
         options: Options,
         index: int = 0,
+        answer: Answer | None = None,
     ):
         self.chat = chat
         self.options = options
         self.index = index
+        # with continuous usage: whose prompt counts each frame reports, and the exit depths
+        # of the tokens this encoder has framed so far (the completion tokens counted)
+        self._answer = answer if options.continuous_usage else None
+        self._framed_depths: list[int] = []
         self._head = {
             "id": request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -236,7 +244,7 @@ class SseEncoder:
         # fixed, so it is built by concatenation (the same bytes the general path makes)
         self._text_frame: tuple[bytes, bytes] | None = None
         plain = options.logprobs is None and options.prompt_logprobs is None
-        if not options.return_token_ids and plain:
+        if not options.return_token_ids and plain and self._answer is None:
             marker = "\x00"
             probe = self._frame({"content": marker} if chat else marker, None)
             before, after = probe.split(_JSON.encode(marker))
@@ -249,6 +257,7 @@ class SseEncoder:
             self._started = True
             frames.append(self._frame({"role": "assistant", "content": ""}, None))
         for d in deltas:
+            self._framed_depths += d.exit_depths
             if self.options.return_token_ids:  # the only frames that carry them
                 self._ids += d.token_ids
                 self._depths += d.exit_depths
@@ -292,7 +301,11 @@ class SseEncoder:
         if self.options.return_token_ids:
             choice["token_ids"], self._ids = self._ids, []
             choice["exit_depths"], self._depths = self._depths, []
-        if self.options.include_usage:
+        if self._answer is not None:  # vLLM's continuous usage: the counts so far
+            a = self._answer
+            usage = Usage(a.num_prompt_tokens, a.num_cached_tokens, self._framed_depths)
+            chunk["usage"] = usage.body()
+        elif self.options.include_usage:
             chunk["usage"] = None  # only the last chunk carries usage (OpenAI's rule)
         return _sse(chunk)
 

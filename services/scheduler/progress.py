@@ -296,15 +296,18 @@ class Progress:
             request.output_loop_budgets.append(loop_budget)
             request.num_shed_tokens += 1
             self._state.stats.num_shed_tokens += 1
+        index = len(request.output_token_ids) - 1
         events.append(
             TokenEvent(
                 request_id=request.request_id,
-                index=len(request.output_token_ids) - 1,
+                index=index,
                 token_id=token_id,
                 exit_depth=exit_loops,
                 text="",  # filled in by the output processor
                 logprobs=None if row.logprobs is None else token_logprobs(row, token_id),
                 prompt_logprobs=prompt,
+                num_prompt_tokens=request.num_prompt_tokens if index == 0 else None,
+                num_cached_tokens=request.num_cached_tokens if index == 0 else None,
             )
         )
         if token_id in params.stop_token_ids or (
