@@ -165,9 +165,7 @@ def test_infinite_logits_give_finite_logprobs() -> None:
     assert first.logprob == LOGPROB_FLOOR  # the -inf logit
     assert first.top_ids == [3, 2, 0, 1]
     assert first.top_logprobs[:3] == pytest.approx(torch.log_softmax(logits[0, [3, 2, 0]], 0))
-    assert all(
-        math.isfinite(v) for r in results for v in [r.logprob, *r.top_logprobs]
-    )
+    assert all(math.isfinite(v) for r in results for v in [r.logprob, *r.top_logprobs])
     assert second.logprob <= 0.0
 
 
