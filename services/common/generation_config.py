@@ -14,14 +14,13 @@ or sampling.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.config_error import ConfigError
+from services.common.config_error import ConfigError, load_json_file
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -97,14 +96,7 @@ class GenerationDefaults:
         path = Path(checkpoint_dir) / GENERATION_CONFIG_FILE
         if not path.is_file():
             return cls()
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: invalid JSON: {e}") from e
-        try:
-            return cls.from_dict(raw)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from e
+        return load_json_file(path, cls.from_dict)
 
 
 def _nonneg_int(name: str, value: Any) -> int:

@@ -8,14 +8,13 @@ message naming it and its value; absent fields take the defaults of HF's ``OuroC
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from services.common.config_error import ConfigError
+from services.common.config_error import ConfigError, load_json_file
 from services.common.generation_config import (
     GENERATION_CONFIG_FILE,
     GENERATION_KEYS,
@@ -226,12 +225,9 @@ class OuroConfig:
         source = ckpt / GENERATION_CONFIG_FILE
         if source.is_file():
             generation = GenerationDefaults.from_checkpoint(ckpt)
-        else:
+        else:  # the sampling defaults config.json itself carries
             source = ckpt / CONFIG_FILE
-            try:
-                generation = GenerationDefaults.from_dict(json.loads(source.read_text("utf-8")))
-            except ConfigError as e:
-                raise ConfigError(f"{source}: {e}") from e
+            generation = load_json_file(source, GenerationDefaults.from_dict)
         try:
             return replace(cfg, generation=generation)
         except ConfigError as e:
@@ -239,17 +235,7 @@ class OuroConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> OuroConfig:
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError as e:
-            raise ConfigError(f"{path}: config file not found") from e
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: invalid JSON: {e}") from e
-        try:
-            return cls.from_dict(raw)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from e
+        return load_json_file(Path(path), cls.from_dict)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The published HF Ouro config.json layout (field names exactly as HF uses them)."""
