@@ -11,7 +11,6 @@ time. Everything is float32, including the exit-policy arithmetic.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +18,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+
+from services.oracle.checkpoint import (
+    LayerWeights,
+    read_config,
+    read_tensors,
+    take_tensor,
+)
+from services.oracle.exit_tracker import ExitTracker
 
 KV_LAYOUTS = ("last_exited", "shared")
 TOP_LOGPROBS = 20  # alternatives each OracleStep records (the API's most)
@@ -56,176 +62,6 @@ class OracleResult:
     exit_depths: list[int]
     finish_reason: str
     steps: list[OracleStep] = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------------------------
-# Exit policy
-# --------------------------------------------------------------------------------------------
-
-
-class ExitTracker:
-    """Per-token exit policy state, evaluated exactly in float32.
-
-    After loop r: ``λ_r = sigmoid(gate_logit)``; ``remaining *= 1 - λ_r`` (on every loop, also
-    below ``min_loops``); ``cdf = 1 - remaining``. Exit when ``r >= max_loops`` or when
-    ``threshold < 1 and r >= min_loops and cdf >= threshold``. The comparison is done in
-    float32 (the threshold is rounded to float32), as a tensor comparison on device would.
-    """
-
-    def __init__(self, min_loops: int, max_loops: int, threshold: float) -> None:
-        self.min_loops = min_loops
-        self.max_loops = max_loops
-        self.threshold = threshold
-        self._threshold_f32 = torch.tensor(threshold, dtype=torch.float32)
-        self.remaining = torch.tensor(1.0, dtype=torch.float32)
-        self.loops = 0
-        self.margin = math.inf
-
-    @property
-    def cdf(self) -> torch.Tensor:
-        return (1.0 - self.remaining).to(torch.float32)
-
-    def observe(self, gate_logit: torch.Tensor | float) -> bool:
-        """Account for one finished loop given its gate logit; return True to exit now."""
-        logit = torch.as_tensor(gate_logit, dtype=torch.float32).reshape(())
-        return self.observe_hazard(torch.sigmoid(logit))
-
-    def observe_hazard(self, hazard: torch.Tensor | float) -> bool:
-        """Like :meth:`observe` but with the hazard λ_r given directly."""
-        lam = torch.as_tensor(hazard, dtype=torch.float32).reshape(())
-        self.loops += 1
-        # Each op on float32 0-d tensors rounds to float32, matching a float32 device kernel.
-        self.remaining = (self.remaining * (1.0 - lam)).to(torch.float32)
-        r = self.loops
-        if r >= self.max_loops:
-            return True
-        if self.threshold < 1.0 and r >= self.min_loops:
-            cdf = self.cdf
-            self.margin = min(self.margin, abs(float(cdf) - self.threshold))
-            return bool(cdf >= self._threshold_f32)
-        return False
-
-
-# --------------------------------------------------------------------------------------------
-# Checkpoint
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Config:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    total_ut_steps: int
-    tie_word_embeddings: bool
-    # config.json's eos, then generation_config.json's (HF's generate() stops at the latter)
-    eos_token_ids: tuple[int, ...]
-    early_exit_threshold: float
-    default_max_tokens: int
-    # per layer: None (full causal attention) or the sliding window's size in tokens
-    windows: tuple[int | None, ...]
-
-
-def _eos_list(eos: object) -> list[int]:
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]  # type: ignore[call-overload]
-
-
-def _layer_windows(raw: dict, num_layers: int) -> tuple[int | None, ...]:
-    """HF OuroConfig: sliding_window only when use_sliding_window; layer_types, else sliding
-    for layers >= max_window_layers (default 28)."""
-    window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
-    types = raw.get("layer_types") or [
-        "sliding_attention"
-        if window is not None and i >= raw.get("max_window_layers", 28)
-        else "full_attention"
-        for i in range(num_layers)
-    ]
-    return tuple(window if t == "sliding_attention" else None for t in types)
-
-
-def _read_config(path: Path) -> _Config:
-    """config.json (and generation_config.json beside it), with HF OuroConfig's defaults."""
-    raw = json.loads(path.read_text())
-    gen_path = path.parent / "generation_config.json"
-    # without a generation_config.json, HF derives the generation config from config.json
-    gen = json.loads(gen_path.read_text()) if gen_path.exists() else raw
-    hidden = int(raw["hidden_size"])
-    heads = int(raw["num_attention_heads"])
-    kv_heads = raw.get("num_key_value_heads", 32)  # absent: HF's default; null: MHA
-    kv_heads = heads if kv_heads is None else int(kv_heads)
-    head_dim = raw.get("head_dim")
-    head_dim = int(head_dim) if head_dim else hidden // heads
-    if heads % kv_heads != 0:
-        raise ValueError(f"num_attention_heads={heads} not divisible by kv heads={kv_heads}")
-    eos_ids = tuple(
-        dict.fromkeys(_eos_list(raw.get("eos_token_id")) + _eos_list(gen.get("eos_token_id")))
-    )
-    threshold = raw.get("early_exit_threshold")
-    layers = int(raw["num_hidden_layers"])
-    return _Config(
-        hidden_size=hidden,
-        intermediate_size=int(raw["intermediate_size"]),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=int(raw["vocab_size"]),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-        total_ut_steps=int(raw.get("total_ut_steps", 4)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        eos_token_ids=eos_ids,
-        early_exit_threshold=1.0 if threshold is None else float(threshold),
-        default_max_tokens=int(gen.get("max_new_tokens") or 16),
-        windows=_layer_windows(raw, layers),
-    )
-
-
-def _read_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    single = ckpt / "model.safetensors"
-    index = ckpt / "model.safetensors.index.json"
-    if single.exists():
-        tensors = load_file(str(single))
-    elif index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        tensors = {}
-        for shard in sorted(set(weight_map.values())):
-            tensors.update(load_file(str(ckpt / shard)))
-    else:
-        raise FileNotFoundError(f"no model.safetensors(.index.json) in {ckpt}")
-    # The oracle is float32 throughout, whatever the checkpoint dtype.
-    return {name: t.to(torch.float32) for name, t in tensors.items()}
-
-
-@dataclass
-class _Layer:
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    wo: torch.Tensor
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down: torch.Tensor
-    norm_in: torch.Tensor  # input_layernorm
-    norm_attn_out: torch.Tensor  # input_layernorm_2
-    norm_post: torch.Tensor  # post_attention_layernorm
-    norm_mlp_out: torch.Tensor  # post_attention_layernorm_2
-
-
-def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    if name not in tensors:
-        raise KeyError(f"checkpoint is missing tensor {name!r}")
-    return tensors[name]
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,40 +102,40 @@ class SerialOracle:
 
     def __init__(self, checkpoint_dir: str | Path) -> None:
         ckpt = Path(checkpoint_dir)
-        cfg = _read_config(ckpt / "config.json")
+        cfg = read_config(ckpt / "config.json")
         self._cfg = cfg
         self.total_ut_steps = cfg.total_ut_steps
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = cfg.eos_token_ids
         self.max_position_embeddings = cfg.max_position_embeddings
 
-        t = _read_tensors(ckpt)
-        self._embed = _take(t, "model.embed_tokens.weight")
-        self._norm = _take(t, "model.norm.weight")
-        self._gate_w = _take(t, "model.early_exit_gate.weight").reshape(1, cfg.hidden_size)
-        self._gate_b = _take(t, "model.early_exit_gate.bias").reshape(1)
+        t = read_tensors(ckpt)
+        self._embed = take_tensor(t, "model.embed_tokens.weight")
+        self._norm = take_tensor(t, "model.norm.weight")
+        self._gate_w = take_tensor(t, "model.early_exit_gate.weight").reshape(1, cfg.hidden_size)
+        self._gate_b = take_tensor(t, "model.early_exit_gate.bias").reshape(1)
         if "lm_head.weight" in t:
             self._lm_head = t["lm_head.weight"]
         elif cfg.tie_word_embeddings:
             self._lm_head = self._embed
         else:
             raise KeyError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-        self._layers: list[_Layer] = []
+        self._layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             self._layers.append(
-                _Layer(
-                    wq=_take(t, p + "self_attn.q_proj.weight"),
-                    wk=_take(t, p + "self_attn.k_proj.weight"),
-                    wv=_take(t, p + "self_attn.v_proj.weight"),
-                    wo=_take(t, p + "self_attn.o_proj.weight"),
-                    w_gate=_take(t, p + "mlp.gate_proj.weight"),
-                    w_up=_take(t, p + "mlp.up_proj.weight"),
-                    w_down=_take(t, p + "mlp.down_proj.weight"),
-                    norm_in=_take(t, p + "input_layernorm.weight"),
-                    norm_attn_out=_take(t, p + "input_layernorm_2.weight"),
-                    norm_post=_take(t, p + "post_attention_layernorm.weight"),
-                    norm_mlp_out=_take(t, p + "post_attention_layernorm_2.weight"),
+                LayerWeights(
+                    wq=take_tensor(t, p + "self_attn.q_proj.weight"),
+                    wk=take_tensor(t, p + "self_attn.k_proj.weight"),
+                    wv=take_tensor(t, p + "self_attn.v_proj.weight"),
+                    wo=take_tensor(t, p + "self_attn.o_proj.weight"),
+                    w_gate=take_tensor(t, p + "mlp.gate_proj.weight"),
+                    w_up=take_tensor(t, p + "mlp.up_proj.weight"),
+                    w_down=take_tensor(t, p + "mlp.down_proj.weight"),
+                    norm_in=take_tensor(t, p + "input_layernorm.weight"),
+                    norm_attn_out=take_tensor(t, p + "input_layernorm_2.weight"),
+                    norm_post=take_tensor(t, p + "post_attention_layernorm.weight"),
+                    norm_mlp_out=take_tensor(t, p + "post_attention_layernorm_2.weight"),
                 )
             )
         hd = cfg.head_dim
@@ -320,7 +156,7 @@ class SerialOracle:
         return x * cos + _rotate_half(x) * sin
 
     def _attention(
-        self, layer: int, w: _Layer, x: torch.Tensor, start: int, kv: _DenseKV, plane: int
+        self, layer: int, w: LayerWeights, x: torch.Tensor, start: int, kv: _DenseKV, plane: int
     ) -> torch.Tensor:
         """Causal attention for queries at positions [start, start+n) against ``plane``.
 
