@@ -48,7 +48,7 @@ LIMITS = ModelLimits(
 # ---------------------------------------------------------------------- the controller
 def _request(i: int, **params: object) -> Request:
     resolved = LIMITS.resolve(SamplingParams(max_tokens=4, **params))  # type: ignore[arg-type]
-    return Request(f"r{i}", [1, 2, 3], resolved, seed=i, arrival_seq=i, total_depths=D)
+    return Request(f"r{i}", [1, 2, 3], resolved, seed=i, arrival_seq=i, total_ut_steps=D)
 
 
 def _state(seats: int = 8, **config: object) -> SchedulerState:

@@ -34,7 +34,7 @@ class Progress:
     def __init__(self, state: SchedulerState) -> None:
         self._state = state
         # read per row: plain attributes, not lookups through the config
-        self._total_depths = state.total_depths
+        self._total_ut_steps = state.total_ut_steps
         self._eos_token_ids = state.limits.eos_token_ids
         self._async = state.config.async_scheduling
 
@@ -96,7 +96,7 @@ class Progress:
             if task.compute_logits:
                 request.pending_token_rows -= 1
                 # the prompt's token: full depth, never shed
-                self._append_token(request, row, self._total_depths, None, events)
+                self._append_token(request, row, self._total_ut_steps, None, events)
         return events
 
     def fail_batch(self, batch: ScheduledBatch, message: str) -> list[StreamEvent]:
@@ -214,7 +214,7 @@ class Progress:
                     f"frontier {request.ready_end(d)}"
                 )
             request.prefill_depth_ranges[d] = (origin, end)
-        return depth + loop_count == self._total_depths
+        return depth + loop_count == self._total_ut_steps
 
     def _retire_prefill_chunk(self, request: Request, start: int, end: int, batch_seq: int) -> None:
         """The final depth passed [start, end): those prompt positions are complete, and

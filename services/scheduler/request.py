@@ -26,7 +26,7 @@ class Request:
     params: SamplingParams  # resolved: max_loops is set
     seed: int
     arrival_seq: int
-    total_depths: int
+    total_ut_steps: int
     trace_id: str = ""
     phase: Phase = Phase.WAITING
     # bumped on preemption so results of batches sent before it are ignored
@@ -138,7 +138,7 @@ class Request:
         """Admission / preemption reset: the only writers of the frontiers besides progress."""
         self.prefill_window_origin = origin
         self.num_preluded_tokens = origin
-        self.prefill_depth_ranges = [(origin, origin) for _ in range(self.total_depths)]
+        self.prefill_depth_ranges = [(origin, origin) for _ in range(self.total_ut_steps)]
         self.prefill_reclaimable_tokens = origin
         self.num_computed_tokens = origin
         self.decode_depth = 0

@@ -54,7 +54,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.limits = limits
-        self.total_depths = limits.total_ut_steps
+        self.total_ut_steps = limits.total_ut_steps
         self._state = SchedulerState(config, limits, new_kv(config, limits))
         # prefix events leave in envelopes with a per-producer event_seq and a fresh epoch
         self.prefix_log = PrefixEventLog(producer_id)
@@ -86,7 +86,7 @@ class Scheduler:
 
     @property
     def depth_budget(self) -> int:
-        """Loops a new decode token may run (total_depths unless overload shedding lowered
+        """Loops a new decode token may run (total_ut_steps unless overload shedding lowered
         it; a request's own max_loops and min_loops still bound its tokens)."""
         return self._state.depth_budget
 
@@ -129,12 +129,12 @@ class Scheduler:
             params=resolved,
             seed=seed,
             arrival_seq=self._arrivals,
-            total_depths=self.total_depths,
+            total_ut_steps=self.total_ut_steps,
             trace_id=trace_id,
             output_token_ids=list(known_ids),
             output_exit_depths=list(known_loops),
             # what budgets the other shard ran them under is not known: counted as not shed
-            output_loop_budgets=[resolved.max_loops or self.total_depths] * len(known_ids),
+            output_loop_budgets=[resolved.max_loops or self.total_ut_steps] * len(known_ids),
         )
         if self.config.enable_prefix_caching:
             request.block_hashes = prompt_block_hashes(

@@ -43,7 +43,7 @@ class Selector:
     def __init__(self, state: SchedulerState) -> None:
         self._state = state
         config = state.config
-        self._total_depths = state.total_depths
+        self._total_ut_steps = state.total_ut_steps
         # async refill: a request whose decode row is in flight sends its next loop as a
         # follow-on row instead of sitting out a batch (cohort batching holds rows anyway)
         self._follow_ons = config.async_scheduling and config.refill
@@ -163,7 +163,7 @@ class Selector:
 
     def _token_budget(self, request: Request) -> int | None:
         budget = self._state.depth_budget
-        return None if budget >= self._total_depths else token_budget(request, budget)
+        return None if budget >= self._total_ut_steps else token_budget(request, budget)
 
     # ------------------------------------------------------------------ prompt work
     def _take_wavefront_phase(
@@ -202,7 +202,7 @@ class Selector:
             return _count_up()
         if phase == Phase.PREFILL:
             return (0,)
-        return range(self._total_depths)
+        return range(self._total_ut_steps)
 
     def _chunk_end(self, request: Request, start: int) -> int:
         """Chunk boundaries are measured from the prefill origin (the prefix-cache hit)."""
@@ -219,7 +219,7 @@ class Selector:
         prelude_cursors: dict[str, int] | None,
     ) -> ScheduledTask | None:
         prompt_len = request.num_prompt_tokens
-        total_depths = self._total_depths
+        total_ut_steps = self._total_ut_steps
         if phase is _SPLIT_PRELUDE:
             if request.phase is not _SPLIT_PRELUDE or prelude_cursors is None:
                 return None
@@ -232,11 +232,11 @@ class Selector:
         if phase is _ATOMIC:
             if request.phase is not _ATOMIC:
                 return None
-            start = request.prefill_right(total_depths - 1)
+            start = request.prefill_right(total_ut_steps - 1)
             if start >= prompt_len:
                 return None
             end = self._chunk_end(request, start)
-            return _task(request, _PREFILL, start, end, depth=0, loops=total_depths, embed=True)
+            return _task(request, _PREFILL, start, end, depth=0, loops=total_ut_steps, embed=True)
 
         if request.phase not in _SPLIT_PREFILLING:
             return None
@@ -251,7 +251,7 @@ class Selector:
         if not self._state.config.wavefront_chunked_prefill:
             # depth-serial split prefill: run every depth whose frontier is level with this
             # one in the same task (several depths of one request in one update)
-            while depth + loops < total_depths and request.prefill_right(depth + loops) == start:
+            while depth + loops < total_ut_steps and request.prefill_right(depth + loops) == start:
                 loops += 1
         return _task(request, _PREFILL, start, end, depth=depth, loops=loops)
 
@@ -276,7 +276,7 @@ class Selector:
         task.generation = request.generation
         if kind is _PREFILL:
             reaches_coda = (
-                task.depth + task.num_loops == self._total_depths
+                task.depth + task.num_loops == self._total_ut_steps
                 and task.token_end == request.num_prompt_tokens
             )
             # a recomputed request already knows its first token

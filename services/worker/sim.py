@@ -140,7 +140,7 @@ class SimRunner:
     ) -> None:
         self.cfg = cfg
         self.cost = cost
-        self.total_depths = cfg.total_ut_steps
+        self.total_ut_steps = cfg.total_ut_steps
         self.eos = frozenset(cfg.eos_token_ids)
         self.sleep = sleep  # False: only account (tests)
         self.requests: dict[str, _SimRequest] = {}
@@ -164,7 +164,7 @@ class SimRunner:
         """How many loops the token fed at ``position`` runs before it exits; a shed depth
         ``budget`` (BatchRow.max_loops) caps where the request's own rule would exit, as it
         caps a model's exit gate."""
-        high = max(1, min(s.max_loops, self.total_depths))
+        high = max(1, min(s.max_loops, self.total_ut_steps))
         if s.exit_threshold >= 1.0:
             natural = high
         else:
@@ -230,7 +230,7 @@ class SimRunner:
         r.depth += 1
         if not r.is_decode:
             end = row.token_start + row.token_count
-            if row.compute_logits and loops_run == self.total_depths and r.loops_left == 0:
+            if row.compute_logits and loops_run == self.total_ut_steps and r.loops_left == 0:
                 return self._sample(r, req, end - 1)
             return 0
         exit_at = row.forced_exit_loops or self.exit_loops_at(
