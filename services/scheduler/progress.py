@@ -287,7 +287,7 @@ class Progress:
             prompt, request.prompt_logprobs = prompt_entries(request), None
         request.output_token_ids.append(token_id)
         # the public API names this loop count "exit_depth" (docs/ARCHITECTURE.md)
-        request.output_exit_depths.append(exit_loops)
+        request.output_exit_loops.append(exit_loops)
         params = request.params
         if loop_budget is None:
             assert params.max_loops is not None  # resolved at add_request

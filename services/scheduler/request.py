@@ -33,7 +33,7 @@ class Request:
     generation: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
-    output_exit_depths: list[int] = field(default_factory=list)
+    output_exit_loops: list[int] = field(default_factory=list)
     # overload shedding: each output token's depth budget (the most loops it could run),
     # and how many of them ran under one lowered below params.max_loops
     output_loop_budgets: list[int] = field(default_factory=list)
@@ -116,7 +116,7 @@ class Request:
         output is already known replays that token's recorded exit."""
         index = position - self.num_prompt_tokens + 1
         if index < len(self.output_token_ids):
-            return self.output_exit_depths[index]
+            return self.output_exit_loops[index]
         return 0
 
     def note_dropped_prefill(self) -> None:

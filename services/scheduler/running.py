@@ -85,7 +85,7 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
             request_id=request.request_id,
             finish_reason=reason,
             token_ids=list(request.output_token_ids),
-            exit_depths=list(request.output_exit_depths),
+            exit_depths=list(request.output_exit_loops),
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             shed_tokens=request.num_shed_tokens,

@@ -132,7 +132,7 @@ class Scheduler:
             total_ut_steps=self.total_ut_steps,
             trace_id=trace_id,
             output_token_ids=list(known_ids),
-            output_exit_depths=list(known_loops),
+            output_exit_loops=list(known_loops),
             # what budgets the other shard ran them under is not known: counted as not shed
             output_loop_budgets=[resolved.max_loops or self.total_ut_steps] * len(known_ids),
         )

@@ -115,7 +115,7 @@ class Selector:
             return
         # Request.forced_exit_loops_at, inlined
         index = position - request.num_prompt_tokens + 1
-        forced = request.output_exit_depths[index] if index < len(request.output_token_ids) else 0
+        forced = request.output_exit_loops[index] if index < len(request.output_token_ids) else 0
         # a token keeps the budget its first loop ran under; a replayed exit needs none
         if forced:
             budget = None

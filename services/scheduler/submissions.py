@@ -131,7 +131,7 @@ class Submissions:
             resync = RelayedEvent(
                 seq=live.admission_seq,
                 known_token_ids=list(request.output_token_ids),
-                known_exit_depths=list(request.output_exit_depths),
+                known_exit_depths=list(request.output_exit_loops),
             )
             self._out.relays.append(Relay(live.relay, live.admission_id, resync))
         self._notice(track, req.request_id, "accepted")
