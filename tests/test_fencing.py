@@ -219,7 +219,7 @@ async def test_worker_refuses_another_scheduler_and_bad_messages_get_answers(
             for i, (ids, p) in enumerate(cases):
                 await col.send(i, as_request(f"w-{i}", ids, p))
             await wait_for(lambda: all(len(col.tokens(i)) >= 2 for i in range(3)), 60, "tokens")
-            # another "scheduler" (a new epoch of another instance, a huge generation) sends
+            # another "scheduler" (a new epoch of another instance, a huge epoch number) sends
             # the bound worker a batch while the real scheduler is connected: refused
             worker_id = (await health(nc, "worker"))["worker_id"]
             forged = WorkerBatch(

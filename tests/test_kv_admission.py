@@ -315,6 +315,6 @@ def test_schedule_trace_shows_preemptions(toy_checkpoint: Path, capsys) -> None:
             "prompt_tokens": 2,
             "output_tokens": 0,
             "blocks": 4,
-            "generation": 1,
+            "incarnation": 1,
         }
     ]

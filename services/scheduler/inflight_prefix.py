@@ -39,7 +39,7 @@ def add_writer(request: Request, writers: dict[int, Request]) -> None:
 @dataclass
 class _Wait:
     writer: Request
-    generation: int  # the writer's, when the first reader parked: a preemption bumps it
+    incarnation: int  # the writer's, when the first reader parked: a preemption bumps it
     block_index: int  # the awaited block's index in the prompt (the same in every reader)
     entries: list[QueueEntry] = field(default_factory=list)
 
@@ -48,7 +48,7 @@ class _Wait:
         w = self.writer
         return (
             w.phase not in PREFILL_PHASES
-            or w.generation != self.generation
+            or w.incarnation != self.incarnation
             or w.num_published_blocks > self.block_index
         )
 
@@ -71,7 +71,7 @@ class ParkedReaders:
         hands its readers back to look again."""
         wait = self._waits.get(block_hash)
         if wait is None:
-            wait = self._waits[block_hash] = _Wait(writer, writer.generation, block_index)
+            wait = self._waits[block_hash] = _Wait(writer, writer.incarnation, block_index)
         wait.entries.append(entry)
 
     def ready(self) -> list[QueueEntry]:

@@ -75,7 +75,7 @@ class Progress:
         for task, row in zip(batch.tasks, result.rows, strict=True):
             request = task.request
             # _is_stale, inlined: this runs once per row per step
-            if request.phase is _FINISHED or task.generation != request.generation:
+            if request.phase is _FINISHED or task.incarnation != request.incarnation:
                 continue
             request.inflight_batches -= 1
             if row.skipped:
@@ -319,4 +319,4 @@ class Progress:
 
 
 def _is_stale(task: ScheduledTask) -> bool:
-    return task.request.is_finished or task.generation != task.request.generation
+    return task.request.is_finished or task.incarnation != task.request.incarnation

@@ -29,8 +29,9 @@ class Request:
     total_ut_steps: int
     trace_id: str = ""
     phase: Phase = Phase.WAITING
-    # bumped on preemption so results of batches sent before it are ignored
-    generation: int = 0
+    # 0, then +1 at each preemption (or worker loss): rows carry the incarnation they were
+    # built for, so results of batches sent before a preemption are ignored
+    incarnation: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
     output_exit_loops: list[int] = field(default_factory=list)

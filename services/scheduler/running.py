@@ -56,7 +56,7 @@ def preempt(state: SchedulerState, request: Request, for_request_id: str = "") -
     request.note_dropped_prefill()
     state.kv.free(request.request_id)
     state.running.remove(request)
-    request.generation += 1
+    request.incarnation += 1
     request.phase = Phase.WAITING
     request.reset_prefill(origin=0)
     state.pending_finished.append(request.request_id)
@@ -106,7 +106,7 @@ def _record_preemption(state: SchedulerState, request: Request, for_request_id: 
             prompt_tokens=prompt,
             output_tokens=max(0, output),
             blocks=state.kv.num_held_blocks(request.request_id),
-            generation=request.generation + 1,  # preempt bumps it next
+            incarnation=request.incarnation + 1,  # preempt bumps it next
         )
     )
 

@@ -172,7 +172,7 @@ class Scheduler:
         returns to the waiting queue with its outputs kept; on the next worker it is prefilled
         again and its known tokens are replayed with their recorded exit depths, so its KV and
         its further outputs equal an uninterrupted run. Results of batches sent before this
-        call are stale (generation bumped) and are ignored if they still arrive.
+        call are stale (incarnation bumped) and are ignored if they still arrive.
         Returns the ids of the requests that will be recomputed."""
         state = self._state
         affected = [r.request_id for r in state.running]

@@ -124,10 +124,10 @@ class Selector:
         else:
             budget = self._token_budget(request)
         # positional: (request, kind, token_start, token_count, depth, num_loops, embed,
-        # compute_logits, forced_exit_loops, generation, loop_budget)
+        # compute_logits, forced_exit_loops, incarnation, loop_budget)
         task = ScheduledTask(
             request, _DECODE, position, 1, depth, 1, depth == 0, forced == 0, forced,
-            request.generation, budget,
+            request.incarnation, budget,
         )  # fmt: skip
         sel.budget_left -= 1
         selected[rid] = request
@@ -273,7 +273,7 @@ class Selector:
         if needs_kv and not self._ensure_execution_capacity(request, task.token_start + count, sel):
             return None
         task.token_count = count
-        task.generation = request.generation
+        task.incarnation = request.incarnation
         if kind is _PREFILL:
             reaches_coda = (
                 task.depth + task.num_loops == self._total_ut_steps
@@ -356,7 +356,7 @@ def _task(
         depth=depth,
         num_loops=loops,
         embed=embed,
-        generation=request.generation,
+        incarnation=request.incarnation,
     )
 
 

@@ -523,7 +523,7 @@ _BOUND_IDLE_S = 30.0
 
 
 def _is_older_epoch(epoch: str, current: str | None) -> bool:
-    """``<scheduler instance>.<generation>``: an older generation of the same scheduler is a
+    """``<scheduler instance>.<epoch number>``: an older epoch of the same scheduler is a
     late message from before a reset. Different schedulers are not ordered: the newest
     message wins (one scheduler at a time drives a worker)."""
     if current is None:
