@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from messages.api import ErrorEvent, FinishedEvent, TokenEvent
-from messages.batch import Batch, Phase
+from messages.batch import Batch, BatchKind
 from messages.internal import WorkerBatch, WorkerResult
 from services.launcher import NatsServer, free_port
 from services.runtime import subjects
@@ -224,7 +224,7 @@ async def test_worker_refuses_another_scheduler_and_bad_messages_get_answers(
             worker_id = (await health(nc, "worker"))["worker_id"]
             forged = WorkerBatch(
                 epoch="intruder.999999",
-                batch=Batch(seq=0, phase=Phase.RECURRENT, rows=[]),
+                batch=Batch(seq=0, kind=BatchKind.RECURRENT, rows=[]),
                 epoch_start_seq=0,
                 worker_id=worker_id,
             )

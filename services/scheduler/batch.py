@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from messages.batch import Batch, Phase, RowKind
+from messages.batch import Batch, BatchKind, RowKind
 from services.scheduler.kv_admission import Preemption
 from services.scheduler.request import Request
 
@@ -44,7 +44,7 @@ class ScheduledTask(msgspec.Struct, gc=False, eq=False):
 @dataclass(eq=False)
 class ScheduledBatch:
     seq: int
-    phase: Phase
+    kind: BatchKind
     tasks: list[ScheduledTask]
     wire: Batch
     submitted: bool = False

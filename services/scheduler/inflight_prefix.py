@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from services.scheduler.request import PREFILL_PHASES, Request
+from services.scheduler.request import PREFILL_STATES, Request
 
 QueueEntry = tuple[tuple[int, int], Request]  # (priority key, request): the waiting heap's
 
@@ -26,7 +26,7 @@ def prefix_writers(running: Iterable[Request]) -> dict[int, Request]:
     (the first in queue order, so the most urgent one)."""
     writers: dict[int, Request] = {}
     for request in running:
-        if request.phase in PREFILL_PHASES:
+        if request.state in PREFILL_STATES:
             add_writer(request, writers)
     return writers
 
@@ -47,7 +47,7 @@ class _Wait:
         """The writer published the block (or found it cached) or stopped writing it."""
         w = self.writer
         return (
-            w.phase not in PREFILL_PHASES
+            w.state not in PREFILL_STATES
             or w.incarnation != self.incarnation
             or w.num_published_blocks > self.block_index
         )

@@ -1,21 +1,37 @@
-"""Per-request scheduling state: phase, prefill frontiers, decode cursor, outputs."""
+"""Per-request scheduling state: its state, prefill frontiers, decode cursor, outputs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from messages.api import TokenLogprobs
-from messages.batch import Phase
 from messages.sampling import SamplingParams
 from services.common.fit import kv_tokens
 
-# read per row per step: an Enum class attribute costs ~75 ns a lookup on Python 3.11
-_FINISHED = Phase.FINISHED
 
-PREFILL_PHASES = (
-    Phase.PREFILL,
-    Phase.PREFILLING_PRELUDE,
-    Phase.PREFILLING_RECURRENT,
+class RequestState(StrEnum):
+    """Where a request is in its life (``Request.state``); only the scheduler knows it.
+    What a batch serves is a ``BatchKind`` and what one of its rows does a ``RowKind``
+    (messages/batch.py): a RECURRENT batch carries the DECODE and FOLLOW_ON rows of
+    RECURRENT requests and the PREFILL rows of PREFILLING_RECURRENT ones."""
+
+    WAITING = "waiting"
+    PREFILL = "prefill"  # atomic chunked prefill: prelude + every depth of a chunk in one task
+    # split prefill: prelude spans still to embed (depth tasks may already run behind them)
+    PREFILLING_PRELUDE = "prefilling_prelude"
+    PREFILLING_RECURRENT = "prefilling_recurrent"  # split prefill: only depth tasks are left
+    RECURRENT = "recurrent"  # decoding
+    FINISHED = "finished"
+
+
+# read per row per step: an Enum class attribute costs ~75 ns a lookup on Python 3.11
+_FINISHED = RequestState.FINISHED
+
+PREFILL_STATES = (
+    RequestState.PREFILL,
+    RequestState.PREFILLING_PRELUDE,
+    RequestState.PREFILLING_RECURRENT,
 )
 
 
@@ -28,7 +44,7 @@ class Request:
     arrival_seq: int
     total_ut_steps: int
     trace_id: str = ""
-    phase: Phase = Phase.WAITING
+    state: RequestState = RequestState.WAITING
     # 0, then +1 at each preemption (or worker loss): rows carry the incarnation they were
     # built for, so results of batches sent before a preemption are ignored
     incarnation: int = 0
@@ -88,7 +104,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.phase is _FINISHED
+        return self.state is _FINISHED
 
     @property
     def kv_footprint_tokens(self) -> int:

@@ -1,7 +1,7 @@
 """The scheduler core: a facade over admission, depth-major selection, batch building and
 one shared progress path.
 
-Pure Python, no NATS and no torch. One ``schedule()`` returns one batch (one phase; a
+Pure Python, no NATS and no torch. One ``schedule()`` returns one batch (of one ``BatchKind``; a
 RECURRENT batch holds decode rows first, then split-prefill recurrent rows). Progress is
 applied by ``update_after_submission`` (async scheduling) or ``update_from_output`` (sync);
 both go through one path (``progress.py``) so they cannot diverge.
@@ -202,8 +202,8 @@ class Scheduler:
         selected = self._selector.select()
         if selected is None:
             return None
-        phase, tasks = selected
-        return build_batch(self._state, phase, tasks)
+        kind, tasks = selected
+        return build_batch(self._state, kind, tasks)
 
     def take_depth_budget_changes(self) -> list[BudgetChange]:
         """Moves of the depth budget since the last call (the engine logs each)."""

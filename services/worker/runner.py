@@ -22,8 +22,8 @@ import torch
 from kernels.ops import copy_kv_slots_masked, exit_rule
 from messages.batch import (
     Batch,
+    BatchKind,
     BatchResult,
-    Phase,
     PromptLogprobs,
     SampledLogprobs,
 )
@@ -168,7 +168,7 @@ class ModelRunner:
         self.last_batch_passes = []
         rows = live_rows(batch, self.requests)
         try:
-            if batch.phase == Phase.PREFILLING_PRELUDE:
+            if batch.kind == BatchKind.PREFILLING_PRELUDE:
                 self._run_prelude(rows)
             else:
                 self._run_recurrent(rows)

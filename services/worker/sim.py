@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from messages.batch import Batch, BatchResult, Phase, SampledLogprobs, WorkerSampling
+from messages.batch import Batch, BatchKind, BatchResult, SampledLogprobs, WorkerSampling
 from services.common.model_config import OuroConfig
 from services.worker.logprobs import LOGPROB_FLOOR
 from services.worker.rows import (
@@ -181,7 +181,7 @@ class SimRunner:
         self.last_seq = batch.seq
         self.last_batch_passes = []
         rows = live_rows(batch, self.requests)
-        seconds = 0.0 if batch.phase is Phase.PREFILLING_PRELUDE else self._run(rows)
+        seconds = 0.0 if batch.kind is BatchKind.PREFILLING_PRELUDE else self._run(rows)
         self.simulated_s += seconds
         wait = seconds * self.cost.dilation
         if self.sleep and wait > 0:
