@@ -45,10 +45,10 @@ class WorkerSampling(msgspec.Struct, gc=False, kw_only=True):
     min_loops: int
     max_loops: int
     exit_threshold: float
-    # return each sampled token's log-probability and this many alternatives; -1: none
-    logprobs: int = -1
-    # the same for the prompt's tokens (from its final-depth prefill rows); -1: none
-    prompt_logprobs: int = -1
+    # return each sampled token's log-probability and this many alternatives (None: don't)
+    logprobs: int | None = None
+    # the same for the prompt's tokens (from its final-depth prefill rows)
+    prompt_logprobs: int | None = None
     # the format every sampled token must keep the output in (the worker masks the logits)
     structured_output: StructuredOutput | None = None
 

@@ -107,8 +107,9 @@ def _new_request(request: Request) -> NewRequest:
             min_loops=p.min_loops,
             max_loops=p.max_loops,
             exit_threshold=p.exit_threshold,
-            logprobs=-1 if p.logprobs is None else p.logprobs,
-            prompt_logprobs=-1 if request.prompt_logprobs is None else p.prompt_logprobs,
+            logprobs=p.logprobs,
+            # None once they went out with the first token (a replay scores them no more)
+            prompt_logprobs=None if request.prompt_logprobs is None else p.prompt_logprobs,
             structured_output=p.structured_output,
         ),
         # the worker rebuilds the grammar's state from what the request has generated

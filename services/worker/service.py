@@ -294,7 +294,8 @@ class WorkerService(Service):
             self._scheduler = scheduler
             # a new scheduler incarnation, or the scheduler recovering from a worker loss:
             # the device state starts over at the epoch's first seq (waited for if lost)
-            first = wb.epoch_start_seq if 0 <= wb.epoch_start_seq <= batch.seq else batch.seq
+            start = wb.epoch_start_seq
+            first = start if start is not None and 0 <= start <= batch.seq else batch.seq
             self.log.info("new scheduler epoch", epoch=wb.epoch, first_seq=first)
             self._epoch = wb.epoch  # jobs of the old epoch still queued are skipped
             self._next_submit = self._next_done = first

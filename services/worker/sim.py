@@ -250,7 +250,7 @@ class SimRunner:
             return 1
         token = self.token_at(req.sampling.seed, last_position + 1)
         n = req.sampling.logprobs
-        if n >= 0:  # simulated too: the token is certain, nothing else is possible
+        if n is not None:  # simulated too: the token is certain, nothing else is possible
             r.result.logprobs = SampledLogprobs(
                 logprob=0.0,
                 top_ids=[(token + i) % self.cfg.vocab_size for i in range(n)],

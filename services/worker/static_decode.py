@@ -111,7 +111,7 @@ class StaticDecode:
         ):
             return None
         requests = self.runner.requests
-        if any(requests[live.row.request_id].sampling.logprobs >= 0 for live in active):
+        if any(requests[live.row.request_id].sampling.logprobs is not None for live in active):
             return None
         # token masks are filled on the host per pass: a captured graph has no step for them
         if any(requests[live.row.request_id].sampling.structured_output for live in active):
