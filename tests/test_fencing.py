@@ -1,14 +1,14 @@
-"""Isolation and fencing with REAL processes on a real nats-server (issue 13):
+"""Isolation and fencing with REAL processes on a real nats-server:
 
 - a request whose sampling cannot be computed in float32 is refused, and honest requests
-  sharing batches with such requests all finish with the engine's tokens (finding 1);
+  sharing batches with such requests all finish with the engine's tokens;
 - a stalled scheduler answers once: stalled shorter than nats-server takes to drop it, its
   requests simply complete; stalled past that, admission ends each with ``unavailable`` and
-  the resumed scheduler drops them without another event (finding 2);
+  the resumed scheduler drops them without another event;
 - an abort right after its generate, or even before it, ends the request with
-  ``finish_reason: abort`` with prefix caching on (finding 3);
-- a worker serving a connected scheduler refuses another scheduler's batches (finding 4);
-- malformed public messages get an error reply; a huge trace id header goes nowhere (6).
+  ``finish_reason: abort`` with prefix caching on;
+- a worker serving a connected scheduler refuses another scheduler's batches;
+- malformed public messages get an error reply; a huge trace id header goes nowhere.
 """
 
 from __future__ import annotations

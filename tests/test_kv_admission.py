@@ -34,7 +34,7 @@ THREE = [
 
 
 def tight(policy: KVAdmission, **kw) -> SchedulerConfig:
-    # issue 20's case is stated for atomic prefill and sync scheduling
+    # the three-request case is stated for atomic prefill and sync scheduling
     kw = {"split_prefill": False, "async_scheduling": False, **kw}
     return SchedulerConfig(block_size=2, num_blocks=8, kv_admission=policy, **kw)
 
