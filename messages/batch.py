@@ -13,20 +13,19 @@ import msgspec
 from messages.sampling import StructuredOutput
 
 
-class Phase(StrEnum):
-    """The one phase vocabulary: where a request is in its life, and which of those phases a
-    batch serves (a batch is one of PREFILL, PREFILLING_PRELUDE or RECURRENT)."""
+class BatchKind(StrEnum):
+    """What one batch serves; every batch is one kind, and a row's own part in it is its
+    ``RowKind``. A request's place in its life is another enum, the scheduler's
+    ``RequestState`` (services/scheduler/request.py), which never travels."""
 
-    WAITING = "waiting"
-    PREFILL = "prefill"  # atomic chunked prefill: prelude + every depth of a chunk in one task
-    PREFILLING_PRELUDE = "prefilling_prelude"  # split prefill: prelude only (no KV for Ouro)
-    PREFILLING_RECURRENT = "prefilling_recurrent"  # split prefill: the per-depth core tasks
-    RECURRENT = "recurrent"  # decode; a RECURRENT batch also carries prefilling_recurrent rows
-    FINISHED = "finished"
+    PREFILL = "prefill"  # atomic chunked prefill: PREFILL rows (prelude + every depth of a chunk)
+    PREFILLING_PRELUDE = "prefilling_prelude"  # split prefill: PRELUDE rows only (no KV for Ouro)
+    # decode (DECODE and FOLLOW_ON rows) first, then split prefill's per-depth PREFILL rows
+    RECURRENT = "recurrent"
 
 
 class RowKind(StrEnum):
-    """What a row of a batch does."""
+    """What one row of a batch does (a batch of one ``BatchKind`` mixes kinds of rows)."""
 
     PRELUDE = "prelude"  # split prefill: the embedding of a prompt span (no core loop)
     PREFILL = "prefill"  # prompt positions through loops (a split depth task or an atomic chunk)
@@ -46,10 +45,10 @@ class WorkerSampling(msgspec.Struct, gc=False, kw_only=True):
     min_loops: int
     max_loops: int
     exit_threshold: float
-    # return each sampled token's log-probability and this many alternatives; -1: none
-    logprobs: int = -1
-    # the same for the prompt's tokens (from its final-depth prefill rows); -1: none
-    prompt_logprobs: int = -1
+    # return each sampled token's log-probability and this many alternatives (None: don't)
+    logprobs: int | None = None
+    # the same for the prompt's tokens (from its final-depth prefill rows)
+    prompt_logprobs: int | None = None
     # the format every sampled token must keep the output in (the worker masks the logits)
     structured_output: StructuredOutput | None = None
 
@@ -107,7 +106,7 @@ class BatchRow(msgspec.Struct, gc=False, kw_only=True):
 
 class Batch(msgspec.Struct, gc=False, kw_only=True):
     seq: int
-    phase: Phase
+    kind: BatchKind
     rows: list[BatchRow]
     new_requests: list[NewRequest] = msgspec.field(default_factory=list)
     block_deltas: list[BlockDelta] = msgspec.field(default_factory=list)

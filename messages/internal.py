@@ -29,7 +29,7 @@ class AdmittedRequest(msgspec.Struct, kw_only=True):
     shard_id: str = ""
     # where the scheduler sends the stream's events (admission relays them to the client, so
     # it knows what the client was sent); a submit without one is dropped
-    relay_subject: str = ""
+    relay_subject: str | None = None
     # a request resumed after its shard was lost: the outputs the client already has. The
     # scheduler replays them as forced exits (like a preemption recompute) without streaming
     # them again, and streams from index len(resume_token_ids)
@@ -134,7 +134,7 @@ class WorkerBatch(msgspec.Struct, kw_only=True):
     num_blocks: int = 0
     block_size: int = 0
     kv_layout: str = ""
-    epoch_start_seq: int = -1  # -1: unknown (an old scheduler); the first batch seen starts
+    epoch_start_seq: int | None = None  # None: unknown; the first batch seen starts
     worker_id: str = ""  # the worker instance it is addressed to ("" = any)
 
 

@@ -2,7 +2,7 @@
 
 Closed loop at a fixed concurrency with WCPB on and a stand-in worker (decode rows exit at a
 random depth, coda rows sample a fixed token), so only scheduler time is measured. The same
-measurement, with issue 14's targets, is `rlt bench --only scheduler`.
+measurement, with its targets, is `rlt bench --only scheduler`.
 
     .venv/bin/python scripts/bench_scheduler.py [--steps 2000] [--concurrency 16 64 256 1024]
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14 on a lent GPU: the pipeline comparison's four target arms on the Ouro-1.4B shape,
+# The pipeline comparison on a lent GPU: its four target arms on the Ouro-1.4B shape,
 # twice, once per worker inline limit (RLT_WORKER_INLINE_MAX_MS 0, the CUDA default, and 50),
 # sized for one device `run` (about 7 minutes; give it timeout_s 560).
 #

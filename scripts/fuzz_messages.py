@@ -14,11 +14,11 @@ import msgspec
 from messages.api import AbortRequest, GenerateRequest, TokenEvent
 from messages.batch import (
     Batch,
+    BatchKind,
     BatchResult,
     BatchRow,
     BlockDelta,
     NewRequest,
-    Phase,
     RowKind,
     RowResult,
     WorkerSampling,
@@ -152,7 +152,7 @@ def valid_messages(ids: dict[str, str]) -> list[tuple[str, Any, Callable[[Any], 
     params = SamplingParams(max_tokens=8, temperature=0.0, min_loops=1, exit_threshold=0.7)
     batch = Batch(
         seq=3,
-        phase=Phase.RECURRENT,
+        kind=BatchKind.RECURRENT,
         rows=[
             BatchRow(
                 request_id="r1", kind=RowKind.PREFILL, token_start=0, token_count=3, embed=True

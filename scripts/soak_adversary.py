@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from messages.api import FinishedEvent
-from messages.batch import Batch, Phase
+from messages.batch import Batch, BatchKind
 from messages.internal import AdmittedRequest, WorkerBatch
 from messages.sampling import SamplingParams
 from services.launcher.probes import StreamCollector, client
@@ -141,7 +141,7 @@ async def _forge(nc, rng: random.Random, honest_inboxes: list[str]) -> None:  # 
         reply_subject=target,
     )
     batch = WorkerBatch(
-        epoch="mallory.999999999", batch=Batch(seq=0, phase=Phase.RECURRENT, rows=[])
+        epoch="mallory.999999999", batch=Batch(seq=0, kind=BatchKind.RECURRENT, rows=[])
     )
     subject, body = rng.choice(
         [

@@ -58,7 +58,7 @@ class FrontierWatch:
             if not request.prefill_depth_ranges:
                 continue
             rights = [r for _, r in request.prefill_depth_ranges]
-            key = (request.request_id, request.generation)
+            key = (request.request_id, request.incarnation)
             previous = self.last.get(key)
             if previous is not None:
                 assert all(a >= b for a, b in zip(rights, previous, strict=True)), (
@@ -86,11 +86,11 @@ def run_workload(
     def on_batch(batch: ScheduledBatch) -> None:
         check_batch_limits(batch, config)
         # preemption never takes a request this batch selected: any row of a victim here
-        # was selected after its readmission (a newer generation)
-        restarted = {p.request_id: p.generation for p in batch.preemptions}
+        # was selected after its readmission (a newer incarnation)
+        restarted = {p.request_id: p.incarnation for p in batch.preemptions}
         for t in batch.tasks:
             rid = t.request.request_id
-            assert t.generation >= restarted.get(rid, 0), (batch.seq, batch.preemptions)
+            assert t.incarnation >= restarted.get(rid, 0), (batch.seq, batch.preemptions)
         record.batches.append(batch)
 
     engine = LLMEngine(model, config, on_batch=on_batch)

@@ -30,7 +30,7 @@ def json_body(**fields: object) -> bytes:
 # labels that say where a sample came from: summed over, as `sum by (...)` would
 _WHERE = {"instance", "service", "model_name", "shard"}
 
-# the metrics issue 17 names, by their exposed sample names
+# the metrics the gateway must expose, by their exposed sample names
 REQUIRED_METRICS = (
     "rlt:num_requests_running",
     "rlt:num_requests_waiting",

@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from messages.api import FinishedEvent
-from messages.batch import Phase
 from messages.sampling import SamplingParams
 from services.bench.comparisons import bypass_arm_name
 from services.bench.runner import run_bench
 from services.cli import build_parser
 from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
 from services.common.flags import add_engine_flags, engine_args, scheduler_config_from_args
+from services.scheduler.request import RequestState
 from services.scheduler.scheduler import Scheduler
 from tests.engine_harness import Arrival, RunRecord, assert_matches_oracle, oracle_result
 from tests.engine_harness import run_workload as run
@@ -59,8 +59,8 @@ def step(s: Scheduler) -> None:
     s.update_from_output(batch, fake_result(batch))
 
 
-def phase(s: Scheduler, request_id: str) -> Phase:
-    return s.requests[request_id].phase
+def state(s: Scheduler, request_id: str) -> RequestState:
+    return s.requests[request_id].state
 
 
 @pytest.mark.unit
@@ -72,17 +72,17 @@ def test_short_requests_bypass_then_protected_long_request_gets_memory(policy) -
     for a in UPSTREAM[1:]:
         s.add_request(a.request_id, a.prompt, a.params)
     s._admission.admit_waiting()
-    assert phase(s, "short") != Phase.WAITING  # passed the long one (its one bypass)
-    assert phase(s, "long") == phase(s, "later") == Phase.WAITING
+    assert state(s, "short") != RequestState.WAITING  # passed the long one (its one bypass)
+    assert state(s, "long") == state(s, "later") == RequestState.WAITING
     assert s.stats.num_admission_bypasses == 1
     s.abort_request("short")
     s._admission.admit_waiting()
     # 16 blocks are free and later needs 4, but long has been passed once: it is protected
-    assert phase(s, "later") == Phase.WAITING
+    assert state(s, "later") == RequestState.WAITING
     s.abort_request("running")
     s._admission.admit_waiting()
-    assert phase(s, "long") != Phase.WAITING  # its 20 blocks fit now
-    assert phase(s, "later") != Phase.WAITING  # and the last 4 are later's
+    assert state(s, "long") != RequestState.WAITING  # its 20 blocks fit now
+    assert state(s, "later") != RequestState.WAITING  # and the last 4 are later's
     while s.has_unfinished_requests():
         step(s)
     s.kv.check_consistency()
@@ -130,7 +130,7 @@ def test_a_less_urgent_request_never_passes_a_refused_one() -> None:
     low = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, priority=1)
     s.add_request("low", [2], low)
     s._admission.admit_waiting()
-    assert phase(s, "low") == Phase.WAITING  # it fits, but long is more urgent
+    assert state(s, "low") == RequestState.WAITING  # it fits, but long is more urgent
     assert s.stats.num_admission_bypasses == 0
 
 
@@ -162,12 +162,12 @@ class PassWatch:
         admit = s._admission.admit_waiting
 
         def admit_and_count() -> None:
-            before = [r for r in s.requests.values() if r.phase == Phase.WAITING]
+            before = [r for r in s.requests.values() if r.state == RequestState.WAITING]
             self.passes = {rid: n for rid, n in self.passes.items() if rid in s.requests}
             admit()
-            started = [r for r in before if r.phase != Phase.WAITING]
+            started = [r for r in before if r.state != RequestState.WAITING]
             still = sorted(
-                (r for r in before if r.phase == Phase.WAITING), key=lambda r: r.priority_key
+                (r for r in before if r.state == RequestState.WAITING), key=lambda r: r.priority_key
             )
             for waiting in still:
                 ahead_of = [r for r in started if r.priority_key > waiting.priority_key]

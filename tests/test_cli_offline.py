@@ -97,7 +97,7 @@ def test_schedule_trace_prints_the_seed_batches(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert records[0]["phase"] == "prefilling_prelude"
+    assert records[0]["kind"] == "prefilling_prelude"
     assert [tuple(r[:3]) for r in records[0]["rows"]] == [("a", 0, 2), ("a", 2, 1), ("b", 0, 2)]
     assert "request a: 10 tokens" in out.stdout and "depth 3" in out.stdout
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from messages.api import FinishedEvent
-from messages.batch import Batch, BatchRow, Phase, RowKind, WorkerSampling
+from messages.batch import Batch, BatchKind, BatchRow, RowKind, WorkerSampling
 from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, KVLayout, ModelLimits, SchedulerConfig
 from services.common.flags import add_engine_flags, engine_args, scheduler_config_from_args
@@ -48,7 +48,7 @@ LIMITS = ModelLimits(
 # ---------------------------------------------------------------------- the controller
 def _request(i: int, **params: object) -> Request:
     resolved = LIMITS.resolve(SamplingParams(max_tokens=4, **params))  # type: ignore[arg-type]
-    return Request(f"r{i}", [1, 2, 3], resolved, seed=i, arrival_seq=i, total_depths=D)
+    return Request(f"r{i}", [1, 2, 3], resolved, seed=i, arrival_seq=i, total_ut_steps=D)
 
 
 def _state(seats: int = 8, **config: object) -> SchedulerState:
@@ -182,7 +182,7 @@ def _row(depth: int, max_loops: int | None, kind: RowKind = RowKind.DECODE) -> B
 def test_a_follow_on_gives_its_budget_only_to_a_new_token() -> None:
     def resolve(cursor_row: BatchRow, follow_on_budget: int | None) -> BatchRow:
         batch = Batch(
-            seq=1, phase=Phase.RECURRENT, rows=[_row(0, follow_on_budget, RowKind.FOLLOW_ON)]
+            seq=1, kind=BatchKind.RECURRENT, rows=[_row(0, follow_on_budget, RowKind.FOLLOW_ON)]
         )
         (live,) = live_rows(batch, {"a": RowCursor(next_decode=cursor_row)})
         return live.row

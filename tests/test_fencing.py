@@ -1,14 +1,14 @@
-"""Isolation and fencing with REAL processes on a real nats-server (issue 13):
+"""Isolation and fencing with REAL processes on a real nats-server:
 
 - a request whose sampling cannot be computed in float32 is refused, and honest requests
-  sharing batches with such requests all finish with the engine's tokens (finding 1);
+  sharing batches with such requests all finish with the engine's tokens;
 - a stalled scheduler answers once: stalled shorter than nats-server takes to drop it, its
   requests simply complete; stalled past that, admission ends each with ``unavailable`` and
-  the resumed scheduler drops them without another event (finding 2);
+  the resumed scheduler drops them without another event;
 - an abort right after its generate, or even before it, ends the request with
-  ``finish_reason: abort`` with prefix caching on (finding 3);
-- a worker serving a connected scheduler refuses another scheduler's batches (finding 4);
-- malformed public messages get an error reply; a huge trace id header goes nowhere (6).
+  ``finish_reason: abort`` with prefix caching on;
+- a worker serving a connected scheduler refuses another scheduler's batches;
+- malformed public messages get an error reply; a huge trace id header goes nowhere.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from messages.api import ErrorEvent, FinishedEvent, TokenEvent
-from messages.batch import Batch, Phase
+from messages.batch import Batch, BatchKind
 from messages.internal import WorkerBatch, WorkerResult
 from services.launcher import NatsServer, free_port
 from services.runtime import subjects
@@ -219,12 +219,12 @@ async def test_worker_refuses_another_scheduler_and_bad_messages_get_answers(
             for i, (ids, p) in enumerate(cases):
                 await col.send(i, as_request(f"w-{i}", ids, p))
             await wait_for(lambda: all(len(col.tokens(i)) >= 2 for i in range(3)), 60, "tokens")
-            # another "scheduler" (a new epoch of another instance, a huge generation) sends
+            # another "scheduler" (a new epoch of another instance, a huge epoch number) sends
             # the bound worker a batch while the real scheduler is connected: refused
             worker_id = (await health(nc, "worker"))["worker_id"]
             forged = WorkerBatch(
                 epoch="intruder.999999",
-                batch=Batch(seq=0, phase=Phase.RECURRENT, rows=[]),
+                batch=Batch(seq=0, kind=BatchKind.RECURRENT, rows=[]),
                 epoch_start_seq=0,
                 worker_id=worker_id,
             )

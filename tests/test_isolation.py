@@ -1,4 +1,4 @@
-"""Isolation and fencing, the parts that need no NATS (issue 13): one request's numeric
+"""Isolation and fencing, the parts that need no NATS: one request's numeric
 failure ends that request only; values float32 sampling cannot compute are refused; the
 permission model is the one deploy/nats.conf ships; tenants' subjects and inboxes; the
 fence log, abort tombstones, reassembly and result bounds."""
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# ---------------------------------------------------------------------- finding 1
+# ---------------------------------------------------------------------- numeric failures
 @pytest.mark.parametrize(
     "bad",
     [{"temperature": 1e-300}, {"temperature": 1e-5}, {"top_p": 1e-46}, {"top_p": 0.0}],

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from messages.batch import Phase, RowKind
+from messages.batch import BatchKind, RowKind
 from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
 from services.common.flags import add_engine_flags, add_request_flags, scheduler_config_from_args
 from services.engine.trace import run_schedule_trace
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.kv_admission import Commitment, admits
+from services.scheduler.request import RequestState
 from services.scheduler.scheduler import Scheduler
 from tests.engine_harness import Arrival, RunRecord, assert_matches_oracle, oracle_result
 from tests.engine_harness import run_workload as run
@@ -33,7 +34,7 @@ THREE = [
 
 
 def tight(policy: KVAdmission, **kw) -> SchedulerConfig:
-    # issue 20's case is stated for atomic prefill and sync scheduling
+    # the three-request case is stated for atomic prefill and sync scheduling
     kw = {"split_prefill": False, "async_scheduling": False, **kw}
     return SchedulerConfig(block_size=2, num_blocks=8, kv_admission=policy, **kw)
 
@@ -187,7 +188,7 @@ def decoding(policy: KVAdmission, newcomer_priority: int) -> Scheduler:
     )
     s = Scheduler(config, LIMITS)
     s.add_request("y", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0))
-    while s.requests["y"].phase != Phase.RECURRENT:
+    while s.requests["y"].state != RequestState.RECURRENT:
         step(s)
     params = SamplingParams(max_tokens=3, temperature=0.0, priority=newcomer_priority)
     s.add_request("x", [5, 6, 7, 8], params)
@@ -200,8 +201,8 @@ def test_a_higher_priority_newcomer_preempts_at_admission(policy) -> None:
     s = decoding(policy, newcomer_priority=-1)
     batch = step(s)
     assert [(p.request_id, p.for_request_id) for p in batch.preemptions] == [("y", "x")]
-    assert batch.phase == Phase.PREFILL and {t.request.request_id for t in batch.tasks} == {"x"}
-    assert s.requests["y"].phase == Phase.WAITING
+    assert batch.kind == BatchKind.PREFILL and {t.request.request_id for t in batch.tasks} == {"x"}
+    assert s.requests["y"].state == RequestState.WAITING
 
 
 @pytest.mark.unit
@@ -209,7 +210,7 @@ def test_a_higher_priority_newcomer_preempts_at_admission(policy) -> None:
 def test_an_equal_priority_newcomer_waits_for_kv(policy) -> None:
     s = decoding(policy, newcomer_priority=0)
     while "y" in s.requests:
-        assert s.requests["x"].phase == Phase.WAITING
+        assert s.requests["x"].state == RequestState.WAITING
         batch = step(s)
         assert batch.preemptions == [] and all(t.request.request_id == "y" for t in batch.tasks)
     assert s.stats.num_preemptions == 0
@@ -221,8 +222,8 @@ def test_a_victim_with_work_in_flight_is_not_preempted_at_admission() -> None:
     s = decoding(KVAdmission.RESERVE, newcomer_priority=-1)
     s.requests["y"].inflight_batches = 1  # as if its decode row were still on the worker
     s._admission.admit_waiting()
-    assert s.requests["y"].phase == Phase.RECURRENT
-    assert s.requests["x"].phase == Phase.WAITING
+    assert s.requests["y"].state == RequestState.RECURRENT
+    assert s.requests["x"].state == RequestState.WAITING
     assert s.stats.num_preemptions == 0
 
 
@@ -234,7 +235,7 @@ def test_no_preemption_that_could_not_make_room() -> None:
     s = Scheduler(config, LIMITS)
     s.add_request("g", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0, priority=-2))
     s.add_request("a", [5, 6], SamplingParams(max_tokens=3, temperature=0.0))
-    while any(r.phase != Phase.RECURRENT for r in s.running):
+    while any(r.state != RequestState.RECURRENT for r in s.running):
         step(s)
     high = SamplingParams(max_tokens=1, temperature=0.0, priority=-1)
     s.add_request("h", list(range(1, 13)), high)
@@ -315,6 +316,6 @@ def test_schedule_trace_shows_preemptions(toy_checkpoint: Path, capsys) -> None:
             "prompt_tokens": 2,
             "output_tokens": 0,
             "blocks": 4,
-            "generation": 1,
+            "incarnation": 1,
         }
     ]

@@ -43,7 +43,7 @@ def test_contracts_hold_on_the_tree() -> None:
 @pytest.mark.parametrize(
     ("module", "line", "broken"),
     [
-        # the cycle issue 12 removed: a lower module importing a helper back from the CLI
+        # a cycle once removed: a lower module importing a helper back from the CLI
         (
             "services/engine/offline.py",
             "from services.cli import build_parser  # noqa: F401",

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from messages.batch import BatchResult, Phase, RowKind, RowResult
+from messages.batch import BatchKind, BatchResult, RowKind, RowResult
 from messages.prefix import BlockStored, prompt_block_hashes
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
 from services.scheduler.batch import ScheduledBatch, ScheduledTask
+from services.scheduler.request import RequestState
 from services.scheduler.running import insert_running
 from services.scheduler.scheduler import Scheduler, SchedulerInvariantError
 from services.scheduler.selection import Selection
@@ -62,7 +63,7 @@ def test_multi_depth_split_update_at_submission_publishes_blocks_while_in_flight
     inflight: list[ScheduledBatch] = []
 
     prelude = s.schedule()
-    assert prelude is not None and prelude.phase == Phase.PREFILLING_PRELUDE
+    assert prelude is not None and prelude.kind == BatchKind.PREFILLING_PRELUDE
     s.update_after_submission(prelude)
     inflight.append(prelude)
     assert s.requests["a"].num_preluded_tokens == 12  # advanced at submission
@@ -112,7 +113,7 @@ def test_a_second_submission_of_one_batch_raises_instead_of_double_counting() ->
 @pytest.mark.parametrize("wavefront", [False, True])
 def test_sync_and_async_reach_the_same_frontiers_after_every_batch(wavefront: bool) -> None:
     """The submission path (async) and the output path (sync) leave the same frontiers,
-    prelude frontier, retirement point and phase after every batch, and the same events."""
+    prelude frontier, retirement point and state after every batch, and the same events."""
 
     def run(async_scheduling: bool) -> tuple[list, list]:
         config = SchedulerConfig(
@@ -134,7 +135,7 @@ def test_sync_and_async_reach_the_same_frontiers_after_every_batch(wavefront: bo
                 [
                     (
                         r.request_id,
-                        str(r.phase),
+                        str(r.state),
                         r.num_preluded_tokens,
                         [right for _, right in r.prefill_depth_ranges],
                         r.prefill_reclaimable_tokens,
@@ -156,7 +157,7 @@ def split_request(s: Scheduler) -> object:
     s.add_request("a", list(range(1, 11)), PARAMS)
     request = s.requests["a"]
     request.reset_prefill(origin=0)
-    request.phase = Phase.PREFILLING_PRELUDE
+    request.state = RequestState.PREFILLING_PRELUDE
     return request
 
 
@@ -234,7 +235,7 @@ def two_prefilling_requests() -> Scheduler:
         request = s.requests[rid]
         s._state.waiting.remove((request.priority_key, request))
         request.reset_prefill(origin=0)
-        request.phase = Phase.PREFILLING_RECURRENT
+        request.state = RequestState.PREFILLING_RECURRENT
         request.num_preluded_tokens = 4
         insert_running(s._state, request)
     assert s.kv.ensure("y", 4)  # 2 blocks x 4 planes
@@ -250,7 +251,7 @@ def test_a_request_selected_by_a_prefill_row_is_never_preempted_in_that_batch() 
     x = s.requests["x"]
     assert s._selector._accept_task(task(x, RowKind.PREFILL, 0, 4), sel) is None  # x waits
     assert s.stats.num_preemptions == 0
-    assert y.phase == Phase.PREFILLING_RECURRENT and s.kv.num_held_blocks("y") == 8
+    assert y.state == RequestState.PREFILLING_RECURRENT and s.kv.num_held_blocks("y") == 8
 
 
 def test_contrast_an_unselected_prefill_request_is_preempted() -> None:
@@ -259,4 +260,4 @@ def test_contrast_an_unselected_prefill_request_is_preempted() -> None:
     x = s.requests["x"]
     assert s._selector._accept_task(task(x, RowKind.PREFILL, 0, 4), sel) is not None
     assert s.stats.num_preemptions == 1
-    assert s.requests["y"].phase == Phase.WAITING and s.kv.num_held_blocks("y") == 0
+    assert s.requests["y"].state == RequestState.WAITING and s.kv.num_held_blocks("y") == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from messages.api import FinishedEvent, TokenEvent
-from messages.batch import Batch, Phase
+from messages.batch import Batch, BatchKind
 from messages.internal import (
     AdmittedRequest,
     RelayBatch,
@@ -261,7 +261,7 @@ async def test_outputs_go_out_whole_in_the_order_the_driver_handed_them_out(
         request_id="r", finish_reason="abort", token_ids=[3], exit_depths=[1], num_prompt_tokens=1
     )
     batch = WorkerBatch(
-        epoch=driver.epoch, batch=Batch(seq=0, phase=Phase.RECURRENT, rows=[]), worker_id="w"
+        epoch=driver.epoch, batch=Batch(seq=0, kind=BatchKind.RECURRENT, rows=[]), worker_id="w"
     )
     loop_out = StepOutput(
         batches=[batch], relays=[Relay(relay, "a", RelayedEvent(seq=1, event=token))]

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from messages.api import FinishedEvent
-from messages.batch import Phase
+from messages.batch import BatchKind
 from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
 from services.scheduler.batch import ScheduledBatch
+from services.scheduler.request import RequestState
 from services.scheduler.scheduler import Scheduler, SchedulerInvariantError
 from tests.helpers import fake_result
 
@@ -52,7 +53,7 @@ def two_prompt_scheduler(budget: int, chunk: int = 2, **kw) -> Scheduler:
 def test_seed_regression_first_prelude_batch() -> None:
     prelude = two_prompt_scheduler(budget=5).schedule()
     assert prelude is not None
-    assert prelude.phase == Phase.PREFILLING_PRELUDE
+    assert prelude.kind == BatchKind.PREFILLING_PRELUDE
     # selected depth-major (a:0-2, b:0-2, then a:2-3 truncated by the budget of 5);
     # emitted grouped by request, in token order
     assert [t.key()[:3] for t in prelude.tasks] == [("a", 0, 2), ("a", 2, 1), ("b", 0, 2)]
@@ -63,7 +64,7 @@ def reference_schedule(
     lengths: dict[str, int], chunk: int, budget: int, seats: int, depths: int
 ) -> list[list[tuple[str, int, int, int]]]:
     """An independent model of the scheduling rules, written from DESIGN.md §3:
-    phase choice, depth-major levels, budget truncation, (request, start) row order."""
+    batch kind choice, depth-major levels, budget truncation, (request, start) row order."""
     order = list(lengths)
     pre = dict.fromkeys(order, 0)
     right = {r: [0] * depths for r in order}
@@ -145,12 +146,12 @@ def test_split_prefill_advances_several_depths_in_one_update() -> None:
     s = Scheduler(config, LIMITS)
     s.add_request("a", list(range(1, 11)), SamplingParams(max_tokens=2, temperature=0.0))
     prelude = s.schedule()
-    assert prelude is not None and prelude.phase == Phase.PREFILLING_PRELUDE
+    assert prelude is not None and prelude.kind == BatchKind.PREFILLING_PRELUDE
     s.update_after_submission(prelude)
     s.update_from_output(prelude, fake_result(prelude))
     request = s.requests["a"]
     assert request.num_preluded_tokens == 10
-    assert request.phase == Phase.PREFILLING_RECURRENT
+    assert request.state == RequestState.PREFILLING_RECURRENT
 
     first = s.schedule()
     assert first is not None
@@ -171,7 +172,7 @@ def test_split_prefill_advances_several_depths_in_one_update() -> None:
     assert request.prefill_reclaimable_tokens == 10
     # the coda's token is forwarded to the client stream exactly once
     assert [(e.index, e.token_id, e.exit_depth) for e in events] == [(0, 9, D)]
-    assert request.phase == Phase.RECURRENT
+    assert request.state == RequestState.RECURRENT
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -203,7 +204,7 @@ def test_async_progress_lets_the_next_batch_build_on_the_one_in_flight() -> None
     assert first is not None
     s.update_after_submission(first)  # no output yet
     second = s.schedule()
-    assert second is not None and second.phase == Phase.RECURRENT
+    assert second is not None and second.kind == BatchKind.RECURRENT
     assert [t.key() for t in second.tasks] == [("a", 0, 2, 0), ("b", 0, 2, 0)]
 
 
@@ -233,7 +234,7 @@ def decoding_low_priority_request(wavefront: bool) -> Scheduler:
     )
     s = Scheduler(config, LIMITS)
     s.add_request("y", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0))
-    while s.requests["y"].phase != Phase.RECURRENT or s.requests["y"].awaiting_output:
+    while s.requests["y"].state != RequestState.RECURRENT or s.requests["y"].awaiting_output:
         batch = s.schedule()
         assert batch is not None
         s.update_after_submission(batch)
@@ -251,15 +252,15 @@ def test_a_request_selected_earlier_is_never_preempted_by_a_later_candidate() ->
     capacity check must not preempt y even though x has the higher priority: x waits."""
     s = decoding_low_priority_request(wavefront=True)
     prelude = s.schedule()  # x's prelude needs no KV
-    assert prelude is not None and prelude.phase == Phase.PREFILLING_PRELUDE
+    assert prelude is not None and prelude.kind == BatchKind.PREFILLING_PRELUDE
     s.update_after_submission(prelude)
     s.update_from_output(prelude, fake_result(prelude))
 
     batch = s.schedule()
-    assert batch is not None and batch.phase == Phase.RECURRENT
+    assert batch is not None and batch.kind == BatchKind.RECURRENT
     assert [t.key()[0] for t in batch.tasks] == ["y"]
     assert s.stats.num_preemptions == 0
-    assert s.requests["y"].phase == Phase.RECURRENT
+    assert s.requests["y"].state == RequestState.RECURRENT
 
 
 def test_contrast_a_batch_without_the_victim_does_preempt_it() -> None:
@@ -271,8 +272,8 @@ def test_contrast_a_batch_without_the_victim_does_preempt_it() -> None:
     s.update_from_output(decode, fake_result(decode))
     assert s.kv.num_held_blocks("y") == 12
     batch = s.schedule()
-    assert batch is not None and batch.phase == Phase.PREFILL
+    assert batch is not None and batch.kind == BatchKind.PREFILL
     assert [t.key()[0] for t in batch.tasks] == ["x"]
     assert s.stats.num_preemptions == 1
-    assert s.requests["y"].phase == Phase.WAITING
+    assert s.requests["y"].state == RequestState.WAITING
     assert s.kv.num_held_blocks("y") == 0

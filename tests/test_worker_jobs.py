@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from messages.batch import Batch, BatchResult, Phase
+from messages.batch import Batch, BatchKind, BatchResult
 from messages.internal import WorkerBatch
 from services.common.config import SchedulerConfig
 from services.worker.compute import ExecuteTimeEstimate, JobRunner
@@ -213,7 +213,7 @@ async def test_worker_answers_a_refused_batch_behind_the_batches_queued_before_i
         for seq, num_blocks in ((0, 64), (1, -1)):
             wb = WorkerBatch(
                 epoch="sched.1",
-                batch=Batch(seq=seq, phase=Phase.RECURRENT, rows=[]),
+                batch=Batch(seq=seq, kind=BatchKind.RECURRENT, rows=[]),
                 num_blocks=num_blocks,
                 block_size=4,
                 kv_layout=str(config.kv_layout),
@@ -249,7 +249,7 @@ async def test_a_failed_kv_reset_is_retried_by_the_next_batch(toy_checkpoint: Pa
     async def run(seq: int) -> BatchResult:
         wb = WorkerBatch(
             epoch="sched.1",
-            batch=Batch(seq=seq, phase=Phase.RECURRENT, rows=[]),
+            batch=Batch(seq=seq, kind=BatchKind.RECURRENT, rows=[]),
             num_blocks=32,  # a new geometry: a reset first
             block_size=4,
             kv_layout=str(config.kv_layout),

@@ -91,7 +91,7 @@ class AdmissionCore(RequestValidator):
         reply_subject: str,
         *,
         shard_id: str = "",
-        relay_subject: str = "",
+        relay_subject: str | None = None,
     ) -> AdmittedRequest:
         """Builds the message for the scheduler (the shard table counts it as waiting)."""
         seq = self.next_seq()

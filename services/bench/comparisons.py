@@ -301,7 +301,7 @@ def pipeline(s: BenchSettings) -> Comparison:
     workload = wl.chat_closed(
         s.scale, s.vocab, s.concurrency, wl.EARLY_EXIT, s.seed, requests_per_client=2
     )
-    # issue 14's bar: the bus must cost nothing the user can measure. A toy pass is a few
+    # the bar: the bus must cost nothing the user can measure. A toy pass is a few
     # ms, like a 1.4B decode pass on a GPU; `small`'s passes are longer, so less is hidden
     small = s.model_size == "small"
     async_low = 0.97 if small else 0.95

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from messages.batch import Batch, BatchResult, Phase, RowKind
+from messages.batch import Batch, BatchKind, BatchResult, RowKind
 from services.bench.metrics import EngineCounters
 from services.worker.runner import ModelRunner
 from services.worker.sim import SimRunner
@@ -39,7 +39,7 @@ class RunnerProbe:
                 c.execute_s += time.perf_counter() - t0
                 c.batches += 1
                 # a follow-on row (async) is a decode row the worker resolves
-                if batch.phase == Phase.RECURRENT and any(
+                if batch.kind == BatchKind.RECURRENT and any(
                     r.kind is RowKind.DECODE or r.kind is RowKind.FOLLOW_ON for r in batch.rows
                 ):
                     c.decode_batches += 1

@@ -24,7 +24,7 @@ D = 4
 LIMITS = ModelLimits(
     total_ut_steps=D, vocab_size=32000, max_position_embeddings=8192, eos_token_ids=(0,)
 )
-# issue 14's bar: at 256 running requests mean <= 250 us and p99 <= 500 us; at 1024 the p99
+# the bar: at 256 running requests mean <= 250 us and p99 <= 500 us; at 1024 the p99
 # within 4x the mean (no collector pauses, no O(n^2) scans)
 TARGETS = {
     (256, "mean_us"): ("mean step <= 250 µs at 256 requests", None, 250.0),

@@ -39,7 +39,7 @@ def row_text(task: ScheduledTask) -> str:
 def batch_record(batch: ScheduledBatch) -> dict:
     return {
         "seq": batch.seq,
-        "phase": str(batch.phase),
+        "kind": str(batch.kind),
         "rows": [list(t.key()) for t in batch.tasks],
         "kinds": [str(t.kind) for t in batch.tasks],
         "loops": [t.num_loops for t in batch.tasks],
@@ -136,7 +136,7 @@ def run_schedule_trace(args: argparse.Namespace) -> int:
         else:
             rows = " ".join(row_text(t) for t in batch.tasks)
             budget = f"budget={batch.depth_budget} " if shedding else ""
-            print(f"seq={batch.seq:<4} {budget}{batch.phase!s:<19} {rows}")
+            print(f"seq={batch.seq:<4} {budget}{batch.kind!s:<19} {rows}")
             for preemption in batch.preemptions:
                 print(f"{'':<28} {preemption.describe()}")
     if not args.json:

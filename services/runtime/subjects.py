@@ -154,7 +154,7 @@ def worker_batch(worker_id: str) -> str:
 
 
 def worker_result(epoch: str) -> str:
-    """Reply subject of one scheduler epoch's batches (``<instance>.<generation>``). Being
+    """Reply subject of one scheduler epoch's batches (``<instance>.<epoch number>``). Being
     the batch's reply subject, it also receives nats-server's "no responders" status when no
     worker is subscribed, and the epoch in the subject says which batches it was about."""
     return f"{WORKER_RESULT}.{epoch}"

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from messages.batch import Batch, Phase, RowKind
+from messages.batch import Batch, BatchKind, RowKind
 from services.scheduler.kv_admission import Preemption
 from services.scheduler.request import Request
 
@@ -27,7 +27,7 @@ class ScheduledTask(msgspec.Struct, gc=False, eq=False):
     embed: bool = False
     compute_logits: bool = False
     forced_exit_loops: int = 0
-    generation: int = 0
+    incarnation: int = 0  # the request's, when the task was built
     # decode and follow-on rows: the depth budget of a token this row starts, when shedding
     # lowered it (a follow-on's applies only if it resolves to a token's first loop)
     loop_budget: int | None = None
@@ -44,7 +44,7 @@ class ScheduledTask(msgspec.Struct, gc=False, eq=False):
 @dataclass(eq=False)
 class ScheduledBatch:
     seq: int
-    phase: Phase
+    kind: BatchKind
     tasks: list[ScheduledTask]
     wire: Batch
     submitted: bool = False

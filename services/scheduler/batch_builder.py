@@ -3,7 +3,7 @@ the requests the worker learns of, KV block deltas and the ids it may free."""
 
 from __future__ import annotations
 
-from messages.batch import Batch, BatchRow, NewRequest, Phase, RowKind, WorkerSampling
+from messages.batch import Batch, BatchKind, BatchRow, NewRequest, RowKind, WorkerSampling
 from services.scheduler.batch import ScheduledBatch, ScheduledTask
 from services.scheduler.request import Request
 from services.scheduler.state import SchedulerState
@@ -14,7 +14,9 @@ _PREFILL, _PRELUDE = RowKind.PREFILL, RowKind.PRELUDE
 _DECODE_KINDS = (_DECODE, _FOLLOW_ON)  # rows of the token being generated
 
 
-def build_batch(state: SchedulerState, phase: Phase, tasks: list[ScheduledTask]) -> ScheduledBatch:
+def build_batch(
+    state: SchedulerState, kind: BatchKind, tasks: list[ScheduledTask]
+) -> ScheduledBatch:
     """Numbers the batch and drains what it carries besides its rows."""
     decode = [t for t in tasks if t.kind in _DECODE_KINDS]
     prompt = [t for t in tasks if t.kind not in _DECODE_KINDS]
@@ -26,7 +28,7 @@ def build_batch(state: SchedulerState, phase: Phase, tasks: list[ScheduledTask])
     pending_new = state.pending_new
     wire = Batch(
         seq=seq,
-        phase=phase,
+        kind=kind,
         rows=[_wire_row(t) for t in ordered],
         new_requests=[_new_request(r) for r in pending_new],
         block_deltas=state.kv.take_deltas(),
@@ -43,7 +45,7 @@ def build_batch(state: SchedulerState, phase: Phase, tasks: list[ScheduledTask])
         stats.num_batches_with_mixed_depths += 1
     return ScheduledBatch(
         seq=seq,
-        phase=phase,
+        kind=kind,
         tasks=ordered,
         wire=wire,
         preemptions=preemptions,
@@ -105,8 +107,9 @@ def _new_request(request: Request) -> NewRequest:
             min_loops=p.min_loops,
             max_loops=p.max_loops,
             exit_threshold=p.exit_threshold,
-            logprobs=-1 if p.logprobs is None else p.logprobs,
-            prompt_logprobs=-1 if request.prompt_logprobs is None else p.prompt_logprobs,
+            logprobs=p.logprobs,
+            # None once they went out with the first token (a replay scores them no more)
+            prompt_logprobs=None if request.prompt_logprobs is None else p.prompt_logprobs,
             structured_output=p.structured_output,
         ),
         # the worker rebuilds the grammar's state from what the request has generated

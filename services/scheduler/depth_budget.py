@@ -57,7 +57,7 @@ class DepthBudget:
         config = state.config
         self._state = state
         self.enabled = config.overload_policy is OverloadPolicy.SHED_DEPTH
-        self.full = state.total_depths
+        self.full = state.total_ut_steps
         self.floor = max(1, min(config.shed_min_loops, self.full))
         self._high = config.shed_queue_high
         self._seats = config.max_num_seqs

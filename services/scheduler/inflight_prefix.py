@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from services.scheduler.request import PREFILL_PHASES, Request
+from services.scheduler.request import PREFILL_STATES, Request
 
 QueueEntry = tuple[tuple[int, int], Request]  # (priority key, request): the waiting heap's
 
@@ -26,7 +26,7 @@ def prefix_writers(running: Iterable[Request]) -> dict[int, Request]:
     (the first in queue order, so the most urgent one)."""
     writers: dict[int, Request] = {}
     for request in running:
-        if request.phase in PREFILL_PHASES:
+        if request.state in PREFILL_STATES:
             add_writer(request, writers)
     return writers
 
@@ -39,7 +39,7 @@ def add_writer(request: Request, writers: dict[int, Request]) -> None:
 @dataclass
 class _Wait:
     writer: Request
-    generation: int  # the writer's, when the first reader parked: a preemption bumps it
+    incarnation: int  # the writer's, when the first reader parked: a preemption bumps it
     block_index: int  # the awaited block's index in the prompt (the same in every reader)
     entries: list[QueueEntry] = field(default_factory=list)
 
@@ -47,8 +47,8 @@ class _Wait:
         """The writer published the block (or found it cached) or stopped writing it."""
         w = self.writer
         return (
-            w.phase not in PREFILL_PHASES
-            or w.generation != self.generation
+            w.state not in PREFILL_STATES
+            or w.incarnation != self.incarnation
             or w.num_published_blocks > self.block_index
         )
 
@@ -71,7 +71,7 @@ class ParkedReaders:
         hands its readers back to look again."""
         wait = self._waits.get(block_hash)
         if wait is None:
-            wait = self._waits[block_hash] = _Wait(writer, writer.generation, block_index)
+            wait = self._waits[block_hash] = _Wait(writer, writer.incarnation, block_index)
         wait.entries.append(entry)
 
     def ready(self) -> list[QueueEntry]:

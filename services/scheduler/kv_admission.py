@@ -63,9 +63,9 @@ class Preemption:
     prompt_tokens: int  # prompt positions whose KV was dropped (a prefix hit may restore some)
     output_tokens: int  # generated positions whose KV was dropped (replayed, exit depths kept)
     blocks: int  # blocks it held
-    # the generation it restarts with: rows it runs after readmission carry it (a batch that
+    # the incarnation it restarts as: rows it runs after readmission carry it (a batch that
     # built nothing leaves its preemptions to the next one, which may readmit the request)
-    generation: int = 0
+    incarnation: int = 0
 
     def describe(self) -> str:
         cause = f"for {self.for_request_id}" if self.for_request_id else "worker lost"

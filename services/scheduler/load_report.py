@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from messages.batch import Phase
 from messages.internal import SchedulerLoad
 from messages.prefix import blocks_digest
+from services.scheduler.request import RequestState
 from services.scheduler.scheduler import Scheduler
 
 # recent batch round trips (submit -> result) weigh this much in the load report's step time
@@ -53,7 +53,7 @@ class LoadReport:
         self, s: Scheduler, *, has_worker: bool, draining: bool, simulated: bool
     ) -> SchedulerLoad:
         self.forget_idle_admissions(time.monotonic())
-        waiting = [r for r in s.requests.values() if r.phase == Phase.WAITING]
+        waiting = [r for r in s.requests.values() if r.state is RequestState.WAITING]
         self._seq += 1
         kv = s.kv
         return SchedulerLoad(

@@ -22,13 +22,13 @@ class NatsExecutor:
     def __init__(self, config: SchedulerConfig, instance: str) -> None:
         self.config = config
         self.instance = instance
-        self.generation = -1
+        self.epoch_number = -1
         self.new_epoch()
 
     def new_epoch(self) -> None:
         """A fresh epoch towards the worker; nothing of the old one is kept."""
-        self.generation += 1
-        self.epoch = f"{self.instance}.{self.generation}"
+        self.epoch_number += 1
+        self.epoch = f"{self.instance}.{self.epoch_number}"
         self.worker_id: str | None = None  # the worker this epoch's batches go to
         self.epoch_start_seq: int | None = None  # seq of this epoch's first batch
         self.sent_at: dict[int, float] = {}

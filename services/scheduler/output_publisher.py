@@ -136,7 +136,7 @@ class OutputPublisher:
             return  # its worker was lost while earlier batches went out: it is replanned
         batch = wb.batch
         self.log.debug(
-            "batch sent", phase=str(batch.phase), rows=len(batch.rows), **{BATCH_SEQ: batch.seq}
+            "batch sent", kind=str(batch.kind), rows=len(batch.rows), **{BATCH_SEQ: batch.seq}
         )
         try:
             t0 = time.perf_counter()

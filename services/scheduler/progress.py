@@ -2,25 +2,25 @@
 
 Prefill progress is applied at submission (async scheduling, so the next batch can be built
 before this one finishes) or with the result (sync); both go through
-``_apply_prefill_phase_progress`` so they cannot diverge. Results then apply exit decisions,
+``_apply_prefill_progress`` so they cannot diverge. Results then apply exit decisions,
 sampled tokens and stops, strictly in batch order.
 """
 
 from __future__ import annotations
 
 from messages.api import ErrorEvent, StreamEvent, TokenEvent
-from messages.batch import BatchResult, Phase, RowKind, RowResult
+from messages.batch import BatchResult, RowKind, RowResult
 from messages.errors import ErrorCode
 from services.scheduler.batch import ScheduledBatch, ScheduledTask
 from services.scheduler.logprobs import fill_prompt_logprobs, prompt_entries, token_logprobs
-from services.scheduler.request import Request
+from services.scheduler.request import Request, RequestState
 from services.scheduler.running import finish, preempt
 from services.scheduler.state import SchedulerState
 
 # per-row comparisons by identity against module globals (see selection.py)
 _DECODE, _FOLLOW_ON, _PRELUDE = RowKind.DECODE, RowKind.FOLLOW_ON, RowKind.PRELUDE
 _DECODE_KINDS = (_DECODE, _FOLLOW_ON)  # rows of the token being generated
-_FINISHED = Phase.FINISHED
+_FINISHED = RequestState.FINISHED
 
 
 class SchedulerInvariantError(RuntimeError):
@@ -34,7 +34,7 @@ class Progress:
     def __init__(self, state: SchedulerState) -> None:
         self._state = state
         # read per row: plain attributes, not lookups through the config
-        self._total_depths = state.total_depths
+        self._total_ut_steps = state.total_ut_steps
         self._eos_token_ids = state.limits.eos_token_ids
         self._async = state.config.async_scheduling
 
@@ -56,7 +56,7 @@ class Progress:
             elif task.compute_logits:
                 request.pending_token_rows += 1
         if self._async:
-            self._apply_prefill_phase_progress(batch)
+            self._apply_prefill_progress(batch)
 
     def update_from_output(self, batch: ScheduledBatch, result: BatchResult) -> list[StreamEvent]:
         """Applies a worker result: prefill progress (if not applied at submission), exit
@@ -71,11 +71,11 @@ class Progress:
         batch.outputs_applied = True
         events: list[StreamEvent] = []
         if not batch.progress_applied:
-            self._apply_prefill_phase_progress(batch)
+            self._apply_prefill_progress(batch)
         for task, row in zip(batch.tasks, result.rows, strict=True):
             request = task.request
             # _is_stale, inlined: this runs once per row per step
-            if request.phase is _FINISHED or task.generation != request.generation:
+            if request.state is _FINISHED or task.incarnation != request.incarnation:
                 continue
             request.inflight_batches -= 1
             if row.skipped:
@@ -96,7 +96,7 @@ class Progress:
             if task.compute_logits:
                 request.pending_token_rows -= 1
                 # the prompt's token: full depth, never shed
-                self._append_token(request, row, self._total_depths, None, events)
+                self._append_token(request, row, self._total_ut_steps, None, events)
         return events
 
     def fail_batch(self, batch: ScheduledBatch, message: str) -> list[StreamEvent]:
@@ -154,8 +154,8 @@ class Progress:
         return events
 
     # ------------------------------------------------------------------ prefill frontiers
-    def _apply_prefill_phase_progress(self, batch: ScheduledBatch) -> None:
-        """The one progress path: groups the batch's prompt rows once per request and phase
+    def _apply_prefill_progress(self, batch: ScheduledBatch) -> None:
+        """The one progress path: groups the batch's prompt rows once per request and row kind
         and advances frontiers through ``_advance_prefill_depth_frontier``. Blocks it
         completes are published here (drained by ``take_prefix_events``), so submission-time
         and output-time progress publish identically."""
@@ -190,8 +190,11 @@ class Progress:
                 )
             frontier = task.token_end
         request.num_preluded_tokens = frontier
-        if frontier == request.num_prompt_tokens and request.phase == (Phase.PREFILLING_PRELUDE):
-            request.phase = Phase.PREFILLING_RECURRENT
+        if (
+            frontier == request.num_prompt_tokens
+            and request.state is RequestState.PREFILLING_PRELUDE
+        ):
+            request.state = RequestState.PREFILLING_RECURRENT
 
     def _advance_prefill_depth_frontier(
         self, request: Request, depth: int, start: int, end: int, loop_count: int
@@ -214,7 +217,7 @@ class Progress:
                     f"frontier {request.ready_end(d)}"
                 )
             request.prefill_depth_ranges[d] = (origin, end)
-        return depth + loop_count == self._total_depths
+        return depth + loop_count == self._total_ut_steps
 
     def _retire_prefill_chunk(self, request: Request, start: int, end: int, batch_seq: int) -> None:
         """The final depth passed [start, end): those prompt positions are complete, and
@@ -230,7 +233,7 @@ class Progress:
             request.num_computed_tokens = end
             request.decode_depth = 0
             request.decode_remaining = 1.0
-            request.phase = Phase.RECURRENT
+            request.state = RequestState.RECURRENT
 
     def _publish_full_blocks(self, request: Request, end: int, batch_seq: int) -> None:
         if not request.block_hashes:
@@ -287,7 +290,7 @@ class Progress:
             prompt, request.prompt_logprobs = prompt_entries(request), None
         request.output_token_ids.append(token_id)
         # the public API names this loop count "exit_depth" (docs/ARCHITECTURE.md)
-        request.output_exit_depths.append(exit_loops)
+        request.output_exit_loops.append(exit_loops)
         params = request.params
         if loop_budget is None:
             assert params.max_loops is not None  # resolved at add_request
@@ -319,4 +322,4 @@ class Progress:
 
 
 def _is_stale(task: ScheduledTask) -> bool:
-    return task.request.is_finished or task.generation != task.request.generation
+    return task.request.is_finished or task.incarnation != task.request.incarnation

@@ -1,21 +1,37 @@
-"""Per-request scheduling state: phase, prefill frontiers, decode cursor, outputs."""
+"""Per-request scheduling state: its state, prefill frontiers, decode cursor, outputs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from messages.api import TokenLogprobs
-from messages.batch import Phase
 from messages.sampling import SamplingParams
 from services.common.fit import kv_tokens
 
-# read per row per step: an Enum class attribute costs ~75 ns a lookup on Python 3.11
-_FINISHED = Phase.FINISHED
 
-PREFILL_PHASES = (
-    Phase.PREFILL,
-    Phase.PREFILLING_PRELUDE,
-    Phase.PREFILLING_RECURRENT,
+class RequestState(StrEnum):
+    """Where a request is in its life (``Request.state``); only the scheduler knows it.
+    What a batch serves is a ``BatchKind`` and what one of its rows does a ``RowKind``
+    (messages/batch.py): a RECURRENT batch carries the DECODE and FOLLOW_ON rows of
+    RECURRENT requests and the PREFILL rows of PREFILLING_RECURRENT ones."""
+
+    WAITING = "waiting"
+    PREFILL = "prefill"  # atomic chunked prefill: prelude + every depth of a chunk in one task
+    # split prefill: prelude spans still to embed (depth tasks may already run behind them)
+    PREFILLING_PRELUDE = "prefilling_prelude"
+    PREFILLING_RECURRENT = "prefilling_recurrent"  # split prefill: only depth tasks are left
+    RECURRENT = "recurrent"  # decoding
+    FINISHED = "finished"
+
+
+# read per row per step: an Enum class attribute costs ~75 ns a lookup on Python 3.11
+_FINISHED = RequestState.FINISHED
+
+PREFILL_STATES = (
+    RequestState.PREFILL,
+    RequestState.PREFILLING_PRELUDE,
+    RequestState.PREFILLING_RECURRENT,
 )
 
 
@@ -26,14 +42,15 @@ class Request:
     params: SamplingParams  # resolved: max_loops is set
     seed: int
     arrival_seq: int
-    total_depths: int
+    total_ut_steps: int
     trace_id: str = ""
-    phase: Phase = Phase.WAITING
-    # bumped on preemption so results of batches sent before it are ignored
-    generation: int = 0
+    state: RequestState = RequestState.WAITING
+    # 0, then +1 at each preemption (or worker loss): rows carry the incarnation they were
+    # built for, so results of batches sent before a preemption are ignored
+    incarnation: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
-    output_exit_depths: list[int] = field(default_factory=list)
+    output_exit_loops: list[int] = field(default_factory=list)
     # overload shedding: each output token's depth budget (the most loops it could run),
     # and how many of them ran under one lowered below params.max_loops
     output_loop_budgets: list[int] = field(default_factory=list)
@@ -87,7 +104,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.phase is _FINISHED
+        return self.state is _FINISHED
 
     @property
     def kv_footprint_tokens(self) -> int:
@@ -116,7 +133,7 @@ class Request:
         output is already known replays that token's recorded exit."""
         index = position - self.num_prompt_tokens + 1
         if index < len(self.output_token_ids):
-            return self.output_exit_depths[index]
+            return self.output_exit_loops[index]
         return 0
 
     def note_dropped_prefill(self) -> None:
@@ -138,7 +155,7 @@ class Request:
         """Admission / preemption reset: the only writers of the frontiers besides progress."""
         self.prefill_window_origin = origin
         self.num_preluded_tokens = origin
-        self.prefill_depth_ranges = [(origin, origin) for _ in range(self.total_depths)]
+        self.prefill_depth_ranges = [(origin, origin) for _ in range(self.total_ut_steps)]
         self.prefill_reclaimable_tokens = origin
         self.num_computed_tokens = origin
         self.decode_depth = 0

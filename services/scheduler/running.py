@@ -12,11 +12,10 @@ import bisect
 import heapq
 
 from messages.api import FinishedEvent, StreamEvent
-from messages.batch import Phase
 from services.common.config import KVAdmission
 from services.scheduler.kv_admission import Commitment, Preemption
 from services.scheduler.kv_manager import KVManager
-from services.scheduler.request import Request
+from services.scheduler.request import Request, RequestState
 from services.scheduler.state import SchedulerState
 
 
@@ -56,8 +55,8 @@ def preempt(state: SchedulerState, request: Request, for_request_id: str = "") -
     request.note_dropped_prefill()
     state.kv.free(request.request_id)
     state.running.remove(request)
-    request.generation += 1
-    request.phase = Phase.WAITING
+    request.incarnation += 1
+    request.state = RequestState.WAITING
     request.reset_prefill(origin=0)
     state.pending_finished.append(request.request_id)
     if request in state.pending_new:
@@ -68,7 +67,7 @@ def preempt(state: SchedulerState, request: Request, for_request_id: str = "") -
 
 def finish(state: SchedulerState, request: Request, reason: str, events: list[StreamEvent]) -> None:
     """Ends the request (running or waiting) and appends its finished event."""
-    request.phase = Phase.FINISHED
+    request.state = RequestState.FINISHED
     request.finish_reason = reason
     running = request in state.running
     if running:
@@ -85,7 +84,7 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
             request_id=request.request_id,
             finish_reason=reason,
             token_ids=list(request.output_token_ids),
-            exit_depths=list(request.output_exit_depths),
+            exit_depths=list(request.output_exit_loops),
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             shed_tokens=request.num_shed_tokens,
@@ -95,7 +94,7 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
 
 
 def _record_preemption(state: SchedulerState, request: Request, for_request_id: str) -> None:
-    decoding = request.phase is Phase.RECURRENT
+    decoding = request.state is RequestState.RECURRENT
     prompt = request.num_prompt_tokens if decoding else request.prefill_right(0)
     output = request.num_computed_tokens - request.num_prompt_tokens if decoding else 0
     state.pending_preemptions.append(
@@ -106,7 +105,7 @@ def _record_preemption(state: SchedulerState, request: Request, for_request_id: 
             prompt_tokens=prompt,
             output_tokens=max(0, output),
             blocks=state.kv.num_held_blocks(request.request_id),
-            generation=request.generation + 1,  # preempt bumps it next
+            incarnation=request.incarnation + 1,  # preempt bumps it next
         )
     )
 

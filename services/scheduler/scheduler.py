@@ -1,7 +1,7 @@
 """The scheduler core: a facade over admission, depth-major selection, batch building and
 one shared progress path.
 
-Pure Python, no NATS and no torch. One ``schedule()`` returns one batch (one phase; a
+Pure Python, no NATS and no torch. One ``schedule()`` returns one batch (of one ``BatchKind``; a
 RECURRENT batch holds decode rows first, then split-prefill recurrent rows). Progress is
 applied by ``update_after_submission`` (async scheduling) or ``update_from_output`` (sync);
 both go through one path (``progress.py``) so they cannot diverge.
@@ -54,7 +54,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.limits = limits
-        self.total_depths = limits.total_ut_steps
+        self.total_ut_steps = limits.total_ut_steps
         self._state = SchedulerState(config, limits, new_kv(config, limits))
         # prefix events leave in envelopes with a per-producer event_seq and a fresh epoch
         self.prefix_log = PrefixEventLog(producer_id)
@@ -86,7 +86,7 @@ class Scheduler:
 
     @property
     def depth_budget(self) -> int:
-        """Loops a new decode token may run (total_depths unless overload shedding lowered
+        """Loops a new decode token may run (total_ut_steps unless overload shedding lowered
         it; a request's own max_loops and min_loops still bound its tokens)."""
         return self._state.depth_budget
 
@@ -129,12 +129,12 @@ class Scheduler:
             params=resolved,
             seed=seed,
             arrival_seq=self._arrivals,
-            total_depths=self.total_depths,
+            total_ut_steps=self.total_ut_steps,
             trace_id=trace_id,
             output_token_ids=list(known_ids),
-            output_exit_depths=list(known_loops),
+            output_exit_loops=list(known_loops),
             # what budgets the other shard ran them under is not known: counted as not shed
-            output_loop_budgets=[resolved.max_loops or self.total_depths] * len(known_ids),
+            output_loop_budgets=[resolved.max_loops or self.total_ut_steps] * len(known_ids),
         )
         if self.config.enable_prefix_caching:
             request.block_hashes = prompt_block_hashes(
@@ -172,7 +172,7 @@ class Scheduler:
         returns to the waiting queue with its outputs kept; on the next worker it is prefilled
         again and its known tokens are replayed with their recorded exit depths, so its KV and
         its further outputs equal an uninterrupted run. Results of batches sent before this
-        call are stale (generation bumped) and are ignored if they still arrive.
+        call are stale (incarnation bumped) and are ignored if they still arrive.
         Returns the ids of the requests that will be recomputed."""
         state = self._state
         affected = [r.request_id for r in state.running]
@@ -202,8 +202,8 @@ class Scheduler:
         selected = self._selector.select()
         if selected is None:
             return None
-        phase, tasks = selected
-        return build_batch(self._state, phase, tasks)
+        kind, tasks = selected
+        return build_batch(self._state, kind, tasks)
 
     def take_depth_budget_changes(self) -> list[BudgetChange]:
         """Moves of the depth budget since the last call (the engine logs each)."""

@@ -1,4 +1,4 @@
-"""Choosing one batch's tasks: the phase, decode rows and follow-ons, depth-major wavefront
+"""Choosing one batch's tasks: its kind, decode rows and follow-ons, depth-major wavefront
 selection of prompt work, and the preemption that makes KV room for an accepted task.
 
 Selection only decides rows and allocates their KV; the batch is built from the tasks by
@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from messages.batch import Phase, RowKind
+from messages.batch import BatchKind, RowKind
 from services.scheduler.batch import ScheduledTask
 from services.scheduler.depth_budget import token_budget
-from services.scheduler.request import PREFILL_PHASES, Request
+from services.scheduler.request import PREFILL_STATES, Request, RequestState
 from services.scheduler.running import preempt
 from services.scheduler.state import SchedulerState
 
@@ -21,9 +21,6 @@ from services.scheduler.state import SchedulerState
 # an Enum class attribute (RowKind.DECODE) costs ~75 ns a lookup, a module global ~10.
 _DECODE, _FOLLOW_ON = RowKind.DECODE, RowKind.FOLLOW_ON
 _PREFILL, _PRELUDE = RowKind.PREFILL, RowKind.PRELUDE
-_ATOMIC, _RECURRENT = Phase.PREFILL, Phase.RECURRENT
-_SPLIT_PRELUDE, _SPLIT_RECURRENT = Phase.PREFILLING_PRELUDE, Phase.PREFILLING_RECURRENT
-_SPLIT_PREFILLING = (_SPLIT_PRELUDE, _SPLIT_RECURRENT)
 
 
 @dataclass
@@ -37,58 +34,60 @@ class Selection:
 
 
 class Selector:
-    """Builds one batch's task list per ``select()``; remembers only the last phase it chose
+    """Builds one batch's task list per ``select()``; remembers only the last batch kind it chose
     (atomic prefill alternates with decode)."""
 
     def __init__(self, state: SchedulerState) -> None:
         self._state = state
         config = state.config
-        self._total_depths = state.total_depths
+        self._total_ut_steps = state.total_ut_steps
         # async refill: a request whose decode row is in flight sends its next loop as a
         # follow-on row instead of sitting out a batch (cohort batching holds rows anyway)
         self._follow_ons = config.async_scheduling and config.refill
-        self._last_phase: Phase | None = None
+        self._last_kind: BatchKind | None = None
 
-    def select(self) -> tuple[Phase, list[ScheduledTask]] | None:
-        """The next batch's phase and tasks (KV allocated), or None if nothing can run."""
+    def select(self) -> tuple[BatchKind, list[ScheduledTask]] | None:
+        """The next batch's kind and tasks (KV allocated), or None if nothing can run."""
         config = self._state.config
         # the requests with prompt work, in queue order (one scan of `running` per step)
-        prefilling = [r for r in self._state.running if r.phase in PREFILL_PHASES]
-        for phase in self._phase_preference(prefilling):
+        prefilling = [r for r in self._state.running if r.state in PREFILL_STATES]
+        for kind in self._kind_preference(prefilling):
             selection = Selection(config.max_num_batched_tokens, config.max_num_seqs)
-            if phase == Phase.RECURRENT:
+            if kind is BatchKind.RECURRENT:
                 self._take_decode_rows(selection)
-            self._take_wavefront_phase(phase, selection, prefilling)
+            self._take_wavefront(kind, selection, prefilling)
             if selection.tasks:
-                self._last_phase = phase
-                return phase, selection.tasks
+                self._last_kind = kind
+                return kind, selection.tasks
         return None
 
-    def _phase_preference(self, prefilling: list[Request]) -> list[Phase]:
+    def _kind_preference(self, prefilling: list[Request]) -> list[BatchKind]:
         if not self._state.config.split_prefill:
             # atomic prefill and decode cannot share a batch: alternate when both have work
-            if self._last_phase == Phase.PREFILL:
-                return [Phase.RECURRENT, Phase.PREFILL]
-            return [Phase.PREFILL, Phase.RECURRENT]
+            if self._last_kind is BatchKind.PREFILL:
+                return [BatchKind.RECURRENT, BatchKind.PREFILL]
+            return [BatchKind.PREFILL, BatchKind.RECURRENT]
         # split: the prelude is cheap; run it when some request's depth-0 work has caught
         # up with its prelude (it would stall otherwise), else keep the core busy
         starved = any(
-            r.phase is _SPLIT_PRELUDE and r.prefill_right(0) >= r.num_preluded_tokens
+            r.state is RequestState.PREFILLING_PRELUDE
+            and r.prefill_right(0) >= r.num_preluded_tokens
             for r in prefilling
         )
         if starved:
-            return [Phase.PREFILLING_PRELUDE, Phase.RECURRENT]
-        return [Phase.RECURRENT, Phase.PREFILLING_PRELUDE]
+            return [BatchKind.PREFILLING_PRELUDE, BatchKind.RECURRENT]
+        return [BatchKind.RECURRENT, BatchKind.PREFILLING_PRELUDE]
 
     # ------------------------------------------------------------------ decode rows
     def _take_decode_rows(self, sel: Selection) -> None:
         """Decode rows come first in a RECURRENT batch, one loop per request."""
         running = self._state.running
+        decoding = RequestState.RECURRENT  # a local: compared once per running request
         cohort_busy = not self._state.config.refill and any(
-            r.phase is _RECURRENT and r.decode_depth > 0 for r in running
+            r.state is decoding and r.decode_depth > 0 for r in running
         )
         for request in list(running):
-            if request.phase is not _RECURRENT:
+            if request.state is not decoding:
                 continue
             if request.awaiting_output:
                 task = self._follow_on_task(request)
@@ -115,7 +114,7 @@ class Selector:
             return
         # Request.forced_exit_loops_at, inlined
         index = position - request.num_prompt_tokens + 1
-        forced = request.output_exit_depths[index] if index < len(request.output_token_ids) else 0
+        forced = request.output_exit_loops[index] if index < len(request.output_token_ids) else 0
         # a token keeps the budget its first loop ran under; a replayed exit needs none
         if forced:
             budget = None
@@ -124,10 +123,10 @@ class Selector:
         else:
             budget = self._token_budget(request)
         # positional: (request, kind, token_start, token_count, depth, num_loops, embed,
-        # compute_logits, forced_exit_loops, generation, loop_budget)
+        # compute_logits, forced_exit_loops, incarnation, loop_budget)
         task = ScheduledTask(
             request, _DECODE, position, 1, depth, 1, depth == 0, forced == 0, forced,
-            request.generation, budget,
+            request.incarnation, budget,
         )  # fmt: skip
         sel.budget_left -= 1
         selected[rid] = request
@@ -163,13 +162,12 @@ class Selector:
 
     def _token_budget(self, request: Request) -> int | None:
         budget = self._state.depth_budget
-        return None if budget >= self._total_depths else token_budget(request, budget)
+        return None if budget >= self._total_ut_steps else token_budget(request, budget)
 
     # ------------------------------------------------------------------ prompt work
-    def _take_wavefront_phase(
-        self, phase: Phase, sel: Selection, candidates: list[Request]
-    ) -> None:
-        """Depth-major selection shared by PRELUDE, split RECURRENT and atomic PREFILL.
+    def _take_wavefront(self, kind: BatchKind, sel: Selection, candidates: list[Request]) -> None:
+        """Depth-major selection shared by every batch kind: PREFILLING_PRELUDE, the split
+        prefill rows of RECURRENT, and atomic PREFILL.
 
         For each level (PRELUDE: chunk order; RECURRENT: depth 0..D-1; PREFILL: one level)
         every candidate (a request with prompt work, in queue order) offers its ready task;
@@ -178,13 +176,14 @@ class Selector:
         """
         if not candidates or sel.budget_left <= 0:
             return
-        prelude_cursors: dict[str, int] | None = {} if phase == Phase.PREFILLING_PRELUDE else None
-        for level in self._levels(phase):
+        prelude = kind is BatchKind.PREFILLING_PRELUDE
+        prelude_cursors: dict[str, int] | None = {} if prelude else None
+        for level in self._levels(kind):
             accepted_any = False
             for request in candidates:
-                if request.phase not in PREFILL_PHASES:
+                if request.state not in PREFILL_STATES:
                     continue  # preempted by an earlier acceptance in this batch
-                task = self._make_wavefront_task(request, phase, level, prelude_cursors)
+                task = self._make_wavefront_task(request, kind, level, prelude_cursors)
                 if task is None:
                     continue
                 accepted = self._accept_task(task, sel)
@@ -197,12 +196,12 @@ class Selector:
             if prelude_cursors is not None and not accepted_any:
                 return  # PRELUDE levels go on only while some request still advances
 
-    def _levels(self, phase: Phase) -> Iterable[int]:
-        if phase == Phase.PREFILLING_PRELUDE:
+    def _levels(self, kind: BatchKind) -> Iterable[int]:
+        if kind is BatchKind.PREFILLING_PRELUDE:
             return _count_up()
-        if phase == Phase.PREFILL:
+        if kind is BatchKind.PREFILL:
             return (0,)
-        return range(self._total_depths)
+        return range(self._total_ut_steps)
 
     def _chunk_end(self, request: Request, start: int) -> int:
         """Chunk boundaries are measured from the prefill origin (the prefix-cache hit)."""
@@ -214,14 +213,15 @@ class Selector:
     def _make_wavefront_task(
         self,
         request: Request,
-        phase: Phase,
+        kind: BatchKind,
         level: int,
         prelude_cursors: dict[str, int] | None,
     ) -> ScheduledTask | None:
         prompt_len = request.num_prompt_tokens
-        total_depths = self._total_depths
-        if phase is _SPLIT_PRELUDE:
-            if request.phase is not _SPLIT_PRELUDE or prelude_cursors is None:
+        total_ut_steps = self._total_ut_steps
+        state = request.state
+        if kind is BatchKind.PREFILLING_PRELUDE:
+            if state is not RequestState.PREFILLING_PRELUDE or prelude_cursors is None:
                 return None
             start = prelude_cursors.get(request.request_id, request.num_preluded_tokens)
             if start >= prompt_len:
@@ -229,16 +229,16 @@ class Selector:
             end = self._chunk_end(request, start)
             return _task(request, _PRELUDE, start, end, depth=0, loops=0)
 
-        if phase is _ATOMIC:
-            if request.phase is not _ATOMIC:
+        if kind is BatchKind.PREFILL:
+            if state is not RequestState.PREFILL:
                 return None
-            start = request.prefill_right(total_depths - 1)
+            start = request.prefill_right(total_ut_steps - 1)
             if start >= prompt_len:
                 return None
             end = self._chunk_end(request, start)
-            return _task(request, _PREFILL, start, end, depth=0, loops=total_depths, embed=True)
+            return _task(request, _PREFILL, start, end, depth=0, loops=total_ut_steps, embed=True)
 
-        if request.phase not in _SPLIT_PREFILLING:
+        if state not in (RequestState.PREFILLING_PRELUDE, RequestState.PREFILLING_RECURRENT):
             return None
         depth = level
         start = request.prefill_right(depth)
@@ -251,7 +251,7 @@ class Selector:
         if not self._state.config.wavefront_chunked_prefill:
             # depth-serial split prefill: run every depth whose frontier is level with this
             # one in the same task (several depths of one request in one update)
-            while depth + loops < total_depths and request.prefill_right(depth + loops) == start:
+            while depth + loops < total_ut_steps and request.prefill_right(depth + loops) == start:
                 loops += 1
         return _task(request, _PREFILL, start, end, depth=depth, loops=loops)
 
@@ -273,10 +273,10 @@ class Selector:
         if needs_kv and not self._ensure_execution_capacity(request, task.token_start + count, sel):
             return None
         task.token_count = count
-        task.generation = request.generation
+        task.incarnation = request.incarnation
         if kind is _PREFILL:
             reaches_coda = (
-                task.depth + task.num_loops == self._total_depths
+                task.depth + task.num_loops == self._total_ut_steps
                 and task.token_end == request.num_prompt_tokens
             )
             # a recomputed request already knows its first token
@@ -356,7 +356,7 @@ def _task(
         depth=depth,
         num_loops=loops,
         embed=embed,
-        generation=request.generation,
+        incarnation=request.incarnation,
     )
 
 

@@ -61,7 +61,7 @@ class SchedulerState:
     config: SchedulerConfig
     limits: ModelLimits
     kv: KVManager
-    total_depths: int = field(init=False)
+    total_ut_steps: int = field(init=False)
     requests: dict[str, Request] = field(default_factory=dict)
     running: list[Request] = field(default_factory=list)  # kept in queue order
     waiting: list[QueueEntry] = field(default_factory=list)  # a heap by priority key
@@ -74,10 +74,10 @@ class SchedulerState:
     pending_new: list[Request] = field(default_factory=list)
     pending_finished: list[str] = field(default_factory=list)
     pending_preemptions: list[Preemption] = field(default_factory=list)
-    # loops a new decode token may run under overload shedding (total_depths: none shed);
+    # loops a new decode token may run under overload shedding (total_ut_steps: none shed);
     # written only by ``DepthBudget``
     depth_budget: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.total_depths = self.limits.total_ut_steps
-        self.depth_budget = self.total_depths
+        self.total_ut_steps = self.limits.total_ut_steps
+        self.depth_budget = self.total_ut_steps

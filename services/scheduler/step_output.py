@@ -13,7 +13,8 @@ from messages.api import StreamEvent
 from messages.internal import RelayedEvent, RequestNotice, WorkerBatch
 from messages.prefix import PrefixEventBatch
 
-# which try of a request a stream serves: (admission id, admission seq); fencing names it
+# one try of a request: (admission id, admission seq); a stream serves one, fencing and
+# aimed aborts name one
 StreamKey = tuple[str, int]
 # (the abort requester's reply subject, its answer): the only events not relayed
 Delivery = tuple[str, StreamEvent]

@@ -31,6 +31,7 @@ class Stream:
 
     @classmethod
     def of(cls, req: AdmittedRequest, track: str = "") -> Stream:
+        assert req.relay_subject is not None  # a submit without one is dropped on arrival
         return cls(
             req.trace_id,
             time.monotonic(),

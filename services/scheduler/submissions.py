@@ -52,7 +52,8 @@ class Submissions:
         "accepted"; the stream's events go to ``req.relay_subject``. ``traceparent`` is
         admission's span (the parent of ours)."""
         fields = request_fields(req.request_id, req.trace_id)
-        if not req.relay_subject.startswith(subjects.ADMISSION_TRACK_PREFIX):
+        relay = req.relay_subject
+        if relay is None or not relay.startswith(subjects.ADMISSION_TRACK_PREFIX):
             # only admission submits, and it always names its relay: nowhere to answer
             self.log.error("submit without admission's relay subject dropped", **fields)
             return self._take()
@@ -67,7 +68,7 @@ class Submissions:
             message = f"request_id {req.request_id!r} is in use"
             return self._refuse(req, ErrorCode.INVALID_REQUEST, message)
         if live is not None:
-            self._reattach(req, live, track)
+            self._reattach(req, live, track, relay)
             if self.tombstones.take(req.tenant, req.request_id, time.monotonic(), live.key):
                 self._abort_live(req.request_id)  # the retry's abort came first
             return self._take()
@@ -117,13 +118,13 @@ class Submissions:
         self._route(done)
         return self._take()
 
-    def _reattach(self, req: AdmittedRequest, live: Stream, track: str) -> None:
+    def _reattach(self, req: AdmittedRequest, live: Stream, track: str, relay: str) -> None:
         """A client's retry of a live request (same request_id): no second generation; the
         stream goes on under the retry's try, relay and tracking subject."""
         if live.track and live.track != track:
             # the admission it came through first closes its entry without a word
             self._notice(live.track, req.request_id, "done")
-        live.track, live.relay = track, req.relay_subject
+        live.track, live.relay = track, relay
         live.admission_id, live.admission_seq = req.admission_id, req.admission_seq
         # the retry's admission learns what the stream has produced so far
         request = self.core.scheduler.requests.get(req.request_id)
@@ -131,7 +132,7 @@ class Submissions:
             resync = RelayedEvent(
                 seq=live.admission_seq,
                 known_token_ids=list(request.output_token_ids),
-                known_exit_depths=list(request.output_exit_depths),
+                known_exit_depths=list(request.output_exit_loops),
             )
             self._out.relays.append(Relay(live.relay, live.admission_id, resync))
         self._notice(track, req.request_id, "accepted")

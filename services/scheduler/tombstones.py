@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-Try = tuple[str, int]  # (admission id, admission seq)
-ANY: Try = ("", 0)
+from services.scheduler.step_output import StreamKey
+
+# a try of seq 0: an abort that ends whichever try arrives
+ANY: StreamKey = ("", 0)
 
 
 class AbortTombstones:
@@ -22,12 +24,12 @@ class AbortTombstones:
         self.keep_s = keep_s
         self.max_entries = max_entries
         # (tenant, request id) -> (when, the try: (admission id, seq), seq 0 for any)
-        self._items: OrderedDict[tuple[str, str], tuple[float, Try]] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], tuple[float, StreamKey]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, tenant: str, request_id: str, now: float, aimed: Try = ANY) -> None:
+    def add(self, tenant: str, request_id: str, now: float, aimed: StreamKey = ANY) -> None:
         key = (tenant, request_id)
         old = self._items.pop(key, None)
         if old is not None and old[1] == ANY:
@@ -35,7 +37,7 @@ class AbortTombstones:
         self._items[key] = (now, aimed)
         self.expire(now)
 
-    def take(self, tenant: str, request_id: str, now: float, try_: Try = ANY) -> bool:
+    def take(self, tenant: str, request_id: str, now: float, try_: StreamKey = ANY) -> bool:
         """Whether an abort for this try of the request is waiting (it is used up)."""
         self.expire(now)
         key = (tenant, request_id)

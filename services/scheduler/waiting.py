@@ -11,7 +11,6 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from messages.batch import Phase
 from messages.prefix import cacheable_prefix_blocks
 from services.common.config import KVAdmission
 from services.scheduler.inflight_prefix import (
@@ -21,7 +20,7 @@ from services.scheduler.inflight_prefix import (
     prefix_writers,
 )
 from services.scheduler.kv_admission import Commitment, admits
-from services.scheduler.request import Request
+from services.scheduler.request import Request, RequestState
 from services.scheduler.running import (
     committed,
     footprint,
@@ -162,7 +161,9 @@ class Admission:
         state.running_footprints += footprint(state.kv, request)
         if config.kv_admission is KVAdmission.RESERVE:
             state.stats.num_reserved_blocks += state.kv.blocks_for(request.kv_footprint_tokens)
-        request.phase = Phase.PREFILLING_PRELUDE if config.split_prefill else Phase.PREFILL
+        request.state = (
+            RequestState.PREFILLING_PRELUDE if config.split_prefill else RequestState.PREFILL
+        )
         insert_running(state, request)
         state.pending_new.append(request)
 

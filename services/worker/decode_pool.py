@@ -19,7 +19,7 @@ class DecodePool:
     ) -> None:
         self.rows = torch.zeros((capacity, hidden_size), dtype=dtype, device=device)
         self._free = list(range(capacity - 1, 0, -1))  # the scratch row is never handed out
-        self.generation = 0  # bumped when ``rows`` is reallocated (captured graphs go stale)
+        self.version = 0  # bumped when ``rows`` is reallocated (captured graphs go stale)
 
     def allocate(self) -> int:
         if not self._free:
@@ -36,4 +36,4 @@ class DecodePool:
         self.rows = torch.zeros((2 * capacity, old.shape[1]), dtype=old.dtype, device=old.device)
         self.rows[:capacity] = old
         self._free = list(range(2 * capacity - 1, capacity - 1, -1))
-        self.generation += 1
+        self.version += 1

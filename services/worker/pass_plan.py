@@ -278,7 +278,8 @@ class PassPlanner:
                 plan.all_greedy = False
                 if s.top_k > 0 or s.top_p < 1.0:
                     plan.filters = True
-            plan.logprobs_top = max(plan.logprobs_top, s.logprobs)
+            if s.logprobs is not None:
+                plan.logprobs_top = max(plan.logprobs_top, s.logprobs)
         if plan.padded:
             n = len(coda_index)
             row[n:] = np.arange(n, plan.shape.num_coda)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from messages.batch import Batch, BatchResult, BatchRow, Phase, RowKind, RowResult
+from messages.batch import Batch, BatchKind, BatchResult, BatchRow, RowKind, RowResult
 
 
 @dataclass
@@ -38,7 +38,7 @@ class RunnerStats:
         """One executed batch that took ``seconds``."""
         self.execute_s += seconds
         self.batches += 1
-        if batch.phase is Phase.RECURRENT and any(
+        if batch.kind is BatchKind.RECURRENT and any(
             r.kind is RowKind.DECODE or r.kind is RowKind.FOLLOW_ON for r in batch.rows
         ):
             self.decode_batches += 1

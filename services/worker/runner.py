@@ -22,8 +22,8 @@ import torch
 from kernels.ops import copy_kv_slots_masked, exit_rule
 from messages.batch import (
     Batch,
+    BatchKind,
     BatchResult,
-    Phase,
     PromptLogprobs,
     SampledLogprobs,
 )
@@ -168,7 +168,7 @@ class ModelRunner:
         self.last_batch_passes = []
         rows = live_rows(batch, self.requests)
         try:
-            if batch.phase == Phase.PREFILLING_PRELUDE:
+            if batch.kind == BatchKind.PREFILLING_PRELUDE:
                 self._run_prelude(rows)
             else:
                 self._run_recurrent(rows)
@@ -224,7 +224,7 @@ class ModelRunner:
                 if (
                     not live.is_decode
                     and live.depth == self.total_loops
-                    and self.requests[live.row.request_id].sampling.prompt_logprobs >= 0
+                    and self.requests[live.row.request_id].sampling.prompt_logprobs is not None
                 ):
                     prompt_rows.append((live, self._prompt_hidden(live)))
         if results:
@@ -417,7 +417,7 @@ class ModelRunner:
                         continue
                 token_sampled(live, cursor, token)
                 n_top = cursor.sampling.logprobs
-                if n_top >= 0 and width:
+                if n_top is not None and width:
                     row = scored[j * width : (j + 1) * width]
                     k = (width - 1) // 2
                     ((chosen, ids, vals),) = read_scored([row], k)
@@ -434,13 +434,15 @@ class ModelRunner:
         spans: list[tuple[LiveRow, int, int, int]] = []  # row, first scored, count, top
         for live, h in prompt_rows:
             req = self.requests[live.row.request_id]
+            n_top = req.sampling.prompt_logprobs
+            assert n_top is not None  # only such rows are collected
             start = live.row.token_start
             count = min(h.shape[0], len(req.prompt) - 1 - start)  # the last has no next
             if count <= 0:
                 continue
             hidden.append(h[:count])
             targets += req.prompt[start + 1 : start + 1 + count]
-            spans.append((live, start + 1, count, req.sampling.prompt_logprobs))
+            spans.append((live, start + 1, count, n_top))
         if not spans:
             return
         hidden_rows = torch.cat(hidden)

@@ -294,7 +294,8 @@ class WorkerService(Service):
             self._scheduler = scheduler
             # a new scheduler incarnation, or the scheduler recovering from a worker loss:
             # the device state starts over at the epoch's first seq (waited for if lost)
-            first = wb.epoch_start_seq if 0 <= wb.epoch_start_seq <= batch.seq else batch.seq
+            start = wb.epoch_start_seq
+            first = start if start is not None and 0 <= start <= batch.seq else batch.seq
             self.log.info("new scheduler epoch", epoch=wb.epoch, first_seq=first)
             self._epoch = wb.epoch  # jobs of the old epoch still queued are skipped
             self._next_submit = self._next_done = first
@@ -523,7 +524,7 @@ _BOUND_IDLE_S = 30.0
 
 
 def _is_older_epoch(epoch: str, current: str | None) -> bool:
-    """``<scheduler instance>.<generation>``: an older generation of the same scheduler is a
+    """``<scheduler instance>.<epoch number>``: an older epoch of the same scheduler is a
     late message from before a reset. Different schedulers are not ordered: the newest
     message wins (one scheduler at a time drives a worker)."""
     if current is None:

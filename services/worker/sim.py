@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from messages.batch import Batch, BatchResult, Phase, SampledLogprobs, WorkerSampling
+from messages.batch import Batch, BatchKind, BatchResult, SampledLogprobs, WorkerSampling
 from services.common.model_config import OuroConfig
 from services.worker.logprobs import LOGPROB_FLOOR
 from services.worker.rows import (
@@ -140,7 +140,7 @@ class SimRunner:
     ) -> None:
         self.cfg = cfg
         self.cost = cost
-        self.total_depths = cfg.total_ut_steps
+        self.total_ut_steps = cfg.total_ut_steps
         self.eos = frozenset(cfg.eos_token_ids)
         self.sleep = sleep  # False: only account (tests)
         self.requests: dict[str, _SimRequest] = {}
@@ -164,7 +164,7 @@ class SimRunner:
         """How many loops the token fed at ``position`` runs before it exits; a shed depth
         ``budget`` (BatchRow.max_loops) caps where the request's own rule would exit, as it
         caps a model's exit gate."""
-        high = max(1, min(s.max_loops, self.total_depths))
+        high = max(1, min(s.max_loops, self.total_ut_steps))
         if s.exit_threshold >= 1.0:
             natural = high
         else:
@@ -181,7 +181,7 @@ class SimRunner:
         self.last_seq = batch.seq
         self.last_batch_passes = []
         rows = live_rows(batch, self.requests)
-        seconds = 0.0 if batch.phase is Phase.PREFILLING_PRELUDE else self._run(rows)
+        seconds = 0.0 if batch.kind is BatchKind.PREFILLING_PRELUDE else self._run(rows)
         self.simulated_s += seconds
         wait = seconds * self.cost.dilation
         if self.sleep and wait > 0:
@@ -230,7 +230,7 @@ class SimRunner:
         r.depth += 1
         if not r.is_decode:
             end = row.token_start + row.token_count
-            if row.compute_logits and loops_run == self.total_depths and r.loops_left == 0:
+            if row.compute_logits and loops_run == self.total_ut_steps and r.loops_left == 0:
                 return self._sample(r, req, end - 1)
             return 0
         exit_at = row.forced_exit_loops or self.exit_loops_at(
@@ -250,7 +250,7 @@ class SimRunner:
             return 1
         token = self.token_at(req.sampling.seed, last_position + 1)
         n = req.sampling.logprobs
-        if n >= 0:  # simulated too: the token is certain, nothing else is possible
+        if n is not None:  # simulated too: the token is certain, nothing else is possible
             r.result.logprobs = SampledLogprobs(
                 logprob=0.0,
                 top_ids=[(token + i) % self.cfg.vocab_size for i in range(n)],

@@ -75,7 +75,7 @@ class _Captured:
         self.words = torch.zeros(shape.size, dtype=torch.int32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.packed: torch.Tensor | None = None
-        self.pool_generation = -1
+        self.pool_version = -1
 
 
 class StaticDecode:
@@ -111,7 +111,7 @@ class StaticDecode:
         ):
             return None
         requests = self.runner.requests
-        if any(requests[live.row.request_id].sampling.logprobs >= 0 for live in active):
+        if any(requests[live.row.request_id].sampling.logprobs is not None for live in active):
             return None
         # token masks are filled on the host per pass: a captured graph has no step for them
         if any(requests[live.row.request_id].sampling.structured_output for live in active):
@@ -148,7 +148,7 @@ class StaticDecode:
         if static is None:
             static = self._static[key] = _Captured(plan.shape, self.runner.model.device)
         if self.mode is DecodeMode.GRAPHS and (
-            static.graph is None or static.pool_generation != self.runner.pool.generation
+            static.graph is None or static.pool_version != self.runner.pool.version
         ):
             self._capture(static, plan)
         return static
@@ -176,7 +176,7 @@ class StaticDecode:
         with torch.cuda.graph(graph):
             static.packed = self._body(blank, static)
         static.graph = graph
-        static.pool_generation = runner.pool.generation
+        static.pool_version = runner.pool.version
         _log.info(
             "cuda_graph_captured",
             rows=plan.shape.num_tokens,
