@@ -14,9 +14,9 @@ import pytest
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, StreamEvent, TokenEvent
 from services.gateway.app import build_app
+from services.gateway.errors import ApiError
 from services.gateway.protocol import (
     MAX_CHOICES,
-    ApiError,
     Options,
     choice_requests,
     parse_chat,

@@ -18,11 +18,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from messages.api import ErrorEvent, FinishedEvent, TokenEvent, TokenLogprobs, TopLogprob
+from services.gateway.errors import ApiError
 from services.gateway.metrics import ClusterMetrics
 from services.gateway.protocol import (
     MAX_STOP_CHARS,
     MAX_STOPS,
-    ApiError,
     ChatRequest,
     CompletionRequest,
     Options,

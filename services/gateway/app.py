@@ -38,15 +38,14 @@ from messages.api import ErrorEvent, GenerateRequest, StreamEvent
 from messages.errors import ErrorCode
 from services.common.tokenizer import TextCodec
 from services.gateway.auth import OPEN, ApiKeys, Authorized
+from services.gateway.errors import ApiError, error_body
 from services.gateway.metrics import GatewayMetrics, route_label
 from services.gateway.protocol import (
     MAX_BODY_BYTES,
-    ApiError,
     ChatRequest,
     CompletionRequest,
     Options,
     choice_requests,
-    error_body,
     options,
     parse_chat,
     parse_completion,

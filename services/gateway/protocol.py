@@ -1,9 +1,8 @@
 """The OpenAI-compatible HTTP API, translated to rlt's NATS API. Pure: no HTTP, no NATS.
 
-``parse_completion`` / ``parse_chat`` decode and check a request body (``ApiError`` with an
-HTTP status for what rlt refuses), ``to_generate`` builds the ``GenerateRequest`` for
-``rlt.v1.generate``, and ``error_body`` shapes errors as the ``openai`` client expects them
-(``responses.py`` shapes the answers).
+``parse_completion`` / ``parse_chat`` decode and check a request body (``ApiError``,
+``errors.py``, with an HTTP status for what rlt refuses), ``to_generate`` builds the
+``GenerateRequest`` for ``rlt.v1.generate`` (``responses.py`` shapes the answers).
 
 Accepted beyond OpenAI's fields (vLLM's extra body fields, the loop knobs):
 ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_loops``, ``max_loops``,
@@ -33,25 +32,9 @@ from typing import Any
 import msgspec
 
 from messages.api import GenerateRequest
-from messages.errors import ErrorCode
 from messages.sampling import MAX_LOGPROBS, StructuredOutput
+from services.gateway.errors import ApiError
 from services.gateway.structured import FormatError, structured_output
-
-# the gateway's own code for a missing or wrong API key (OpenAI's)
-INVALID_API_KEY = "invalid_api_key"
-# rlt error code -> (HTTP status, OpenAI error type)
-_STATUS: dict[str, tuple[int, str]] = {
-    INVALID_API_KEY: (401, "invalid_request_error"),
-    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
-    ErrorCode.NOT_FOUND: (404, "not_found_error"),
-    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
-    ErrorCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    ErrorCode.TIMEOUT: (504, "timeout_error"),
-    ErrorCode.INTERNAL: (500, "server_error"),
-}
-# how long a client told "overloaded" should wait before retrying (seconds)
-RETRY_AFTER_S = 1
-
 
 # limits on what a request may ask of the gateway itself
 MAX_STOPS = 64
@@ -59,36 +42,6 @@ MAX_STOP_CHARS = 2048
 MAX_BODY_BYTES = 16 << 20  # far above any request the bus could carry (max_payload)
 MAX_CHOICES = 128  # OpenAI's bound on n; each choice is a request of its own in the engine
 _SEED_MOD = 2**63  # SamplingParams' seed range
-
-
-class ApiError(Exception):
-    """A request the gateway answers with an OpenAI error body."""
-
-    def __init__(
-        self, message: str, code: str = ErrorCode.INVALID_REQUEST, param: str | None = None
-    ):
-        super().__init__(message)
-        self.message = message
-        self.code = str(code)
-        self.param = param
-
-    @property
-    def status(self) -> int:
-        return _STATUS.get(self.code, (500, ""))[0]
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.code, self.message, self.param)
-
-    def headers(self) -> dict[str, str]:
-        if self.status in (429, 503):
-            return {"Retry-After": str(RETRY_AFTER_S)}
-        return {}
-
-
-def error_body(code: str, message: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = _STATUS.get(code, (500, "server_error"))[1]
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 # ---------------------------------------------------------------------- requests

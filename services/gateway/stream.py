@@ -18,7 +18,8 @@ from typing import Any
 import msgspec
 
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent, TokenLogprobs
-from services.gateway.protocol import Options, error_body
+from services.gateway.errors import error_body
+from services.gateway.protocol import Options
 from services.gateway.responses import (
     Usage,
     chat_choice,
