@@ -25,16 +25,13 @@ from services.gateway.protocol import (
     MAX_STOPS,
     ChatRequest,
     CompletionRequest,
-    Options,
     StreamOptions,
-    choice_requests,
-    options,
     parse_chat,
     parse_completion,
-    to_generate,
 )
 from services.gateway.stops import StopMatcher
 from services.gateway.stream import DONE_FRAME, Answer, SseEncoder
+from services.gateway.translate import Options, choice_requests, options, to_generate
 from services.runtime import tracing
 from services.runtime.bus import encode_json
 from services.runtime.tracing import TraceContext, Tracer, parse_traceparent

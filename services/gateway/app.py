@@ -44,12 +44,8 @@ from services.gateway.protocol import (
     MAX_BODY_BYTES,
     ChatRequest,
     CompletionRequest,
-    Options,
-    choice_requests,
-    options,
     parse_chat,
     parse_completion,
-    to_generate,
 )
 from services.gateway.responses import models_body
 from services.gateway.stream import (
@@ -60,6 +56,7 @@ from services.gateway.stream import (
     answers_body,
     combined_usage,
 )
+from services.gateway.translate import Options, choice_requests, options, to_generate
 from services.runtime.logging import request_fields
 from services.runtime.tracing import ATTR_REQUEST_ID, TRACEPARENT, Tracer, parse_traceparent
 
