@@ -1,10 +1,11 @@
 """The HTTP side of the gateway: Starlette routes over a ``Backend`` (the NATS shell).
 
-Each generation request is translated (``protocol.py``), sent to ``rlt.v1.generate``, and
-answered from its stream (``stream.py``): as one JSON body, or as server-sent events
-written as each token event arrives. The first event is awaited before the HTTP status is
-chosen, so a refusal (invalid request, overloaded, unavailable) is a proper 4xx/5xx with
-OpenAI's error body rather than an error inside a 200 stream.
+Each generation request is checked (``protocol.py``), translated (``translate.py``), sent
+to ``rlt.v1.generate``, and answered from its stream (``stream.py``): as one JSON body, or
+as server-sent events written as each token event arrives (``http_responses.py``). The
+first event is awaited before the HTTP status is chosen, so a refusal (invalid request,
+overloaded, unavailable) is a proper 4xx/5xx with OpenAI's error body rather than an error
+inside a 200 stream.
 
 A client that goes away (the connection closes) aborts its request at once, so its KV is
 freed; the disconnect is watched on the ASGI ``receive`` channel, also while the request
@@ -18,27 +19,26 @@ answer 401 without one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import msgspec
 import prometheus_client
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive
 
 from messages.api import ErrorEvent, GenerateRequest, StreamEvent
 from messages.errors import ErrorCode
 from services.common.tokenizer import TextCodec
 from services.gateway.auth import OPEN, ApiKeys, Authorized
 from services.gateway.errors import ApiError, error_body
+from services.gateway.http_responses import SseResponse, json_response, wait_disconnect
 from services.gateway.metrics import GatewayMetrics, route_label
 from services.gateway.protocol import (
     MAX_BODY_BYTES,
@@ -59,8 +59,6 @@ from services.gateway.stream import (
 from services.gateway.translate import Options, choice_requests, options, to_generate
 from services.runtime.logging import request_fields
 from services.runtime.tracing import ATTR_REQUEST_ID, TRACEPARENT, Tracer, parse_traceparent
-
-_JSON = msgspec.json.Encoder()
 
 
 class EventStream(Protocol):
@@ -113,7 +111,7 @@ def build_app(
 
     async def models(request: Request) -> Response:
         listed = models_body(backend.model_name, backend.created, backend.max_model_len)
-        return counted(request, _json(listed))
+        return counted(request, json_response(listed))
 
     async def model(request: Request) -> Response:  # client.models.retrieve(name)
         name = request.path_params["name"]
@@ -121,14 +119,16 @@ def build_app(
             message = (
                 f"The model `{name}` does not exist; this server serves `{backend.model_name}`"
             )
-            return counted(request, _json(error_body(ErrorCode.NOT_FOUND, message, "model"), 404))
+            return counted(
+                request, json_response(error_body(ErrorCode.NOT_FOUND, message, "model"), 404)
+            )
         listed = models_body(backend.model_name, backend.created, backend.max_model_len)
-        return counted(request, _json(listed["data"][0]))
+        return counted(request, json_response(listed["data"][0]))
 
     async def health(request: Request) -> Response:
         ready, details = await backend.readiness()
         body = {"status": "ready" if ready else "unavailable", **details}
-        return counted(request, _json(body, 200 if ready else 503))
+        return counted(request, json_response(body, 200 if ready else 503))
 
     async def metrics(request: Request) -> Response:
         text = prometheus_client.generate_latest(backend.metrics.registry)
@@ -139,13 +139,13 @@ def build_app(
         assert isinstance(exc, HTTPException)
         code = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.INVALID_REQUEST
         body = error_body(code, str(exc.detail))
-        return counted(request, _json(body, exc.status_code, dict(exc.headers or {})))
+        return counted(request, json_response(body, exc.status_code, dict(exc.headers or {})))
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         # the details go to the log, not to the client
         backend.log.error("gateway error", error=repr(exc)[:500])
         body = error_body(ErrorCode.INTERNAL, "internal gateway error")
-        return counted(request, _json(body, 500))
+        return counted(request, json_response(body, 500))
 
     app = Starlette(
         routes=[
@@ -161,10 +161,6 @@ def build_app(
     if not api_keys and not metrics_api_keys:
         return app
     return Authorized(app, backend.metrics, backend.log, api_keys, metrics_api_keys)
-
-
-def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(_JSON.encode(body), status, headers, media_type="application/json")
 
 
 # ---------------------------------------------------------------------- generation
@@ -202,7 +198,7 @@ async def _generate(backend: Backend, request: Request, *, chat: bool) -> Respon
         opts = options(req, backend.codec.decode if backend.codec else None)
     except ApiError as exc:
         backend.metrics.count_response(request.scope, route, exc.status)
-        return _json(exc.body(), exc.status, exc.headers())
+        return json_response(exc.body(), exc.status, exc.headers())
     except ClientDisconnect:  # the client left while sending its body: nothing to answer
         backend.metrics.client_disconnects.inc()
         backend.metrics.count_response(request.scope, route, 499)
@@ -279,7 +275,7 @@ class _Call:
         return next((a.error for a in self.answers if a.error is not None), None)
 
     async def run(self, receive: Receive) -> Response:
-        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        gone = asyncio.ensure_future(wait_disconnect(receive))
         first: list[list[Delta]] = [[] for _ in self.choices]
         try:
             for choice in self.choices:
@@ -296,7 +292,7 @@ class _Call:
                 return early
             if not self.options.stream:
                 self._finish()
-                return _json(
+                return json_response(
                     answers_body(
                         self.chat, self.request_id, self.backend.model_name, self.created,
                         self.answers,
@@ -426,7 +422,7 @@ class _Call:
         exc = ApiError(event.message, event.code)
         self.status = exc.status
         self._finish()
-        return _json(exc.body(), exc.status, exc.headers())
+        return json_response(exc.body(), exc.status, exc.headers())
 
     def _finish(self) -> None:
         if self.closed:
@@ -493,57 +489,3 @@ class _Events:
 
 def _status_of(code: str) -> int:
     return ApiError("", code).status
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class SseResponse(Response):
-    """Server-sent events written as they are produced. The client going away (the ASGI
-    server's ``http.disconnect``, or a failed write) stops the stream and calls ``gone``."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, frames: AsyncIterator[bytes], gone: Callable[[], Any]) -> None:
-        self.frames = frames
-        self.gone = gone
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
-        pump = asyncio.ensure_future(self._pump(send))
-        listen = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({pump, listen}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            listen.cancel()
-            if not pump.done():
-                self.gone()  # first: the request is aborted before the stream unwinds
-                pump.cancel()
-                await _quietly(pump)
-        if not pump.cancelled() and pump.exception() is not None:
-            raise pump.exception()  # type: ignore[misc]
-
-    async def _pump(self, send: Send) -> None:
-        try:
-            async for frame in self.frames:
-                try:
-                    await send({"type": "http.response.body", "body": frame, "more_body": True})
-                except OSError:  # the write failed: the client is gone
-                    self.gone()
-                    return
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await self.frames.aclose()  # type: ignore[attr-defined]
-
-
-async def _quietly(task: Awaitable[Any]) -> None:
-    # a cancelled pump ends however it ends
-    with contextlib.suppress(BaseException):
-        await task
