@@ -365,8 +365,9 @@ def test_budget_is_visible_in_metrics_and_batches(toy_model: OuroModel) -> None:
 # ---------------------------------------------------------------------- the HTTP API
 @pytest.mark.unit
 def test_http_shed_depth_field_and_usage() -> None:
-    from services.gateway.protocol import Options, parse_completion, to_generate
+    from services.gateway.protocol import parse_completion
     from services.gateway.stream import Answer, combined_usage
+    from services.gateway.translate import Options, to_generate
 
     body = b'{"prompt": "hi", "shed_depth": false}'
     assert to_generate(parse_completion(body), "r").shed_depth is False

@@ -14,16 +14,10 @@ import pytest
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest, StreamEvent, TokenEvent
 from services.gateway.app import build_app
-from services.gateway.protocol import (
-    MAX_CHOICES,
-    ApiError,
-    Options,
-    choice_requests,
-    parse_chat,
-    parse_completion,
-    to_generate,
-)
+from services.gateway.errors import ApiError
+from services.gateway.protocol import MAX_CHOICES, parse_chat, parse_completion
 from services.gateway.stream import Answer, SseEncoder, answers_body
+from services.gateway.translate import Options, choice_requests, to_generate
 from tests.gateway_helpers import ScriptedBackend, choice_index, token_events
 from tests.gateway_helpers import json_body as _body
 

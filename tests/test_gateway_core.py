@@ -18,23 +18,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from messages.api import ErrorEvent, FinishedEvent, TokenEvent, TokenLogprobs, TopLogprob
+from services.gateway.errors import ApiError
 from services.gateway.metrics import ClusterMetrics
 from services.gateway.protocol import (
     MAX_STOP_CHARS,
     MAX_STOPS,
-    ApiError,
     ChatRequest,
     CompletionRequest,
-    Options,
     StreamOptions,
-    choice_requests,
-    options,
     parse_chat,
     parse_completion,
-    to_generate,
 )
 from services.gateway.stops import StopMatcher
 from services.gateway.stream import DONE_FRAME, Answer, SseEncoder
+from services.gateway.translate import Options, choice_requests, options, to_generate
 from services.runtime import tracing
 from services.runtime.bus import encode_json
 from services.runtime.tracing import TraceContext, Tracer, parse_traceparent

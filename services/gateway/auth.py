@@ -20,8 +20,8 @@ from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from services.gateway.errors import INVALID_API_KEY, error_body
 from services.gateway.metrics import GatewayMetrics, route_label
-from services.gateway.protocol import INVALID_API_KEY, error_body
 
 _SCHEME = "bearer"
 _UNAUTHORIZED = msgspec.json.encode(

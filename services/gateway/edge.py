@@ -32,8 +32,8 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from messages.errors import ErrorCode
+from services.gateway.errors import error_body
 from services.gateway.metrics import OTHER_ROUTE, GatewayMetrics
-from services.gateway.protocol import error_body
 
 _JSON = msgspec.json.Encoder()
 

@@ -1,9 +1,9 @@
-"""The OpenAI-compatible HTTP API, translated to rlt's NATS API. Pure: no HTTP, no NATS.
+"""The OpenAI-compatible HTTP API's requests: their shapes, decoded and checked. Pure: no
+HTTP, no NATS.
 
-``parse_completion`` / ``parse_chat`` decode and check a request body (``ApiError`` with an
-HTTP status for what rlt refuses), ``to_generate`` builds the ``GenerateRequest`` for
-``rlt.v1.generate``, and ``error_body`` shapes errors as the ``openai`` client expects them
-(``responses.py`` shapes the answers).
+``parse_completion`` / ``parse_chat`` decode and check a request body (``ApiError``,
+``errors.py``, with an HTTP status for what rlt refuses); ``translate.py`` turns a checked
+request into rlt's NATS API, ``responses.py`` shapes the answers.
 
 Accepted beyond OpenAI's fields (vLLM's extra body fields, the loop knobs):
 ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_loops``, ``max_loops``,
@@ -16,8 +16,8 @@ Unknown fields are ignored, as OpenAI-compatible servers do; every field of Open
 for the two endpoints (and the vLLM fields that would change the answer) that rlt does not
 honour is refused with a 400 that names it (``_UNSUPPORTED``), never silently dropped; the few
 OpenAI documents as hints (``user``, ``metadata``, ...) are ignored (docs/gateway.md has the
-table). ``n`` choices are ``n`` engine requests (``choice_requests``: ids
-``<id>-<i>``, a given seed ``+ i`` as vLLM derives them), answered as one response.
+table). ``n`` choices (up to ``MAX_CHOICES``) are answered as one response (one engine
+request each, ``translate.py``).
 ``logprobs`` (completions: how many alternatives; chat: ``logprobs`` and ``top_logprobs``)
 come back in OpenAI's two shapes (``responses.py``); completions' ``echo`` puts the prompt
 (and its log-probabilities) first, and vLLM's ``prompt_logprobs`` comes back in vLLM's
@@ -26,72 +26,21 @@ shape.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from messages.api import GenerateRequest
-from messages.errors import ErrorCode
 from messages.sampling import MAX_LOGPROBS, StructuredOutput
+from services.gateway.errors import ApiError
 from services.gateway.structured import FormatError, structured_output
-
-# the gateway's own code for a missing or wrong API key (OpenAI's)
-INVALID_API_KEY = "invalid_api_key"
-# rlt error code -> (HTTP status, OpenAI error type)
-_STATUS: dict[str, tuple[int, str]] = {
-    INVALID_API_KEY: (401, "invalid_request_error"),
-    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
-    ErrorCode.NOT_FOUND: (404, "not_found_error"),
-    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
-    ErrorCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    ErrorCode.TIMEOUT: (504, "timeout_error"),
-    ErrorCode.INTERNAL: (500, "server_error"),
-}
-# how long a client told "overloaded" should wait before retrying (seconds)
-RETRY_AFTER_S = 1
-
 
 # limits on what a request may ask of the gateway itself
 MAX_STOPS = 64
 MAX_STOP_CHARS = 2048
 MAX_BODY_BYTES = 16 << 20  # far above any request the bus could carry (max_payload)
 MAX_CHOICES = 128  # OpenAI's bound on n; each choice is a request of its own in the engine
-_SEED_MOD = 2**63  # SamplingParams' seed range
 
 
-class ApiError(Exception):
-    """A request the gateway answers with an OpenAI error body."""
-
-    def __init__(
-        self, message: str, code: str = ErrorCode.INVALID_REQUEST, param: str | None = None
-    ):
-        super().__init__(message)
-        self.message = message
-        self.code = str(code)
-        self.param = param
-
-    @property
-    def status(self) -> int:
-        return _STATUS.get(self.code, (500, ""))[0]
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.code, self.message, self.param)
-
-    def headers(self) -> dict[str, str]:
-        if self.status in (429, 503):
-            return {"Retry-After": str(RETRY_AFTER_S)}
-        return {}
-
-
-def error_body(code: str, message: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = _STATUS.get(code, (500, "server_error"))[1]
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-# ---------------------------------------------------------------------- requests
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
     # vLLM's usage on every frame (with include_usage, as vLLM reads it): the counts so far
@@ -250,32 +199,12 @@ _COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 _CHAT_DECODER = msgspec.json.Decoder(ChatRequest)
 
 
-@dataclass(frozen=True)
-class Options:
-    """What the gateway itself does with a request (everything else goes to the engine)."""
-
-    stream: bool
-    include_usage: bool
-    stops: tuple[str, ...]
-    include_stop_str: bool
-    return_token_ids: bool
-    # the alternatives each token comes with (0: its own log-probability only); None: no
-    # log-probabilities
-    logprobs: int | None = None
-    # completions' echo: the answer starts with this, the prompt's text (the request's own,
-    # or its token ids decoded by the checkpoint's tokenizer); None: no echo
-    echo_text: str | None = None
-    prompt_logprobs: int | None = None  # vLLM's: the prompt's, in vLLM's shape
-    # vLLM's continuous_usage_stats: every frame carries the usage so far
-    continuous_usage: bool = False
-
-
 def parse_completion(body: bytes) -> CompletionRequest:
     req = _decode(_COMPLETION_DECODER, body)
     _check_common(req)
     _refuse_unsupported(req, _UNSUPPORTED_COMPLETION)
     _check_logprobs(req.logprobs, "logprobs")
-    _prompt_fields(req.prompt)  # shape check now, before anything is sent
+    prompt_fields(req.prompt)  # shape check now, before anything is sent
     return req
 
 
@@ -288,109 +217,8 @@ def parse_chat(body: bytes) -> ChatRequest:
     _check_logprobs(req.top_logprobs, "top_logprobs")
     if not req.messages:
         raise ApiError("'messages' must be a non-empty list", param="messages")
-    _chat_messages(req.messages)
+    chat_messages(req.messages)
     return req
-
-
-def options(
-    req: CompletionRequest | ChatRequest, decode: Callable[[list[int]], str] | None = None
-) -> Options:
-    """What the gateway does with ``req``; ``decode`` (the checkpoint's tokenizer) gives an
-    echo of token ids its text."""
-    echo_text = None
-    if isinstance(req, CompletionRequest) and req.echo:
-        prompt = _prompt_fields(req.prompt)
-        if "prompt" in prompt:
-            echo_text = prompt["prompt"]
-        elif decode is not None:
-            try:
-                echo_text = decode(prompt["prompt_token_ids"])
-            except (OverflowError, ValueError, TypeError):  # an id beyond what a token id holds
-                raise ApiError(
-                    "prompt token ids out of the tokenizer's range", param="prompt"
-                ) from None
-        else:
-            raise ApiError(
-                "echo of a token-id prompt needs a checkpoint with a tokenizer", param="echo"
-            )
-    stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    usage = req.stream_options or StreamOptions()
-    return Options(
-        stream=bool(req.stream),
-        include_usage=usage.include_usage,
-        continuous_usage=usage.include_usage and usage.continuous_usage_stats,
-        stops=stops,
-        include_stop_str=bool(req.include_stop_str_in_output),
-        return_token_ids=bool(req.return_token_ids),
-        logprobs=_logprobs(req),
-        echo_text=echo_text,
-        prompt_logprobs=req.prompt_logprobs,
-    )
-
-
-def _prompt_logprobs(req: CompletionRequest | ChatRequest) -> int | None:
-    """What the engine computes for the prompt: vLLM's ``prompt_logprobs``, and for an echo
-    with ``logprobs`` as many alternatives (an echo without them costs the engine nothing)."""
-    wanted = [req.prompt_logprobs]
-    if isinstance(req, CompletionRequest) and req.echo:
-        wanted.append(req.logprobs)
-    asked = [n for n in wanted if n is not None]
-    return max(asked) if asked else None
-
-
-def _logprobs(req: CompletionRequest | ChatRequest) -> int | None:
-    """How many alternatives each token comes with (the NATS API's ``logprobs``)."""
-    if isinstance(req, ChatRequest):
-        return (req.top_logprobs or 0) if req.logprobs else None
-    return req.logprobs
-
-
-def to_generate(req: CompletionRequest | ChatRequest, request_id: str) -> GenerateRequest:
-    """The NATS API request. Unset fields stay unset: the checkpoint's defaults apply."""
-    fields: dict[str, Any] = {
-        "request_id": request_id,
-        "max_tokens": req.max_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "seed": req.seed,
-        "max_loops": req.max_loops,
-        "exit_threshold": req.exit_threshold,
-    }
-    for name in ("min_loops", "ignore_eos", "stop_token_ids", "priority", "shed_depth"):
-        value = getattr(req, name)
-        if value is not None:
-            fields[name] = value
-    fields["logprobs"] = _logprobs(req)
-    fields["prompt_logprobs"] = _prompt_logprobs(req)
-    fields["structured_output"] = _structured_output(req)
-    if isinstance(req, ChatRequest):
-        if req.max_completion_tokens is not None:
-            fields["max_tokens"] = req.max_completion_tokens
-        fields["messages"] = _chat_messages(req.messages or [])
-        if req.chat_template_kwargs:
-            fields["chat_template_kwargs"] = req.chat_template_kwargs
-    else:
-        fields.update(_prompt_fields(req.prompt))
-    return GenerateRequest(**fields)
-
-
-def choice_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
-    """The engine requests of ``n`` choices. One choice is the request itself; several get
-    ids ``<id>-<i>`` and, when the request names a seed, seeds ``seed + i`` (vLLM's rule:
-    the choices differ, and the same request gives the same choices again). Unseeded, each
-    draws from a seed of its own id (admission)."""
-    if n == 1:
-        return [request]
-    assert request.request_id is not None
-    seed = request.seed
-    # a seed out of range stays as it is: admission refuses it, as it would with n = 1
-    in_range = seed is not None and 0 <= seed < _SEED_MOD
-    seeds = [(seed + i) % _SEED_MOD for i in range(n)] if in_range else [seed] * n
-    return [
-        msgspec.structs.replace(request, request_id=f"{request.request_id}-{i}", seed=s)
-        for i, s in enumerate(seeds)
-    ]
 
 
 def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
@@ -414,7 +242,7 @@ def _check_common(req: _Common) -> None:
             param="best_of",
         )
     _refuse_unsupported(req, _UNSUPPORTED)
-    _structured_output(req)
+    structured_output_of(req)
     _check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     if req.stream_options is not None:
         if not req.stream:
@@ -433,7 +261,7 @@ def _check_common(req: _Common) -> None:
         )
 
 
-def _structured_output(req: _Common) -> StructuredOutput | None:
+def structured_output_of(req: _Common) -> StructuredOutput | None:
     """``response_format`` or vLLM's ``structured_outputs`` as the NATS API's format."""
     try:
         return structured_output(req.response_format, req.structured_outputs)
@@ -464,7 +292,7 @@ def _refuse_if(condition: Any, param: str, message: str | None = None) -> None:
         raise ApiError(message or f"{param} is not supported by rlt", param=param)
 
 
-def _prompt_fields(prompt: Any) -> dict[str, Any]:
+def prompt_fields(prompt: Any) -> dict[str, Any]:
     """A completion prompt as the NATS API takes it: text, or token ids. OpenAI also allows
     a list of prompts; one prompt per request here (a list of one is unwrapped)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -485,7 +313,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages for the chat template: content parts of type "text" are joined, one per
     line as vLLM joins them, into the string the template expects; other parts (images,
     audio) are refused."""

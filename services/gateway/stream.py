@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent, TokenLogprobs
-from services.gateway.protocol import Options, error_body
+from services.gateway.errors import error_body
 from services.gateway.responses import (
     Usage,
     chat_choice,
@@ -29,6 +29,7 @@ from services.gateway.responses import (
     vllm_prompt_logprobs,
 )
 from services.gateway.stops import StopMatcher
+from services.gateway.translate import Options
 
 DONE_FRAME = b"data: [DONE]\n\n"
 _JSON = msgspec.json.Encoder()
