@@ -404,14 +404,14 @@ async def test_hung_batch_hits_the_deadline_and_the_worker_is_used_again(
 
         worker.runner_execute = real  # type: ignore[attr-defined]
         worker.runner.execute = execute  # type: ignore[attr-defined]
-        original = worker._make_runner  # type: ignore[attr-defined]
+        original = worker.runner_host.make_runner  # type: ignore[attr-defined]
 
         def make_runner(*args):  # type: ignore[no-untyped-def]
             original(*args)  # a reset builds a fresh runner: keep the hook on it
             worker.runner_execute = worker.runner.execute  # type: ignore[attr-defined]
             worker.runner.execute = execute  # type: ignore[attr-defined]
 
-        worker._make_runner = make_runner  # type: ignore[attr-defined]
+        worker.runner_host.make_runner = make_runner  # type: ignore[attr-defined]
         async with Client.connect(nats_server.url) as client:
             events = await client.generate(
                 {"prompt_token_ids": [5, 6, 7], "max_tokens": 8, "temperature": 0.0,

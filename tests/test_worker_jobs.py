@@ -234,16 +234,17 @@ async def test_a_failed_kv_reset_is_retried_by_the_next_batch(toy_checkpoint: Pa
     config = SchedulerConfig(block_size=4, num_blocks=64)
     worker = WorkerService("nats://127.0.0.1:1", toy_checkpoint, config, inline_max_s=0.0)
     await worker.setup()
-    make_runner = worker._make_runner
+    host = worker.runner_host
+    make_runner = host.make_runner
     failures = [MemoryError("CUDA out of memory (simulated)")]
 
     def flaky(*geometry: object) -> None:
         if failures:
-            worker.runner = None  # as the real reset does before it allocates
+            host.runner = None  # as the real reset does before it allocates
             raise failures.pop()
         make_runner(*geometry)  # type: ignore[arg-type]
 
-    worker._make_runner = flaky  # type: ignore[method-assign]
+    host.make_runner = flaky  # type: ignore[method-assign]
     worker._epoch = "sched.1"
 
     async def run(seq: int) -> BatchResult:

@@ -24,7 +24,6 @@ simulated).
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,21 +38,16 @@ from prometheus_client import CollectorRegistry
 
 from messages.batch import Batch, BatchResult
 from messages.internal import WorkerBatch, WorkerHeartbeat, WorkerResult
-from services.common.config import KVLayout, SchedulerConfig
-from services.common.model_config import OuroConfig
-from services.common.tokenizer import TextCodec
+from services.common.config import SchedulerConfig
 from services.runtime import subjects
 from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, publish_chunked
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
 from services.worker.compute import ExecuteTimeEstimate, JobRunner
-from services.worker.grammar import GrammarBook
-from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
+from services.worker.runner_host import RunnerHost
 from services.worker.sim import SimRunner
 from services.worker.telemetry import WorkerTelemetry
-
-SIM_DEVICE = "sim"
 
 
 @dataclass
@@ -96,16 +90,9 @@ class WorkerService(Service):
         self.shard = self.shard_id  # the label on our metrics and spans
         self.heartbeat_interval_s = heartbeat_interval_s
         self._batches_in = Reassembler()
-        self.checkpoint = Path(checkpoint)
         self.config = config or SchedulerConfig()
-        self.device = device
-        self.dtype = dtype
-        self.model: OuroModel | None = None
-        self.runner: ModelRunner | SimRunner | None = None
-        # structured outputs (the checkpoint's tokenizer); kept across runner rebuilds
-        self.grammars: GrammarBook | None = None
-        self.simulated = device == SIM_DEVICE
-        self._sim_config: OuroConfig | None = None
+        self.runner_host = RunnerHost(checkpoint, device, dtype)
+        self.simulated = self.runner_host.simulated
         self._geometry: tuple[int, int, str] = (0, 0, "")
         self.compute: JobRunner | None = None
         # batches expected to run under this run on the event loop (0: never); by default
@@ -134,21 +121,16 @@ class WorkerService(Service):
         self.decode_s = 0.0  # decoding the batches received (msgpack), summed
         self.telemetry = WorkerTelemetry(self.shard)
 
+    @property
+    def runner(self) -> ModelRunner | SimRunner | None:
+        return self.runner_host.runner
+
     async def setup(self) -> None:
-        if self.simulated:
-            # no weights: the checkpoint's config gives depths, vocabulary and EOS ids
-            self._sim_config = OuroConfig.from_checkpoint(self.checkpoint)
-        else:
-            self.model = await asyncio.to_thread(
-                OuroModel.from_checkpoint, self.checkpoint, dtype=self.dtype, device=self.device
-            )
-            codec = await asyncio.to_thread(TextCodec.from_checkpoint, self.checkpoint)
-            if codec is not None:
-                cfg = self.model.cfg
-                self.grammars = GrammarBook(codec, cfg.vocab_size, cfg.stop_token_ids)
+        host = self.runner_host
+        await asyncio.to_thread(host.load)
         cfg = self.config
         geometry = (cfg.num_blocks, cfg.block_size, str(cfg.kv_layout))
-        await asyncio.to_thread(self._make_runner, *geometry)
+        await asyncio.to_thread(host.make_runner, *geometry)
         # set here and when a reset is queued, never by the reset itself: a reset finishing
         # on the thread must not undo the geometry of one queued after it
         self._geometry = geometry
@@ -162,7 +144,7 @@ class WorkerService(Service):
                 dilation=self.runner.cost.dilation,
             )
         else:
-            self.log.info("model loaded", checkpoint=str(self.checkpoint), device=self.device)
+            self.log.info("model loaded", checkpoint=str(host.checkpoint), device=host.device)
 
     def endpoints(self) -> Sequence[Endpoint]:
         return (
@@ -201,8 +183,7 @@ class WorkerService(Service):
     async def teardown(self) -> None:
         if self.compute is not None:
             await asyncio.to_thread(self.compute.stop)
-        if self.grammars is not None:
-            self.grammars.close()
+        self.runner_host.close()
         self.telemetry.end_all()
 
     def metrics_registry(self) -> CollectorRegistry | None:
@@ -371,7 +352,7 @@ class WorkerService(Service):
             used = not self._runner_fresh
             if (self._needs_reset and used) or geometry != self._geometry:
                 try:
-                    self._check_geometry(*geometry)
+                    self.runner_host.check_geometry(*geometry)
                 except Exception as exc:  # refused: this batch fails, the worker goes on
                     # answered in seq order, behind the batches queued before it
                     refusal = BatchResult(seq=run.wb.batch.seq, error=_describe(exc))
@@ -379,7 +360,9 @@ class WorkerService(Service):
                     continue
                 self._geometry = geometry  # what the queued reset will build
                 reset = self._last_reset = _Reset(geometry)
-                self.compute.submit(reset, lambda r=reset: self._make_runner(*r.geometry))
+                self.compute.submit(
+                    reset, lambda r=reset: self.runner_host.make_runner(*r.geometry)
+                )
             self._needs_reset = False
             self._runner_fresh = False
             if self.inline_max_s > 0:  # only the inline choice reads the estimate
@@ -468,44 +451,6 @@ class WorkerService(Service):
             return wb.num_blocks, wb.block_size, wb.kv_layout
         return self._geometry
 
-    def _check_geometry(self, num_blocks: int, block_size: int, kv_layout: str) -> None:
-        """Refuses a KV geometry that cannot be allocated, instead of dying trying."""
-        KVLayout(kv_layout)  # ValueError for an unknown layout
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"bad KV geometry: {num_blocks} blocks of {block_size}")
-        if self.simulated:
-            return  # no device memory
-        assert self.model is not None
-        cfg = self.model.cfg
-        elem = torch.empty((), dtype=self.model.dtype).element_size()
-        per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
-        need = num_blocks * per_block * elem
-        limit = _kv_memory_limit(self.device, self._kv_bytes())
-        if need > limit:
-            raise MemoryError(
-                f"KV cache of {num_blocks} blocks x {block_size} needs {need / 2**30:.2f} GiB, "
-                f"only {limit / 2**30:.2f} GiB available (RLT_WORKER_MAX_KV_BYTES)"
-            )
-
-    def _kv_bytes(self) -> int:
-        runner = self.runner  # once: the compute thread may replace it meanwhile
-        if not isinstance(runner, ModelRunner):
-            return 0
-        return 2 * runner.k_cache.numel() * runner.k_cache.element_size()
-
-    def _make_runner(self, num_blocks: int, block_size: int, kv_layout: str) -> None:
-        # on the compute thread (or at setup): allocating device KV can take a while
-        self.runner = None  # free the old KV before allocating the new one
-        if self.simulated:
-            assert self._sim_config is not None
-            dilation = float(os.environ.get("RLT_SIM_DILATION", "1"))
-            self.runner = SimRunner.h200(self._sim_config, dilation=dilation)
-        else:
-            assert self.model is not None
-            self.runner = ModelRunner(
-                self.model, num_blocks, block_size, KVLayout(kv_layout), grammars=self.grammars
-            )
-
 
 def _token_loops(batch: Batch) -> int:
     return sum(row.token_count * max(row.num_loops, 1) for row in batch.rows)
@@ -534,26 +479,3 @@ def _is_older_epoch(epoch: str, current: str | None) -> bool:
     if inst != cur_inst or not gen.isdigit() or not cur_gen.isdigit():
         return False
     return int(gen) < int(cur_gen)
-
-
-def _kv_memory_limit(device: str, current_kv_bytes: int) -> int:
-    """Bytes a new KV cache may take: ``RLT_WORKER_MAX_KV_BYTES`` if set, else the cache
-    being replaced plus what the device has free, with headroom on the free part only (a
-    cache rebuilt at the size it has always fits)."""
-    configured = os.environ.get("RLT_WORKER_MAX_KV_BYTES")
-    if configured:
-        return int(configured)
-    if device.startswith("cuda") and torch.cuda.is_available():
-        dev = torch.device(device)
-        free, _total = torch.cuda.mem_get_info(dev)
-        # what torch's allocator holds unused is free to us too (mem_get_info omits it)
-        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        return current_kv_bytes + int(0.95 * (free + cached))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return current_kv_bytes + int(0.8 * int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    return 1 << 62  # unknown platform: no check

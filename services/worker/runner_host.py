@@ -1,0 +1,118 @@
+"""What a worker computes with: the model (or, for ``device="sim"``, only its checkpoint's
+config) and the runner built over one KV geometry, rebuilt at each reset.
+
+A KV geometry the device cannot hold is refused before the runner is rebuilt
+(``check_geometry``), so a scheduler asking for too much gets a failed batch instead of a
+worker that died allocating. No NATS here: the worker service decides when to reset.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from services.common.config import KVLayout
+from services.common.model_config import OuroConfig
+from services.common.tokenizer import TextCodec
+from services.worker.grammar import GrammarBook
+from services.worker.model.ouro import OuroModel
+from services.worker.runner import ModelRunner
+from services.worker.sim import SimRunner
+
+SIM_DEVICE = "sim"
+
+
+class RunnerHost:
+    """Loads the model once; builds a ``ModelRunner`` (or a ``SimRunner``) per KV geometry."""
+
+    def __init__(self, checkpoint: str | Path, device: str, dtype: torch.dtype) -> None:
+        self.checkpoint = Path(checkpoint)
+        self.device = device
+        self.dtype = dtype
+        self.simulated = device == SIM_DEVICE
+        self.model: OuroModel | None = None
+        self.runner: ModelRunner | SimRunner | None = None
+        # structured outputs (the checkpoint's tokenizer); kept across runner rebuilds
+        self.grammars: GrammarBook | None = None
+        self._sim_config: OuroConfig | None = None
+
+    def load(self) -> None:
+        """Blocking (reads the checkpoint): the service runs it on a thread."""
+        if self.simulated:
+            # no weights: the checkpoint's config gives depths, vocabulary and EOS ids
+            self._sim_config = OuroConfig.from_checkpoint(self.checkpoint)
+            return
+        self.model = OuroModel.from_checkpoint(
+            self.checkpoint, dtype=self.dtype, device=self.device
+        )
+        codec = TextCodec.from_checkpoint(self.checkpoint)
+        if codec is not None:  # without a tokenizer a structured output fails its row
+            cfg = self.model.cfg
+            self.grammars = GrammarBook(codec, cfg.vocab_size, cfg.stop_token_ids)
+
+    def close(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
+
+    def check_geometry(self, num_blocks: int, block_size: int, kv_layout: str) -> None:
+        """Refuses a KV geometry that cannot be allocated, instead of dying trying."""
+        KVLayout(kv_layout)  # ValueError for an unknown layout
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"bad KV geometry: {num_blocks} blocks of {block_size}")
+        if self.simulated:
+            return  # no device memory
+        assert self.model is not None
+        cfg = self.model.cfg
+        elem = torch.empty((), dtype=self.model.dtype).element_size()
+        per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
+        need = num_blocks * per_block * elem
+        limit = kv_memory_limit(self.device, self._kv_bytes())
+        if need > limit:
+            raise MemoryError(
+                f"KV cache of {num_blocks} blocks x {block_size} needs {need / 2**30:.2f} GiB, "
+                f"only {limit / 2**30:.2f} GiB available (RLT_WORKER_MAX_KV_BYTES)"
+            )
+
+    def _kv_bytes(self) -> int:
+        runner = self.runner  # once: the compute thread may replace it meanwhile
+        if not isinstance(runner, ModelRunner):
+            return 0
+        return 2 * runner.k_cache.numel() * runner.k_cache.element_size()
+
+    def make_runner(self, num_blocks: int, block_size: int, kv_layout: str) -> None:
+        # on the compute thread (or at setup): allocating device KV can take a while
+        self.runner = None  # free the old KV before allocating the new one
+        if self.simulated:
+            assert self._sim_config is not None
+            dilation = float(os.environ.get("RLT_SIM_DILATION", "1"))
+            self.runner = SimRunner.h200(self._sim_config, dilation=dilation)
+        else:
+            assert self.model is not None
+            self.runner = ModelRunner(
+                self.model, num_blocks, block_size, KVLayout(kv_layout), grammars=self.grammars
+            )
+
+
+def kv_memory_limit(device: str, current_kv_bytes: int) -> int:
+    """Bytes a new KV cache may take: ``RLT_WORKER_MAX_KV_BYTES`` if set, else the cache
+    being replaced plus what the device has free, with headroom on the free part only (a
+    cache rebuilt at the size it has always fits)."""
+    configured = os.environ.get("RLT_WORKER_MAX_KV_BYTES")
+    if configured:
+        return int(configured)
+    if device.startswith("cuda") and torch.cuda.is_available():
+        dev = torch.device(device)
+        free, _total = torch.cuda.mem_get_info(dev)
+        # what torch's allocator holds unused is free to us too (mem_get_info omits it)
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return current_kv_bytes + int(0.95 * (free + cached))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return current_kv_bytes + int(0.8 * int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return 1 << 62  # unknown platform: no check
