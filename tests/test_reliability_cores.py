@@ -391,7 +391,7 @@ async def test_hung_batch_hits_the_deadline_and_the_worker_is_used_again(
         sched, worker = services["scheduler"], services["worker"]
         sched.options = dataclasses.replace(sched.options, batch_timeout_s=0.5)
         if where == "thread":
-            worker.inline_max_s = 0.0  # type: ignore[attr-defined]
+            worker.queue.inline_max_s = 0.0  # type: ignore[attr-defined]
         real = worker.runner.execute  # type: ignore[attr-defined]
         hung = []
 

@@ -113,7 +113,7 @@ async def test_pipeline_matches_engine_and_oracle(
         # the first batches run on the compute thread; short CPU batches after them on the
         # loop: the equalities below hold for both
         worker = services["worker"]
-        inline, batches = worker.num_inline_batches, worker.num_batches  # type: ignore[attr-defined]
+        inline, batches = worker.queue.num_inline_batches, worker.num_batches  # type: ignore[attr-defined]
         assert 1 <= inline < batches, (inline, batches)
 
     finished = [check_stream(s) for s in streams]

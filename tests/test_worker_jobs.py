@@ -16,8 +16,9 @@ import pytest
 from messages.batch import Batch, BatchKind, BatchResult
 from messages.internal import WorkerBatch
 from services.common.config import SchedulerConfig
+from services.worker.batch_queue import BatchRun
 from services.worker.compute import ExecuteTimeEstimate, JobRunner
-from services.worker.service import WorkerService, _Run
+from services.worker.service import WorkerService
 
 pytestmark = pytest.mark.unit
 
@@ -209,7 +210,7 @@ async def test_worker_answers_a_refused_batch_behind_the_batches_queued_before_i
             return execute(batch)
 
         worker.runner.execute = slow  # type: ignore[method-assign]
-        worker._epoch = "sched.1"
+        worker.queue.epoch = "sched.1"
         for seq, num_blocks in ((0, 64), (1, -1)):
             wb = WorkerBatch(
                 epoch="sched.1",
@@ -218,9 +219,9 @@ async def test_worker_answers_a_refused_batch_behind_the_batches_queued_before_i
                 block_size=4,
                 kv_layout=str(config.kv_layout),
             )
-            worker._pending[seq] = _Run(wb, "reply", time.perf_counter())
-        worker._queue_ready()
-        answers = [await asyncio.wait_for(worker._results.get(), 10) for _ in range(2)]
+            worker.queue.pending[seq] = BatchRun(wb, "reply", time.perf_counter())
+        worker.queue.release()
+        answers = [await asyncio.wait_for(worker.queue.results.get(), 10) for _ in range(2)]
     finally:
         await worker.teardown()
     assert [run.wb.batch.seq for run, _, _ in answers] == [0, 1]
@@ -245,7 +246,7 @@ async def test_a_failed_kv_reset_is_retried_by_the_next_batch(toy_checkpoint: Pa
         make_runner(*geometry)  # type: ignore[arg-type]
 
     host.make_runner = flaky  # type: ignore[method-assign]
-    worker._epoch = "sched.1"
+    worker.queue.epoch = "sched.1"
 
     async def run(seq: int) -> BatchResult:
         wb = WorkerBatch(
@@ -255,9 +256,9 @@ async def test_a_failed_kv_reset_is_retried_by_the_next_batch(toy_checkpoint: Pa
             block_size=4,
             kv_layout=str(config.kv_layout),
         )
-        worker._pending[seq] = _Run(wb, "reply", time.perf_counter())
-        worker._queue_ready()
-        _, result, _ = await asyncio.wait_for(worker._results.get(), 10)
+        worker.queue.pending[seq] = BatchRun(wb, "reply", time.perf_counter())
+        worker.queue.release()
+        _, result, _ = await asyncio.wait_for(worker.queue.results.get(), 10)
         return result
 
     try:

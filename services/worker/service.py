@@ -2,14 +2,14 @@
 
 Batches arrive on ``rlt.v1.worker.batch.<this instance>`` (msgpack ``WorkerBatch``; a scheduler
 binds to one worker at a time, see ``services/scheduler/liveness.py``); a batch that arrives
-early waits in a buffer until its predecessors are queued. Batches run in seq order on one
-compute thread (``compute.py``) fed by a queue, so the event loop stays free: it receives and
-decodes the next batches while one computes, publishes results and heartbeats, and answers
-health pings. On the CPU a batch expected to take under ``inline_max_s`` runs on the event
-loop instead: a small model's pass holds the interpreter lock, so a thread only interleaves
-the two (``compute.py`` says why, and what it measured). A batch that raises is answered
-with ``BatchResult(error=...)``, never a crash. The result goes to the batch's reply subject
-(the scheduler epoch's result subject).
+early waits in a buffer until its predecessors are queued (``batch_queue.py``). Batches run
+in seq order on one compute thread (``compute.py``) fed by a queue, so the event loop stays
+free: it receives and decodes the next batches while one computes, publishes results and
+heartbeats, and answers health pings. On the CPU a batch expected to take under
+``inline_max_s`` runs on the event loop instead: a small model's pass holds the interpreter
+lock, so a thread only interleaves the two (``compute.py`` says why, and what it measured).
+A batch that raises is answered with ``BatchResult(error=...)``, never a crash. The result
+goes to the batch's reply subject (the scheduler epoch's result subject).
 
 Heartbeats (``rlt.v1.worker.heartbeat.<shard>``, every ``heartbeat_interval_s`` and on a
 scheduler's ``rlt.v1.worker.discover.<shard>``) say the worker is alive and how far it got,
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,29 +42,11 @@ from services.runtime import subjects
 from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, publish_chunked
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
-from services.worker.compute import ExecuteTimeEstimate, JobRunner
+from services.worker.batch_queue import BatchQueue, BatchRun
 from services.worker.runner import ModelRunner
 from services.worker.runner_host import RunnerHost
 from services.worker.sim import SimRunner
 from services.worker.telemetry import WorkerTelemetry
-
-
-@dataclass
-class _Run:
-    """One batch on its way through the compute thread."""
-
-    wb: WorkerBatch
-    reply: str
-    arrived: float  # perf_counter when it was received
-    passes: list[tuple[int, int]] | None = None  # (rows, tokens) per core pass, once run
-    token_loops: int = 0  # sum over rows of tokens x loops: what its time scales with
-
-
-@dataclass
-class _Reset:
-    """A fresh ModelRunner (new epoch or KV geometry) before the next batch runs."""
-
-    geometry: tuple[int, int, str]
 
 
 class WorkerService(Service):
@@ -93,16 +74,11 @@ class WorkerService(Service):
         self.config = config or SchedulerConfig()
         self.runner_host = RunnerHost(checkpoint, device, dtype)
         self.simulated = self.runner_host.simulated
-        self._geometry: tuple[int, int, str] = (0, 0, "")
-        self.compute: JobRunner | None = None
         # batches expected to run under this run on the event loop (0: never); by default
         # only on the CPU, where a pass holds the interpreter lock (compute.py)
         if inline_max_s is None:
             inline_max_s = INLINE_MAX_S if device == "cpu" else 0.0
-        self.inline_max_s = inline_max_s
-        self.execute_time = ExecuteTimeEstimate()
-        self._epoch: str | None = None
-        self._next_submit = 0  # next seq to queue for the job runner
+        self.queue = BatchQueue(self.runner_host, inline_max_s, self.log)
         self._next_done = 0  # every seq before this one ran and its result is published
         # the scheduler instance whose epochs we run: another one may take us over only
         # once nats-server says that one's connection is gone (a stalled scheduler that
@@ -110,12 +86,6 @@ class WorkerService(Service):
         self._scheduler: str | None = None
         self._scheduler_seen = 0.0  # when its last batch came
         self._publishing = False  # a result is being sent (in parts, it may take a while)
-        self._last_reset: _Reset | None = None  # the newest reset queued
-        self._needs_reset = False
-        self._runner_fresh = True  # no batch queued since the runner was (re)built
-        self.num_inline_batches = 0  # batches that ran on the event loop (compute.py)
-        self._pending: dict[int, _Run] = {}  # arrived early: waits for its predecessors
-        self._results: asyncio.Queue[tuple[_Run, BatchResult, float]] = asyncio.Queue()
         self.num_batches = 0
         self.num_failed = 0
         self.decode_s = 0.0  # decoding the batches received (msgpack), summed
@@ -131,13 +101,7 @@ class WorkerService(Service):
         cfg = self.config
         geometry = (cfg.num_blocks, cfg.block_size, str(cfg.kv_layout))
         await asyncio.to_thread(host.make_runner, *geometry)
-        # set here and when a reset is queued, never by the reset itself: a reset finishing
-        # on the thread must not undo the geometry of one queued after it
-        self._geometry = geometry
-        self.compute = JobRunner(
-            asyncio.get_running_loop(), self._computed, name=f"rlt-compute-{self.instance_id}"
-        )
-        self.compute.start()
+        self.queue.start(geometry, name=f"rlt-compute-{self.instance_id}")
         if isinstance(self.runner, SimRunner):
             self.log.warning(
                 "SIMULATED device: no model runs; every output is simulated (benchmarks only)",
@@ -164,10 +128,6 @@ class WorkerService(Service):
         self.spawn(self._heartbeats(), "heartbeats")
         await self._heartbeat()
 
-    @property
-    def _idle(self) -> bool:
-        return self.compute is None or self.compute.idle
-
     async def drain(self, timeout: float) -> None:
         # the scheduler stops sending and moves its requests once what is in flight is back;
         # until it has read our draining heartbeat it may still send: wait for a quiet spell
@@ -176,13 +136,14 @@ class WorkerService(Service):
         quiet_s = 2 * self.heartbeat_interval_s
         while time.monotonic() < deadline:
             quiet = time.monotonic() - self._scheduler_seen >= quiet_s
-            if quiet and self._idle and self._results.empty() and not self._publishing:
+            queue = self.queue
+            if quiet and queue.idle and queue.results.empty() and not self._publishing:
                 return
             await asyncio.sleep(0.02)
 
     async def teardown(self) -> None:
-        if self.compute is not None:
-            await asyncio.to_thread(self.compute.stop)
+        if self.queue.compute is not None:
+            await asyncio.to_thread(self.queue.compute.stop)
         self.runner_host.close()
         self.telemetry.end_all()
 
@@ -197,15 +158,15 @@ class WorkerService(Service):
             "shard": self.shard_id,
             "simulated": self.simulated,
             **sim,
-            "epoch": self._epoch,
+            "epoch": self.queue.epoch,
             "next_seq": self._next_done,
-            "queued": self.compute.queued if self.compute is not None else 0,
-            "buffered": len(self._pending),
+            "queued": self.queue.queued,
+            "buffered": len(self.queue.pending),
             "batches": self.num_batches,
             "failed_batches": self.num_failed,
             # batches queued to run on the event loop (short CPU batches); the rest ran on
             # the compute thread
-            "inline_batches": self.num_inline_batches,
+            "inline_batches": self.queue.num_inline_batches,
             # what the model runner did (passes, rows, time executing): for the bench and
             # for metrics; a new KV geometry starts a new runner, and these from zero
             "runner": runner.stats.snapshot() if runner is not None else {},
@@ -216,14 +177,12 @@ class WorkerService(Service):
     def heartbeat(self) -> WorkerHeartbeat:
         """``next_seq``: every batch before it ran and its result went out; ``missing_seq``:
         the batch this idle worker waits for (-1 when busy or waiting for nothing)."""
-        idle = self._idle
-        waiting = idle and self._epoch is not None and self._next_submit not in self._pending
-        started = self.compute.running_since if self.compute is not None else 0.0
+        started = self.queue.busy_since
         return WorkerHeartbeat(
             worker_id=self.instance_id,
-            epoch=self._epoch or "",
+            epoch=self.queue.epoch or "",
             next_seq=self._next_done,
-            missing_seq=self._next_submit if waiting else -1,
+            missing_seq=self.queue.missing_seq,
             busy_s=max(time.monotonic() - started, 1e-6) if started else 0.0,
             draining=self.draining,
             time=time.time(),
@@ -264,8 +223,8 @@ class WorkerService(Service):
         if wb.worker_id and wb.worker_id != self.instance_id:
             self.log.warning("batch for another worker dropped", worker=wb.worker_id)
             return
-        if wb.epoch != self._epoch:
-            if _is_older_epoch(wb.epoch, self._epoch):
+        if wb.epoch != self.queue.epoch:
+            if _is_older_epoch(wb.epoch, self.queue.epoch):
                 self.log.warning("batch of an older epoch dropped", epoch=wb.epoch)
                 return
             scheduler = wb.epoch.rpartition(".")[0]
@@ -278,20 +237,18 @@ class WorkerService(Service):
             start = wb.epoch_start_seq
             first = start if start is not None and 0 <= start <= batch.seq else batch.seq
             self.log.info("new scheduler epoch", epoch=wb.epoch, first_seq=first)
-            self._epoch = wb.epoch  # jobs of the old epoch still queued are skipped
-            self._next_submit = self._next_done = first
-            self._pending.clear()
-            self._needs_reset = True
+            self.queue.new_epoch(wb.epoch, first)
+            self._next_done = first
             self.telemetry.end_all()
         self._scheduler_seen = time.monotonic()
-        if batch.seq < self._next_submit or batch.seq in self._pending:
+        if self.queue.is_duplicate(batch.seq):
             self.log.warning("duplicate batch dropped", **{BATCH_SEQ: batch.seq})
             return
         reply = msg.reply or subjects.worker_result(wb.epoch)  # where its scheduler listens
-        self._pending[batch.seq] = _Run(wb, reply, time.perf_counter())
+        run = BatchRun(wb, reply, time.perf_counter())
         self._log_requests(batch)
         self.telemetry.on_batch(batch)
-        self._queue_ready()
+        self.queue.add(run)
 
     async def _may_serve(self, scheduler: str) -> bool:
         """Whether batches of ``scheduler`` may reset us: we serve nobody yet, we serve it
@@ -339,82 +296,12 @@ class WorkerService(Service):
         for rid in batch.finished_request_ids:
             self.log.info("request released", request_id=rid, **{BATCH_SEQ: batch.seq})
 
-    # ------------------------------------------------------------------ executing
-    def _queue_ready(self) -> None:
-        """Queues, in seq order, every batch whose predecessors are queued: the job runner
-        then runs them back to back."""
-        assert self.compute is not None
-        while (run := self._pending.pop(self._next_submit, None)) is not None:
-            self._next_submit += 1
-            geometry = self._geometry_of(run.wb)
-            # whether the runner the next job will find has run a batch: known here, in
-            # queue order (the runner itself may be mid-batch on the thread)
-            used = not self._runner_fresh
-            if (self._needs_reset and used) or geometry != self._geometry:
-                try:
-                    self.runner_host.check_geometry(*geometry)
-                except Exception as exc:  # refused: this batch fails, the worker goes on
-                    # answered in seq order, behind the batches queued before it
-                    refusal = BatchResult(seq=run.wb.batch.seq, error=_describe(exc))
-                    self.compute.submit(run, lambda r=refusal: r, inline=True)
-                    continue
-                self._geometry = geometry  # what the queued reset will build
-                reset = self._last_reset = _Reset(geometry)
-                self.compute.submit(
-                    reset, lambda r=reset: self.runner_host.make_runner(*r.geometry)
-                )
-            self._needs_reset = False
-            self._runner_fresh = False
-            if self.inline_max_s > 0:  # only the inline choice reads the estimate
-                run.token_loops = _token_loops(run.wb.batch)
-            inline = self._inline(run)
-            self.num_inline_batches += inline
-            self.compute.submit(run, lambda r=run: self._execute(r), inline=inline)
-
-    def _inline(self, run: _Run) -> bool:
-        """Whether the batch may run on the event loop: expected to be short (unknown until
-        a few batches ran on the thread)."""
-        if self.inline_max_s <= 0:
-            return False
-        expected = self.execute_time.estimate(run.token_loops)
-        return expected is not None and expected <= self.inline_max_s
-
-    def _execute(self, run: _Run) -> BatchResult | None:
-        """On the compute thread or the loop. None: the batch's epoch is over, nothing ran."""
-        if run.wb.epoch != self._epoch:
-            return None
-        if self.runner is None:  # its KV reset failed (logged): the next batch retries it
-            return BatchResult(seq=run.wb.batch.seq, error="no model runner: the KV reset failed")
-        try:
-            result = self.runner.execute(run.wb.batch)
-        except Exception as exc:
-            return BatchResult(seq=run.wb.batch.seq, error=_describe(exc))
-        run.passes = self.runner.last_batch_passes  # a new list each batch: no copy
-        return result
-
-    def _computed(self, job: _Run | _Reset, outcome: Any, elapsed: float) -> None:
-        """On the event loop: a job ended (on the compute thread or the loop)."""
-        if isinstance(job, _Reset):
-            if isinstance(outcome, BaseException):
-                self.log.error("runner reset failed", error=_describe(outcome))
-                if job is self._last_reset:
-                    # the next batch queued finds no geometry built: it checks and resets
-                    # again (a reset queued after this one owns the geometry otherwise)
-                    self._geometry = (0, 0, "")
-            return
-        if isinstance(outcome, BaseException):  # not even an error result: a worker bug
-            outcome = BatchResult(seq=job.wb.batch.seq, error=_describe(outcome))
-        if outcome is None or job.wb.epoch != self._epoch:
-            return  # the scheduler restarted while this ran; its result is moot
-        if outcome.error is None and self.inline_max_s > 0:
-            self.execute_time.observe(job.token_loops, elapsed)
-        self._results.put_nowait((job, outcome, elapsed))
-
+    # ------------------------------------------------------------------ results
     async def _publish_results(self) -> None:
         while True:
-            run, result, elapsed = await self._results.get()
+            run, result, elapsed = await self.queue.results.get()
             seq = run.wb.batch.seq
-            if run.wb.epoch != self._epoch:
+            if run.wb.epoch != self.queue.epoch:
                 continue
             self._next_done = seq + 1
             self.num_batches += 1
@@ -445,19 +332,6 @@ class WorkerService(Service):
                     execute_ms=round(elapsed * 1e3, 3),
                     **{BATCH_SEQ: seq},
                 )
-
-    def _geometry_of(self, wb: WorkerBatch) -> tuple[int, int, str]:
-        if wb.num_blocks and wb.block_size and wb.kv_layout:
-            return wb.num_blocks, wb.block_size, wb.kv_layout
-        return self._geometry
-
-
-def _token_loops(batch: Batch) -> int:
-    return sum(row.token_count * max(row.num_loops, 1) for row in batch.rows)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 # CPU batches expected to run under this run on the event loop: short enough that heartbeats
