@@ -22,7 +22,7 @@ from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.scheduler.engine_core import EngineCore
-from services.worker import runner as runner_module
+from services.worker import logprobs as logprobs_module
 from services.worker.logprobs import LOGPROB_FLOOR, logprob_columns, read_scored
 from services.worker.model.toy import toy_config
 from services.worker.sim import SimCostModel, SimRunner
@@ -321,7 +321,7 @@ def test_prompt_logprobs_survive_a_preemption_mid_prefill(toy_model, oracle, mod
 @pytest.mark.oracle
 def test_prompt_logprobs_scored_in_slices_equal_the_oracle(toy_model, oracle, monkeypatch) -> None:
     """The worker scores a batch's prompt positions a slice at a time (bounded memory)."""
-    monkeypatch.setattr(runner_module, "_PROMPT_SLICE", 3)
+    monkeypatch.setattr(logprobs_module, "_PROMPT_SLICE", 3)
     engine = LLMEngine(toy_model, SchedulerConfig(block_size=4, num_blocks=64))
     prompt = [*PROMPT, 3, 9, 27]
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=4, ignore_eos=True)

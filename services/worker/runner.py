@@ -20,13 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.ops import copy_kv_slots_masked, exit_rule
-from messages.batch import (
-    Batch,
-    BatchKind,
-    BatchResult,
-    PromptLogprobs,
-    SampledLogprobs,
-)
+from messages.batch import Batch, BatchKind, BatchResult
 from services.common.config import KVLayout
 from services.common.sampling import sample_batch
 from services.worker.decode_pool import DecodePool
@@ -37,7 +31,7 @@ from services.worker.grammar import (
     fill_pass_masks,
     mask_words,
 )
-from services.worker.logprobs import logprob_columns, read_scored
+from services.worker.logprobs import logprob_columns, sampled_logprobs, score_prompts
 from services.worker.model.ouro import OuroModel, PassAttention
 from services.worker.pass_inputs import DevicePass
 from services.worker.pass_plan import PassPlan, PassPlanner, RequestView
@@ -55,7 +49,6 @@ from services.worker.rows import (
 from services.worker.static_decode import DecodeMode, StaticDecode
 from services.worker.transfer import Transfer
 
-_PROMPT_SLICE = 256  # prompt positions scored at once (the table is positions x vocab)
 NAN_LOGITS = "the model produced NaN logits"
 
 
@@ -231,7 +224,7 @@ class ModelRunner:
             host = self.transfer.to_host(torch.cat(results) if len(results) > 1 else results[0])
             self._read_results(plans, host.tolist())
         if prompt_rows:
-            self._prompt_logprobs(prompt_rows)
+            score_prompts(self.model, self.transfer, self.requests, prompt_rows)
         for live in rows:  # a prompt done at full depth: its hidden rows are dead
             r = live.row
             req = self.requests[r.request_id]
@@ -418,52 +411,5 @@ class ModelRunner:
                 token_sampled(live, cursor, token)
                 n_top = cursor.sampling.logprobs
                 if n_top is not None and width:
-                    row = scored[j * width : (j + 1) * width]
-                    k = (width - 1) // 2
-                    ((chosen, ids, vals),) = read_scored([row], k)
-                    live.result.logprobs = SampledLogprobs(
-                        logprob=chosen, top_ids=ids[:n_top], top_logprobs=vals[:n_top]
-                    )
-
-    def _prompt_logprobs(self, prompt_rows: list[tuple[LiveRow, torch.Tensor]]) -> None:
-        """Prefill rows at their final depth, for requests that asked for prompt logprobs:
-        position p's logits score prompt token p + 1. A coda, a log-softmax and a copy to
-        the host per ``_PROMPT_SLICE`` of their positions."""
-        hidden: list[torch.Tensor] = []
-        targets: list[int] = []
-        spans: list[tuple[LiveRow, int, int, int]] = []  # row, first scored, count, top
-        for live, h in prompt_rows:
-            req = self.requests[live.row.request_id]
-            n_top = req.sampling.prompt_logprobs
-            assert n_top is not None  # only such rows are collected
-            start = live.row.token_start
-            count = min(h.shape[0], len(req.prompt) - 1 - start)  # the last has no next
-            if count <= 0:
-                continue
-            hidden.append(h[:count])
-            targets += req.prompt[start + 1 : start + 1 + count]
-            spans.append((live, start + 1, count, n_top))
-        if not spans:
-            return
-        hidden_rows = torch.cat(hidden)
-        words = self.transfer.host_words(len(targets))
-        words[:] = targets
-        ids = self.transfer.to_device(words)
-        top = max(n for *_, n in spans)
-        k = min(top, self.model.vocab_size)
-        table = []
-        # in slices: a [positions, vocab] float32 table of a whole batch could be large
-        for lo in range(0, len(targets), _PROMPT_SLICE):
-            logits = self.model.coda(hidden_rows[lo : lo + _PROMPT_SLICE])
-            columns = logprob_columns(logits, ids[lo : lo + _PROMPT_SLICE], top)
-            table += read_scored(self.transfer.to_host(columns).tolist(), k)
-        row = 0
-        for live, start, count, n in spans:
-            rows = table[row : row + count]
-            row += count
-            live.result.prompt_logprobs = PromptLogprobs(
-                start=start,
-                logprobs=[chosen for chosen, _, _ in rows],
-                top_ids=[top_ids[:n] for _, top_ids, _ in rows],
-                top_logprobs=[values[:n] for _, _, values in rows],
-            )
+                    columns = scored[j * width : (j + 1) * width]
+                    live.result.logprobs = sampled_logprobs(columns, n_top)
