@@ -19,10 +19,11 @@ TABLE_HEADER = "| section | config | result | detail |"
 
 
 def _script() -> ModuleType:
+    """The entry script, loaded as a file the way it runs (it puts the repo root on sys.path
+    for its sibling modules, ``scripts.device_check_*``)."""
     spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["device_check"] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
 
@@ -112,7 +113,8 @@ def _engine(tokens: list[int], depths: list[int]) -> SimpleNamespace:
 
 @pytest.mark.unit
 def test_oracle_comparison_stops_only_at_the_oracles_near_ties() -> None:
-    compare = _script().compare_with_oracle
+    from scripts.device_check_accuracy import compare_with_oracle as compare
+
     expected = _oracle(_step(5, 4), _step(7, 2), _step(9, 3))
 
     same = compare(_engine([5, 7, 9], [4, 2, 3]), expected)
@@ -137,17 +139,18 @@ def test_oracle_comparison_stops_only_at_the_oracles_near_ties() -> None:
 
 @pytest.mark.unit
 def test_hbm_bound_uses_the_cost_models_bytes() -> None:
+    from scripts.device_check_accuracy import first_divergence
+    from scripts.device_check_speed import pass_bytes
     from services.worker.model.toy import toy_config
     from services.worker.sim import SimCostModel
 
-    script = _script()
     cost = SimCostModel.for_model(toy_config("1.4b"))
     # Ouro-1.4B in bf16: 2.47 GB of core weights, 0.514 ms at 4.8 TB/s; KV 196,608 B/token
-    assert script.pass_bytes(cost, 0) / cost.bytes_per_s * 1e3 == pytest.approx(0.514, abs=1e-3)
-    assert script.pass_bytes(cost, 100) - script.pass_bytes(cost, 0) == 100 * 196_608
-    assert script.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert script.first_divergence([1, 2, 3], [1, 5, 3]) == 1
-    assert script.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert pass_bytes(cost, 0) / cost.bytes_per_s * 1e3 == pytest.approx(0.514, abs=1e-3)
+    assert pass_bytes(cost, 100) - pass_bytes(cost, 0) == 100 * 196_608
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 @pytest.mark.slow
