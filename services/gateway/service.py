@@ -48,12 +48,7 @@ from services.runtime.bus import (
     json_decoder,
 )
 from services.runtime.logging import request_fields
-from services.runtime.metrics import (
-    HEADER_INSTANCE,
-    HEADER_SERVICE,
-    HEADER_SHARD,
-    metrics_interval_s,
-)
+from services.runtime.metrics import MetricsReceiver, metrics_interval_s
 from services.runtime.service import Endpoint, Service
 from services.runtime.tracing import TRACEPARENT, Tracer
 
@@ -184,6 +179,7 @@ class GatewayService(Service):
         self.metrics = GatewayMetrics(
             self.model_name, stale_after_s=max(15.0, 10 * metrics_interval_s())
         )
+        self._metrics_in = MetricsReceiver(self._on_metrics_text)
         self.inbox = _Inbox(subjects.gateway_inbox(self.instance_id))
         self._socket: socket.socket | None = None
         self._server: Server | None = None
@@ -354,16 +350,13 @@ class GatewayService(Service):
         self.inbox.deliver(msg)
 
     async def _on_metrics(self, msg: Msg) -> None:
-        headers = msg.headers or {}
-        service, instance = headers.get(HEADER_SERVICE), headers.get(HEADER_INSTANCE)
-        if not service or not instance:
-            return
         try:
-            self.metrics.cluster.update(
-                service, instance, msg.data.decode(), shard=headers.get(HEADER_SHARD)
-            )
-        except ValueError as exc:
-            self.log.warning("unreadable metrics", service=service, error=repr(exc)[:200])
+            self._metrics_in.on_message(msg)
+        except ValueError as exc:  # not UTF-8, or not Prometheus text
+            self.log.warning("unreadable metrics", error=repr(exc)[:200])
+
+    def _on_metrics_text(self, service: str, instance: str, shard: str | None, text: str) -> None:
+        self.metrics.cluster.update(service, instance, text, shard=shard)
 
 
 def _error_msg(request_id: str, code: ErrorCode, message: str) -> Msg:

@@ -273,14 +273,20 @@ def fits(nc: NATS, size: int) -> bool:
 
 
 async def publish_chunked(
-    nc: NATS, subject: str, payload: bytes, reply: str = "", chunk_size: int | None = None
+    nc: NATS,
+    subject: str,
+    payload: bytes,
+    reply: str = "",
+    chunk_size: int | None = None,
+    headers: dict[str, str] | None = None,
 ) -> int:
     """Publishes ``payload``, split into parts with an ``Rlt-Chunk`` header when it would
     not fit ``nc.max_payload`` (a batch full of new prompts can be several MB). The receiver
-    joins them with a ``Reassembler``. Returns the number of messages sent."""
+    joins them with a ``Reassembler``. ``headers`` go with every part. Returns the number of
+    messages sent."""
     size = chunk_size or (nc.max_payload - PAYLOAD_HEADROOM)
     if len(payload) <= size:
-        await nc.publish(subject, payload, reply=reply)
+        await nc.publish(subject, payload, reply=reply, headers=headers)
         return 1
     mid = uuid.uuid4().hex[:16]
     count = -(-len(payload) // size)
@@ -289,7 +295,7 @@ async def publish_chunked(
             subject,
             payload[i * size : (i + 1) * size],
             reply=reply,
-            headers={HEADER_CHUNK: f"{mid} {i} {count}"},
+            headers={**(headers or {}), HEADER_CHUNK: f"{mid} {i} {count}"},
         )
     return count
 

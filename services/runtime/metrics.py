@@ -3,7 +3,8 @@
 A service keeps ordinary ``prometheus_client`` metrics in its own ``CollectorRegistry``.
 ``MetricsPublisher`` sends the registry's text exposition to ``rlt.v1.metrics.<service>``
 every ``RLT_METRICS_INTERVAL_S`` (1 s), with headers naming the service, the instance and
-the shard. The gateway keeps the latest text of every instance and serves them all, each
+the shard, in parts when it is over the bus's max_payload (``MetricsReceiver`` joins
+them). The gateway keeps the latest text of every instance and serves them all, each
 sample labelled with its ``service``, ``instance`` and ``shard``, so several schedulers or
 workers (shards, replicas) add up in one scrape (``sum by (...)``) and a restarted
 instance is a new series whose counters start again, as Prometheus expects.
@@ -13,13 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from typing import Any
 
 import prometheus_client
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry
 
 from services.runtime import subjects
+from services.runtime.bus import Reassembler, publish_chunked
 
 HEADER_SERVICE = "Rlt-Service"
 HEADER_INSTANCE = "Rlt-Instance"
@@ -64,7 +68,33 @@ class MetricsPublisher:
     async def publish(self) -> None:
         try:
             text = prometheus_client.generate_latest(self.registry)
-            await self.nc.publish(self.subject, text, headers=self.headers)
+            await publish_chunked(self.nc, self.subject, text, headers=self.headers)
         except Exception as exc:  # bus trouble or a collector bug: the next round retries
             if self.log is not None:
                 self.log.warning("metrics not published", error=repr(exc)[:200])
+
+
+# metrics texts being joined at once (one per instance publishing in parts), and their bytes
+_MAX_PARTIAL_TEXTS = 64
+_MAX_PARTIAL_BYTES = 16 << 20
+
+# (service, instance, shard or None, exposition text)
+MetricsHandler = Callable[[str, str, str | None, str], None]
+
+
+class MetricsReceiver:
+    """The gateway's side: hands each instance's whole exposition text to ``handler``,
+    joining texts that came in parts; messages without the service's headers are dropped."""
+
+    def __init__(self, handler: MetricsHandler) -> None:
+        self.handler = handler
+        self._parts = Reassembler(max_partial=_MAX_PARTIAL_TEXTS, max_bytes=_MAX_PARTIAL_BYTES)
+
+    def on_message(self, msg: Msg) -> None:
+        headers = msg.headers or {}
+        service, instance = headers.get(HEADER_SERVICE), headers.get(HEADER_INSTANCE)
+        if not service or not instance:
+            return
+        data = self._parts.feed(msg)
+        if data is not None:
+            self.handler(service, instance, headers.get(HEADER_SHARD), data.decode())
