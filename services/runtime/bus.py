@@ -306,7 +306,7 @@ class Reassembler:
     Bounded: at most ``max_partial`` messages are assembled at once and ``max_bytes`` held
     in their parts (the oldest incomplete one is dropped: its sender times out or re-sends),
     and a message may have at most ``max_parts`` parts. NATS core does not say who sent a
-    message, so the bound is per receiver; only the scheduler and the worker may publish
+    message, so the bound is per receiver; only the engine's own services may publish
     where a reassembler listens (services/runtime/permissions.py). A malformed chunk header
     drops that part, never raises."""
 
