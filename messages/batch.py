@@ -7,6 +7,7 @@ The worker mirrors the scheduler's logical state from the deltas a batch carries
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
 import msgspec
 
@@ -45,10 +46,11 @@ class WorkerSampling(msgspec.Struct, gc=False, kw_only=True):
     min_loops: int
     max_loops: int
     exit_threshold: float
-    # return each sampled token's log-probability and this many alternatives (None: don't)
-    logprobs: int | None = None
+    # return each sampled token's log-probability and this many alternatives (None: don't);
+    # a negative count does not decode (it once meant "none")
+    logprobs: Annotated[int, msgspec.Meta(ge=0)] | None = None
     # the same for the prompt's tokens (from its final-depth prefill rows)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0)] | None = None
     # the format every sampled token must keep the output in (the worker masks the logits)
     structured_output: StructuredOutput | None = None
 

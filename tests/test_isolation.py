@@ -106,6 +106,21 @@ def test_a_row_result_error_is_carried_and_old_results_decode() -> None:
     )
 
 
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_a_negative_logprobs_count_does_not_decode(field: str) -> None:
+    """None means "no log-probabilities"; a -1 (the old sentinel) would reach torch's topk
+    and fail the whole batch, so it is refused at decode."""
+    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "min_loops": 1,
+                "max_loops": 4, "exit_threshold": 1.0}  # fmt: skip
+    for count, ok in ((-1, False), (0, True), (5, True)):
+        data = msgspec.msgpack.encode({**sampling, field: count})
+        if ok:
+            assert getattr(msgspec.msgpack.decode(data, type=WorkerSampling), field) == count
+        else:
+            with pytest.raises(msgspec.ValidationError):
+                msgspec.msgpack.decode(data, type=WorkerSampling)
+
+
 # ---------------------------------------------------------------------- fencing (pure)
 def test_results_must_name_the_bound_worker_and_the_epoch() -> None:
     ex = NatsExecutor(SchedulerConfig(), "s1")

@@ -348,8 +348,8 @@ def _is_older_epoch(epoch: str, current: str | None) -> bool:
     message wins (one scheduler at a time drives a worker)."""
     if current is None:
         return False
-    inst, _, gen = epoch.rpartition(".")
-    cur_inst, _, cur_gen = current.rpartition(".")
-    if inst != cur_inst or not gen.isdigit() or not cur_gen.isdigit():
+    inst, _, num = epoch.rpartition(".")
+    cur_inst, _, cur_num = current.rpartition(".")
+    if inst != cur_inst or not num.isdigit() or not cur_num.isdigit():
         return False
-    return int(gen) < int(cur_gen)
+    return int(num) < int(cur_num)
