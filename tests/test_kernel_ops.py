@@ -1,7 +1,8 @@
 """The fused ``torch.ops.rlt`` ops (kernels.ops).
 
 * the torch references against independent formulas (paged attention against a dense
-  per-segment loop over random segment mixes, unused cache memory NaN);
+  per-segment loop over random segment mixes, unused cache memory NaN), and the masked exit
+  copy over the worker planner's LAST_EXITED pairs against plain block/offset indexing;
 * the Triton kernels against the references on CPU tensors under ``TRITON_INTERPRET=1``. The
   interpreter is chosen when triton decorates a kernel, and other tests may have imported the
   kernels without it, so those checks run in a fresh ``python -m tests.test_kernel_ops GROUP``;
@@ -349,6 +350,67 @@ def test_paged_attention_degenerate_batches() -> None:
     one = make_attention_case(7, [(1, 3)], 4, 1, 2)
     no_rows = ops.paged_attention(one.q[:0], *one.args()[1:])
     assert no_rows.shape == (0, 2, 16)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("contiguous", [True, False], ids=["flat", "strided"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_exit_copy_pairs_move_only_the_exited_tokens_kv(block_size: int, contiguous: bool) -> None:
+    """LAST_EXITED's exit copy as the runner wires it: the planner's pairs for a decode token
+    at loop e (its plane-e slot into its slots of planes e+1..D-1, as ``slot`` computes them)
+    and ``copy_kv_slots_masked`` copy, in every layer, exactly the exited tokens' K/V to
+    ``cache[:, table[p][pos // bs], pos % bs]`` and touch nothing else; both reference paths
+    (flat slots on a contiguous CPU cache, block/offset indexing otherwise)."""
+    from types import SimpleNamespace
+
+    from services.worker.pass_plan import PassPlanner  # msgspec: not on a bare GPU image
+
+    planes, layers, kvh, hd = 4, 3, 2, 8
+    planner = PassPlanner(block_size, planes, True, 0, 0, host_words=lambda n: None)
+    rng = random.Random(block_size)
+    gen = torch.Generator().manual_seed(block_size)
+    per_table = 40 // block_size + 1  # covers positions 0..40
+    tokens = 6
+    num_blocks = tokens * planes * per_table + 2
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    cases, src, dst, owner = [], [], [], []
+    for t in range(tokens):
+        tables = [free[(t * planes + p) * per_table :][:per_table] for p in range(planes)]
+        depth, position = rng.randrange(planes), rng.randint(0, 40)
+        live = SimpleNamespace(loops_run=depth + 1, depth=depth)
+        live.row = SimpleNamespace(token_start=position)
+        pairs = planner._pairs(live, SimpleNamespace(tables=tables))
+        assert len(pairs) == planes - 1 - depth
+        here = tables[depth][position // block_size] * block_size + position % block_size
+        assert all(a == here for a, _ in pairs)
+        cases.append((tables, depth, position))
+        src += [a for a, _ in pairs]
+        dst += [b for _, b in pairs]
+        owner += [t] * len(pairs)
+    exited = torch.tensor([rng.random() < 0.6 for _ in range(tokens)])
+    shape = (layers, num_blocks, block_size, kvh, hd)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    if not contiguous:
+        k, v = (c.transpose(3, 4).contiguous().transpose(3, 4) for c in (k, v))
+        assert not k.is_contiguous() and not v.is_contiguous()
+    want_k, want_v = k.clone(), v.clone()
+    for (tables, depth, position), gone in zip(cases, exited.tolist(), strict=True):
+        if not gone:
+            continue
+        blk, off = position // block_size, position % block_size
+        for p in range(depth + 1, planes):
+            for want, cache in ((want_k, k), (want_v, v)):
+                want[:, tables[p][blk], off] = cache[:, tables[depth][blk], off]
+    ops.copy_kv_slots_masked(
+        k,
+        v,
+        torch.tensor(src, dtype=torch.int32),
+        torch.tensor(dst, dtype=torch.int32),
+        exited[torch.tensor(owner, dtype=torch.int64)],
+    )
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    with pytest.raises(ValueError, match="does not cover position"):
+        planner.slot([0], block_size)
 
 
 # --- dispatch and fake tensors --------------------------------------------------------------
