@@ -63,7 +63,7 @@ def test_contracts_hold_on_the_tree() -> None:
         ),
         (
             "tests/test_fit.py",
-            "from tests.test_kernels import torch  # noqa: F401",
+            "from tests.test_kernel_ops import torch  # noqa: F401",
             "no test module imports another",
         ),
         (
