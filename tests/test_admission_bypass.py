@@ -336,3 +336,47 @@ def test_quick_bench_compares_strict_order_with_the_default(
     }
     for metric, ratio in targets.items():
         assert ratio["per_repeat"] == [runs[default][metric] / runs["strict"][metric]]
+
+
+@pytest.mark.unit
+def test_what_a_head_preempted_for_is_not_taken_by_a_request_behind_it() -> None:
+    """Victims that share prefix-cache blocks free fewer blocks than their holdings add up
+    to: a head may preempt them all and still not fit. What they freed then waits for the
+    head; a request behind it does not start on it (and nothing counts as a bypass)."""
+
+    def params(priority: int) -> SamplingParams:
+        return SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, priority=priority)
+
+    config = SchedulerConfig(
+        max_num_seqs=8, block_size=2, num_blocks=64, kv_admission=KVAdmission.WATERMARK,
+        kv_watermark=0.0, max_admission_bypasses=4, enable_prefix_caching=True,
+    )  # fmt: skip
+    s = Scheduler(config, LIMITS)
+    s.add_request("running", [5] * 8, params(0))
+    s.add_request("low-1", [7] * 8 + [1], params(1))
+    s._admission.admit_waiting()
+    for _ in range(3):
+        step(s)
+    s.add_request("low-2", [7] * 8 + [2], params(1))  # shares low-1's cached prefix
+    s._admission.admit_waiting()
+    for _ in range(3):
+        step(s)
+    kv = s._admission._state.kv
+    held = kv.num_held_blocks("low-1") + kv.num_held_blocks("low-2")
+    assert held > kv.num_held_blocks("low-1") + 4  # low-2's prefix blocks are low-1's
+    s.add_request("head", [9] * 26, params(0))
+    s.add_request("small", [3], params(0))
+    s._admission.admit_waiting()
+    assert state(s, "low-1") == state(s, "low-2") == RequestState.WAITING  # preempted
+    assert state(s, "head") == RequestState.WAITING  # still does not fit
+    assert state(s, "small") == RequestState.WAITING
+    assert s.stats.num_admission_bypasses == 0
+    started: list[str] = []
+    for _ in range(500):
+        if not s.has_unfinished_requests():
+            break
+        started += [r for r in ("head", "small") if r not in started
+                    and state(s, r) != RequestState.WAITING]  # fmt: skip
+        step(s)
+    assert not s.has_unfinished_requests()
+    assert started[0] == "head", started

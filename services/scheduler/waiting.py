@@ -115,7 +115,13 @@ class Admission:
             made_room = False
             if by_kv and not self._fits(request, scan):
                 # only the head may preempt: a request passing it must fit as it is
-                if refused or not self._make_room_by_priority(request):
+                room = False if refused else self._make_room_by_priority(request)
+                if room is None:
+                    # it preempted, yet does not fit: it is protected now, so what its
+                    # victims freed waits for it rather than going to a request behind it
+                    self._passed[request] = self._state.config.max_admission_bypasses
+                    return
+                if not room:
                     if not self._may_be_passed(request) or len(refused) >= _BYPASS_SCAN_LIMIT:
                         return  # protected: nothing behind it starts for KV
                     refused.append(heapq.heappop(waiting))
@@ -249,10 +255,13 @@ class Admission:
             candidate=unallocated(kv, request, claimed=claimed * planes),
         )
 
-    def _make_room_by_priority(self, request: Request) -> bool:
+    def _make_room_by_priority(self, request: Request) -> bool | None:
         """A waiting request of strictly higher priority may preempt running ones, lowest
         first and none with work in flight, as it would once admitted under incremental
-        admission. Equal priorities never do: that is the thrash reserve/watermark avoid."""
+        admission. Equal priorities never do: that is the thrash reserve/watermark avoid.
+        True: it fits now; False: nobody was preempted; None: some were, and it still does
+        not fit (blocks the victims share through the prefix cache free once, not per
+        victim, so the estimate below can be short)."""
         state = self._state
         victims = [
             r
@@ -269,7 +278,7 @@ class Admission:
             preempt(state, victim, for_request_id=request.request_id)
             if self._kv_admits(request, committed(state)):
                 return True
-        return False
+        return None
 
     def _usable_hashes(self, request: Request) -> list[int]:
         """The prompt blocks a cache hit could cover (never the last prompt token)."""
