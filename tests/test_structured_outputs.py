@@ -10,6 +10,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -266,6 +267,17 @@ def test_a_request_resumed_with_known_tokens_goes_on_in_its_format(toy_model, co
         (StructuredOutput(kind="regex", spec=""), "needs a spec"),
         (StructuredOutput(kind="json_object", spec="{}"), "takes no spec"),
         (StructuredOutput(kind="xml", spec="x"), "kind must be one of"),
+        # counted repetitions whose parse would stall (quadratic in the count)
+        (StructuredOutput(kind="regex", spec="(a|b){1,5000}"), "counts over 1000"),
+        (
+            StructuredOutput(
+                kind="json_schema",
+                spec='{"type": "object", "properties": {"x": {"type": "string", '
+                '"pattern": "a{2000}"}}}',
+            ),
+            "counts over 1000",
+        ),
+        (StructuredOutput(kind="grammar", spec='root ::= "a"{0,3000}'), "counts over 1000"),
     ],
 )
 def test_a_format_that_does_not_compile_is_refused_naming_the_problem(
@@ -275,6 +287,42 @@ def test_a_format_that_does_not_compile_is_refused_naming_the_problem(
         check_structured_output(constraint)
     assert problem in err.value.message
     assert "/project/cpp" not in err.value.message  # xgrammar's source location is not ours
+
+
+@pytest.mark.unit
+def test_a_bounded_repetition_within_the_limit_compiles() -> None:
+    check_structured_output(StructuredOutput(kind="regex", spec="(a|b){1,1000}"))
+    schema = '{"type": "string", "pattern": "^x{3,900}$", "description": "{5000} is prose"}'
+    check_structured_output(StructuredOutput(kind="json_schema", spec=schema))
+
+
+@pytest.mark.unit
+def test_a_grammar_that_never_compiles_fails_its_request_not_the_pass(
+    book: GrammarBook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from concurrent.futures import Future
+
+    from services.worker import grammar as worker_grammar
+
+    monkeypatch.setattr(worker_grammar, "COMPILE_WAIT_S", 0.05)
+    stuck: Future[object] = Future()  # a compile that never ends
+    grammar = worker_grammar.RequestGrammar(book, stuck, [])
+    out = np.zeros(book.words, dtype=np.int32)
+    assert not grammar.fill_mask(out)
+    assert grammar.error is not None and "did not compile within" in grammar.error
+    assert grammar.accept(5, 0) == grammar.error
+
+
+@pytest.mark.unit
+def test_a_format_with_no_next_token_fails_with_that(book: GrammarBook) -> None:
+    from services.worker.grammar import RequestGrammar
+
+    empty = StructuredOutput(kind="regex", spec=r"[^\s\S]")
+    grammar = RequestGrammar(book, book.compile(empty), [])
+    out = np.zeros(book.words, dtype=np.int32)
+    assert not grammar.fill_mask(out)
+    assert grammar.error == "structured output: the format allows no next token"
+    assert grammar.accept(5, 0) == grammar.error
 
 
 @pytest.mark.unit

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from messages.errors import RequestError
@@ -29,6 +30,12 @@ if TYPE_CHECKING:
 JSON_MAX_WHITESPACE = 16
 # parsed grammars kept per process (a bound on memory: each spec is at most 64 KiB)
 PARSE_CACHE_SIZE = 256
+
+# a counted repetition ``{m,n}`` in a regular expression (a regex format, a JSON schema's
+# ``pattern``, an EBNF grammar) may not go over this: xgrammar's parse grows with the square
+# of the count (0.14 s at 1000, ~1 min at 20000) and would stall admission and the worker
+MAX_REPEAT_COUNT = 1000
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 # xgrammar's C++ errors start with a timestamp and a source location, and checks with the
 # condition that failed: the client needs neither
@@ -45,6 +52,7 @@ def grammar_of(constraint: StructuredOutput) -> xgrammar.Grammar:
     """The grammar of ``constraint`` (cached by kind and spec); ``RequestError`` when its
     spec is not a valid schema, regular expression or grammar."""
     constraint.validate()
+    _check_repeats(StructuredOutputKind(constraint.kind), constraint.spec)
     try:
         return _parse(StructuredOutputKind(constraint.kind), constraint.spec)
     except RequestError:
@@ -78,6 +86,41 @@ def _parse(kind: StructuredOutputKind, spec: str) -> xgrammar.Grammar:
     if kind == StructuredOutputKind.GRAMMAR:
         return xgr.Grammar.from_ebnf(spec)
     raise RequestError(f"structured_output kind {kind!r} is not supported")
+
+
+def _check_repeats(kind: StructuredOutputKind, spec: str) -> None:
+    if kind in (StructuredOutputKind.REGEX, StructuredOutputKind.GRAMMAR):
+        texts = [spec]
+    elif kind == StructuredOutputKind.JSON_SCHEMA:
+        try:
+            texts = list(_schema_patterns(json.loads(spec)))
+        except ValueError:
+            return  # not JSON: the parse names that
+    else:
+        return
+    for text in texts:
+        for match in _REPEAT.finditer(text):
+            counts = [int(c) for c in match.groups() if c]
+            if max(counts) > MAX_REPEAT_COUNT:
+                raise RequestError(
+                    f"structured_output ({kind}): the repetition {match.group(0)!r} counts "
+                    f"over {MAX_REPEAT_COUNT}; use a smaller bound or an open one ({{m,}})"
+                )
+
+
+def _schema_patterns(node: object) -> Iterator[str]:
+    """Every regular expression of a JSON schema: ``pattern`` values and the keys of
+    ``patternProperties``, at any depth."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "pattern" and isinstance(value, str):
+                yield value
+            elif key == "patternProperties" and isinstance(value, dict):
+                yield from (k for k in value if isinstance(k, str))
+            yield from _schema_patterns(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _schema_patterns(item)
 
 
 def choice_ebnf(choices: list[str]) -> str:

@@ -18,6 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 # compiled grammars kept per worker: compiling is the expensive part (token masks are
 # precomputed per grammar state), so a service answering one schema compiles it once
 COMPILED_CACHE_SIZE = 128
+# the most a pass waits for a request's grammar to compile: past it that request fails and
+# the pass goes on (a thread cannot be stopped, so a pathological format costs this once)
+COMPILE_WAIT_S = 10.0
 BITS = 32  # token ids per bitmask word (xgrammar's int32 bitmask)
 
 
@@ -158,14 +162,20 @@ class RequestGrammar:
 
         assert self._compiled is not None
         try:
-            compiled = self._compiled.result()
+            compiled = self._compiled.result(timeout=COMPILE_WAIT_S)
+            matcher = xgr.GrammarMatcher(compiled)
         except RequestError as exc:
             self.error = exc.message
+            return None
+        except FutureTimeout:
+            self.error = (
+                f"structured output: the format did not compile within {COMPILE_WAIT_S:g} s "
+                "on the worker; simplify it"
+            )
             return None
         except Exception as exc:  # e.g. the vocabulary could not be read: this request fails
             self.error = f"structured output unavailable: {exc!r}"[:500]
             return None
-        matcher = xgr.GrammarMatcher(compiled)
         for index, token in enumerate(self._generated):
             if self.ended or not matcher.accept_token(token):
                 self.error = (
@@ -182,7 +192,7 @@ class RequestGrammar:
         """Writes the next token's bitmask into ``out`` (int32 [words]). False when the
         grammar failed: the row samples unconstrained and fails when its token comes back."""
         matcher = self._ready()
-        if matcher is None:
+        if matcher is None or self.error is not None:
             return False
         if self._mask_at != self.num_accepted:
             assert self._book is not None
@@ -195,6 +205,11 @@ class RequestGrammar:
                 self._mask[0] = self._book.stop_mask
             else:
                 matcher.fill_next_token_bitmask(self._mask)
+                if not self._mask_words.any():  # type: ignore[union-attr]
+                    # a language with no next token (e.g. an empty regex class): fail with
+                    # that, not with whatever an all -inf row samples
+                    self.error = "structured output: the format allows no next token"
+                    return False
             self._mask_at = self.num_accepted
         out[:] = self._mask_words
         return True
@@ -203,7 +218,7 @@ class RequestGrammar:
         """Advances by ``token``, the request's output ``output_index``. None when the
         output goes on; else why this row fails."""
         matcher = self._ready()
-        if matcher is None:
+        if matcher is None or self.error is not None:
             return self.error
         if self.ended:
             return None  # a row after the request's end (see fill_mask): never applied
