@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -311,6 +312,26 @@ def test_a_grammar_that_never_compiles_fails_its_request_not_the_pass(
     assert not grammar.fill_mask(out)
     assert grammar.error is not None and "did not compile within" in grammar.error
     assert grammar.accept(5, 0) == grammar.error
+
+
+@pytest.mark.unit
+def test_compiled_grammars_are_bounded_in_bytes(codec: TextCodec, toy_model) -> None:
+    """The compiled-grammar LRU holds at most ``cache_bytes``: the oldest go first, never
+    the one just compiled."""
+    one = GrammarBook(codec, VOCAB, toy_model.cfg.stop_token_ids)
+    size = one.compile(StructuredOutput(kind="regex", spec="a+b")).result().memory_size_bytes
+    assert size > 0
+    book = GrammarBook(codec, VOCAB, toy_model.cfg.stop_token_ids, cache_bytes=int(size * 2.5))
+    specs = [f"a+b{'c' * i}" for i in range(5)]
+    for spec in specs:
+        book.compile(StructuredOutput(kind="regex", spec=spec)).result()
+    for _ in range(100):  # a future's callbacks run just after its waiters wake
+        if len(book._sizes) == len(book._cache):
+            break
+        time.sleep(0.01)
+    held = [key[1] for key in book._cache]
+    assert held and held[-1] == specs[-1] and len(held) <= 3, held
+    assert book._bytes <= size * 2.5 * 1.5  # the sizes of grammars alike differ a little
 
 
 @pytest.mark.unit

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 # compiled grammars kept per worker: compiling is the expensive part (token masks are
 # precomputed per grammar state), so a service answering one schema compiles it once
 COMPILED_CACHE_SIZE = 128
+# ...and at most this many bytes of them (a large schema against a 150k vocabulary compiles
+# to tens of MB)
+COMPILED_CACHE_BYTES = 1 << 30
 # the most a pass waits for a request's grammar to compile: past it that request fails and
 # the pass goes on (a thread cannot be stopped, so a pathological format costs this once)
 COMPILE_WAIT_S = 10.0
@@ -44,6 +47,9 @@ BITS = 32  # token ids per bitmask word (xgrammar's int32 bitmask)
 
 def mask_words(vocab_size: int) -> int:
     return -(-vocab_size // BITS)
+
+
+_Key = tuple[StructuredOutputKind, str]
 
 
 class GrammarBook:
@@ -57,6 +63,7 @@ class GrammarBook:
         vocab_size: int,
         stop_token_ids: Sequence[int],
         cache_size: int = COMPILED_CACHE_SIZE,
+        cache_bytes: int = COMPILED_CACHE_BYTES,
     ) -> None:
         # the model's vocabulary: the masks cover every id the lm_head can score, which may be
         # more than the tokenizer has (padded vocabularies)
@@ -67,8 +74,12 @@ class GrammarBook:
         self.stop_set = frozenset(self.stop_token_ids)
         self._codec = codec
         self._cache_size = cache_size
-        self._cache: OrderedDict[tuple[StructuredOutputKind, str], Future[Any]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache_bytes = cache_bytes
+        self._cache: OrderedDict[_Key, Future[Any]] = OrderedDict()
+        self._sizes: dict[_Key, int] = {}  # of the compiled entries
+        self._bytes = 0
+        # reentrant: a future that is already done runs its callback in the caller
+        self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rlt-grammar")
         # made on first use: importing xgrammar takes seconds
         self._compiler: xgrammar.GrammarCompiler | None = None
@@ -89,9 +100,36 @@ class GrammarBook:
                 return compiled
             compiled = self._pool.submit(self._compile, constraint)
             self._cache[key] = compiled
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            self._evict(keep=key)
+            compiled.add_done_callback(lambda done, key=key: self._compiled(key, done))
             return compiled
+
+    def _compiled(self, key: _Key, done: Future[Any]) -> None:
+        """Counts a compiled grammar's bytes; forgets a compile that crashed (not a spec's
+        fault, e.g. out of memory), so the next request with it tries again."""
+        with self._lock:
+            if self._cache.get(key) is not done:
+                return  # evicted meanwhile
+            exc = done.exception()
+            if exc is not None and not isinstance(exc, RequestError):
+                del self._cache[key]
+                return
+            size = 0 if exc is not None else int(done.result().memory_size_bytes)
+            self._sizes[key] = size
+            self._bytes += size
+            self._evict(keep=key)
+
+    def _evict(self, keep: _Key) -> None:
+        """Least recently used first, never ``keep`` (its request is about to use it)."""
+        while len(self._cache) > 1 and (
+            len(self._cache) > self._cache_size or self._bytes > self._cache_bytes
+        ):
+            oldest = next(iter(self._cache))
+            if oldest == keep:
+                self._cache.move_to_end(keep)
+                continue
+            del self._cache[oldest]
+            self._bytes -= self._sizes.pop(oldest, 0)
 
     def _compile(self, constraint: StructuredOutput) -> Any:
         grammar = grammar_of(constraint)
