@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.tokenizer import TextCodec
 from services.oracle import SerialOracle
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import write_toy_checkpoint
@@ -47,6 +48,14 @@ def toy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def toy_model(toy_checkpoint: Path) -> OuroModel:
     return OuroModel.from_checkpoint(toy_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def codec(toy_checkpoint: Path) -> TextCodec:
+    """The toy checkpoint's tokenizer."""
+    found = TextCodec.from_checkpoint(toy_checkpoint)
+    assert found is not None
+    return found
 
 
 @pytest.fixture(scope="session")

@@ -90,13 +90,6 @@ def up(toy_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             proc.wait()
 
 
-@pytest.fixture(scope="module")
-def codec(toy_checkpoint: Path) -> TextCodec:
-    out = TextCodec.from_checkpoint(toy_checkpoint)
-    assert out is not None
-    return out
-
-
 def _client(up: Up) -> OpenAI:
     return OpenAI(base_url=f"{up.http_url}/v1", api_key="not-needed", max_retries=0)
 

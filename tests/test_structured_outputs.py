@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,13 +31,6 @@ from tests.engine_harness import TIE_EPS
 from tests.helpers import FORMATS, MaskedSampler, assert_follows
 
 VOCAB = 512  # the toy model's
-
-
-@pytest.fixture(scope="module")
-def codec(toy_checkpoint: Path) -> TextCodec:
-    found = TextCodec.from_checkpoint(toy_checkpoint)
-    assert found is not None
-    return found
 
 
 @pytest.fixture(scope="module")

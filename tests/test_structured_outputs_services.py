@@ -81,13 +81,6 @@ def up(toy_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="module")
-def codec(toy_checkpoint: Path) -> TextCodec:
-    found = TextCodec.from_checkpoint(toy_checkpoint)
-    assert found is not None
-    return found
-
-
-@pytest.fixture(scope="module")
 def book(codec: TextCodec, toy_model: OuroModel) -> GrammarBook:
     return GrammarBook(codec, toy_model.cfg.vocab_size, toy_model.cfg.stop_token_ids)
 
