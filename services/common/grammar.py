@@ -52,7 +52,6 @@ def grammar_of(constraint: StructuredOutput) -> xgrammar.Grammar:
     """The grammar of ``constraint`` (cached by kind and spec); ``RequestError`` when its
     spec is not a valid schema, regular expression or grammar."""
     constraint.validate()
-    _check_repeats(StructuredOutputKind(constraint.kind), constraint.spec)
     try:
         return _parse(StructuredOutputKind(constraint.kind), constraint.spec)
     except RequestError:
@@ -67,6 +66,7 @@ def grammar_of(constraint: StructuredOutput) -> xgrammar.Grammar:
 def _parse(kind: StructuredOutputKind, spec: str) -> xgrammar.Grammar:
     import xgrammar as xgr
 
+    _check_repeats(kind, spec)  # before xgrammar spends its quadratic time on them
     if kind == StructuredOutputKind.JSON_SCHEMA:
         return xgr.Grammar.from_json_schema(
             spec, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
