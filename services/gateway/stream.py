@@ -258,7 +258,8 @@ class SseEncoder:
             self._started = True
             frames.append(self._frame({"role": "assistant", "content": ""}, None))
         for d in deltas:
-            self._framed_depths += d.exit_depths
+            if self._answer is not None:  # only continuous usage counts what was framed
+                self._framed_depths += d.exit_depths
             if self.options.return_token_ids:  # the only frames that carry them
                 self._ids += d.token_ids
                 self._depths += d.exit_depths
