@@ -23,7 +23,10 @@ from services.bench.runner import run_bench
 from services.cli import build_parser
 from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
 from services.common.flags import add_engine_flags, engine_args, scheduler_config_from_args
-from services.scheduler.request import RequestState
+from services.scheduler.kv_admission import admits
+from services.scheduler.request import Request, RequestState
+from services.scheduler.reservation import reserved_start, steps_left
+from services.scheduler.running import committed, unallocated
 from services.scheduler.scheduler import Scheduler
 from tests.engine_harness import Arrival, RunRecord, assert_matches_oracle, oracle_result
 from tests.engine_harness import run_workload as run
@@ -89,6 +92,61 @@ def test_short_requests_bypass_then_protected_long_request_gets_memory(policy) -
     assert s.kv.num_free_blocks == 24
 
 
+def backfill_case(with_quick: bool) -> Scheduler:
+    """Reserve admission, N = 1: ``running`` holds 24 of 128 blocks for an estimated 37
+    steps (one prompt chunk, 4 loops, 8 tokens x 4 loops); ``long`` needs 120 blocks, so
+    its reservation is 37 steps away. ``slow-*`` (45 steps) end after that, ``quick-*`` (13
+    steps) before."""
+    config = SchedulerConfig(
+        max_num_seqs=8, block_size=2, num_blocks=128, kv_admission=KVAdmission.RESERVE,
+        max_admission_bypasses=1,
+    )  # fmt: skip
+    s = Scheduler(config, LIMITS)
+
+    def params(max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    s.add_request("running", [1, 2, 3, 4], params(8))
+    s._admission.admit_waiting()
+    s.add_request("long", prompt(1, 60), params(1))
+    s.add_request("slow-1", [2], params(10))
+    if with_quick:
+        s.add_request("quick-1", [3], params(2))
+    s.add_request("slow-2", [4], params(10))
+    if with_quick:
+        s.add_request("quick-2", [5], params(2))
+    return s
+
+
+@pytest.mark.unit
+def test_requests_that_end_before_the_heads_reservation_backfill_uncounted() -> None:
+    s = backfill_case(with_quick=True)
+    s._admission.admit_waiting()
+    # slow-1 is the one counted pass (its 45 steps outlast long's reservation, which then
+    # moves to 45); both quick ones end before it, slow-2 does not: it waits for long
+    assert s.stats.num_admission_bypasses == 1
+    assert s.stats.num_admission_backfills == 2
+    waiting = {rid for rid, r in s.requests.items() if r.state == RequestState.WAITING}
+    assert waiting == {"long", "slow-2"}
+
+
+@pytest.mark.unit
+def test_backfills_do_not_delay_the_head() -> None:
+    """The same queue with and without the quick requests: long starts at the same step."""
+    starts = []
+    for with_quick in (False, True):
+        s = backfill_case(with_quick)
+        for n in range(500):
+            if state(s, "long") != RequestState.WAITING:
+                starts.append(n)
+                break
+            step(s)
+        while s.has_unfinished_requests():
+            step(s)
+        s.kv.check_consistency()
+    assert len(starts) == 2 and starts[0] == starts[1] > 0
+
+
 def admission_order(record: RunRecord) -> list[tuple[int, str]]:
     """(batch seq, request id) in the order the scheduler admitted them (the worker learns
     of new requests in that order)."""
@@ -148,42 +206,62 @@ def test_the_flag_reaches_the_config_and_the_children() -> None:
 # ---------------------------------------------------------------------- no request waits forever
 @dataclass
 class PassWatch:
-    """Counts, from the outside, how often each head of the queue was passed: a request that
-    starts while one ahead of it in queue order stays waiting passed it. The head after an
-    admission call is the first request still waiting (no prefix caching: none is parked);
-    it was the head for every start of that call, since starting or refusing the head is
-    all that moves it. A wait starts when a request enters the queue (arrival, preemption)."""
+    """Checks every start against the rule, from the outside: a request that starts while
+    one ahead of it in queue order waits passes the first such one (the head). A pass is a
+    backfill when the passer's estimated steps end before the head's reserved start
+    (``reservation.py``, recomputed here from the KV state at that moment); any other pass
+    counts, and a head's wait (from entering the queue to starting) allows N of them."""
 
     limit: int
-    passes: dict[str, int] = field(default_factory=dict)  # per head, in its current wait
+    counted: dict[str, int] = field(default_factory=dict)  # per head, in its current wait
     most: int = 0
+    backfills: int = 0
 
     def watch(self, s: Scheduler) -> None:
-        admit = s._admission.admit_waiting
+        admission = s._admission
+        start = admission._start
+        config = s.config
 
-        def admit_and_count() -> None:
-            before = [r for r in s.requests.values() if r.state == RequestState.WAITING]
-            self.passes = {rid: n for rid, n in self.passes.items() if rid in s.requests}
-            admit()
-            started = [r for r in before if r.state != RequestState.WAITING]
-            still = sorted(
-                (r for r in before if r.state == RequestState.WAITING), key=lambda r: r.priority_key
+        def reservation(head: Request) -> int | None:
+            kv, running = s.kv, s._admission._state.running
+            commitment = committed(s._admission._state)
+            return reserved_start(
+                running,
+                config.prefill_chunk_size,
+                release=lambda r: (kv.num_held_blocks(r.request_id), unallocated(kv, r)),
+                fits=lambda freed, released: admits(
+                    config.kv_admission,
+                    config.kv_watermark,
+                    free_blocks=kv.num_free_blocks + freed,
+                    committed=commitment - released,
+                    candidate=unallocated(kv, head),
+                ),
             )
-            for waiting in still:
-                ahead_of = [r for r in started if r.priority_key > waiting.priority_key]
-                # a bypass stays inside one priority: a less urgent request never passes
-                assert all(r.params.priority == waiting.params.priority for r in ahead_of)
-            for r in started:
-                self.passes.pop(r.request_id, None)  # its wait is over
-            if not still:
-                return
-            head = still[0]
-            passed = sum(1 for r in started if r.priority_key > head.priority_key)
-            n = self.passes[head.request_id] = self.passes.get(head.request_id, 0) + passed
-            assert n <= self.limit, f"head {head.request_id} passed {n} times (limit {self.limit})"
-            self.most = max(self.most, n)
 
-        s._admission.admit_waiting = admit_and_count  # type: ignore[method-assign]
+        def start_and_check(request: Request) -> None:
+            self.counted.pop(request.request_id, None)  # its wait is over
+            ahead = [
+                r
+                for r in s.requests.values()
+                if r.state == RequestState.WAITING
+                and r is not request
+                and r.priority_key < request.priority_key
+            ]
+            if ahead:
+                head = min(ahead, key=lambda r: r.priority_key)
+                # a bypass stays inside one priority: a less urgent request never passes
+                assert head.params.priority == request.params.priority
+                reserved = reservation(head)
+                steps = steps_left(request, config.prefill_chunk_size)
+                if reserved is not None and steps < reserved:
+                    self.backfills += 1
+                else:
+                    n = self.counted[head.request_id] = self.counted.get(head.request_id, 0) + 1
+                    assert n <= self.limit, f"head {head.request_id} passed {n} times"
+                    self.most = max(self.most, n)
+            start(request)
+
+        admission._start = start_and_check  # type: ignore[method-assign]
 
 
 def prompt(i: int, n: int) -> list[int]:
@@ -250,8 +328,9 @@ def test_every_request_finishes_and_no_head_is_passed_more_than_n_times(case) ->
     else:
         pytest.fail(f"still running after 5000 steps: {sorted(s.requests)}")
     assert finished == {a.request_id for a in arrivals}
+    assert watch.backfills == s.stats.num_admission_backfills
     if config.max_admission_bypasses == 0:
-        assert watch.most == 0 and s.stats.num_admission_bypasses == 0
+        assert watch.most == watch.backfills == s.stats.num_admission_bypasses == 0
     s.kv.check_consistency()
     assert s.kv.num_free_blocks == config.num_blocks
 
@@ -275,7 +354,8 @@ MIX = [
 @pytest.mark.parametrize("prefill", ["wcpb", "atomic"])
 def test_bypassing_requests_equal_the_oracle(toy_model, oracle, policy, prefill) -> None:
     """Tight KV (one long request's footprint and a bit): short ones start ahead of the
-    long ones, and every token and exit depth still equals the serial oracle."""
+    long ones (backfills or counted passes), and every token and exit depth still equals
+    the serial oracle."""
     config = SchedulerConfig(
         max_num_seqs=4,
         block_size=2,
@@ -288,7 +368,8 @@ def test_bypassing_requests_equal_the_oracle(toy_model, oracle, policy, prefill)
         max_admission_bypasses=2,
     )
     record = run(toy_model, config, MIX)
-    assert record.engine.scheduler.stats.num_admission_bypasses > 0
+    stats = record.engine.scheduler.stats
+    assert stats.num_admission_bypasses + stats.num_admission_backfills > 0
     for a in MIX:
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
         assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)

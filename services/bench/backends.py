@@ -151,8 +151,12 @@ class InProcessBackend:
             end,
             requests,
             probe.counters,
-            # requests admitted ahead of one the KV policy refused (max_admission_bypasses)
-            extra={"admission_bypasses": engine.scheduler.stats.num_admission_bypasses},
+            # requests admitted ahead of one the KV policy refused (max_admission_bypasses):
+            # counted passes and backfills
+            extra={
+                "admission_bypasses": engine.scheduler.stats.num_admission_bypasses,
+                "admission_backfills": engine.scheduler.stats.num_admission_backfills,
+            },
             waste=waste_counters(engine),
             cpu_before={"engine": cpu_before},
             cpu_after={"engine": cpu_after},

@@ -58,7 +58,8 @@ METRIC_LABELS = {
     "ttft_steps_p50_long": "long: TTFT p50, steps",
     "ttft_steps_p99_long": "long: TTFT p99, steps",
     "latency_steps_mean_long": "long: completion mean, steps",
-    "admission_bypasses": "admission bypasses",
+    "admission_bypasses": "admission bypasses (counted)",
+    "admission_backfills": "admission backfills",
     "shard_imbalance": "max/mean requests per shard",
     "control_cpu_us_per_token": "control-plane CPU µs/token",
     "scheduler_cpu_us_per_step": "scheduler CPU µs/step",
@@ -94,6 +95,7 @@ CLASS_TABLE_METRICS = (
     "ttft_steps_p99_short",
     "latency_steps_mean_long",
     "admission_bypasses",
+    "admission_backfills",
 )
 TABLE_METRICS = (
     "output_tokens_per_s",

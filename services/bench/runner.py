@@ -72,6 +72,7 @@ SUMMARY_METRICS = (
     *WASTE_METRICS,
     *KIND_METRICS,
     "admission_bypasses",
+    "admission_backfills",
     *BREAKDOWN_METRICS,
     *CPU_METRICS,
     *SHARD_METRICS,

@@ -134,8 +134,9 @@ class SchedulerConfig:
     kv_admission: KVAdmission = KVAdmission.WATERMARK
     kv_watermark: float = 0.25
     # under reserve/watermark: how many times a waiting request the KV policy refuses may
-    # be passed by requests of its priority behind it that fit; then nothing passes it for
-    # KV until it starts. 0 = strict queue order (docs/benchmarks/admission_bypass.md)
+    # be passed by requests of its priority behind it that fit, besides backfills (those
+    # estimated to finish before it could start). 0 = strict queue order, no backfill
+    # either (services/scheduler/waiting.py, docs/benchmarks/admission_bypass.md)
     max_admission_bypasses: int = 4
 
     def __post_init__(self) -> None:

@@ -166,8 +166,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=SchedulerConfig.max_admission_bypasses,
         metavar="N",
         help="reserve/watermark admission: a waiting request whose KV does not fit may be "
-        "passed N times by requests of its priority behind it that fit; then nothing passes "
-        "it until it starts (0 = strict queue order) (default: %(default)s)",
+        "passed by requests of its priority behind it that fit and are estimated to finish "
+        "before it could start (backfill), and N times by others; 0 = strict queue order "
+        "(default: %(default)s)",
     )
     add_device_flags(g)
 

@@ -40,8 +40,10 @@ class SchedulerStats:
     # (share_inflight_prefill), once per block waited for
     num_prefix_deferrals: int = 0
     # requests admitted ahead of a waiting request the KV policy refused
-    # (max_admission_bypasses)
+    # (max_admission_bypasses): passes counted against that request, and backfills (the
+    # passer was estimated to finish before the refused one could start: not counted)
     num_admission_bypasses: int = 0
+    num_admission_backfills: int = 0
 
 
 def new_kv(config: SchedulerConfig, limits: ModelLimits) -> KVManager:

@@ -21,6 +21,7 @@ from services.scheduler.inflight_prefix import (
 )
 from services.scheduler.kv_admission import Commitment, admits
 from services.scheduler.request import Request, RequestState
+from services.scheduler.reservation import reserved_start, steps_left
 from services.scheduler.running import (
     committed,
     footprint,
@@ -41,6 +42,9 @@ class _Scan:
 
     refused: list[QueueEntry] = field(default_factory=list)  # in queue order
     exact: Commitment | None = None  # the running requests' exact sum, once KV is tight
+    # the first refused head's reserved start (reservation.py), once estimated
+    reserved: int | None = None
+    reserved_known: bool = False
     # footprints refused so far, none covering another (without prefix caching)
     refused_needs: list[Commitment] = field(default_factory=list)
 
@@ -53,16 +57,24 @@ class Admission:
     """Moves waiting requests into the running set, in queue order, while seats and the KV
     policy allow; holds the readers parked on an in-flight prefix.
 
-    Bounded bypass (``max_admission_bypasses`` = N): when the head of the queue does not
-    fit the KV policy, requests behind it of the same priority that fit as they are (no
-    preemption for them) may start ahead of it; each such start passes the head once. A
-    head passed N times in its current wait is protected: nothing behind it starts for KV
-    until it does. The count is kept here per waiting request, bumped only while it is the
-    head, and dropped when it starts (a preempted request waits afresh) or ends. Requests
-    refused behind a refused head are passed too, uncounted: they wait for that head anyway,
-    and each head ahead of them lets at most N by, so no request waits forever. A less
-    urgent request never passes a refused one: it would take the KV the other needs (which
-    would preempt it back out at admission). N = 0 is strict queue order."""
+    When the head of the queue does not fit the KV policy, requests behind it of the same
+    priority that fit as they are (no preemption for them) may start ahead of it, in two
+    ways, unless ``max_admission_bypasses`` (N) is 0, which is strict queue order:
+
+    - Backfill: the request is estimated to finish before the head could start anyway, at
+      its reservation (``reservation.py``: when enough running requests will have finished).
+      It takes KV the head cannot use yet and gives it back in time, so it is not counted.
+    - Counted pass: any other request that fits, at most N per head in its current wait.
+      It may hold KV the head will need. After N the head is protected: only backfills
+      still pass it.
+
+    The counts are kept here per waiting request, bumped only while it is the head, and
+    dropped when it starts (a preempted request waits afresh) or ends. Requests refused
+    behind a refused head are passed too, uncounted: they wait for that head anyway, and
+    each head ahead of them lets at most N by, so no request waits forever. A head that
+    preempted others and still does not fit is sealed: nothing passes it, so what its
+    victims freed waits for it. A less urgent request never passes a refused one: it would
+    take the KV the other needs (which would preempt it back out at admission)."""
 
     def __init__(self, state: SchedulerState) -> None:
         self._state = state
@@ -70,7 +82,10 @@ class Admission:
         self._share_inflight = config.enable_prefix_caching and config.share_inflight_prefill
         self._parked = ParkedReaders()
         # heads refused for KV: how often a later request started ahead of one in its wait
+        # (backfills not counted), and those sealed (they preempted others and still wait)
         self._passed: dict[Request, int] = {}
+        self._sealed: set[Request] = set()
+        self._chunk_size = config.prefill_chunk_size
 
     def admit_waiting(self) -> None:
         """Admits waiting requests in queue order while seats and KV allow. With in-flight
@@ -78,7 +93,7 @@ class Admission:
         higher priority is writing is parked on it (``inflight_prefix.py``) and queued again
         once the writer published it or stopped; requests behind it may be admitted
         meanwhile (and take seats and KV). Once back, it is the head like any other. A head
-        the KV policy refuses may be passed (class docstring), at most N times."""
+        the KV policy refuses may be passed (class docstring)."""
         state = self._state
         waiting = state.waiting
         if self._parked:
@@ -92,8 +107,8 @@ class Admission:
                 heapq.heappush(waiting, entry)
 
     def _admit_in_order(self, scan: _Scan) -> None:
-        """The admission loop; requests refused for KV that may still be passed are moved
-        from the heap to ``scan.refused`` (the caller puts them back)."""
+        """The admission loop; requests that must wait for a refused head but do not stop
+        the scan are moved from the heap to ``scan.refused`` (the caller puts them back)."""
         state = self._state
         config, waiting = state.config, state.waiting
         by_kv = config.kv_admission is not KVAdmission.INCREMENTAL
@@ -103,7 +118,7 @@ class Admission:
             _, request = waiting[0]
             if request.is_finished:
                 heapq.heappop(waiting)
-                self._passed.pop(request, None)
+                self._forget(request)
                 continue  # aborted while waiting
             if refused and request.params.priority != refused[0][1].params.priority:
                 return  # a less urgent request never passes a refused one
@@ -117,16 +132,19 @@ class Admission:
                 # only the head may preempt: a request passing it must fit as it is
                 room = False if refused else self._make_room_by_priority(request)
                 if room is None:
-                    # it preempted, yet does not fit: it is protected now, so what its
-                    # victims freed waits for it rather than going to a request behind it
-                    self._passed[request] = self._state.config.max_admission_bypasses
+                    # it preempted, yet does not fit: what its victims freed waits for it
+                    # rather than going to any request behind it
+                    self._sealed.add(request)
                     return
                 if not room:
-                    if not self._may_be_passed(request) or len(refused) >= _BYPASS_SCAN_LIMIT:
-                        return  # protected: nothing behind it starts for KV
-                    refused.append(heapq.heappop(waiting))
+                    if not self._set_aside(scan):
+                        return  # strict order, or sealed: nothing behind it starts for KV
                     continue
                 made_room = True
+            elif refused and not self._may_pass(request, scan):
+                if not self._set_aside(scan):
+                    return  # it fits, but waits for the refused head like the rest
+                continue
             heapq.heappop(waiting)
             self._start(request)
             if scan.exact is not None:
@@ -135,8 +153,58 @@ class Admission:
                 add_writer(request, writers)
             if made_room:
                 return  # the requests it preempted do not come straight back in this batch
-            if refused and self._count_pass(refused[0][1]):
-                return  # the head it passed is protected now
+
+    def _set_aside(self, scan: _Scan) -> bool:
+        """Moves the request at the top of the heap, which must wait for the first refused
+        one (or is it), to ``scan.refused`` so the scan may look behind it; False, leaving it
+        on the heap, when nothing may pass the first refused one or the scan is long enough."""
+        head = scan.refused[0][1] if scan.refused else self._state.waiting[0][1]
+        if self._state.config.max_admission_bypasses == 0 or head in self._sealed:
+            return False
+        if len(scan.refused) >= _BYPASS_SCAN_LIMIT:
+            return False
+        scan.refused.append(heapq.heappop(self._state.waiting))
+        return True
+
+    def _may_pass(self, request: Request, scan: _Scan) -> bool:
+        """Whether ``request``, which fits, may start ahead of the refused head: as a
+        backfill if it is estimated to finish before the head could start anyway, else as
+        one of the head's N counted passes."""
+        head = scan.refused[0][1]
+        stats = self._state.stats
+        reserved = self._reservation(head, scan)
+        if reserved is not None and steps_left(request, self._chunk_size) < reserved:
+            stats.num_admission_backfills += 1
+            return True
+        passes = self._passed.get(head, 0)
+        if passes >= self._state.config.max_admission_bypasses:
+            return False  # protected
+        self._passed[head] = passes + 1
+        stats.num_admission_bypasses += 1
+        scan.reserved_known = False  # the pass takes KV the head may need: ask again
+        return True
+
+    def _reservation(self, head: Request, scan: _Scan) -> int | None:
+        """The head's reserved start in steps (``reservation.py``), once per scan and pass."""
+        if not scan.reserved_known:
+            state = self._state
+            kv = state.kv
+            commitment = committed(state)
+            scan.reserved = reserved_start(
+                state.running,
+                self._chunk_size,
+                release=lambda r: (kv.num_held_blocks(r.request_id), unallocated(kv, r)),
+                fits=lambda freed, released: self._kv_admits(
+                    head, commitment - released, extra_free=freed
+                ),
+            )
+            scan.reserved_known = True
+        return scan.reserved
+
+    def _forget(self, request: Request) -> None:
+        """Its wait is over (it started or ended): a later wait starts afresh."""
+        self._passed.pop(request, None)
+        self._sealed.discard(request)
 
     def _fits(self, request: Request, scan: _Scan) -> bool:
         """The KV policy's verdict: against the running requests' whole footprints first
@@ -162,7 +230,7 @@ class Admission:
         """Moves a request just taken off the queue into the running set."""
         state = self._state
         config = state.config
-        self._passed.pop(request, None)  # its wait is over
+        self._forget(request)
         request.reset_prefill(origin=self._claim_cached_prefix(request))
         state.running_footprints += footprint(state.kv, request)
         if config.kv_admission is KVAdmission.RESERVE:
@@ -172,16 +240,6 @@ class Admission:
         )
         insert_running(state, request)
         state.pending_new.append(request)
-
-    def _may_be_passed(self, request: Request) -> bool:
-        return self._passed.get(request, 0) < self._state.config.max_admission_bypasses
-
-    def _count_pass(self, head: Request) -> bool:
-        """A request started ahead of the refused ``head``; whether the head is protected
-        now."""
-        self._state.stats.num_admission_bypasses += 1
-        passes = self._passed[head] = self._passed.get(head, 0) + 1
-        return passes >= self._state.config.max_admission_bypasses
 
     def num_waiting(self) -> int:
         waiting = sum(1 for _, r in self._state.waiting if not r.is_finished)

@@ -1,0 +1,50 @@
+"""The head's reservation and the step estimates backfilling compares (reservation.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from messages.sampling import SamplingParams
+from services.scheduler.kv_admission import Commitment
+from services.scheduler.request import Request
+from services.scheduler.reservation import reserved_start, steps_left
+
+D = 4
+
+
+def request(rid: str, prompt: int, max_tokens: int, max_loops: int = D) -> Request:
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, max_loops=max_loops
+    ).resolve(D, 512)
+    r = Request(rid, list(range(1, prompt + 1)), params, seed=0, arrival_seq=0, total_ut_steps=D)
+    r.reset_prefill(origin=0)
+    return r
+
+
+@pytest.mark.unit
+def test_steps_left_counts_prompt_chunks_then_loops_per_token() -> None:
+    r = request("a", prompt=1000, max_tokens=3)
+    assert steps_left(r, chunk_size=512) == 2 + D + 3 * D  # two chunks, the wavefront's depth
+    r.prefill_depth_ranges = [(0, 1000)] * D  # prompt done, one token out, mid-token
+    r.output_token_ids = [7]
+    r.decode_depth = 1
+    assert steps_left(r, chunk_size=512) == 2 * D - 1
+    assert steps_left(request("b", 8, 3, max_loops=2), chunk_size=512) == 1 + 2 + 3 * 2
+
+
+@pytest.mark.unit
+def test_the_reservation_is_when_enough_requests_have_ended_in_estimate_order() -> None:
+    short, mid, long = request("s", 4, 2), request("m", 4, 6), request("l", 4, 20)
+    held = {"s": 10, "m": 20, "l": 40}
+
+    def release(r: Request) -> tuple[int, Commitment]:
+        return held[r.request_id], Commitment(decode=1)
+
+    def needs(blocks: int):
+        return lambda freed, released: freed >= blocks and released.decode >= 1
+
+    running = [long, short, mid]  # order given does not matter
+    assert reserved_start(running, 512, release, needs(10)) == steps_left(short, 512)
+    assert reserved_start(running, 512, release, needs(25)) == steps_left(mid, 512)
+    assert reserved_start(running, 512, release, needs(70)) == steps_left(long, 512)
+    assert reserved_start(running, 512, release, needs(71)) is None
