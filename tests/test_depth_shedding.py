@@ -89,6 +89,20 @@ def test_a_long_queue_sheds_one_loop_per_dwell_down_to_the_floor() -> None:
 
 
 @pytest.mark.unit
+def test_a_look_without_a_batch_built_does_not_count_toward_the_dwell() -> None:
+    state = _state()
+    budget = DepthBudget(state)
+    _load(state, waiting=4, running=8)
+    for _ in range(SHED_DWELL_STEPS - 1):
+        for _ in range(5):  # the engine asks again while its rows are in flight
+            budget.update()
+        state.next_seq += 1
+    assert state.depth_budget == D
+    budget.update()
+    assert state.depth_budget == D - 1
+
+
+@pytest.mark.unit
 def test_the_budget_holds_in_the_band_and_rises_only_when_it_would_fit() -> None:
     state = _state(seats=8)
     budget = DepthBudget(state)

@@ -14,7 +14,9 @@ counted afresh after every change. A load between the capacities at budgets B an
 therefore settles at B instead of flipping between them: at B+1 the running set would not
 fit its seats, so the restore condition never holds.
 
-Pure: no clock, no I/O. ``update`` runs once per ``schedule()``, after admission; selection
+Pure: no clock, no I/O. ``update`` runs in every ``schedule()``, after admission, and counts
+once per batch built (a ``schedule()`` that builds none, while rows are in flight, leaves the
+dwell where it was, however often the engine asks); selection
 asks ``token_budget`` when a decode token starts, and every later loop of that token keeps
 the budget it started with (``Request.token_loop_budget``), so each token equals the serial
 oracle run with its own budget.
@@ -64,12 +66,16 @@ class DepthBudget:
         self._pressure_steps = 0
         self._relief_steps = 0
         self._changes: list[BudgetChange] = []
+        self._looked_at_seq: int | None = None  # the batch seq the last counted look was for
 
     def update(self) -> None:
         """One step's look at the queue (after admission: who is left could not start)."""
         if not self.enabled:
             return
         state = self._state
+        if state.next_seq == self._looked_at_seq:
+            return  # no batch was built since the last look: one count per step
+        self._looked_at_seq = state.next_seq
         budget = state.depth_budget
         waiting = sum(1 for _, r in state.waiting if not r.is_finished)
         running = len(state.running)
