@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from messages.prefix import cacheable_prefix_blocks
@@ -190,13 +191,12 @@ class Admission:
             state = self._state
             kv = state.kv
             commitment = committed(state)
+            test = self._kv_test(head)
             scan.reserved = reserved_start(
                 state.running,
                 self._chunk_size,
                 release=lambda r: (kv.num_held_blocks(r.request_id), unallocated(kv, r)),
-                fits=lambda freed, released: self._kv_admits(
-                    head, commitment - released, extra_free=freed
-                ),
+                fits=lambda freed, released: test(commitment - released, freed),
             )
             scan.reserved_known = True
         return scan.reserved
@@ -297,6 +297,11 @@ class Admission:
     def _kv_admits(self, request: Request, commitment: Commitment, extra_free: int = 0) -> bool:
         """The reserve / watermark test for the head of the queue (nothing is claimed);
         ``extra_free``: blocks assumed freed (preemption candidates)."""
+        return self._kv_test(request)(commitment, extra_free)
+
+    def _kv_test(self, request: Request) -> Callable[[Commitment, int], bool]:
+        """``_kv_admits`` for one request against many commitments, its prefix hit looked
+        up once."""
         state = self._state
         config, kv = state.config, state.kv
         claimed = parked = 0
@@ -305,13 +310,19 @@ class Admission:
                 self._claimable_hashes(request), before_batch_seq=state.next_seq
             )
         planes = kv.num_planes
-        return admits(
-            config.kv_admission,
-            config.kv_watermark,
-            free_blocks=kv.num_free_blocks + extra_free - parked * planes,
-            committed=commitment,
-            candidate=unallocated(kv, request, claimed=claimed * planes),
-        )
+        free = kv.num_free_blocks - parked * planes
+        candidate = unallocated(kv, request, claimed=claimed * planes)
+
+        def test(commitment: Commitment, extra_free: int) -> bool:
+            return admits(
+                config.kv_admission,
+                config.kv_watermark,
+                free_blocks=free + extra_free,
+                committed=commitment,
+                candidate=candidate,
+            )
+
+        return test
 
     def _make_room_by_priority(self, request: Request) -> bool | None:
         """A waiting request of strictly higher priority may preempt running ones, lowest
