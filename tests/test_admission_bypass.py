@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
 from messages.api import FinishedEvent
 from messages.sampling import SamplingParams
@@ -28,6 +29,7 @@ from services.scheduler.request import Request, RequestState
 from services.scheduler.reservation import reserved_start, steps_left
 from services.scheduler.running import committed, unallocated
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.telemetry import SchedulerTelemetry
 from tests.engine_harness import Arrival, RunRecord, assert_matches_oracle, oracle_result
 from tests.engine_harness import run_workload as run
 from tests.helpers import fake_result
@@ -370,6 +372,15 @@ def test_bypassing_requests_equal_the_oracle(toy_model, oracle, policy, prefill)
     record = run(toy_model, config, MIX)
     stats = record.engine.scheduler.stats
     assert stats.num_admission_bypasses + stats.num_admission_backfills > 0
+    telemetry = SchedulerTelemetry(
+        lambda: record.engine.scheduler, total_ut_steps=D, prefix_caching=False
+    )
+    text = generate_latest(telemetry.registry).decode()
+    for name, value in (
+        ("rlt:admission_bypasses_total", stats.num_admission_bypasses),
+        ("rlt:admission_backfills_total", stats.num_admission_backfills),
+    ):
+        assert f"{name} {float(value)}" in text.splitlines()
     for a in MIX:
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
         assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)

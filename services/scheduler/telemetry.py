@@ -17,7 +17,9 @@ measured here, from the request's arrival at the scheduler:
 - ``rlt:num_preemptions_total``: recompute preemptions, including the requeues after a
   lost worker;
 - ``rlt:prefix_inflight_waits_total``: waiting requests parked on a prompt block a running
-  prefill was computing (in-flight prefix sharing), once per block waited for.
+  prefill was computing (in-flight prefix sharing), once per block waited for;
+- ``rlt:admission_bypasses_total`` / ``rlt:admission_backfills_total``: requests started
+  ahead of one the KV policy refused, as counted passes and as backfills.
 
 Looped-model metrics (a loop = one pass of the shared core for one token):
 
@@ -93,6 +95,18 @@ class _LiveState(Collector):
             "num_prefix_deferrals",
             "rlt:prefix_inflight_waits",
             "Waiting requests parked on a prompt block a running prefill was computing.",
+        ),
+        (
+            "num_admission_bypasses",
+            "rlt:admission_bypasses",
+            "Requests started ahead of a waiting request the KV policy refused, counted "
+            "against its --max-admission-bypasses.",
+        ),
+        (
+            "num_admission_backfills",
+            "rlt:admission_backfills",
+            "Requests started ahead of a waiting request the KV policy refused, estimated to "
+            "finish before it could start (not counted).",
         ),
         (
             "num_shed_tokens",
