@@ -13,6 +13,7 @@ the CUDA path is capturable in a CUDA graph.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.ops._triton import triton_available
 
@@ -46,8 +47,8 @@ class _Grid:
         q_pos = ctx[:, None] - seg_rows[:, None] + j
         c = torch.arange(c_max, device=dev)
         self.c_ok = c < ctx[:, None]  # [S, C]
-        visible = q_ok[:, :, None] & (c <= q_pos[:, :, None]) & self.c_ok[:, None, :]
-        self.hidden = ~visible[:, None, None]  # [S, 1, 1, Q, C]
+        self.visible = q_ok[:, :, None] & (c <= q_pos[:, :, None]) & self.c_ok[:, None, :]
+        self._masks: dict[int, torch.Tensor] = {}  # per query group size (see ``mask``)
         # Positions past a segment's context read its position 0 instead (written, so finite:
         # masked scores never multiply uninitialised, maybe NaN, memory); table entries there
         # may be garbage and are never used.
@@ -64,6 +65,16 @@ class _Grid:
             and num_segs * q_max == num_rows
             and bool(torch.equal(self.out_rows, torch.arange(num_rows, device=dev)))
         )
+
+
+    def mask(self, group: int) -> torch.Tensor:
+        """Which positions each query sees, [S, 1, group * Q, C]: the query axis folds each
+        kv head's group of query heads in, as ``_attend_grid`` lays the queries out."""
+        if group not in self._masks:
+            s, q, c = self.visible.shape
+            grouped = self.visible[:, None].expand(s, group, q, c)
+            self._masks[group] = grouped.reshape(s, 1, group * q, c)
+        return self._masks[group]
 
 
 def _attend_grid(
@@ -98,12 +109,16 @@ def _attend_grid(
     qs = q.index_select(0, grid.query_rows).to(acc)
     qs = qs.view(num_segs, q_max, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qs = qs.reshape(num_segs, kv_heads, group * q_max, head_dim)
-    scores = torch.matmul(qs, keys.permute(0, 2, 3, 1)) * scale  # [S, kvh, G*Q, C]
-    scores = scores.view(num_segs, kv_heads, group, q_max, c_max)
-    probs = torch.softmax(scores.masked_fill(grid.hidden, float("-inf")), dim=-1)
-    # Padding queries see nothing and softmax to NaN: their rows are dropped by the caller.
-    probs = probs.view(num_segs, kv_heads, group * q_max, c_max)
-    out = torch.matmul(probs, vals.permute(0, 2, 1, 3))  # [S, kvh, G*Q, hd]
+    # softmax(q k^T * scale, masked) v in one fused op: on CPU the flash kernel never
+    # holds the [G*Q, C] scores, which dominated a prefill step's time. Padding queries see
+    # nothing (their output may be NaN): the caller drops their rows.
+    out = F.scaled_dot_product_attention(
+        qs,
+        keys.permute(0, 2, 1, 3),
+        vals.permute(0, 2, 1, 3),
+        attn_mask=grid.mask(group),
+        scale=scale,
+    )  # [S, kvh, G*Q, hd]
     out = out.view(num_segs, kv_heads, group, q_max, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_segs * q_max, num_heads, head_dim)
 
