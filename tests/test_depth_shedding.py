@@ -132,6 +132,30 @@ def test_an_empty_engine_goes_back_to_full_depth_at_once() -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_idle_engine_runs_the_next_request_at_full_depth(
+    toy_model: OuroModel, asynchronous: bool
+) -> None:
+    """Through the engine: async scheduling ends most fills with a schedule() that builds
+    nothing, which must not keep the empty engine's reset from happening."""
+    config = SchedulerConfig(num_blocks=64, async_scheduling=asynchronous, **SHED)  # type: ignore[arg-type]
+    engine = LLMEngine(toy_model, config)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.scheduler._state.depth_budget = 2  # as a past overload left it
+    engine.add_request("first", [3, 4, 5], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # idle: nothing to run
+    assert engine.scheduler.depth_budget == D
+    engine.add_request("next", [3, 4, 6], params)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [e for e in engine.step() if isinstance(e, FinishedEvent)]
+    (done,) = finished
+    assert done.shed_tokens == 0
+
+
+@pytest.mark.unit
 def test_reject_never_moves_the_budget() -> None:
     state = _state(overload_policy="reject")
     budget = DepthBudget(state)

@@ -73,18 +73,19 @@ class DepthBudget:
         if not self.enabled:
             return
         state = self._state
-        if state.next_seq == self._looked_at_seq:
-            return  # no batch was built since the last look: one count per step
-        self._looked_at_seq = state.next_seq
         budget = state.depth_budget
         waiting = sum(1 for _, r in state.waiting if not r.is_finished)
         running = len(state.running)
         if not waiting and not running:
             # an empty engine has nobody to protect: the next arrival starts at full depth
+            # (whether or not a batch was built since the last look)
             self._pressure_steps = self._relief_steps = 0
             if budget < self.full:
                 self._set(self.full, waiting, running)
             return
+        if state.next_seq == self._looked_at_seq:
+            return  # no batch was built since the last look: one count per step
+        self._looked_at_seq = state.next_seq
         if waiting and waiting >= self._high * max(1, running):
             self._relief_steps = 0
             self._pressure_steps += 1
