@@ -133,20 +133,30 @@ def test_requests_that_end_before_the_heads_reservation_backfill_uncounted() -> 
 
 
 @pytest.mark.unit
-def test_backfills_do_not_delay_the_head() -> None:
-    """The same queue with and without the quick requests: long starts at the same step."""
-    starts = []
+def test_backfills_end_before_the_head_starts_and_do_not_delay_it() -> None:
+    """The same queue with and without the quick requests: long starts at the same step,
+    both quick ones have started and ended by then, and slow-2 starts after it."""
+    long_start = []
     for with_quick in (False, True):
         s = backfill_case(with_quick)
+        started: dict[str, int] = {}
+        ended: dict[str, int] = {}
         for n in range(500):
-            if state(s, "long") != RequestState.WAITING:
-                starts.append(n)
+            if not s.has_unfinished_requests():
                 break
+            for rid, r in list(s.requests.items()):
+                if r.state != RequestState.WAITING:
+                    started.setdefault(rid, n)
             step(s)
-        while s.has_unfinished_requests():
-            step(s)
+            for rid in started:
+                if rid not in s.requests:
+                    ended.setdefault(rid, n)
         s.kv.check_consistency()
-    assert len(starts) == 2 and starts[0] == starts[1] > 0
+        long_start.append(started["long"])
+        assert started["slow-2"] > started["long"]
+        if with_quick:
+            assert all(ended[q] <= started["long"] for q in ("quick-1", "quick-2"))
+    assert long_start[0] == long_start[1] > 0
 
 
 def admission_order(record: RunRecord) -> list[tuple[int, str]]:

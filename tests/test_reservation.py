@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from messages.sampling import SamplingParams
@@ -25,11 +27,28 @@ def request(rid: str, prompt: int, max_tokens: int, max_loops: int = D) -> Reque
 def test_steps_left_counts_prompt_chunks_then_loops_per_token() -> None:
     r = request("a", prompt=1000, max_tokens=3)
     assert steps_left(r, chunk_size=512) == 2 + D + 3 * D  # two chunks, the wavefront's depth
-    r.prefill_depth_ranges = [(0, 1000)] * D  # prompt done, one token out, mid-token
-    r.output_token_ids = [7]
+    # prompt done, its first token out of the prefill, the next one a loop in
+    r.prefill_depth_ranges = [(0, 1000)] * D
+    r.num_computed_tokens = 1000
+    r.output_token_ids, r.output_exit_loops = [7], [D]
     r.decode_depth = 1
     assert steps_left(r, chunk_size=512) == 2 * D - 1
-    assert steps_left(request("b", 8, 3, max_loops=2), chunk_size=512) == 1 + 2 + 3 * 2
+    # prefill runs every depth whatever max_loops; tokens run max_loops
+    assert steps_left(request("b", 8, 3, max_loops=2), chunk_size=512) == 1 + D + 3 * 2
+
+
+@pytest.mark.unit
+def test_steps_left_replays_known_tokens_and_learns_their_loops() -> None:
+    """A preempted (or resumed) request prefills again, then replays each known token at
+    the loops it ran; what it still generates runs at the mean of those (bar the first,
+    which came out of the prefill)."""
+    r = request("p", prompt=8, max_tokens=6)
+    r.output_token_ids, r.output_exit_loops = [7, 8, 9], [D, 1, 2]
+    assert steps_left(r, chunk_size=512) == (1 + D) + (1 + 2) + math.ceil(3 * 1.5)
+    # back in decode, output 1 replayed: output 2's replay is left, then 3 new tokens
+    r.prefill_depth_ranges = [(0, 8)] * D
+    r.num_computed_tokens = 9
+    assert steps_left(r, chunk_size=512) == 2 + 5
 
 
 @pytest.mark.unit

@@ -72,7 +72,9 @@ class Admission:
     The counts are kept here per waiting request, bumped only while it is the head, and
     dropped when it starts (a preempted request waits afresh) or ends. Requests refused
     behind a refused head are passed too, uncounted: they wait for that head anyway, and
-    each head ahead of them lets at most N by, so no request waits forever. A head that
+    each head ahead of them lets at most N counted passes by. Backfills have no count: a
+    head waits for them only as far as the step estimates err, and a backfill must be
+    estimated to end before the running requests the head waits for. A head that
     preempted others and still does not fit is sealed: nothing passes it, so what its
     victims freed waits for it. A less urgent request never passes a refused one: it would
     take the KV the other needs (which would preempt it back out at admission)."""
