@@ -66,7 +66,6 @@ class _Grid:
             and bool(torch.equal(self.out_rows, torch.arange(num_rows, device=dev)))
         )
 
-
     def mask(self, group: int) -> torch.Tensor:
         """Which positions each query sees, [S, 1, group * Q, C]: the query axis folds each
         kv head's group of query heads in, as ``_attend_grid`` lays the queries out."""
