@@ -67,6 +67,10 @@ class TokenEvent(
     # cache held, so a stream can report its usage before it ends
     num_prompt_tokens: int | None = None
     num_cached_tokens: int | None = None
+    # the most loops this token could run when overload shedding lowered it below the
+    # request's max_loops (None: it could run them all); a shard that resumes the request
+    # after its shard was lost learns from these which earlier tokens were shed
+    depth_budget: int | None = None
 
 
 class FinishedEvent(msgspec.Struct, gc=False, kw_only=True, tag="finished", tag_field="type"):

@@ -35,6 +35,9 @@ class AdmittedRequest(msgspec.Struct, kw_only=True):
     # them again, and streams from index len(resume_token_ids)
     resume_token_ids: list[int] = msgspec.field(default_factory=list)
     resume_exit_depths: list[int] = msgspec.field(default_factory=list)
+    # and the depth budget of each that overload shedding lowered (None: not lowered;
+    # empty: none was)
+    resume_depth_budgets: list[int | None] = msgspec.field(default_factory=list)
 
 
 class AbortForward(msgspec.Struct, kw_only=True):
@@ -113,6 +116,7 @@ class RelayedEvent(msgspec.Struct, kw_only=True):
     event: StreamEvent | None = None
     known_token_ids: list[int] = msgspec.field(default_factory=list)
     known_exit_depths: list[int] = msgspec.field(default_factory=list)
+    known_depth_budgets: list[int | None] = msgspec.field(default_factory=list)
 
 
 class RelayBatch(msgspec.Struct, kw_only=True):

@@ -24,6 +24,7 @@ from services.engine.executor import InProcessExecutor
 from services.prefix_cache.core import PrefixIndex
 from services.prefix_cache.liveness import ProducerLiveness
 from services.scheduler.engine_core import EngineCore
+from services.scheduler.intake import KnownOutputs
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import toy_config
 from services.worker.runner import ModelRunner
@@ -215,9 +216,42 @@ def test_relay_passes_each_index_once_and_fences_moved_requests() -> None:
     assert seed_from_request_id("r") == seed_from_request_id("r") != seed_from_request_id("s")
 
 
+def test_admission_keeps_each_tokens_shed_budget_for_a_move() -> None:
+    table = OpenRequests(scheduler_lost_s=5.0)
+    admitted = AdmittedRequest(
+        request_id="r", prompt_token_ids=[1], params=SamplingParams(), reply_subject="_INBOX.r"
+    )
+    entry = table.opened(1, "r", "_INBOX.r", "", 0.0, shard="0", admitted=admitted)
+    for i, budget in enumerate([None, 2, None]):
+        event = TokenEvent(
+            request_id="r", index=i, token_id=7, exit_depth=2, text="", depth_budget=budget
+        )
+        table.relayed("0", RelayedEvent(seq=1, event=event))
+    moved = entry.resumed(admitted, 2, "1")
+    assert (moved.admission_seq, moved.shard_id) == (2, "1")
+    assert (moved.resume_token_ids, moved.resume_exit_depths) == ([7, 7, 7], [2, 2, 2])
+    assert moved.resume_depth_budgets == [None, 2, None]
+    # a resync (a retry re-attached the stream) brings the scheduler's view
+    table.relayed("0", RelayedEvent(seq=1, known_token_ids=[7], known_exit_depths=[4]))
+    assert entry.resumed(admitted, 3, "1").resume_depth_budgets == []  # nothing was shed
+    table.relayed(
+        "0",
+        RelayedEvent(
+            seq=1, known_token_ids=[7, 8], known_exit_depths=[4, 2], known_depth_budgets=[None, 2]
+        ),
+    )
+    assert entry.resumed(admitted, 4, "1").resume_depth_budgets == [None, 2]
+
+
 # ---------------------------------------------------------------------- resume
-def _engine(model: OuroModel, codec: TextCodec | None = None, blocks: int = 256) -> EngineCore:
+def _engine(
+    model: OuroModel,
+    codec: TextCodec | None = None,
+    blocks: int = 256,
+    config: dict[str, object] | None = None,
+) -> EngineCore:
     config = SchedulerConfig(
+        **(config or {}),  # type: ignore[arg-type]
         block_size=4,
         num_blocks=blocks,
         prefill_chunk_size=4,
@@ -255,7 +289,10 @@ def test_resumed_request_equals_an_uninterrupted_run(
 
     resumed = _engine(toy_model, codec)
     done = resumed.add_request(
-        "r", prompt, params, known_outputs=(final.token_ids[:known], final.exit_depths[:known])
+        "r",
+        prompt,
+        params,
+        known_outputs=KnownOutputs(final.token_ids[:known], final.exit_depths[:known]),
     )
     assert done == []
     events = _run(resumed)
@@ -273,14 +310,53 @@ def test_resumed_request_equals_an_uninterrupted_run(
     assert resumed.scheduler.kv.num_free_blocks == resumed.scheduler.kv.num_blocks
 
 
+def test_a_resumed_request_keeps_the_depth_budgets_its_first_shard_shed(
+    toy_model: OuroModel,
+) -> None:
+    """Both shards shed (budget 2 of 4): the resumed request reports every shed token,
+    those its first shard ran included, and ends as the uninterrupted run."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, min_loops=1)
+    prompt = [5, 9, 13, 2, 8]
+
+    def shedding() -> EngineCore:
+        core = _engine(toy_model, config={"overload_policy": "shed-depth"})
+        core.scheduler._state.depth_budget = 2  # as an overload left it
+        return core
+
+    whole = shedding()
+    whole.add_request("r", prompt, params)
+    events = _run(whole)
+    budgets = [e.depth_budget for e in events if isinstance(e, TokenEvent)]
+    (final,) = [e for e in events if isinstance(e, FinishedEvent)]
+    assert budgets[0] is None and set(budgets[1:]) == {2} and final.shed_tokens == 9
+    known = 6
+    resumed = shedding()
+    resumed.add_request(
+        "r",
+        prompt,
+        params,
+        known_outputs=KnownOutputs(
+            final.token_ids[:known], final.exit_depths[:known], budgets[:known]
+        ),
+    )
+    # what a resync would tell a retry's admission
+    assert resumed.scheduler.requests["r"].shed_depth_budgets() == budgets[:known]
+    (end,) = [e for e in _run(resumed) if isinstance(e, FinishedEvent)]
+    assert (end.token_ids, end.exit_depths) == (final.token_ids, final.exit_depths)
+    assert (end.shed_tokens, end.depth_budgets) == (9, final.depth_budgets)
+
+
 def test_resumed_request_that_already_ended_finishes_at_once(toy_model: OuroModel) -> None:
     core = _engine(toy_model)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    done = core.add_request("r", [1, 2, 3], params, known_outputs=([4, 5], [4, 4]))
+    done = core.add_request("r", [1, 2, 3], params, known_outputs=KnownOutputs([4, 5], [4, 4]))
     assert [type(e) for e in done] == [FinishedEvent]
     assert done[0].finish_reason == "length" and not core.has_unfinished_requests()
     with pytest.raises(ValueError, match="exit depth"):
-        core.add_request("s", [1, 2, 3], params, known_outputs=([4], [9]))
+        core.add_request("s", [1, 2, 3], params, known_outputs=KnownOutputs([4], [9]))
+    for budgets, match in (([2, 2], "depth budgets"), ([4], "depth budget"), ([0], "depth budget")):
+        with pytest.raises(ValueError, match=match):
+            core.add_request("t", [1, 2, 3], params, known_outputs=KnownOutputs([4], [4], budgets))
 
 
 # ---------------------------------------------------------------------- the sim device

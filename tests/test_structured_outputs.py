@@ -23,6 +23,7 @@ from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.gateway.structured import FormatError, structured_output
+from services.scheduler.intake import KnownOutputs
 from services.worker.grammar import GrammarBook, PassMasks
 from services.worker.model.toy import toy_config
 from services.worker.runner import ModelRunner
@@ -234,7 +235,7 @@ def test_a_request_resumed_with_known_tokens_goes_on_in_its_format(toy_model, co
     for rid, prompt, params, _ in workload:
         want = expected[rid]
         k = len(want.token_ids) // 2
-        known = (want.token_ids[:k], want.exit_depths[:k])
+        known = KnownOutputs(want.token_ids[:k], want.exit_depths[:k])
         engine.core.add_request(rid, prompt, params, known_outputs=known)
     got = {e.request_id: e for e in engine.run_until_done() if isinstance(e, FinishedEvent)}
     for rid, want in expected.items():

@@ -16,7 +16,6 @@ import asyncio
 import time
 from collections.abc import Callable
 
-import msgspec
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
@@ -116,13 +115,7 @@ class ShardMoves:
         if target is None:
             return False
         seq = self._next_seq()
-        resumed = msgspec.structs.replace(
-            admitted,
-            admission_seq=seq,
-            shard_id=target,
-            resume_token_ids=list(entry.token_ids),
-            resume_exit_depths=list(entry.exit_depths),
-        )
+        resumed = entry.resumed(admitted, seq, target)
         self._open.moved(entry, seq, target, now)
         self._fences.add(old_owner, entry.request_id, old_seq, now)
         # the old copy, if its scheduler still runs, stops and frees its KV (only that copy)

@@ -15,6 +15,8 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent
 from messages.errors import ErrorCode
 from messages.internal import AdmittedRequest, RelayedEvent, RequestNotice
@@ -35,6 +37,8 @@ class OpenRequest:
     admitted: AdmittedRequest | None = None
     token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
+    # each token's depth budget where overload shedding lowered it (None: not lowered)
+    depth_budgets: list[int | None] = field(default_factory=list)
     moves: int = 0
     # the client asked to abort it: if its shard is lost it ends, it does not move
     abort_requested: bool = False
@@ -42,6 +46,19 @@ class OpenRequest:
     @property
     def tenant(self) -> str:
         return self.admitted.tenant if self.admitted is not None else subjects.DEFAULT_TENANT
+
+    def resumed(self, admitted: AdmittedRequest, seq: int, shard: str) -> AdmittedRequest:
+        """The submit that resumes it on ``shard`` under ``seq``, with the outputs its
+        client has (and their shed depth budgets, if any was shed)."""
+        shed = any(b is not None for b in self.depth_budgets)
+        return msgspec.structs.replace(
+            admitted,
+            admission_seq=seq,
+            shard_id=shard,
+            resume_token_ids=list(self.token_ids),
+            resume_exit_depths=list(self.exit_depths),
+            resume_depth_budgets=list(self.depth_budgets) if shed else [],
+        )
 
 
 class OpenRequests:
@@ -126,12 +143,14 @@ class OpenRequests:
         if event is None:  # a resync: the stream's outputs so far
             entry.token_ids = list(item.known_token_ids)
             entry.exit_depths = list(item.known_exit_depths)
+            entry.depth_budgets = list(item.known_depth_budgets) or [None] * len(entry.token_ids)
             return entry, None
         if isinstance(event, TokenEvent):
             if event.index != len(entry.token_ids):
                 return entry, None  # a duplicate (or, never expected, a gap)
             entry.token_ids.append(event.token_id)
             entry.exit_depths.append(event.exit_depth)
+            entry.depth_budgets.append(event.depth_budget)
             return entry, event
         if isinstance(event, ErrorEvent) and event.code == ErrorCode.UNAVAILABLE:
             return entry, event  # the shard gave up on it: the caller may move it, or close

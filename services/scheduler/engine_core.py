@@ -33,6 +33,7 @@ from services.common.config import ModelLimits, SchedulerConfig
 from services.common.tokenizer import TextCodec
 from services.runtime.logging import BATCH_SEQ, get_logger
 from services.scheduler.batch import ScheduledBatch
+from services.scheduler.intake import KnownOutputs
 from services.scheduler.output import OutputProcessor
 from services.scheduler.scheduler import Scheduler
 
@@ -79,18 +80,19 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         trace_id: str = "",
-        known_outputs: tuple[list[int], list[int]] | None = None,
+        known_outputs: KnownOutputs | None = None,
     ) -> list[StreamEvent]:
         """Queues a request; raises ``RequestError`` (and changes nothing) if it is refused.
-        ``known_outputs`` (token ids, exit loops) resumes a request from another shard: they
-        are replayed, not streamed, and the stream's text goes on from them. Returns the
-        events of a resumed request that its known outputs already finish."""
+        ``known_outputs`` (token ids, exit loops, depth budgets) resumes a request from
+        another shard: they are replayed, not streamed, and the stream's text goes on from
+        them. Returns the events of a resumed request that its known outputs already
+        finish."""
         self.scheduler.add_request(
             request_id, prompt_token_ids, params, trace_id=trace_id, known_outputs=known_outputs
         )
-        if not known_outputs or not known_outputs[0]:
+        if not known_outputs or not known_outputs.token_ids:
             return []
-        self.outputs.prime(request_id, known_outputs[0])
+        self.outputs.prime(request_id, known_outputs.token_ids)
         return self.outputs.process(self.scheduler.finish_if_complete(request_id))
 
     def abort_request(self, request_id: str) -> list[StreamEvent]:

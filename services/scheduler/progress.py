@@ -311,6 +311,7 @@ class Progress:
                 prompt_logprobs=prompt,
                 num_prompt_tokens=request.num_prompt_tokens if index == 0 else None,
                 num_cached_tokens=request.num_cached_tokens if index == 0 else None,
+                depth_budget=loop_budget,
             )
         )
         if token_id in params.stop_token_ids or (

@@ -111,6 +111,14 @@ class Request:
         """Positions whose KV the request may write."""
         return kv_tokens(self.num_prompt_tokens, self.params.max_tokens)
 
+    def shed_depth_budgets(self) -> list[int | None]:
+        """Each output token's depth budget where shedding lowered it below ``max_loops``
+        (None where it did not); empty when none was."""
+        if not self.num_shed_tokens:
+            return []
+        full = self.params.max_loops
+        return [None if b == full else b for b in self.output_loop_budgets]
+
     def prefill_right(self, depth: int) -> int:
         """Right end of depth ``depth``'s frontier (0-based depth)."""
         return self.prefill_depth_ranges[depth][1]

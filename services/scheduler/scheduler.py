@@ -29,7 +29,7 @@ from services.common.fit import check_request_fits
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.batch_builder import build_batch
 from services.scheduler.depth_budget import BudgetChange, DepthBudget
-from services.scheduler.intake import validate_known_outputs, validate_prompt
+from services.scheduler.intake import KnownOutputs, validate_known_outputs, validate_prompt
 from services.scheduler.kv_admission import Commitment
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.prefix_events import PrefixEventLog
@@ -101,11 +101,12 @@ class Scheduler:
         prompt_token_ids: list[int],
         params: SamplingParams,
         trace_id: str = "",
-        known_outputs: tuple[list[int], list[int]] | None = None,
+        known_outputs: KnownOutputs | None = None,
     ) -> Request:
         """Validates and queues a request; raises RequestError and changes nothing on failure.
 
-        ``known_outputs`` (token ids, exit loops) resumes a request another shard started:
+        ``known_outputs`` (token ids, exit loops, depth budgets) resumes a request another
+        shard started:
         it is queued as a preempted request is, so its prompt is prefilled and the known
         tokens are replayed with their recorded exits (never streamed again)."""
         if not isinstance(request_id, str) or not request_id:
@@ -120,8 +121,10 @@ class Scheduler:
             self.limits.max_position_embeddings,
             self.kv.geometry,
         )
-        known_ids, known_loops = known_outputs or ([], [])
-        validate_known_outputs(known_ids, known_loops, resolved, self.limits)
+        known = known_outputs or KnownOutputs([], [])
+        validate_known_outputs(known, resolved, self.limits)
+        max_loops = resolved.max_loops or self.total_ut_steps
+        budgets = known.depth_budgets or [None] * len(known.token_ids)
         seed = resolved.seed if resolved.seed is not None else self._rng.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -131,16 +134,17 @@ class Scheduler:
             arrival_seq=self._arrivals,
             total_ut_steps=self.total_ut_steps,
             trace_id=trace_id,
-            output_token_ids=list(known_ids),
-            output_exit_loops=list(known_loops),
-            # what budgets the other shard ran them under is not known: counted as not shed
-            output_loop_budgets=[resolved.max_loops or self.total_ut_steps] * len(known_ids),
+            output_token_ids=list(known.token_ids),
+            output_exit_loops=list(known.exit_loops),
+            # the budgets the other shard ran them under (shed ones count as shed here too)
+            output_loop_budgets=[max_loops if b is None else b for b in budgets],
+            num_shed_tokens=sum(1 for b in budgets if b is not None),
         )
         if self.config.enable_prefix_caching:
             request.block_hashes = prompt_block_hashes(
                 request.prompt_token_ids, self.config.block_size, self.cache_salt
             )
-        if resolved.prompt_logprobs is not None and not known_ids:
+        if resolved.prompt_logprobs is not None and not known.token_ids:
             request.prompt_logprobs = [None] * request.num_prompt_tokens
         self._arrivals += 1
         self._state.requests[request_id] = request

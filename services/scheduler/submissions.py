@@ -18,6 +18,7 @@ from messages.internal import AdmittedRequest, RelayedEvent, RequestNotice
 from services.runtime import subjects
 from services.runtime.logging import log_content_enabled, request_fields
 from services.scheduler.engine_core import EngineCore
+from services.scheduler.intake import KnownOutputs
 from services.scheduler.load_report import LoadReport
 from services.scheduler.step_output import Relay, StepOutput
 from services.scheduler.streams import Stream, Streams, aborted, error_event
@@ -81,8 +82,8 @@ class Submissions:
         if self.draining:
             return self._refuse(req, ErrorCode.UNAVAILABLE, "scheduler is shutting down")
         known = (
-            (req.resume_token_ids, req.resume_exit_depths)
-            if req.resume_token_ids or req.resume_exit_depths
+            KnownOutputs(req.resume_token_ids, req.resume_exit_depths, req.resume_depth_budgets)
+            if req.resume_token_ids or req.resume_exit_depths or req.resume_depth_budgets
             else None
         )
         try:
@@ -133,6 +134,7 @@ class Submissions:
                 seq=live.admission_seq,
                 known_token_ids=list(request.output_token_ids),
                 known_exit_depths=list(request.output_exit_loops),
+                known_depth_budgets=request.shed_depth_budgets(),
             )
             self._out.relays.append(Relay(live.relay, live.admission_id, resync))
         self._notice(track, req.request_id, "accepted")
