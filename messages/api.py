@@ -51,8 +51,9 @@ class TokenLogprobs(msgspec.Struct, gc=False, kw_only=True):
 class TokenEvent(
     msgspec.Struct, gc=False, kw_only=True, tag="token", tag_field="type", omit_defaults=True
 ):
-    """One generated token. Every field but the log-probabilities is always sent; those only
-    when the request asked for them (so a token event costs no more bytes otherwise)."""
+    """One generated token. The optional fields (log-probabilities, the first token's
+    prompt counts, a shed token's depth budget) are sent only when they hold something, so
+    a plain token event costs no more bytes than its five fields."""
 
     request_id: str
     index: int

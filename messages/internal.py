@@ -106,7 +106,7 @@ class ShardAnnounce(msgspec.Struct, kw_only=True):
     time: float = 0.0
 
 
-class RelayedEvent(msgspec.Struct, kw_only=True):
+class RelayedEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One stream event for admission to pass on, tagged with the request's admission seq
     (a request moved to another shard gets a new seq: events of its old copy are ignored).
     Without an event it is a resync: the outputs the stream has produced so far (after a

@@ -143,7 +143,9 @@ class OpenRequests:
         if event is None:  # a resync: the stream's outputs so far
             entry.token_ids = list(item.known_token_ids)
             entry.exit_depths = list(item.known_exit_depths)
-            entry.depth_budgets = list(item.known_depth_budgets) or [None] * len(entry.token_ids)
+            budgets = list(item.known_depth_budgets)
+            aligned = len(budgets) == len(entry.token_ids)  # else none known: none shed
+            entry.depth_budgets = budgets if aligned else [None] * len(entry.token_ids)
             return entry, None
         if isinstance(event, TokenEvent):
             if event.index != len(entry.token_ids):
