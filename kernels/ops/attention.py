@@ -47,8 +47,9 @@ class _Grid:
         q_pos = ctx[:, None] - seg_rows[:, None] + j
         c = torch.arange(c_max, device=dev)
         self.c_ok = c < ctx[:, None]  # [S, C]
-        self.visible = q_ok[:, :, None] & (c <= q_pos[:, :, None]) & self.c_ok[:, None, :]
-        self._masks: dict[int, torch.Tensor] = {}  # per query group size (see ``mask``)
+        # which positions each query sees, [S, 1, Q, C] (one mask for every head)
+        visible = q_ok[:, :, None] & (c <= q_pos[:, :, None]) & self.c_ok[:, None, :]
+        self.visible = visible[:, None]
         # Positions past a segment's context read its position 0 instead (written, so finite:
         # masked scores never multiply uninitialised, maybe NaN, memory); table entries there
         # may be garbage and are never used.
@@ -65,15 +66,6 @@ class _Grid:
             and num_segs * q_max == num_rows
             and bool(torch.equal(self.out_rows, torch.arange(num_rows, device=dev)))
         )
-
-    def mask(self, group: int) -> torch.Tensor:
-        """Which positions each query sees, [S, 1, group * Q, C]: the query axis folds each
-        kv head's group of query heads in, as ``_attend_grid`` lays the queries out."""
-        if group not in self._masks:
-            s, q, c = self.visible.shape
-            grouped = self.visible[:, None].expand(s, group, q, c)
-            self._masks[group] = grouped.reshape(s, 1, group * q, c)
-        return self._masks[group]
 
 
 def _attend_grid(
@@ -93,7 +85,6 @@ def _attend_grid(
     num_segs, q_max, c_max = grid.num_segs, grid.q_max, grid.c_max
     # Float32 at least for scores and softmax; float64 inputs stay float64.
     acc = torch.promote_types(q.dtype, torch.float32)
-    group = num_heads // kv_heads
     if k_cache.is_contiguous() and v_cache.is_contiguous():
         # one gather per cache by flat slot (cheaper than indexing by block and offset)
         keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, grid.slots)
@@ -104,22 +95,21 @@ def _attend_grid(
         keys = k_cache[grid.blocks, grid.offsets].to(acc)
         vals = v_cache[grid.blocks, grid.offsets].to(acc)
 
-    # GQA without repeating K/V: fold each kv head's query group into the query axis.
     qs = q.index_select(0, grid.query_rows).to(acc)
-    qs = qs.view(num_segs, q_max, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qs = qs.reshape(num_segs, kv_heads, group * q_max, head_dim)
+    qs = qs.view(num_segs, q_max, num_heads, head_dim).transpose(1, 2)  # [S, nh, Q, hd]
     # softmax(q k^T * scale, masked) v in one fused op: on CPU the flash kernel never
-    # holds the [G*Q, C] scores, which dominated a prefill step's time. Padding queries see
+    # holds the [Q, C] scores, which dominated a prefill step's time. GQA without
+    # repeating K/V: query head h reads kv head h // (nh // nkv). Padding queries see
     # nothing (their output may be NaN): the caller drops their rows.
     out = F.scaled_dot_product_attention(
         qs,
-        keys.permute(0, 2, 1, 3),
-        vals.permute(0, 2, 1, 3),
-        attn_mask=grid.mask(group),
+        keys.transpose(1, 2),
+        vals.transpose(1, 2),
+        attn_mask=grid.visible,
         scale=scale,
-    )  # [S, kvh, G*Q, hd]
-    out = out.view(num_segs, kv_heads, group, q_max, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_segs * q_max, num_heads, head_dim)
+        enable_gqa=True,
+    )  # [S, nh, Q, hd]
+    return out.transpose(1, 2).reshape(num_segs * q_max, num_heads, head_dim)
 
 
 # The grids of the last pass seen, keyed by its metadata tensors themselves: every layer of a
