@@ -297,7 +297,6 @@ class Progress:
             request.output_loop_budgets.append(params.max_loops)
         else:
             request.output_loop_budgets.append(loop_budget)
-            request.num_shed_tokens += 1
             self._state.stats.num_shed_tokens += 1
         index = len(request.output_token_ids) - 1
         events.append(

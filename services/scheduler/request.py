@@ -51,10 +51,9 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     output_exit_loops: list[int] = field(default_factory=list)
-    # overload shedding: each output token's depth budget (the most loops it could run),
-    # and how many of them ran under one lowered below params.max_loops
+    # overload shedding: each output token's depth budget (the most loops it could run;
+    # below params.max_loops where shedding lowered it)
     output_loop_budgets: list[int] = field(default_factory=list)
-    num_shed_tokens: int = 0
     finish_reason: str | None = None
     # asked for prompt logprobs and not sent yet: one slot per prompt token, filled in by
     # position as final-depth prefill rows come back (sent with the first token). While
@@ -110,6 +109,12 @@ class Request:
     def kv_footprint_tokens(self) -> int:
         """Positions whose KV the request may write."""
         return kv_tokens(self.num_prompt_tokens, self.params.max_tokens)
+
+    @property
+    def num_shed_tokens(self) -> int:
+        """Output tokens that ran under a depth budget shedding lowered."""
+        full = self.params.max_loops
+        return sum(1 for b in self.output_loop_budgets if b != full)
 
     def shed_depth_budgets(self) -> list[int | None]:
         """Each output token's depth budget where shedding lowered it below ``max_loops``

@@ -79,6 +79,7 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
     if request in state.pending_new:
         state.pending_new.remove(request)
     state.requests.pop(request.request_id, None)
+    shed = request.num_shed_tokens
     events.append(
         FinishedEvent(
             request_id=request.request_id,
@@ -87,8 +88,8 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
             exit_depths=list(request.output_exit_loops),
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
-            shed_tokens=request.num_shed_tokens,
-            depth_budgets=list(request.output_loop_budgets) if request.num_shed_tokens else None,
+            shed_tokens=shed,
+            depth_budgets=list(request.output_loop_budgets) if shed else None,
         )
     )
 

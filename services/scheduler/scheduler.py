@@ -138,7 +138,6 @@ class Scheduler:
             output_exit_loops=list(known.exit_loops),
             # the budgets the other shard ran them under (shed ones count as shed here too)
             output_loop_budgets=[max_loops if b is None else b for b in budgets],
-            num_shed_tokens=sum(1 for b in budgets if b is not None),
         )
         if self.config.enable_prefix_caching:
             request.block_hashes = prompt_block_hashes(
