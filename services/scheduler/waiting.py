@@ -192,7 +192,8 @@ class Admission:
         if not scan.reserved_known:
             state = self._state
             kv = state.kv
-            commitment = committed(state)
+            # the exact sum this scan keeps once KV is tight (it is, the head was refused)
+            commitment = scan.exact if scan.exact is not None else committed(state)
             test = self._kv_test(head)
             scan.reserved = reserved_start(
                 state.running,
