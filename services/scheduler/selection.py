@@ -21,6 +21,10 @@ from services.scheduler.state import SchedulerState
 # an Enum class attribute (RowKind.DECODE) costs ~75 ns a lookup, a module global ~10.
 _DECODE, _FOLLOW_ON = RowKind.DECODE, RowKind.FOLLOW_ON
 _PREFILL, _PRELUDE = RowKind.PREFILL, RowKind.PRELUDE
+# batch kinds and request states the per-candidate loops compare, likewise
+_ATOMIC_BATCH, _PRELUDE_BATCH = BatchKind.PREFILL, BatchKind.PREFILLING_PRELUDE
+_ATOMIC, _SPLIT_PRELUDE = RequestState.PREFILL, RequestState.PREFILLING_PRELUDE
+_SPLIT_PREFILLING = (RequestState.PREFILLING_PRELUDE, RequestState.PREFILLING_RECURRENT)
 
 
 @dataclass
@@ -70,8 +74,7 @@ class Selector:
         # split: the prelude is cheap; run it when some request's depth-0 work has caught
         # up with its prelude (it would stall otherwise), else keep the core busy
         starved = any(
-            r.state is RequestState.PREFILLING_PRELUDE
-            and r.prefill_right(0) >= r.num_preluded_tokens
+            r.state is _SPLIT_PRELUDE and r.prefill_right(0) >= r.num_preluded_tokens
             for r in prefilling
         )
         if starved:
@@ -220,8 +223,8 @@ class Selector:
         prompt_len = request.num_prompt_tokens
         total_ut_steps = self._total_ut_steps
         state = request.state
-        if kind is BatchKind.PREFILLING_PRELUDE:
-            if state is not RequestState.PREFILLING_PRELUDE or prelude_cursors is None:
+        if kind is _PRELUDE_BATCH:
+            if state is not _SPLIT_PRELUDE or prelude_cursors is None:
                 return None
             start = prelude_cursors.get(request.request_id, request.num_preluded_tokens)
             if start >= prompt_len:
@@ -229,8 +232,8 @@ class Selector:
             end = self._chunk_end(request, start)
             return _task(request, _PRELUDE, start, end, depth=0, loops=0)
 
-        if kind is BatchKind.PREFILL:
-            if state is not RequestState.PREFILL:
+        if kind is _ATOMIC_BATCH:
+            if state is not _ATOMIC:
                 return None
             start = request.prefill_right(total_ut_steps - 1)
             if start >= prompt_len:
@@ -238,7 +241,7 @@ class Selector:
             end = self._chunk_end(request, start)
             return _task(request, _PREFILL, start, end, depth=0, loops=total_ut_steps, embed=True)
 
-        if state not in (RequestState.PREFILLING_PRELUDE, RequestState.PREFILLING_RECURRENT):
+        if state not in _SPLIT_PREFILLING:
             return None
         depth = level
         start = request.prefill_right(depth)
