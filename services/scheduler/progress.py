@@ -292,11 +292,8 @@ class Progress:
         # the public API names this loop count "exit_depth" (docs/ARCHITECTURE.md)
         request.output_exit_loops.append(exit_loops)
         params = request.params
-        if loop_budget is None:
-            assert params.max_loops is not None  # resolved at add_request
-            request.output_loop_budgets.append(params.max_loops)
-        else:
-            request.output_loop_budgets.append(loop_budget)
+        request.output_loop_budgets.append(loop_budget)
+        if loop_budget is not None:
             self._state.stats.num_shed_tokens += 1
         index = len(request.output_token_ids) - 1
         events.append(

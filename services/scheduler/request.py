@@ -51,9 +51,9 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     output_exit_loops: list[int] = field(default_factory=list)
-    # overload shedding: each output token's depth budget (the most loops it could run;
-    # below params.max_loops where shedding lowered it)
-    output_loop_budgets: list[int] = field(default_factory=list)
+    # overload shedding: each output token's depth budget (the most loops it could run)
+    # where shedding lowered it below params.max_loops; None where it did not
+    output_loop_budgets: list[int | None] = field(default_factory=list)
     finish_reason: str | None = None
     # asked for prompt logprobs and not sent yet: one slot per prompt token, filled in by
     # position as final-depth prefill rows come back (sent with the first token). While
@@ -113,16 +113,11 @@ class Request:
     @property
     def num_shed_tokens(self) -> int:
         """Output tokens that ran under a depth budget shedding lowered."""
-        full = self.params.max_loops
-        return sum(1 for b in self.output_loop_budgets if b != full)
+        return sum(1 for b in self.output_loop_budgets if b is not None)
 
     def shed_depth_budgets(self) -> list[int | None]:
-        """Each output token's depth budget where shedding lowered it below ``max_loops``
-        (None where it did not); empty when none was."""
-        if not self.num_shed_tokens:
-            return []
-        full = self.params.max_loops
-        return [None if b == full else b for b in self.output_loop_budgets]
+        """``output_loop_budgets`` as the wire sends them: empty when none was lowered."""
+        return list(self.output_loop_budgets) if self.num_shed_tokens else []
 
     def prefill_right(self, depth: int) -> int:
         """Right end of depth ``depth``'s frontier (0-based depth)."""

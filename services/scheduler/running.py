@@ -80,6 +80,9 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
         state.pending_new.remove(request)
     state.requests.pop(request.request_id, None)
     shed = request.num_shed_tokens
+    # the public event gives every token's budget (max_loops where none was lowered)
+    full = request.params.max_loops
+    budgets = [full if b is None else b for b in request.output_loop_budgets] if shed else None
     events.append(
         FinishedEvent(
             request_id=request.request_id,
@@ -89,7 +92,7 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             shed_tokens=shed,
-            depth_budgets=list(request.output_loop_budgets) if shed else None,
+            depth_budgets=budgets,
         )
     )
 

@@ -123,8 +123,6 @@ class Scheduler:
         )
         known = known_outputs or KnownOutputs([], [])
         validate_known_outputs(known, resolved, self.limits)
-        max_loops = resolved.max_loops or self.total_ut_steps
-        budgets = known.depth_budgets or [None] * len(known.token_ids)
         seed = resolved.seed if resolved.seed is not None else self._rng.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -137,7 +135,7 @@ class Scheduler:
             output_token_ids=list(known.token_ids),
             output_exit_loops=list(known.exit_loops),
             # the budgets the other shard ran them under (shed ones count as shed here too)
-            output_loop_budgets=[max_loops if b is None else b for b in budgets],
+            output_loop_budgets=list(known.depth_budgets) or [None] * len(known.token_ids),
         )
         if self.config.enable_prefix_caching:
             request.block_hashes = prompt_block_hashes(
