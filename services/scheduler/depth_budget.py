@@ -74,18 +74,18 @@ class DepthBudget:
             return
         state = self._state
         budget = state.depth_budget
-        waiting = sum(1 for _, r in state.waiting if not r.is_finished)
         running = len(state.running)
-        if not waiting and not running:
+        if not running and all(r.is_finished for _, r in state.waiting):
             # an empty engine has nobody to protect: the next arrival starts at full depth
             # (whether or not a batch was built since the last look)
             self._pressure_steps = self._relief_steps = 0
             if budget < self.full:
-                self._set(self.full, waiting, running)
+                self._set(self.full, 0, 0)
             return
         if state.next_seq == self._looked_at_seq:
             return  # no batch was built since the last look: one count per step
         self._looked_at_seq = state.next_seq
+        waiting = sum(1 for _, r in state.waiting if not r.is_finished)
         if waiting and waiting >= self._high * max(1, running):
             self._relief_steps = 0
             self._pressure_steps += 1
