@@ -45,7 +45,8 @@ def validate_known_outputs(
         raise RequestError(
             f"resumed outputs: {len(token_ids)} token ids but {len(budgets)} depth budgets"
         )
-    max_loops = params.max_loops or limits.total_ut_steps
+    max_loops = params.max_loops
+    assert max_loops is not None  # resolved
     for budget in budgets:
         if budget is not None and (
             isinstance(budget, bool)

@@ -44,7 +44,7 @@ def steps_left(request: Request, chunk_size: int) -> int:
     )
     steps += sum(loops[next_output:known])
     generated = loops[1:known]
-    per_token = sum(generated) / len(generated) if generated else request.params.max_loops or depths
+    per_token = sum(generated) / len(generated) if generated else request.params.max_loops
     steps += math.ceil(max(0, request.params.max_tokens - known) * per_token)
     return max(0, steps - request.decode_depth)
 

@@ -81,11 +81,8 @@ class Submissions:
             return self._end_unstarted(req, aborted(req.request_id, len(req.prompt_token_ids)))
         if self.draining:
             return self._refuse(req, ErrorCode.UNAVAILABLE, "scheduler is shutting down")
-        known = (
-            KnownOutputs(req.resume_token_ids, req.resume_exit_depths, req.resume_depth_budgets)
-            if req.resume_token_ids or req.resume_exit_depths or req.resume_depth_budgets
-            else None
-        )
+        # empty unless it resumes a request a lost shard started
+        known = KnownOutputs(req.resume_token_ids, req.resume_exit_depths, req.resume_depth_budgets)
         try:
             done = self.core.add_request(
                 req.request_id,
@@ -106,7 +103,7 @@ class Submissions:
         extra: dict[str, Any] = {}
         if log_content_enabled():
             extra["prompt_token_ids"] = req.prompt_token_ids
-        if known is not None:
+        if known.token_ids:
             self.num_resumed += 1
             extra["resumed_tokens"] = len(req.resume_token_ids)
         self.log.info(
