@@ -12,17 +12,17 @@ from messages.api import TokenLogprobs
 
 @dataclass
 class Usage:
-    """Token counts of one response; ``exit_depths`` are the loops of each completion token
-    (of every choice: the prompt is counted once, as OpenAI does)."""
+    """Token counts of one response: the prompt once (every choice has the same, as OpenAI
+    counts it), the completion tokens of every choice and the loops they ran, summed."""
 
     prompt_tokens: int
     cached_tokens: int
-    exit_depths: list[int]
+    completion_tokens: int
+    core_loops: int
     shed_tokens: int = 0  # completion tokens run under a depth budget overload shedding lowered
 
     def body(self) -> dict[str, Any]:
-        completion = len(self.exit_depths)
-        loops = sum(self.exit_depths)
+        completion, loops = self.completion_tokens, self.core_loops
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,

@@ -186,9 +186,13 @@ def combined_usage(answers: list[Answer]) -> Usage:
     # from a choice that heard the engine's count (one ended by a stop string and then a
     # timeout never did)
     counted = next((a for a in answers if a.num_prompt_tokens), answers[0])
-    depths = [d for a in answers for d in a.exit_depths]
-    shed = sum(a.num_shed_tokens for a in answers)
-    return Usage(counted.num_prompt_tokens, counted.num_cached_tokens, depths, shed)
+    return Usage(
+        counted.num_prompt_tokens,
+        counted.num_cached_tokens,
+        completion_tokens=sum(len(a.exit_depths) for a in answers),
+        core_loops=sum(sum(a.exit_depths) for a in answers),
+        shed_tokens=sum(a.num_shed_tokens for a in answers),
+    )
 
 
 def _top_only(entry: TokenLogprobs, n: int) -> TokenLogprobs:
@@ -224,10 +228,10 @@ class SseEncoder:
         self.chat = chat
         self.options = options
         self.index = index
-        # with continuous usage: whose prompt counts each frame reports, and the exit depths
-        # of the tokens this encoder has framed so far (the completion tokens counted)
+        # with continuous usage: whose prompt counts each frame reports, and the tokens this
+        # encoder has framed so far and the loops they ran (the completion counted)
         self._answer = answer if options.continuous_usage else None
-        self._framed_depths: list[int] = []
+        self._framed_tokens = self._framed_loops = 0
         self._head = {
             "id": request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -259,7 +263,8 @@ class SseEncoder:
             frames.append(self._frame({"role": "assistant", "content": ""}, None))
         for d in deltas:
             if self._answer is not None:  # only continuous usage counts what was framed
-                self._framed_depths += d.exit_depths
+                self._framed_tokens += len(d.exit_depths)
+                self._framed_loops += sum(d.exit_depths)
             if self.options.return_token_ids:  # the only frames that carry them
                 self._ids += d.token_ids
                 self._depths += d.exit_depths
@@ -305,7 +310,9 @@ class SseEncoder:
             choice["exit_depths"], self._depths = self._depths, []
         if self._answer is not None:  # vLLM's continuous usage: the counts so far
             a = self._answer
-            usage = Usage(a.num_prompt_tokens, a.num_cached_tokens, self._framed_depths)
+            usage = Usage(
+                a.num_prompt_tokens, a.num_cached_tokens, self._framed_tokens, self._framed_loops
+            )
             chunk["usage"] = usage.body()
         elif self.options.include_usage:
             chunk["usage"] = None  # only the last chunk carries usage (OpenAI's rule)
