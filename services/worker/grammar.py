@@ -194,7 +194,9 @@ class RequestGrammar:
 
     def _ready(self) -> xgrammar.GrammarMatcher | None:
         """The matcher (waiting for its grammar to compile); None once ``error`` is set."""
-        if self._matcher is not None or self.error is not None:
+        if self.error is not None:
+            return None
+        if self._matcher is not None:
             return self._matcher
         import xgrammar as xgr
 
@@ -230,7 +232,7 @@ class RequestGrammar:
         """Writes the next token's bitmask into ``out`` (int32 [words]). False when the
         grammar failed: the row samples unconstrained and fails when its token comes back."""
         matcher = self._ready()
-        if matcher is None or self.error is not None:
+        if matcher is None:
             return False
         if self._mask_at != self.num_accepted:
             assert self._book is not None
@@ -256,7 +258,7 @@ class RequestGrammar:
         """Advances by ``token``, the request's output ``output_index``. None when the
         output goes on; else why this row fails."""
         matcher = self._ready()
-        if matcher is None or self.error is not None:
+        if matcher is None:
             return self.error
         if self.ended:
             return None  # a row after the request's end (see fill_mask): never applied
