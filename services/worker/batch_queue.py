@@ -69,6 +69,11 @@ class BatchQueue:
         self.compute = JobRunner(asyncio.get_running_loop(), self._computed, name=name)
         self.compute.start()
 
+    def stop(self) -> None:
+        """Stops the compute thread (blocking: call it off the event loop)."""
+        if self.compute is not None:
+            self.compute.stop()
+
     @property
     def idle(self) -> bool:
         return self.compute is None or self.compute.idle

@@ -142,8 +142,7 @@ class WorkerService(Service):
             await asyncio.sleep(0.02)
 
     async def teardown(self) -> None:
-        if self.queue.compute is not None:
-            await asyncio.to_thread(self.queue.compute.stop)
+        await asyncio.to_thread(self.queue.stop)
         self.runner_host.close()
         self.telemetry.end_all()
 
