@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry, Gauge
 
 from services.launcher import NatsServer, free_port
+from services.launcher.processes import wait_for
 from services.runtime import subjects
 from services.runtime.metrics import MetricsPublisher, MetricsReceiver
 
@@ -32,13 +33,15 @@ async def test_a_metrics_text_over_max_payload_arrives_whole(tmp_path: Path) -> 
     conf = tmp_path / "small.conf"
     conf.write_text("max_payload: 8192\n")
     got: list[tuple[str, str, str | None, str]] = []
-    receiver = MetricsReceiver(lambda *args: got.append(args))
+    receiver = MetricsReceiver()
     with NatsServer(port=free_port(), config_file=conf) as server:
         nc = await nats.connect(server.url)
         try:
 
             async def on_message(msg: Msg) -> None:
-                receiver.on_message(msg)
+                text = receiver.feed(msg)
+                if text is not None:
+                    got.append(tuple(text))
 
             sub = await nc.subscribe(subjects.METRICS_ALL, cb=on_message)
             big, small = _registry(600), _registry(3)
@@ -48,10 +51,7 @@ async def test_a_metrics_text_over_max_payload_arrives_whole(tmp_path: Path) -> 
                 publisher = MetricsPublisher(nc, "scheduler", "inst-1", registry, shard=shard)
                 await publisher.publish()
             await nc.flush()
-            for _ in range(100):
-                if len(got) == 2:
-                    break
-                await asyncio.sleep(0.02)
+            await wait_for(lambda: len(got) == 2, 2.0, "both metrics texts")
             assert [g[:3] for g in got] == [
                 ("scheduler", "inst-1", "0"),
                 ("scheduler", "inst-1", None),

@@ -48,7 +48,7 @@ from services.runtime.bus import (
     json_decoder,
 )
 from services.runtime.logging import request_fields
-from services.runtime.metrics import MetricsReceiver, metrics_interval_s
+from services.runtime.metrics import HEADER_SERVICE, MetricsReceiver, metrics_interval_s
 from services.runtime.service import Endpoint, Service
 from services.runtime.tracing import TRACEPARENT, Tracer
 
@@ -179,7 +179,7 @@ class GatewayService(Service):
         self.metrics = GatewayMetrics(
             self.model_name, stale_after_s=max(15.0, 10 * metrics_interval_s())
         )
-        self._metrics_in = MetricsReceiver(self._on_metrics_text)
+        self._metrics_in = MetricsReceiver()
         self.inbox = _Inbox(subjects.gateway_inbox(self.instance_id))
         self._socket: socket.socket | None = None
         self._server: Server | None = None
@@ -351,12 +351,12 @@ class GatewayService(Service):
 
     async def _on_metrics(self, msg: Msg) -> None:
         try:
-            self._metrics_in.on_message(msg)
+            got = self._metrics_in.feed(msg)
+            if got is not None:
+                self.metrics.cluster.update(got.service, got.instance, got.text, shard=got.shard)
         except ValueError as exc:  # not UTF-8, or not Prometheus text
-            self.log.warning("unreadable metrics", error=repr(exc)[:200])
-
-    def _on_metrics_text(self, service: str, instance: str, shard: str | None, text: str) -> None:
-        self.metrics.cluster.update(service, instance, text, shard=shard)
+            service = (msg.headers or {}).get(HEADER_SERVICE)
+            self.log.warning("unreadable metrics", service=service, error=repr(exc)[:200])
 
 
 def _error_msg(request_id: str, code: ErrorCode, message: str) -> Msg:

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import prometheus_client
 from nats.aio.client import Client as NATS
@@ -78,23 +77,30 @@ class MetricsPublisher:
 _MAX_PARTIAL_TEXTS = 64
 _MAX_PARTIAL_BYTES = 16 << 20
 
-# (service, instance, shard or None, exposition text)
-MetricsHandler = Callable[[str, str, str | None, str], None]
+
+class MetricsText(NamedTuple):
+    """One instance's whole exposition text."""
+
+    service: str
+    instance: str
+    shard: str | None
+    text: str
 
 
 class MetricsReceiver:
-    """The gateway's side: hands each instance's whole exposition text to ``handler``,
-    joining texts that came in parts; messages without the service's headers are dropped."""
+    """The gateway's side: joins texts that came in parts; messages without the service's
+    headers are dropped."""
 
-    def __init__(self, handler: MetricsHandler) -> None:
-        self.handler = handler
+    def __init__(self) -> None:
         self._parts = Reassembler(max_partial=_MAX_PARTIAL_TEXTS, max_bytes=_MAX_PARTIAL_BYTES)
 
-    def on_message(self, msg: Msg) -> None:
+    def feed(self, msg: Msg) -> MetricsText | None:
+        """The text ``msg`` completes, if any; ValueError if it is not UTF-8."""
         headers = msg.headers or {}
         service, instance = headers.get(HEADER_SERVICE), headers.get(HEADER_INSTANCE)
         if not service or not instance:
-            return
+            return None
         data = self._parts.feed(msg)
-        if data is not None:
-            self.handler(service, instance, headers.get(HEADER_SHARD), data.decode())
+        if data is None:
+            return None
+        return MetricsText(service, instance, headers.get(HEADER_SHARD), data.decode())
