@@ -2,21 +2,24 @@
 
 Needs CUDA and skips cleanly without. Run on a lent GPU with ``pytest -m gpu
 tests/test_gpu_engine.py`` (the image lacks msgspec and structlog: carry them as
-``docs/gpu.md`` says; without msgspec the tests skip). The fused ops themselves are checked
-against their CPU references by the ``gpu`` test of ``tests/test_kernel_ops.py``.
+``docs/gpu.md`` says; the suite's conftest needs them). The fused ops themselves are
+checked against their CPU references by the ``gpu`` test of ``tests/test_kernel_ops.py``.
 """
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from messages.sampling import SamplingParams
+from services.common.config import SchedulerConfig
+from services.engine.engine import LLMEngine
 from services.oracle import SerialOracle
 from services.worker.model.ouro import OuroModel
-from services.worker.model.toy import write_toy_checkpoint
+from services.worker.static_decode import DecodeMode
+from tests.engine_harness import assert_matches_oracle, oracle_result
 
 pytestmark = pytest.mark.gpu
 
@@ -31,13 +34,6 @@ def test_engine_cuda_fp32_matches_oracle(
 ) -> None:
     """Float32 on CUDA stays on the oracle (DESIGN §6), early exit included, with unpadded
     passes and with decode passes replayed from CUDA graphs."""
-    pytest.importorskip("msgspec")
-    from messages.sampling import SamplingParams
-    from services.common.config import SchedulerConfig
-    from services.engine.engine import LLMEngine
-    from services.worker.static_decode import DecodeMode
-    from tests.engine_harness import assert_matches_oracle, oracle_result
-
     config = SchedulerConfig(block_size=4, num_blocks=256)
     model = OuroModel.from_checkpoint(toy_checkpoint, device="cuda")
     engine = LLMEngine(model, config, decode_mode=DecodeMode(mode))
@@ -55,17 +51,10 @@ def test_engine_cuda_fp32_matches_oracle(
 
 
 @requires_cuda
-def test_engine_cuda_bf16_runs() -> None:
+def test_engine_cuda_bf16_runs(toy_checkpoint: Path) -> None:
     """bf16 on CUDA: the whole path runs and yields in-vocab tokens (agreement with the
     float32 oracle is reported, not asserted, by scripts/device_check.py)."""
-    pytest.importorskip("msgspec")
-    from messages.sampling import SamplingParams
-    from services.common.config import SchedulerConfig
-    from services.engine.engine import LLMEngine
-
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_toy_checkpoint(tmp)
-        model = OuroModel.from_checkpoint(ckpt, dtype=torch.bfloat16, device="cuda")
+    model = OuroModel.from_checkpoint(toy_checkpoint, dtype=torch.bfloat16, device="cuda")
     engine = LLMEngine(model, SchedulerConfig(block_size=16, num_blocks=64))
     assert engine.runner.k_cache.dtype == torch.bfloat16
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
