@@ -25,7 +25,7 @@ from messages.errors import ErrorCode
 from services.gateway.auth import OPEN, ApiKeys, Authorized
 from services.gateway.call import Backend, Call
 from services.gateway.errors import ApiError, error_body
-from services.gateway.http_responses import json_response
+from services.gateway.http_responses import error_response, json_response
 from services.gateway.metrics import route_label
 from services.gateway.protocol import MAX_BODY_BYTES, parse_chat, parse_completion
 from services.gateway.responses import models_body
@@ -139,7 +139,7 @@ async def _generate(backend: Backend, request: Request, *, chat: bool) -> Respon
         opts = options(req, backend.codec.decode if backend.codec else None)
     except ApiError as exc:
         backend.metrics.count_response(request.scope, route, exc.status)
-        return json_response(exc.body(), exc.status, exc.headers())
+        return error_response(exc)
     except ClientDisconnect:  # the client left while sending its body: nothing to answer
         backend.metrics.client_disconnects.inc()
         backend.metrics.count_response(request.scope, route, 499)

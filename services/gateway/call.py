@@ -29,8 +29,13 @@ from starlette.types import Receive
 from messages.api import ErrorEvent, GenerateRequest, StreamEvent
 from messages.errors import ErrorCode
 from services.common.tokenizer import TextCodec
-from services.gateway.errors import ApiError
-from services.gateway.http_responses import SseResponse, json_response, wait_disconnect
+from services.gateway.errors import ApiError, status_of
+from services.gateway.http_responses import (
+    SseResponse,
+    error_response,
+    json_response,
+    wait_disconnect,
+)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ChatRequest, CompletionRequest
 from services.gateway.stream import (
@@ -226,7 +231,7 @@ class Call:
             error = self._failed()
             if error is not None:
                 self._abort_all()
-                self.status = _status_of(error.code)
+                self.status = status_of(error.code)
                 yield encoders[0].error(error.code, error.message)
             elif self.options.include_usage:
                 for choice in self.choices:  # the prompt counts come with the last event
@@ -290,7 +295,7 @@ class Call:
         exc = ApiError(event.message, event.code)
         self.status = exc.status
         self._finish()
-        return json_response(exc.body(), exc.status, exc.headers())
+        return error_response(exc)
 
     def _finish(self) -> None:
         if self.closed:
@@ -353,7 +358,3 @@ class _Events:
         for read in self._reads.values():
             read.cancel()
         self._reads.clear()
-
-
-def _status_of(code: str) -> int:
-    return ApiError("", code).status

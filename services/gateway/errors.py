@@ -40,7 +40,7 @@ class ApiError(Exception):
 
     @property
     def status(self) -> int:
-        return _STATUS.get(self.code, (500, ""))[0]
+        return status_of(self.code)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.code, self.message, self.param)
@@ -49,6 +49,11 @@ class ApiError(Exception):
         if self.status in (429, 503):
             return {"Retry-After": str(RETRY_AFTER_S)}
         return {}
+
+
+def status_of(code: str) -> int:
+    """The HTTP status an rlt error code answers with."""
+    return _STATUS.get(code, (500, ""))[0]
 
 
 def error_body(code: str, message: str, param: str | None = None) -> dict[str, Any]:

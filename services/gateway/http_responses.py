@@ -15,11 +15,18 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from services.gateway.errors import ApiError
+
 _JSON = msgspec.json.Encoder()
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(_JSON.encode(body), status, headers, media_type="application/json")
+
+
+def error_response(exc: ApiError) -> Response:
+    """OpenAI's error body with the code's HTTP status (and Retry-After where it applies)."""
+    return json_response(exc.body(), exc.status, exc.headers())
 
 
 async def wait_disconnect(receive: Receive) -> None:
