@@ -66,8 +66,9 @@ def grammar_of(constraint: StructuredOutput) -> xgrammar.Grammar:
 def _parse(kind: StructuredOutputKind, spec: str) -> xgrammar.Grammar:
     import xgrammar as xgr
 
-    _check_repeats(kind, spec)  # before xgrammar spends its quadratic time on them
+    # counted repetitions are checked before xgrammar spends its quadratic time on them
     if kind == StructuredOutputKind.JSON_SCHEMA:
+        _check_repeats(kind, _schema_texts(spec))
         return xgr.Grammar.from_json_schema(
             spec, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
         )
@@ -80,24 +81,26 @@ def _parse(kind: StructuredOutputKind, spec: str) -> xgrammar.Grammar:
             strict_mode=False,
         )
     if kind == StructuredOutputKind.REGEX:
+        _check_repeats(kind, [spec])
         return xgr.Grammar.from_regex(spec)
     if kind == StructuredOutputKind.CHOICE:
         return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec)))
     if kind == StructuredOutputKind.GRAMMAR:
+        _check_repeats(kind, [spec])
         return xgr.Grammar.from_ebnf(spec)
     raise RequestError(f"structured_output kind {kind!r} is not supported")
 
 
-def _check_repeats(kind: StructuredOutputKind, spec: str) -> None:
-    if kind in (StructuredOutputKind.REGEX, StructuredOutputKind.GRAMMAR):
-        texts = [spec]
-    elif kind == StructuredOutputKind.JSON_SCHEMA:
-        try:
-            texts = list(_schema_patterns(json.loads(spec)))
-        except ValueError:
-            return  # not JSON: the parse names that
-    else:
-        return
+def _schema_texts(spec: str) -> list[str]:
+    """The regular expressions of a JSON schema spec; none if it is not JSON (the parse
+    names that)."""
+    try:
+        return list(_schema_patterns(json.loads(spec)))
+    except ValueError:
+        return []
+
+
+def _check_repeats(kind: StructuredOutputKind, texts: list[str]) -> None:
     for text in texts:
         for match in _REPEAT.finditer(text):
             counts = [int(c) for c in match.groups() if c]
