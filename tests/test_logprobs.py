@@ -159,7 +159,7 @@ def test_infinite_logits_give_finite_logprobs() -> None:
     logits hold +inf (no finite distribution)."""
     logits = torch.tensor([[0.0, -math.inf, 1.0, 2.0], [math.inf, 0.0, 0.0, 0.0]])
     columns = logprob_columns(logits, torch.tensor([1, 0]), 4)
-    scored = read_scored(columns.tolist(), 4)
+    scored = read_scored(columns.tolist())
     results = [SampledLogprobs(logprob=c, top_ids=i, top_logprobs=v) for c, i, v in scored]
     first, second = results
     assert first.logprob == LOGPROB_FLOOR  # the -inf logit

@@ -42,14 +42,19 @@ def logprob_columns(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> tor
     return torch.cat([c.float() for c in columns], dim=1)
 
 
-def read_scored(host_rows: list[list[float]], top: int) -> list[Scored]:
-    """``logprob_columns`` rows, copied to the host, as (chosen, top ids, top values)."""
-    return [(r[0], [int(t) for t in r[1 + top :]], r[1 : 1 + top]) for r in host_rows]
+def read_scored(host_rows: list[list[float]]) -> list[Scored]:
+    """``logprob_columns`` rows, copied to the host, as (chosen, top ids, top values); a
+    row's width says how many tops it holds."""
+    return [_scored(r, (len(r) - 1) // 2) for r in host_rows]
+
+
+def _scored(r: list[float], top: int) -> Scored:
+    return r[0], [int(t) for t in r[1 + top :]], r[1 : 1 + top]
 
 
 def sampled_logprobs(columns: list[float], n_top: int) -> SampledLogprobs:
     """One coda row's ``logprob_columns`` on the host, cut to the ``n_top`` it asked for."""
-    ((chosen, ids, vals),) = read_scored([columns], (len(columns) - 1) // 2)
+    ((chosen, ids, vals),) = read_scored([columns])
     return SampledLogprobs(logprob=chosen, top_ids=ids[:n_top], top_logprobs=vals[:n_top])
 
 
@@ -84,13 +89,12 @@ def score_prompts(
     words[:] = targets
     ids = transfer.to_device(words)
     top = max(n for *_, n in spans)
-    k = min(top, model.vocab_size)
     table = []
     # in slices: a [positions, vocab] float32 table of a whole batch could be large
     for lo in range(0, len(targets), _PROMPT_SLICE):
         logits = model.coda(hidden_rows[lo : lo + _PROMPT_SLICE])
         columns = logprob_columns(logits, ids[lo : lo + _PROMPT_SLICE], top)
-        table += read_scored(transfer.to_host(columns).tolist(), k)
+        table += read_scored(transfer.to_host(columns).tolist())
     row = 0
     for live, start, count, n in spans:
         rows = table[row : row + count]
