@@ -78,8 +78,7 @@ class GrammarBook:
         self._cache: OrderedDict[_Key, Future[Any]] = OrderedDict()
         self._sizes: dict[_Key, int] = {}  # of the compiled entries
         self._bytes = 0
-        # reentrant: a future that is already done runs its callback in the caller
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rlt-grammar")
         # made on first use: importing xgrammar takes seconds
         self._compiler: xgrammar.GrammarCompiler | None = None
@@ -101,8 +100,9 @@ class GrammarBook:
             compiled = self._pool.submit(self._compile, constraint)
             self._cache[key] = compiled
             self._evict(keep=key)
-            compiled.add_done_callback(lambda done, key=key: self._compiled(key, done))
-            return compiled
+        # outside the lock: a future already done runs its callback here, which takes it
+        compiled.add_done_callback(lambda done, key=key: self._compiled(key, done))
+        return compiled
 
     def _compiled(self, key: _Key, done: Future[Any]) -> None:
         """Counts a compiled grammar's bytes; forgets a compile that crashed (not a spec's
