@@ -17,10 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from services.common.config_error import ConfigError, load_json_file
+from services.common.config_error import ConfigError
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -89,14 +88,6 @@ class GenerationDefaults:
             top_k=None if top_k is None else _nonneg_int("top_k", top_k),
             not_applied=not_applied,
         )
-
-    @classmethod
-    def from_checkpoint(cls, checkpoint_dir: str | Path) -> GenerationDefaults:
-        """The directory's generation_config.json, or empty defaults when it has none."""
-        path = Path(checkpoint_dir) / GENERATION_CONFIG_FILE
-        if not path.is_file():
-            return cls()
-        return load_json_file(path, cls.from_dict)
 
 
 def _nonneg_int(name: str, value: Any) -> int:

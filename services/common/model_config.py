@@ -221,13 +221,15 @@ class OuroConfig:
         """config.json plus generation_config.json of a checkpoint directory. Without a
         generation_config.json the generation keys come from config.json, as in HF."""
         ckpt = Path(checkpoint_dir)
-        cfg = cls.from_json_file(ckpt / CONFIG_FILE)
         source = ckpt / GENERATION_CONFIG_FILE
         if source.is_file():
-            generation = GenerationDefaults.from_checkpoint(ckpt)
-        else:  # the sampling defaults config.json itself carries
-            source = ckpt / CONFIG_FILE
+            cfg = cls.from_json_file(ckpt / CONFIG_FILE)
             generation = load_json_file(source, GenerationDefaults.from_dict)
+        else:  # the sampling defaults config.json itself carries (read once for both)
+            source = ckpt / CONFIG_FILE
+            cfg, generation = load_json_file(
+                source, lambda raw: (cls.from_dict(raw), GenerationDefaults.from_dict(raw))
+            )
         try:
             return replace(cfg, generation=generation)
         except ConfigError as e:

@@ -37,7 +37,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders
 
-from services.common.config_error import ConfigError
+from services.common.config_error import ConfigError, load_json_file
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -213,14 +213,13 @@ def _decoder_types(tokenizer: Tokenizer) -> set[str]:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON: {e}") from e
+    """The JSON object in ``path``; empty when there is no such file."""
+    return load_json_file(path, _json_object) if path.is_file() else {}
+
+
+def _json_object(raw: Any) -> dict[str, Any]:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: must be a JSON object")
+        raise ConfigError("must be a JSON object")
     return raw
 
 
