@@ -156,6 +156,7 @@ async def run_soak(
                 honest_inboxes.append(col.prefix)
                 col.kinds = {}  # type: ignore[attr-defined]
                 col.bodies = {}  # type: ignore[attr-defined]
+                col.aborted = set()  # type: ignore[attr-defined]
                 n = 0
                 sem = asyncio.Semaphore(concurrency)
 
@@ -185,6 +186,7 @@ async def run_soak(
                         if crng.random() < abort_fraction:
                             await asyncio.sleep(crng.random() * 0.3)
                             report.aborts += 1
+                            col.aborted.add(i)  # type: ignore[attr-defined]
                             await nc.publish(subjects.ABORT, encode_json({"request_id": rid}))
                         # malformed traffic without a reply subject: nothing to answer
                         if crng.random() < malformed_fraction:
@@ -240,6 +242,12 @@ async def run_soak(
                 t = terminals[0]
                 key = t.finish_reason if isinstance(t, FinishedEvent) else f"error:{t.code}"
                 report.finished[key] = report.finished.get(key, 0) + 1
+                if key == "abort" and i not in col.aborted:  # type: ignore[attr-defined]
+                    # only its own client may stop it: anyone else reached it
+                    report.altered += 1
+                    rid = col.bodies[i]["request_id"]  # type: ignore[attr-defined]
+                    note = "ended by an abort its client never sent"
+                    report.divergences.append({"request_id": rid, "note": note})
 
         async def reclaimed() -> bool:
             h = await health(control, "scheduler")
