@@ -202,3 +202,27 @@ def test_a_sampled_divergence_is_measured_on_the_draw_scores(oracle: SerialOracl
     ended = explain_divergence(oracle, PROMPT, SAMPLED, (tokens, depths), (tokens[:i], depths[:i]))
     assert ended is not None and ended.tokens == (tokens[i], None) and ended.near_tie is None
     assert "ended" in ended.note
+
+
+@pytest.mark.oracle
+def test_the_gaps_are_measured_on_the_runs_path_not_the_oracles_own(
+    oracle: SerialOracle,
+) -> None:
+    """Both runs may have agreed on a path the oracle would not take itself (an earlier
+    near-tie both went the same way across): the replay follows their tokens and exit
+    depths up to the divergence, so the gaps there are those of their path."""
+    tokens, depths = _run(oracle, GREEDY)
+    i = 4
+    steps = oracle.generate(PROMPT, max_tokens=10, min_loops=1, exit_threshold=0.7).steps
+    other = steps[2].top_logprobs[1][0]
+    path = [*tokens[:2], other, *tokens[3:]]
+    shallow = [depths[0], 1, 1, 1, *depths[4:]]  # exits the policy would not take
+    assert shallow != depths
+    a = (path, shallow)
+    b = ([*path[:i], (path[i] + 1) % 512, *path[i + 1 :]], shallow)
+    found = explain_divergence(oracle, PROMPT, GREEDY, a, b)
+    assert found is not None and found.index == i and found.note == "", found
+    own = explain_divergence(
+        oracle, PROMPT, GREEDY, (tokens, depths), ([*tokens[:i], b[0][i], *tokens[i + 1 :]], depths)
+    )
+    assert own is not None and abs(own.top2_gap - found.top2_gap) > 1e-6
