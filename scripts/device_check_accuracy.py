@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,62 +24,16 @@ from scripts.device_check_common import (
 )
 
 if TYPE_CHECKING:  # the engine's imports stay lazy: the env row reports what is missing
-    from messages.api import FinishedEvent
     from services.engine.engine import LLMEngine
-    from services.oracle.serial import OracleResult
     from services.worker.model.ouro import OuroModel
 
-# a comparison with the oracle may stop where the oracle itself is this close to a tie
-TIE_EPS = 1e-5
-
-
 # ---------------------------------------------------------------------------- 4. oracle
-
-
-@dataclass
-class Comparison:
-    compared: int  # tokens equal in id and exit depth, up to a near-tie if any
-    total: int  # tokens the oracle generated
-    near_tie: str | None = None  # where the comparison stopped, and why
-    mismatch: str | None = None
-
-
-def compare_with_oracle(finished: FinishedEvent, expected: OracleResult) -> Comparison:
-    """Token ids and exit depths must equal the oracle's. At a token where the oracle is
-    within TIE_EPS of a tie, rounding may legitimately go either way: stop there (a top-2
-    gap tie still has to agree on the exit depth, which came before the logits)."""
-    total = len(expected.steps)
-    tokens, depths = finished.token_ids, finished.exit_depths
-    for i, step in enumerate(expected.steps):
-        if step.threshold_margin < TIE_EPS:
-            return Comparison(i, total, f"token {i}: exit margin {step.threshold_margin:.1e}")
-        if step.top2_gap < TIE_EPS:
-            if i < len(depths) and depths[i] == step.exit_depth:
-                return Comparison(i, total, f"token {i}: top-2 gap {step.top2_gap:.1e}")
-            got = depths[i] if i < len(depths) else "none"
-            return Comparison(i, total, mismatch=f"token {i}: depth {got} vs {step.exit_depth}")
-        if i >= len(tokens):
-            return Comparison(i, total, mismatch=f"engine stopped after {len(tokens)} tokens")
-        if (tokens[i], depths[i]) != (step.token_id, step.exit_depth):
-            return Comparison(
-                i,
-                total,
-                mismatch=f"token {i}: engine {tokens[i]}@{depths[i]}, oracle "
-                f"{step.token_id}@{step.exit_depth} (top-2 gap {step.top2_gap:.2e}, exit "
-                f"margin {step.threshold_margin:.2e})",
-            )
-    if tokens != expected.token_ids:
-        return Comparison(total, total, mismatch=f"engine went on: {len(tokens)} tokens")
-    if finished.finish_reason != expected.finish_reason:
-        return Comparison(
-            total, total, mismatch=f"finish {finished.finish_reason} vs {expected.finish_reason}"
-        )
-    return Comparison(total, total)
 
 
 def section_oracle(c: Child) -> None:
     from messages.sampling import SamplingParams
     from services.oracle import SerialOracle
+    from services.oracle.near_tie import compare_with_oracle
     from services.worker.model.ouro import OuroModel
     from services.worker.model.toy import write_toy_checkpoint
     from services.worker.static_decode import DecodeMode

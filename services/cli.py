@@ -160,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     add_http_flags(p)
     add_shard_flags(p, many=True)
+    add_log_flags(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("bench", help="benchmarks: engine comparisons side by side")
@@ -180,16 +181,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="serve HTTP on this already-listening socket (how `rlt up` starts its gateway)",
     )
+    add_log_flags(p)
     p.set_defaults(func=cmd_service)
     return parser
+
+
+def add_log_flags(p: argparse.ArgumentParser) -> None:
+    from services.runtime.logging import LOG_FORMATS
+
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=None,
+        help="log lines on stderr as JSON objects (the default when stderr is not a "
+        "terminal) or short console lines (the default on a terminal); also $RLT_LOG_FORMAT",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from services.runtime.logging import configure_logging
 
-    configure_logging()  # JSON log lines on stderr; stdout stays for results
     parser = build_parser()
     args = parser.parse_args(argv)
+    # log lines on stderr; stdout stays for results
+    try:
+        configure_logging(log_format=getattr(args, "log_format", None))
+    except ValueError as exc:  # a bad $RLT_LOG_LEVEL or $RLT_LOG_FORMAT
+        parser.error(str(exc))
     return int(args.func(args) or 0)
 
 

@@ -11,12 +11,10 @@ from messages.sampling import SamplingParams
 from services.common.config import KVLayout, SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.oracle import SerialOracle
+from services.oracle.near_tie import compare_with_oracle
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.kv_admission import Commitment
 from services.worker.model.ouro import OuroModel
-
-# a comparison may stop where the oracle itself is this close to a tie
-TIE_EPS = 1e-5
 
 
 @dataclass
@@ -141,26 +139,12 @@ def oracle_result(
 
 
 def assert_matches_oracle(finished: FinishedEvent, expected, label: str = "") -> int:
-    """Tokens and exit depths must equal the oracle's; the comparison may stop early only
-    where the oracle's own top-2 logit gap or |cdf - threshold| is below TIE_EPS.
-    Returns how many tokens were compared."""
-    for i, step in enumerate(expected.steps):
-        if step.threshold_margin < TIE_EPS:
-            return i  # the exit depth of token i is a tie: stop before it
-        if step.top2_gap < TIE_EPS:
-            assert finished.exit_depths[i] == step.exit_depth, label
-            return i
-        assert i < len(finished.token_ids), (
-            f"{label}: engine stopped after {len(finished.token_ids)} tokens, oracle went on: "
-            f"{finished.token_ids} vs {expected.token_ids}"
-        )
-        assert (finished.token_ids[i], finished.exit_depths[i]) == (
-            step.token_id,
-            step.exit_depth,
-        ), (
-            f"{label}: token {i} differs: engine {finished.token_ids} / {finished.exit_depths}"
-            f" oracle {expected.token_ids} / {expected.exit_depths}"
-        )
-    assert finished.token_ids == expected.token_ids, label
-    assert finished.finish_reason == expected.finish_reason, label
-    return len(expected.steps)
+    """Tokens and exit depths must equal the oracle's; the comparison may stop early only at
+    the oracle's own near-ties (``services/oracle/near_tie.py``). Returns how many tokens
+    were compared."""
+    comparison = compare_with_oracle(finished, expected)
+    assert comparison.mismatch is None, (
+        f"{label}: {comparison.mismatch}: engine {finished.token_ids} / {finished.exit_depths}"
+        f" oracle {expected.token_ids} / {expected.exit_depths}"
+    )
+    return comparison.compared

@@ -55,7 +55,10 @@ async def test_soak_with_an_adversary_no_honest_request_lost_or_altered(
     print(f"\nadversary soak: {report}")
     assert report.requests > 100 and report.adversary_probes > 100, report
     assert report.missing == 0 and report.duplicates == 0, report
-    assert report.verified == report.requests and report.altered == 0, report
+    assert report.verified == report.requests, report
+    # outputs that differ from the engine's only at a near-tie are counted apart and named
+    assert report.altered == 0, report.divergences
+    assert all(d["near_tie"] for d in report.divergences), report.divergences
     assert not any(k.startswith("error:") for k in report.finished), report
     assert report.adversary_wrong == 0 and report.adversary_leaks == 0, report
     assert report.adversary_denied > 10, report  # NATS itself refused its forgeries

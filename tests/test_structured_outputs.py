@@ -23,12 +23,12 @@ from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.gateway.structured import FormatError, structured_output
+from services.oracle.near_tie import compare_with_oracle
 from services.scheduler.intake import KnownOutputs
 from services.worker.grammar import GrammarBook, PassMasks
 from services.worker.model.toy import toy_config
 from services.worker.runner import ModelRunner
 from services.worker.sim import SIM_REFUSES_STRUCTURED_OUTPUT, SimCostModel, SimRunner
-from tests.engine_harness import TIE_EPS
 from tests.helpers import FORMATS, MaskedSampler, assert_follows
 
 VOCAB = 512  # the toy model's
@@ -111,14 +111,9 @@ def _oracle_run(oracle, book: GrammarBook, prompt: list[int], params: SamplingPa
 def _assert_equals_oracle(done: FinishedEvent, expected, gaps: list[float], label: str) -> int:
     """Tokens and exit depths equal the oracle's up to its first near-tie (of the masked
     scores, or of the exit rule); returns how many were compared."""
-    for i, step in enumerate(expected.steps):
-        if step.threshold_margin < TIE_EPS or gaps[i] < TIE_EPS:
-            return i
-        got = (done.token_ids[i], done.exit_depths[i])
-        assert got == (step.token_id, step.exit_depth), (label, i, done.token_ids, expected)
-    assert done.token_ids == expected.token_ids, label
-    assert done.finish_reason == expected.finish_reason, label
-    return len(expected.steps)
+    comparison = compare_with_oracle(done, expected, gaps)
+    assert comparison.mismatch is None, (label, comparison.mismatch, done.token_ids, expected)
+    return comparison.compared
 
 
 # ---------------------------------------------------------------------- the engine

@@ -183,3 +183,31 @@ def sample_token(
             f"top_p {top_p})"
         )
     return int(ids[0])
+
+
+def draw_scores(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    output_index: int,
+) -> torch.Tensor:
+    """float64 [V]: the scores a sampled draw of ``logits`` [V] takes the argmax of (the
+    filtered logits over the temperature plus the Gumbel noise; -inf where the filters drop
+    a token). The sum is formed in float64 so that the gap between two scores is not
+    rounded again; the kept set is the float32 one ``sample_batch`` draws from."""
+    vocab = logits.shape[-1]
+    scaled = logits.reshape(1, vocab).to(torch.float32) / temperature
+    kept = torch.isfinite(
+        _filter(
+            scaled,
+            torch.tensor([top_k], dtype=torch.int64, device=logits.device),
+            torch.tensor([top_p], dtype=torch.float32, device=logits.device),
+        )
+    )[0]
+    at = torch.tensor([output_index], dtype=torch.int64, device=logits.device)
+    noise = gumbel_noise(torch.tensor([seed], device=logits.device), at, vocab)[0]
+    scores = logits.to(torch.float64) / temperature + noise.to(torch.float64)
+    return torch.where(kept, scores, float("-inf"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import shutil
 import sys
@@ -31,6 +32,7 @@ from services.launcher.settings import UpSettings
 from services.runtime import subjects
 from services.runtime.bus import default_client_url_file, split_credentials, write_secret
 from services.runtime.child import ChildProcess, end_all
+from services.runtime.logging import LOG_FORMAT_ENV, resolve_log_format
 from services.runtime.permissions import LocalAuth
 from services.runtime.service import Runnable, serve
 
@@ -38,6 +40,9 @@ from services.runtime.service import Runnable, serve
 def main_up(args: argparse.Namespace) -> int:
     settings = UpSettings.from_args(args)
     device_from_args(args)  # --no-cuda-graphs reaches the worker processes (RLT_DECODE_MODE)
+    # the service processes log as this one does: their stderr is ours, but a child decides
+    # nothing on its own (a pipe or file there would make it JSON under a console rlt up)
+    os.environ[LOG_FORMAT_ENV] = resolve_log_format(args.log_format, sys.stderr)
     return run_up(settings)
 
 
