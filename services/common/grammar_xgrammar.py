@@ -4,8 +4,8 @@ into grammars whose token masks are precomputed per state.
 One gap of xgrammar's JSON schema converter (0.2.9) is closed here: a string bounded by
 ``minLength``/``maxLength`` compiles to a character class that admits raw control
 characters (U+0000-U+001F but CR and LF) and no escapes, where JSON needs every control
-character escaped; such an output fails a strict JSON parser. The converted grammar is
-rewritten so that every string character outside a literal is a JSON string character
+character escaped; such an output fails a strict JSON parser. The converted grammar's text
+is rewritten so that class is a JSON string character or escape
 (``_json_string_classes``), and compiled from that text.
 """
 
@@ -43,9 +43,6 @@ _JSON_STRING_CHAR = (
     '([^\\0-\\x1f\\"\\\\] | "\\\\" ([\\"\\\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] '
     "[A-Fa-f0-9] [A-Fa-f0-9]))"
 )
-# what a negated class inside a JSON string must leave out besides its own characters
-_CONTROL = "\\0-\\x1f"
-_NOT_IN_JSON_STRING = _CONTROL + '\\"\\\\'
 
 
 class XGrammarEngine:
@@ -102,12 +99,10 @@ def _parse(kind: StructuredOutputKind, spec: str, any_whitespace: bool) -> xgram
 
 
 def _json_string_classes(ebnf: str) -> str:
-    """A JSON grammar's text with every character class that may match inside a string made
-    to match only what JSON allows there: the length-bounded string's class becomes a JSON
-    string character (or escape), and every other negated class (a ``pattern``'s ``[^/]``)
-    leaves out control characters, quotes and backslashes too. Literals (``"..."``, a
-    ``Regex("...")``'s text) are copied as they are; a JSON grammar's classes outside
-    strings are never negated (digits, ``[eE]``), so only string characters change."""
+    """A JSON grammar's text with the length-bounded string's character class made a JSON
+    string character (or escape). Literals (``"..."``, a ``Regex("...")``'s text, where
+    xgrammar keeps a ``pattern``) are copied as they are, so a literal that spells the
+    class is never touched."""
     out: list[str] = []
     i, n = 0, len(ebnf)
     while i < n:
@@ -131,11 +126,7 @@ def _json_string_classes(ebnf: str) -> str:
 
 
 def _json_string_class(cls: str) -> str:
-    if cls == _LENGTH_BOUNDED_CHAR:
-        return _JSON_STRING_CHAR
-    if not cls.startswith("[^") or cls.startswith("[^" + _CONTROL):
-        return cls  # a positive class, or one that leaves out control characters already
-    return "[^" + _NOT_IN_JSON_STRING + cls[2:]
+    return _JSON_STRING_CHAR if cls == _LENGTH_BOUNDED_CHAR else cls
 
 
 def choice_ebnf(choices: list[str]) -> str:
