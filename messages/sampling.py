@@ -152,8 +152,19 @@ class StructuredOutputKind(StrEnum):
     JSON_OBJECT = "json_object"  # spec unused (""): the output is any JSON object
     REGEX = "regex"  # the output matches this regular expression
     CHOICE = "choice"  # a JSON array of strings: the output is exactly one of them
-    GRAMMAR = "grammar"  # an EBNF grammar (xgrammar's, as llama.cpp's GBNF): its root rule
+    GRAMMAR = "grammar"  # a grammar (GBNF as llama.cpp's, or Lark with llguidance): its root
 
+
+class StructuredOutputsBackend(StrEnum):
+    """The grammar engine that turns a format into token masks (services/common/grammar.py).
+    The default is chosen by measured conformance (docs/benchmarks/structured_outputs.md)."""
+
+    LLGUIDANCE = "llguidance"
+    XGRAMMAR = "xgrammar"
+
+
+DEFAULT_STRUCTURED_OUTPUTS_BACKEND = StructuredOutputsBackend.LLGUIDANCE
+_JSON_KINDS = ("json_schema", "json_object")
 
 # a spec is compiled into a grammar on the worker and held in its cache: bounded like a prompt
 MAX_STRUCTURED_SPEC_CHARS = 64 * 1024
@@ -168,10 +179,28 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     kind: StructuredOutputKind
     spec: str = ""
+    # JSON kinds: whitespace between tokens (runs of at most 16 characters, e.g. indented
+    # output); by default none, as OpenAI's structured outputs write JSON (a weak model
+    # cannot then spend its tokens on blanks)
+    any_whitespace: bool = False
+    # the grammar engine; None until admission (or the in-process engine) fills in its own
+    backend: StructuredOutputsBackend | None = None
 
     def validate(self) -> None:
         if not isinstance(self.spec, str):
             raise RequestError("structured_output.spec must be a string")
+        if self.any_whitespace and self.kind not in _JSON_KINDS:
+            raise RequestError(
+                "structured_output.any_whitespace applies to json_schema and json_object only"
+            )
+        if self.backend is not None:
+            try:
+                StructuredOutputsBackend(self.backend)
+            except ValueError:
+                names = ", ".join(b.value for b in StructuredOutputsBackend)
+                raise RequestError(
+                    f"structured_output.backend must be one of {names}, got {self.backend!r}"
+                ) from None
         if len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
             raise RequestError(
                 f"structured_output.spec has {len(self.spec)} characters, at most "

@@ -1,15 +1,16 @@
 """Structured outputs' cost: the in-process engine's output tokens/s with a JSON schema
 against the same requests without one, side by side.
 
-Both arms run the same prompts to exactly ``--max-tokens`` tokens each, so they do the same
-model work and differ only by the grammar: the schema's arm asks for an array of at least
-``--max-tokens`` integers (it is always cut by max_tokens, never ended early by the
-grammar), and the free arm sets ``ignore_eos``. Every schema token is masked: a mask filled
-on the host per row and token, one more copy per pass, the mask applied before sampling,
-and the matcher advanced. Arms alternate A B A B for ``--repeats`` rounds after one warm-up
-round (xgrammar's import and the first compile); each prints tokens/s, per wall second and
-per CPU second of this process, and the table gives for both the median [min-max] per arm,
-the ratio of medians, and the median [min-max] of each round's own ratio (the two runs of
+All arms run the same prompts to exactly ``--max-tokens`` tokens each, so they do the same
+model work and differ only by the grammar: a schema's arm (one per grammar engine,
+``--backend``) asks for an array of at least ``--max-tokens`` integers in compact JSON (it
+is always cut by max_tokens, never ended early by the grammar), and the free arm sets
+``ignore_eos``. Every schema token is masked: a mask filled on the host per row and token,
+one more copy per pass, the mask applied before sampling, and the matcher advanced. Arms
+alternate A B C A B C for ``--repeats`` rounds after one warm-up round (the engines'
+imports and the first compile); each prints tokens/s, per wall second and per CPU second
+of this process, and the table gives for each the median [min-max] per arm, the ratio of
+medians to the free arm's, and the median [min-max] of each round's own ratio (the runs of
 a round are neighbours in time). On a shared machine, per CPU second is the steadier.
 
     .venv/bin/python scripts/bench_structured.py --size small --repeats 5
@@ -28,7 +29,7 @@ import time
 import torch
 
 from messages.api import FinishedEvent
-from messages.sampling import SamplingParams, StructuredOutput
+from messages.sampling import SamplingParams, StructuredOutput, StructuredOutputsBackend
 from services.common.config import SchedulerConfig
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
@@ -73,6 +74,12 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--backend",
+        action="append",
+        choices=[b.value for b in StructuredOutputsBackend],
+        help="a schema arm per engine named (repeatable; default: every engine)",
+    )
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     checkpoint = ensure_checkpoint(None, args.size)
@@ -86,15 +93,17 @@ def main() -> int:
         [rng.randrange(1, vocab - 2) for _ in range(args.prompt_tokens)]
         for _ in range(args.requests)
     ]
-    constraint = StructuredOutput(kind="json_schema", spec=json.dumps(schema(args.max_tokens)))
+    spec = json.dumps(schema(args.max_tokens))
     common = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     arms = {
-        "free": [SamplingParams(**common, seed=i, ignore_eos=True) for i in range(len(prompts))],
-        "json_schema": [
+        "free": [SamplingParams(**common, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    }
+    for backend in args.backend or [b.value for b in StructuredOutputsBackend]:
+        constraint = StructuredOutput(kind="json_schema", spec=spec, backend=backend)
+        arms[f"json_schema {backend}"] = [
             SamplingParams(**common, seed=i, structured_output=constraint)
             for i in range(len(prompts))
-        ],
-    }
+        ]
     for name, params in arms.items():  # warm-up: imports, the compile, allocator
         run_arm(engine, prompts, params)
         print(f"warm-up {name} done", file=sys.stderr)

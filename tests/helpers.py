@@ -98,25 +98,22 @@ def assert_follows(kind: str, spec: str, text: str) -> None:
 
 class MaskedSampler:
     """An oracle sampler (``SerialOracle.generate(sampler=...)``) that applies a grammar's
-    mask as the engine must: its own matcher, xgrammar's mask kernel, then greedy argmax or
-    the counter-based sampler. ``gaps[i]`` is the margin token i was chosen by (the top two
-    allowed scores), so a comparison can stop at a near-tie."""
+    mask as the engine must: its own matcher, the mask's bits unpacked here (not the
+    worker's kernel), then greedy argmax or the counter-based sampler. ``gaps[i]`` is the
+    margin token i was chosen by (the top two allowed scores), so a comparison can stop at
+    a near-tie."""
 
     def __init__(self, compiled: Any, vocab_size: int, params: SamplingParams) -> None:
-        import xgrammar as xgr
-
-        self._xgr = xgr
-        self.matcher = xgr.GrammarMatcher(compiled)
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.matcher = compiled.matcher()
+        self.bitmask = torch.zeros((1, -(-vocab_size // 32)), dtype=torch.int32)
         self.params = params
         self.gaps: list[float] = []
 
     def __call__(self, logits: torch.Tensor, index: int) -> int:
         p = self.params
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        masked = logits.clone().float()[None]
-        self._xgr.apply_token_bitmask_inplace(masked, self.bitmask)
-        masked = masked[0]
+        masked = logits.clone().float()
+        masked[~allowed_tokens(self.bitmask[0], masked.numel())] = -math.inf
         if p.temperature:
             assert p.seed is not None
             token = sample_token(
@@ -136,3 +133,10 @@ class MaskedSampler:
         self.gaps.append(top[0] - top[1] if math.isfinite(top[1]) else math.inf)
         assert self.matcher.accept_token(token), (index, token)
         return token
+
+
+def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A grammar's int32 bitmask as one bool per token id (bit ``i % 32`` of word
+    ``i // 32``)."""
+    bits = (words.long().unsqueeze(-1) >> torch.arange(32)) & 1
+    return bits.flatten()[:vocab_size].bool()

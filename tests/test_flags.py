@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from messages.sampling import StructuredOutputsBackend
 from services.cli import build_parser
 from services.common.config import KVAdmission, KVLayout, SchedulerConfig
 from services.common.flags import add_engine_flags, engine_args, scheduler_config_from_args
@@ -41,6 +42,7 @@ def _configs() -> st.SearchStrategy[SchedulerConfig]:
         kv_admission=st.sampled_from(list(KVAdmission)),
         kv_watermark=st.floats(0.0, 1.0),
         max_admission_bypasses=st.integers(0, 16),
+        structured_outputs_backend=st.sampled_from(list(StructuredOutputsBackend)),
     )
 
 

@@ -1,5 +1,5 @@
-"""Structured outputs in the in-process engine (xgrammar masks on the worker): on a random
-model the mask does all the work, so every output must follow its format; greedy and
+"""Structured outputs in the in-process engine (the grammar engine's masks on the worker): on
+a random model the mask does all the work, so every output must follow its format; greedy and
 sampled tokens equal the serial oracle run with the same mask; a preemption, a worker loss
 or a move to another shard rebuilds the grammar's state from the tokens; and a request
 without a format is unchanged."""
@@ -10,6 +10,7 @@ import json
 import random
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -18,7 +19,8 @@ from messages.api import FinishedEvent, TokenEvent
 from messages.errors import RequestError
 from messages.sampling import SamplingParams, StructuredOutput
 from services.common.config import KVAdmission, SchedulerConfig
-from services.common.grammar import check_structured_output, choice_ebnf
+from services.common.grammar import check_structured_output
+from services.common.grammar_xgrammar import choice_ebnf
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
@@ -39,23 +41,27 @@ def book(codec: TextCodec, toy_model) -> GrammarBook:
     return GrammarBook(codec, VOCAB, toy_model.cfg.stop_token_ids)
 
 
-def _constraint(name: str) -> StructuredOutput:
+def _constraint(name: str, any_whitespace: bool = False) -> StructuredOutput:
     if name == "json_object":
-        return StructuredOutput(kind="json_object")
+        return StructuredOutput(kind="json_object", any_whitespace=any_whitespace)
     kind, spec = FORMATS[name]
-    return StructuredOutput(kind=kind, spec=spec)
+    return StructuredOutput(
+        kind=kind, spec=spec, any_whitespace=any_whitespace and kind == "json_schema"
+    )
 
 
 def _workload(
-    count: int, seed: int, json_max_tokens: int = 512
+    count: int, seed: int, json_max_tokens: int = 512, any_whitespace: bool | None = None
 ) -> list[tuple[str, list[int], SamplingParams, str]]:
     """Random prompts, each with a format (every kind in turn), greedy and sampled, some with
-    early exit: (request id, prompt, params, format name)."""
+    early exit: (request id, prompt, params, format name). JSON is compact, or takes
+    whitespace runs in every other round of kinds (``any_whitespace`` None) or always."""
     rng = random.Random(seed)
     names = [*FORMATS, "json_object"]
     out = []
     for i in range(count):
         name = names[i % len(names)]
+        spaced = (i // len(names)) % 2 == 1 if any_whitespace is None else any_whitespace
         prompt = [rng.randrange(1, 509) for _ in range(rng.randrange(2, 24))]
         params = SamplingParams(
             max_tokens=json_max_tokens if name == "json_schema" else 64,
@@ -63,7 +69,7 @@ def _workload(
             seed=1000 + i,
             min_loops=1,
             exit_threshold=0.7 if i % 3 == 0 else 1.0,
-            structured_output=_constraint(name),
+            structured_output=_constraint(name, spaced),
         )
         out.append((f"r{i}", prompt, params, name))
     return out
@@ -80,15 +86,13 @@ def _run(engine: LLMEngine, workload) -> tuple[dict[str, FinishedEvent], list[To
 def _check_formats(finished, workload, codec: TextCodec, book: GrammarBook) -> None:
     """Every output follows its format: complete ones validate, and json_object outputs cut
     by max_tokens are prefixes the grammar accepts."""
-    import xgrammar as xgr
-
     for rid, _, params, name in workload:
         done = finished[rid]
         text = codec.decode(done.token_ids)
         constraint = params.structured_output
         assert constraint is not None
         if name == "json_object" and done.finish_reason == "length":
-            matcher = xgr.GrammarMatcher(book.compile(constraint).result())
+            matcher = book.compile(constraint).result().matcher()
             assert all(matcher.accept_token(t) for t in done.token_ids), (rid, text)
             continue
         assert done.finish_reason == "stop", (rid, name, done.finish_reason, text)
@@ -118,14 +122,20 @@ def _assert_equals_oracle(done: FinishedEvent, expected, gaps: list[float], labe
 
 # ---------------------------------------------------------------------- the engine
 @pytest.mark.oracle
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_every_output_follows_its_format_and_equals_the_oracle(
-    toy_model, oracle, codec, book
+    toy_model, oracle, codec, backend: str
 ) -> None:
     """Ten random requests, greedy and sampled, every kind, some exiting early, sharing
     batches (async scheduling, follow-on rows, chunked prefill): each output is complete and
-    valid, and equals the oracle's with the same mask."""
+    valid, and equals the oracle's with the same mask, with either grammar engine."""
     workload = _workload(10, seed=7)
-    config = SchedulerConfig(block_size=4, num_blocks=1024, prefill_chunk_size=8)
+    config = SchedulerConfig(
+        block_size=4, num_blocks=1024, prefill_chunk_size=8, structured_outputs_backend=backend
+    )
+    book = GrammarBook(
+        codec, VOCAB, toy_model.cfg.stop_token_ids, backend=config.structured_outputs_backend
+    )
     finished, _ = _run(LLMEngine(toy_model, config, codec=codec), workload)
     _check_formats(finished, workload, codec, book)
     compared = 0
@@ -167,8 +177,9 @@ def test_preemption_rebuilds_the_grammar_from_the_generated_tokens(
 ) -> None:
     """A KV cache too small for everyone: requests are preempted mid-output, recomputed and
     their known tokens replayed; the worker rebuilds each matcher from those tokens."""
-    # long JSON outputs, so requests hold more KV as they go
-    workload = [w for w in _workload(25, seed=5, json_max_tokens=320) if w[3] == "json_schema"]
+    # long JSON outputs (with whitespace), so requests hold more KV as they go
+    workload = _workload(25, seed=5, json_max_tokens=320, any_whitespace=True)
+    workload = [w for w in workload if w[3] == "json_schema"]
     config = SchedulerConfig(
         block_size=8,
         num_blocks=240,
@@ -239,15 +250,29 @@ def test_a_request_resumed_with_known_tokens_goes_on_in_its_format(toy_model, co
 
 
 # ---------------------------------------------------------------------- refusals
+LL, XG = "llguidance", "xgrammar"
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(
-    ("constraint", "problem"),
+    ("constraint", "problems"),
     [
-        (StructuredOutput(kind="regex", spec="a(b"), "parenthesis is not closed"),
-        (StructuredOutput(kind="grammar", spec='root ::= "a" | b'), 'Rule "b" is not defined'),
+        (
+            StructuredOutput(kind="regex", spec="a(b"),
+            {LL: "unclosed group", XG: "parenthesis is not closed"},
+        ),
+        (
+            StructuredOutput(kind="grammar", spec='root ::= "a" | b'),
+            {LL: "Rule 'b' not found", XG: 'Rule "b" is not defined'},
+        ),
         (
             StructuredOutput(kind="json_schema", spec='{"type": "strin"}'),
-            'Unsupported type "strin"',
+            {LL: "Invalid type: strin", XG: 'Unsupported type "strin"'},
+        ),
+        # what llguidance does not enforce is refused by name, never ignored
+        (
+            StructuredOutput(kind="json_schema", spec='{"type": "array", "uniqueItems": true}'),
+            {LL: 'Unimplemented keys: ["uniqueItems"]'},
         ),
         (StructuredOutput(kind="json_schema", spec="[1, 2"), "not a JSON schema"),
         (StructuredOutput(kind="json_schema", spec="[1, 2]"), "must be an object"),
@@ -256,6 +281,8 @@ def test_a_request_resumed_with_known_tokens_goes_on_in_its_format(toy_model, co
         (StructuredOutput(kind="regex", spec=""), "needs a spec"),
         (StructuredOutput(kind="json_object", spec="{}"), "takes no spec"),
         (StructuredOutput(kind="xml", spec="x"), "kind must be one of"),
+        (StructuredOutput(kind="regex", spec="a", any_whitespace=True), "json_object only"),
+        (StructuredOutput(kind="regex", spec="a", backend="outlines"), "backend must be one of"),
         # counted repetitions whose parse would stall (quadratic in the count)
         (StructuredOutput(kind="regex", spec="(a|b){1,5000}"), "counts over 1000"),
         (
@@ -269,13 +296,20 @@ def test_a_request_resumed_with_known_tokens_goes_on_in_its_format(toy_model, co
         (StructuredOutput(kind="grammar", spec='root ::= "a"{0,3000}'), "counts over 1000"),
     ],
 )
+@pytest.mark.parametrize("backend", [LL, XG])
 def test_a_format_that_does_not_compile_is_refused_naming_the_problem(
-    constraint: StructuredOutput, problem: str
+    constraint: StructuredOutput, problems: str | dict[str, str], backend: str
 ) -> None:
+    problem = problems if isinstance(problems, str) else problems.get(backend)
+    if problem is None:
+        pytest.skip(f"{backend} compiles it")
+    if constraint.backend is None:
+        constraint = msgspec.structs.replace(constraint, backend=backend)
     with pytest.raises(RequestError) as err:
         check_structured_output(constraint)
     assert problem in err.value.message
     assert "/project/cpp" not in err.value.message  # xgrammar's source location is not ours
+    assert "\n" not in err.value.message  # one line (llguidance's echo the grammar)
 
 
 @pytest.mark.unit
@@ -305,11 +339,13 @@ def test_a_grammar_that_never_compiles_fails_its_request_not_the_pass(
 @pytest.mark.unit
 def test_compiled_grammars_are_bounded_in_bytes(codec: TextCodec, toy_model) -> None:
     """The compiled-grammar LRU holds at most ``cache_bytes``: the oldest go first, never
-    the one just compiled."""
-    one = GrammarBook(codec, VOCAB, toy_model.cfg.stop_token_ids)
+    the one just compiled (xgrammar's, whose sizes are its precomputed masks)."""
+    one = GrammarBook(codec, VOCAB, toy_model.cfg.stop_token_ids, backend=XG)
     size = one.compile(StructuredOutput(kind="regex", spec="a+b")).result().memory_size_bytes
     assert size > 0
-    book = GrammarBook(codec, VOCAB, toy_model.cfg.stop_token_ids, cache_bytes=int(size * 2.5))
+    book = GrammarBook(
+        codec, VOCAB, toy_model.cfg.stop_token_ids, cache_bytes=int(size * 2.5), backend=XG
+    )
     specs = [f"a+b{'c' * i}" for i in range(5)]
     for spec in specs:
         book.compile(StructuredOutput(kind="regex", spec=spec)).result()
@@ -317,7 +353,7 @@ def test_compiled_grammars_are_bounded_in_bytes(codec: TextCodec, toy_model) -> 
         if len(book._sizes) == len(book._cache):
             break
         time.sleep(0.01)
-    held = [key[1] for key in book._cache]
+    held = [key.spec for key in book._cache]
     assert held and held[-1] == specs[-1] and len(held) <= 3, held
     assert book._bytes <= size * 2.5 * 1.5  # the sizes of grammars alike differ a little
 
@@ -415,6 +451,14 @@ def test_the_gateway_reads_openai_and_vllm_formats() -> None:
         StructuredOutput(kind="regex", spec="a+")
     )
     assert structured_output({"type": "text"}, None) is None
+    # JSON is compact unless the request asks for whitespace (vLLM's option, said false)
+    spaced = structured_output(None, {"json": schema, "disable_any_whitespace": False})
+    assert spaced is not None and spaced.any_whitespace
+    for vllm in [{"json": schema}, {"json": schema, "disable_any_whitespace": True}]:
+        got = structured_output(None, vllm)
+        assert got is not None and not got.any_whitespace
+    regex = structured_output(None, {"regex": "a+", "disable_any_whitespace": False})
+    assert regex == StructuredOutput(kind="regex", spec="a+")  # no whitespace to allow
     for response_format, vllm, param in [
         ({"type": "json_object"}, {"regex": "a"}, "structured_outputs"),
         (None, {"regex": "a", "json": "{}"}, "structured_outputs"),
@@ -431,3 +475,33 @@ def test_the_gateway_reads_openai_and_vllm_formats() -> None:
         with pytest.raises(FormatError) as err:
             structured_output(response_format, vllm)
         assert err.value.param == param
+
+
+@pytest.mark.unit
+def test_admission_fixes_each_requests_grammar_engine(toy_checkpoint, codec) -> None:
+    """Admission writes its server's engine into a format that names none (so every worker
+    the request runs on compiles it alike), keeps one a request names, and refuses a format
+    its engine does not enforce with a 400 naming the keyword."""
+    from services.admission.config import AdmissionConfig
+    from services.admission.errors import AdmissionError
+    from services.admission.validation import RequestValidator
+    from services.common.checkpoint import load_model_limits
+
+    limits = load_model_limits(toy_checkpoint)
+
+    def prepare(backend: str, constraint: dict) -> StructuredOutput:
+        config = AdmissionConfig(structured_outputs_backend=backend)
+        validator = RequestValidator(limits, codec, config)
+        body = {"prompt": "hi", "structured_output": constraint}
+        prepared = validator.prepare(json.dumps(body).encode())
+        validator.check_structured_output(prepared)
+        assert prepared.params.structured_output is not None
+        return prepared.params.structured_output
+
+    unique = {"kind": "json_schema", "spec": '{"type": "array", "uniqueItems": true}'}
+    assert prepare(XG, unique).backend == XG
+    assert prepare(LL, {"kind": "regex", "spec": "a+"}).backend == LL
+    assert prepare(XG, {**unique, "backend": "xgrammar"}).backend == XG
+    with pytest.raises(AdmissionError) as err:
+        prepare(XG, {**unique, "backend": "llguidance"})
+    assert err.value.code == "invalid_request" and "uniqueItems" in err.value.message

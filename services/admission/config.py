@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from messages.sampling import DEFAULT_STRUCTURED_OUTPUTS_BACKEND, StructuredOutputsBackend
 from services.common.config import scheduler_lost_s
 from services.runtime import subjects
 
@@ -25,6 +26,9 @@ class AdmissionConfig:
     num_blocks: int | None = None
     num_kv_planes: int = 1
     enable_prefix_caching: bool = False
+    # the grammar engine written into each request with a structured output that names none
+    # (the engine's --structured-outputs-backend)
+    structured_outputs_backend: StructuredOutputsBackend = DEFAULT_STRUCTURED_OUTPUTS_BACKEND
     # prompt cap in tokens (None: the model's max_position_embeddings)
     max_prompt_tokens: int | None = None
     # the bus's max_payload (set by the service once connected): internal messages and the

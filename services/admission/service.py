@@ -151,6 +151,7 @@ class AdmissionService(Service):
                 num_blocks=sc.num_blocks,
                 num_kv_planes=sc.num_planes(limits.total_ut_steps),
                 enable_prefix_caching=sc.enable_prefix_caching,
+                structured_outputs_backend=sc.structured_outputs_backend,
             )
         # connected by now: requests whose messages could never cross the bus are refused
         self.config = dataclasses.replace(self.config, max_payload=self.nc.max_payload)
@@ -282,7 +283,7 @@ class AdmissionService(Service):
             raise AdmissionError("", ErrorCode.UNAVAILABLE, "admission is shutting down")
         prepared = self.core.prepare(data, trace_id, tenant)
         if prepared.params.structured_output is not None:
-            # compiling the format loads xgrammar (and torch) on first use: off the loop
+            # compiling the format loads its grammar engine on first use: off the loop
             await asyncio.to_thread(self.core.check_structured_output, prepared)
         span = self.tracer.start(
             "admission.admit",

@@ -23,7 +23,7 @@ from services.admission.config import AdmissionConfig
 from services.admission.errors import AdmissionError
 from services.common.config import ModelLimits
 from services.common.fit import KVGeometry, check_request_fits
-from services.common.grammar import check_structured_output
+from services.common.grammar import check_structured_output, with_backend
 from services.common.tokenizer import TextCodec
 from services.runtime import subjects
 from services.runtime.tracing import new_trace_id
@@ -88,6 +88,8 @@ class RequestValidator:
             prompt = self._prompt_ids(request)
             # the scheduler gets the request with the model's defaults filled in
             params = self.limits.resolve(request.sampling_params())
+            # the grammar engine is fixed here: every worker the request runs on uses it
+            params = with_backend(params, self.config.structured_outputs_backend)
             if params.seed is None:
                 # fixed here, from the id: a request resumed on another shard, or retried
                 # through another admission, samples exactly the same tokens
@@ -112,8 +114,8 @@ class RequestValidator:
 
     def check_structured_output(self, prepared: Prepared) -> None:
         """Raises AdmissionError naming the problem when the request's structured output
-        does not compile. The first call loads xgrammar (and torch), which takes seconds:
-        the service calls this off its event loop."""
+        does not compile. The first call loads its grammar engine (xgrammar loads torch),
+        which takes up to seconds: the service calls this off its event loop."""
         constraint = prepared.params.structured_output
         if constraint is None:
             return

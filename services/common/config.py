@@ -8,7 +8,13 @@ from enum import StrEnum
 from typing import Any
 
 from messages.errors import RequestError
-from messages.sampling import API_DEFAULTS, RequestDefaults, SamplingParams
+from messages.sampling import (
+    API_DEFAULTS,
+    DEFAULT_STRUCTURED_OUTPUTS_BACKEND,
+    RequestDefaults,
+    SamplingParams,
+    StructuredOutputsBackend,
+)
 
 
 def scheduler_lost_s() -> float:
@@ -138,6 +144,10 @@ class SchedulerConfig:
     # estimated to finish before it could start). 0 = strict queue order, no backfill
     # either (services/scheduler/waiting.py, docs/benchmarks/admission_bypass.md)
     max_admission_bypasses: int = 4
+    # the grammar engine of structured outputs: admission (or the in-process engine) writes
+    # it into each request, so every worker the request runs on uses the same one; the
+    # default is chosen by measured conformance (docs/benchmarks/structured_outputs.md)
+    structured_outputs_backend: StructuredOutputsBackend = DEFAULT_STRUCTURED_OUTPUTS_BACKEND
 
     def __post_init__(self) -> None:
         for name in (
@@ -168,6 +178,15 @@ class SchedulerConfig:
             raise ValueError(
                 f"kv_admission must be one of {choices}, got {self.kv_admission!r}"
             ) from None
+        try:
+            backend = StructuredOutputsBackend(self.structured_outputs_backend)
+        except ValueError:
+            choices = ", ".join(b.value for b in StructuredOutputsBackend)
+            raise ValueError(
+                f"structured_outputs_backend must be one of {choices}, "
+                f"got {self.structured_outputs_backend!r}"
+            ) from None
+        object.__setattr__(self, "structured_outputs_backend", backend)
         if not 0.0 <= self.kv_watermark <= 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1], got {self.kv_watermark}")
         if self.max_admission_bypasses < 0:

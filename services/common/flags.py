@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from messages.sampling import SamplingParams
+from messages.sampling import SamplingParams, StructuredOutputsBackend
 from services.common.config import KVAdmission, KVLayout, OverloadPolicy, SchedulerConfig
 from services.runtime.bus import DEFAULT_NATS_URL
 
@@ -168,6 +168,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="reserve/watermark admission: a waiting request whose KV does not fit may be "
         "passed by requests of its priority behind it that fit and are estimated to finish "
         "before it could start (backfill), and N times by others; 0 = strict queue order "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--structured-outputs-backend",
+        choices=[b.value for b in StructuredOutputsBackend],
+        default=SchedulerConfig.structured_outputs_backend.value,
+        help="the grammar engine of structured outputs (response_format, structured_outputs): "
+        "admission assigns it to each request and every worker compiles with it; the default "
+        "is chosen by measured conformance (docs/benchmarks/structured_outputs.md) "
         "(default: %(default)s)",
     )
     add_device_flags(g)
@@ -346,6 +355,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         kv_admission=KVAdmission(args.kv_admission),
         kv_watermark=args.kv_watermark,
         max_admission_bypasses=args.max_admission_bypasses,
+        structured_outputs_backend=StructuredOutputsBackend(args.structured_outputs_backend),
         **unset,
     )
 
@@ -367,6 +377,7 @@ def engine_args(config: SchedulerConfig) -> list[str]:
         f"--kv-admission={config.kv_admission.value}",
         f"--kv-watermark={config.kv_watermark!r}",
         f"--max-admission-bypasses={config.max_admission_bypasses}",
+        f"--structured-outputs-backend={config.structured_outputs_backend.value}",
     ]
     mode = prefill_mode(config)
     args += [f"--prefill={mode}"]

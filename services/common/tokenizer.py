@@ -190,6 +190,11 @@ class TextCodec:
                 pieces[token_id] = piece
         return pieces
 
+    def tokenizer_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text, with the special tokens the tokenizer
+        config adds (what llguidance reads a vocabulary from)."""
+        return self._tok.to_str()
+
     @property
     def byte_fallback(self) -> bool:
         """SentencePiece-style byte fallback (``<0xE2>`` pieces)."""

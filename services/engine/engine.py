@@ -16,7 +16,7 @@ from messages.api import FinishedEvent, StreamEvent
 from messages.errors import RequestError
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
-from services.common.grammar import check_structured_output
+from services.common.grammar import check_structured_output, with_backend
 from services.common.tokenizer import TextCodec
 from services.engine.executor import InProcessExecutor
 from services.scheduler.batch import ScheduledBatch
@@ -51,7 +51,14 @@ class LLMEngine:
         self.config = config
         limits = model_limits(model)
         self.grammars = (
-            GrammarBook(codec, model.cfg.vocab_size, limits.eos_token_ids) if codec else None
+            GrammarBook(
+                codec,
+                model.cfg.vocab_size,
+                limits.eos_token_ids,
+                backend=config.structured_outputs_backend,
+            )
+            if codec
+            else None
         )
         self.runner: ModelRunner | SimRunner = simulated or ModelRunner(
             model,
@@ -96,6 +103,8 @@ class LLMEngine:
         if params.structured_output is not None:
             if self.grammars is None:
                 raise RequestError("structured_output needs an engine with the tokenizer")
+            params = with_backend(params, self.config.structured_outputs_backend)
+            assert params.structured_output is not None
             check_structured_output(params.structured_output)
         self.core.add_request(request_id, prompt_token_ids, params)
 

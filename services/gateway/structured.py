@@ -22,15 +22,20 @@ _FORMATS = {
     "grammar": StructuredOutputKind.GRAMMAR,
     "json_object": StructuredOutputKind.JSON_OBJECT,
 }
-# its other fields, each with the values that ask for nothing rlt does not do: it has one
-# backend (so no fallback to disable), and any other value is refused by name
+# its other fields, each with the values that ask for nothing rlt does not do: the server
+# picks one grammar engine (so there is no fallback to disable), and any other value is
+# refused by name. ``disable_any_whitespace``: JSON is compact unless it is false (then
+# whitespace runs of at most 16 characters are allowed, as an indenting model writes)
 _OPTIONS: dict[str, tuple[Any, ...]] = {
     "disable_fallback": (None, False, True),
-    "disable_any_whitespace": (None, False),
+    "disable_any_whitespace": (None, False, True),
     "disable_additional_properties": (None, False),
     "whitespace_pattern": (None,),
     "structural_tag": (None,),
 }
+
+
+_JSON_KINDS = (StructuredOutputKind.JSON_SCHEMA, StructuredOutputKind.JSON_OBJECT)
 
 
 class FormatError(ValueError):
@@ -106,8 +111,14 @@ def _structured_outputs(value: Any) -> tuple[StructuredOutput, str] | None:
             "structured_outputs needs exactly one of " + ", ".join(_FORMATS),
             "structured_outputs",
         )
-    name = named[0]
-    param, spec = f"structured_outputs.{name}", value[name]
+    found = _vllm_format(named[0], value[named[0]])
+    if value.get("disable_any_whitespace") is False and found[0].kind in _JSON_KINDS:
+        return msgspec.structs.replace(found[0], any_whitespace=True), found[1]
+    return found
+
+
+def _vllm_format(name: str, spec: Any) -> tuple[StructuredOutput, str]:
+    param = f"structured_outputs.{name}"
     if name == "json":
         if isinstance(spec, str):
             return StructuredOutput(kind=StructuredOutputKind.JSON_SCHEMA, spec=spec), param

@@ -1,15 +1,16 @@
 """Structured outputs on the worker: compiled grammars, each constrained request's matcher,
 and the token masks a pass applies to its coda rows' logits before sampling.
 
-A request's matcher (xgrammar's ``GrammarMatcher``) has accepted exactly the tokens the
-request generated: it is built from the compiled grammar and the generated tokens its
-``NewRequest`` carries (on admission none; after a preemption, a worker loss or a move to
-another shard all that are known), then advances by each token the worker samples for it.
-The mask of its next token is filled on the host once per token (a pass may plan the coda
-of a row that does not exit yet), sent with the pass's other masks in one copy, and applied
-on the device. The stop tokens (the model's EOS ids) are allowed exactly when the output is
-complete, and nothing else is then: so the scheduler's EOS rule ends the request when the
-grammar ends.
+A request's matcher (its grammar engine's, ``services/common/grammar.py``) has accepted
+exactly the tokens the request generated: it is built from the compiled grammar and the
+generated tokens its ``NewRequest`` carries (on admission none; after a preemption, a
+worker loss or a move to another shard all that are known), then advances by each token
+the worker samples for it. The request names its engine, so every worker it runs on
+rebuilds the same state. The mask of its next token is filled on the host once per token
+(a pass may plan the coda of a row that does not exit yet), sent with the pass's other
+masks in one copy, and applied on the device. The stop tokens (the model's EOS ids) are
+allowed exactly when the output is complete, and nothing else is then: so the
+scheduler's EOS rule ends the request when the grammar ends.
 """
 
 from __future__ import annotations
@@ -20,42 +21,44 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import torch
 
 from messages.errors import RequestError
-from messages.sampling import StructuredOutput, StructuredOutputKind
-from services.common.grammar import grammar_of, xgrammar_message
+from messages.sampling import StructuredOutput, StructuredOutputsBackend
+from services.common.grammar import backend_of, check_repeats, engine
+from services.common.grammar_engine import (
+    CompiledGrammar,
+    GrammarCompiler,
+    TokenMatcher,
+    Vocabulary,
+)
 from services.common.tokenizer import TextCodec
 
-if TYPE_CHECKING:
-    import xgrammar
-
-# compiled grammars kept per worker: compiling is the expensive part (token masks are
-# precomputed per grammar state), so a service answering one schema compiles it once
+# compiled grammars kept per worker: compiling is the expensive part (xgrammar precomputes
+# token masks per grammar state; llguidance builds its lexer), so a service answering one
+# schema compiles it once
 COMPILED_CACHE_SIZE = 128
 # ...and at most this many bytes of them (a large schema against a 150k vocabulary compiles
-# to tens of MB)
+# to tens of MB with xgrammar)
 COMPILED_CACHE_BYTES = 1 << 30
 # the most a pass waits for a request's grammar to compile: past it that request fails and
 # the pass goes on (a thread cannot be stopped, so a pathological format costs this once)
 COMPILE_WAIT_S = 10.0
-BITS = 32  # token ids per bitmask word (xgrammar's int32 bitmask)
+BITS = 32  # token ids per bitmask word (the engines' int32 bitmask)
 
 
 def mask_words(vocab_size: int) -> int:
     return -(-vocab_size // BITS)
 
 
-_Key = tuple[StructuredOutputKind, str]
-
-
 class GrammarBook:
-    """The checkpoint's vocabulary as xgrammar sees it and the grammars compiled for it, by
-    (kind, spec) in an LRU. Compiling runs on a thread of its own: a new schema compiles
-    while its request's prompt is prefilled."""
+    """The checkpoint's vocabulary and the grammars compiled for it, by format (kind, spec,
+    whitespace and engine) in an LRU. Compiling runs on a thread of its own: a new schema
+    compiles while its request's prompt is prefilled. ``backend``: the engine of a format
+    that names none."""
 
     def __init__(
         self,
@@ -64,6 +67,7 @@ class GrammarBook:
         stop_token_ids: Sequence[int],
         cache_size: int = COMPILED_CACHE_SIZE,
         cache_bytes: int = COMPILED_CACHE_BYTES,
+        backend: StructuredOutputsBackend | None = None,
     ) -> None:
         # the model's vocabulary: the masks cover every id the lm_head can score, which may be
         # more than the tokenizer has (padded vocabularies)
@@ -72,26 +76,29 @@ class GrammarBook:
         self.stop_token_ids = tuple(stop_token_ids)
         # the matcher ends exactly when it accepts one of these (a set: asked per token)
         self.stop_set = frozenset(self.stop_token_ids)
-        self._codec = codec
+        self.backend = backend
+        self._vocabulary = Vocabulary(codec, vocab_size, self.stop_token_ids)
         self._cache_size = cache_size
         self._cache_bytes = cache_bytes
-        self._cache: OrderedDict[_Key, Future[Any]] = OrderedDict()
-        self._sizes: dict[_Key, int] = {}  # of the compiled entries
+        self._cache: OrderedDict[StructuredOutput, Future[CompiledGrammar]] = OrderedDict()
+        self._sizes: dict[StructuredOutput, int] = {}  # of the compiled entries
         self._bytes = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rlt-grammar")
-        # made on first use: importing xgrammar takes seconds
-        self._compiler: xgrammar.GrammarCompiler | None = None
+        # made on first use, on the compile thread: importing an engine takes seconds
+        self._compilers: dict[StructuredOutputsBackend, GrammarCompiler] = {}
         # what a request whose output is complete may still be sent: its stop tokens
         self.stop_mask = torch.zeros(self.words, dtype=torch.int32)
         for token in self.stop_token_ids:
             if token < vocab_size:
                 self.stop_mask[token // BITS] |= _bit(token % BITS)
 
-    def compile(self, constraint: StructuredOutput) -> Future[Any]:
+    def compile(self, constraint: StructuredOutput) -> Future[CompiledGrammar]:
         """The compiled grammar of ``constraint`` (a future: it may still be compiling). A
         spec that does not compile fails the future with ``RequestError``."""
-        key = (StructuredOutputKind(constraint.kind), constraint.spec)
+        if constraint.backend is None and self.backend is not None:
+            constraint = msgspec.structs.replace(constraint, backend=self.backend)
+        key = constraint
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
@@ -104,7 +111,7 @@ class GrammarBook:
         compiled.add_done_callback(lambda done, key=key: self._compiled(key, done))
         return compiled
 
-    def _compiled(self, key: _Key, done: Future[Any]) -> None:
+    def _compiled(self, key: StructuredOutput, done: Future[CompiledGrammar]) -> None:
         """Counts a compiled grammar's bytes; forgets a compile that crashed (not a spec's
         fault, e.g. out of memory), so the next request with it tries again."""
         with self._lock:
@@ -119,7 +126,7 @@ class GrammarBook:
             self._bytes += size
             self._evict(keep=key)
 
-    def _evict(self, keep: _Key) -> None:
+    def _evict(self, keep: StructuredOutput) -> None:
         """Least recently used first, never ``keep`` (its request is about to use it)."""
         while len(self._cache) > 1 and (
             len(self._cache) > self._cache_size or self._bytes > self._cache_bytes
@@ -131,37 +138,14 @@ class GrammarBook:
             del self._cache[oldest]
             self._bytes -= self._sizes.pop(oldest, 0)
 
-    def _compile(self, constraint: StructuredOutput) -> Any:
-        grammar = grammar_of(constraint)
-        if self._compiler is None:
-            self._compiler = self._make_compiler()
-        try:
-            return self._compiler.compile_grammar(grammar)
-        except Exception as exc:
-            raise RequestError(
-                f"structured_output ({constraint.kind}) does not compile for this "
-                f"model's vocabulary: {xgrammar_message(exc)}"
-            ) from None
-
-    def _make_compiler(self) -> xgrammar.GrammarCompiler:
-        import xgrammar as xgr
-
-        codec = self._codec
-        if codec.is_byte_level:
-            kind = xgr.VocabType.BYTE_LEVEL
-        elif codec.byte_fallback:
-            kind = xgr.VocabType.BYTE_FALLBACK
-        else:
-            kind = xgr.VocabType.RAW
-        info = xgr.TokenizerInfo(
-            codec.token_pieces(self.vocab_size),
-            kind,
-            vocab_size=self.vocab_size,
-            stop_token_ids=list(self.stop_token_ids),
-            add_prefix_space=codec.adds_prefix_space,
-        )
-        # our LRU is the cache (xgrammar's own is unbounded by default)
-        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    def _compile(self, constraint: StructuredOutput) -> CompiledGrammar:
+        constraint.validate()
+        check_repeats(constraint)
+        backend = backend_of(constraint)
+        compiler = self._compilers.get(backend)
+        if compiler is None:
+            compiler = self._compilers[backend] = engine(backend).compiler(self._vocabulary)
+        return compiler.compile(constraint)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -172,13 +156,16 @@ class RequestGrammar:
     grammar and the tokens the request had generated, and the mask of its next token."""
 
     def __init__(
-        self, book: GrammarBook | None, compiled: Future[Any] | None, generated: Sequence[int]
+        self,
+        book: GrammarBook | None,
+        compiled: Future[CompiledGrammar] | None,
+        generated: Sequence[int],
     ) -> None:
         self._book = book
         self._stop_set = book.stop_set if book is not None else frozenset()
         self._compiled = compiled
         self._generated = list(generated)
-        self._matcher: xgrammar.GrammarMatcher | None = None
+        self._matcher: TokenMatcher | None = None
         self.num_accepted = 0  # tokens of the output the matcher has accepted
         self.ended = False  # it accepted a stop token: the output is complete
         self.error: str | None = None  # why this request's tokens cannot be constrained
@@ -186,24 +173,21 @@ class RequestGrammar:
             self.error = (
                 "structured outputs need the checkpoint's tokenizer, and this worker has none"
             )
-        # the next token's mask, int32 [1, words] (xgrammar fills a tensor; the pass buffer
+        # the next token's mask, int32 [1, words] (the engine fills a tensor; the pass buffer
         # copies it through a numpy view), valid while ``num_accepted == _mask_at``
         self._mask: torch.Tensor | None = None
         self._mask_words: np.ndarray | None = None
         self._mask_at = -1
 
-    def _ready(self) -> xgrammar.GrammarMatcher | None:
+    def _ready(self) -> TokenMatcher | None:
         """The matcher (waiting for its grammar to compile); None once ``error`` is set."""
         if self.error is not None:
             return None
         if self._matcher is not None:
             return self._matcher
-        import xgrammar as xgr
-
         assert self._compiled is not None
         try:
-            compiled = self._compiled.result(timeout=COMPILE_WAIT_S)
-            matcher = xgr.GrammarMatcher(compiled)
+            matcher = self._compiled.result(timeout=COMPILE_WAIT_S).matcher()
         except RequestError as exc:
             self.error = exc.message
             return None
