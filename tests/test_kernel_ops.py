@@ -413,6 +413,22 @@ def test_exit_copy_pairs_move_only_the_exited_tokens_kv(block_size: int, contigu
         planner.slot([0], block_size)
 
 
+@pytest.mark.unit
+def test_decode_split_count_depends_only_on_the_grid() -> None:
+    """A static bucket (S segments) always gets the same split count, so its graph replays the
+    same grid; a small grid is split up to the cap, a grid that fills the SMs is not split."""
+    from kernels.ops._triton import MAX_SPLITS, decode_splits
+
+    assert decode_splits(1, 16, 132) == MAX_SPLITS
+    assert decode_splits(8, 16, 132) == 5  # 640 programs for 528 wanted
+    assert decode_splits(32, 16, 132) == 2
+    assert decode_splits(128, 16, 132) == 1
+    assert decode_splits(0, 16, 132) == MAX_SPLITS  # no segment: nothing runs anyway
+    for segs in (1, 2, 4, 8, 16, 32, 64, 128):
+        splits = decode_splits(segs, 16, 132)
+        assert 1 <= splits <= MAX_SPLITS and splits == decode_splits(segs, 16, 132)
+
+
 # --- dispatch and fake tensors --------------------------------------------------------------
 
 
@@ -603,6 +619,65 @@ def _check_attention(failures: list[str]) -> None:
     _close("paged_attention default bs=256", got, want, TOLERANCE[torch.float32], failures)
 
 
+# (layout, block size, splits, split alignment): contexts of 1, splits left empty by short
+# contexts, split boundaries inside a block (alignments that do not divide the block size),
+# zero-row segments, and one split (the kernel writes the output itself)
+DECODE_CASES = [
+    ([(1, 0)], 4, 4, 1),
+    ([(1, 0), (1, 0), (0, 0)], 16, 2, 64),
+    ([(1, 0), (1, 5), (0, 3), (1, 63)], 16, 8, 1),
+    ([(1, 100), (1, 1)], 16, 3, 5),
+    ([(1, 300), (1, 7), (0, 12)], 256, 4, 64),
+    ([(1, 40)], 1, 2, 16),
+    ([(1, 129), (1, 2)], 16, 32, 7),
+    ([(1, 2), (1, 2), (1, 2)], 4, 1, 64),
+    ([(1, 77), (1, 33)], 16, 5, 64),
+]
+
+
+class _Launches(TorchDispatchMode):
+    """Torch ops a call makes (the Triton launches themselves are invisible to it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _check_attention_decode(failures: list[str]) -> None:
+    """The split-context decode kernel against the reference and the float64 dense formula:
+    float32 tight, bf16 loose; padding rows past the segments come out zero with no memset."""
+    for i, (layout, block_size, splits, align) in enumerate(DECODE_CASES):
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, TOLERANCE[torch.bfloat16])):
+            kv_heads, group = HEADS[i % len(HEADS)]
+            case = make_attention_case(
+                1000 + i, layout, block_size, kv_heads, group, head_dim=32, dtype=dtype, pad_rows=2
+            )
+            case = replace(case, max_query_len=1)
+            tag = f"decode {dtype} bs={block_size} splits={splits} align={align} {layout}"
+            with _Launches() as launches:
+                got = attention.paged_attention_triton(
+                    *case.args(), num_splits=splits, split_align=align
+                )
+            memsets = [op for op in launches.ops if "zero" in op or "fill" in op]
+            if memsets:
+                failures.append(f"{tag}: memsets {memsets}")
+            want = attention.paged_attention_reference(*case.args())
+            _close(tag, got, want, tol, failures)
+            _close(f"{tag} vs dense", got, dense_attention(case).to(dtype), tol, failures)
+            if not torch.equal(got[sum(n for n, _ in layout) :], torch.zeros_like(got[:2])):
+                failures.append(f"{tag}: padding rows are not zero")
+    # the default split count on a wide grid of one row, and with many rows (one split)
+    for layout in ([(1, 200)], [(1, 9)] * 40):
+        case = replace(make_attention_case(7, layout, 16, 2, 2, head_dim=32), max_query_len=1)
+        got = attention.paged_attention_triton(*case.args())
+        want = attention.paged_attention_reference(*case.args())
+        _close(f"decode default splits {len(layout)} rows", got, want, 1e-5, failures)
+
+
 def _check_exit_rule(failures: list[str]) -> None:
     module = importlib.import_module("kernels.ops.exit_rule")
 
@@ -654,6 +729,7 @@ INTERPRETER_CHECKS: dict[str, Callable[[list[str]], None]] = {
     "activation": _check_activation,
     "rope": _check_rope,
     "attention": _check_attention,
+    "attention_decode": _check_attention_decode,
 }
 
 

@@ -253,11 +253,16 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int,
     tiled: bool | None = None,
+    num_splits: int | None = None,
+    split_align: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels on any device Triton drives (CPU tensors under TRITON_INTERPRET=1).
 
     ``tiled`` picks the tl.dot kernel (query tiles of >= 16) over the per-query one; by default
-    it is used from ``max_query_len >= 16`` on.
+    it is used from ``max_query_len >= 16`` on. Decode (``max_query_len == 1``, not tiled)
+    splits each context ``num_splits`` ways (default: from the grid's size and the device's
+    SMs), each split's key range a multiple of ``split_align`` positions (default: the key
+    tile).
     """
     from kernels.ops import attention_triton
 
@@ -271,6 +276,8 @@ def paged_attention_triton(
         scale,
         max_query_len,
         tiled=tiled,
+        num_splits=num_splits,
+        **({} if split_align is None else {"split_align": split_align}),
     )
 
 
