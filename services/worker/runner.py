@@ -358,7 +358,7 @@ class ModelRunner:
         return sample_batch(
             logits,
             device["coda.temperature"],
-            device["coda.top_k"].long(),
+            device["coda.top_k"],
             device["coda.top_p"],
             device["coda.seed"],
             device["coda.output_index"],
