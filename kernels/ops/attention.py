@@ -281,6 +281,15 @@ def paged_attention_triton(
     )
 
 
+# Whether CUDA decode passes (max_query_len 1) go through flash-attn 4: set at start by
+# kernels.ops.backends where it is exact and faster here; the Triton kernels otherwise.
+_cuda_decode = {"flash": False}
+
+
+def use_flash_decode(enabled: bool) -> None:
+    _cuda_decode["flash"] = enabled
+
+
 def _paged_attention_cuda(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -291,7 +300,14 @@ def _paged_attention_cuda(
     scale: float,
     max_query_len: int,
 ) -> torch.Tensor:
-    impl = paged_attention_triton if triton_available() else paged_attention_reference
+    if max_query_len == 1 and _cuda_decode["flash"]:
+        from kernels.ops import attention_flash
+
+        impl = attention_flash.paged_decode
+    elif triton_available():
+        impl = paged_attention_triton
+    else:
+        impl = paged_attention_reference
     return impl(q, k_cache, v_cache, block_tables, context_lens, query_start, scale, max_query_len)
 
 
