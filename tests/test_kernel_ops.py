@@ -1023,7 +1023,30 @@ def test_cuda_ops_match_cpu_references(dtype: torch.dtype) -> None:
                     tol,
                     failures,
                 )
+    # long contexts in shuffled blocks: the split decode kernel's default split counts
+    from kernels.ops.paged_case import paged_decode_case
+
+    for rows, context in ((1, 5000), (8, 700), (33, 257)):
+        long = paged_decode_case(rows, context, 16, 16, 128, 16, dtype, "cuda", pad_rows=2)
+        got = ops.paged_attention(*long.args()).cpu()
+        want = ops.paged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in long.args()))
+        _close(f"decode {rows} rows x {context}", got, want, tol, failures)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_triton_sampler_draws_the_references_tokens() -> None:
+    """On the GPU the sort-free sampler and the torch reference agree on every probe row
+    (the start-up check that picks the sampler runs the same comparison)."""
+    from kernels.ops import backends
+
+    sample = importlib.import_module("kernels.ops.sample")
+    for vocab in (49152, 151_936):
+        args = backends.sampler_probe(vocab, torch.device("cuda"))
+        got = sample.sample_triton(*args)
+        want = sample.sample_reference(*args, filters=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), vocab
 
 
 @pytest.mark.gpu

@@ -46,13 +46,22 @@ def select_backends(
     block_size: int,
     dtype: torch.dtype,
 ) -> list[Choice]:
-    """Chooses and installs each op's CUDA backend (start-up, before graphs are captured)."""
+    """Chooses and installs each op's CUDA backend (start-up, before graphs are captured).
+    A second call for the same device and shapes returns the first one's choices (they stay
+    installed): a worker's runners are rebuilt, the machine is the same."""
     if device.type != "cuda":
         return []
-    return [
-        select_sampler(device, vocab_size),
-        select_decode_attention(device, num_heads, kv_heads, head_dim, block_size, dtype),
-    ]
+    key = (str(device), vocab_size, num_heads, kv_heads, head_dim, block_size, dtype)
+    if key not in _chosen:
+        _chosen.clear()  # another shape's choices are not installed any more
+        _chosen[key] = [
+            select_sampler(device, vocab_size),
+            select_decode_attention(device, num_heads, kv_heads, head_dim, block_size, dtype),
+        ]
+    return _chosen[key]
+
+
+_chosen: dict[tuple[object, ...], list[Choice]] = {}
 
 
 def sampler_probe(vocab_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
