@@ -463,6 +463,7 @@ def _wrapper_calls() -> dict[str, tuple[Callable, tuple]]:
             (qkv, cos, sin, cache[0], cache[1], torch.tensor([0, -1, 9]), nh, nkv),
         ),
         "paged_attention": (ops.paged_attention, attn.args()),
+        "sample": (ops.sample, _sampler_rows(0, 10, 50)),
     }
 
 
@@ -489,7 +490,7 @@ def test_package_imports_without_triton() -> None:
         "sys.modules['triton'] = None  # import triton now raises ImportError\n"
         "import torch, kernels.ops as ops\n"
         "assert not ops.triton_available()\n"
-        "lazy = ('norms', 'activation', 'rope_kv', 'attention')\n"
+        "lazy = ('norms', 'activation', 'rope_kv', 'attention', 'sample')\n"
         "loaded = [m for m in lazy if f'kernels.ops.{m}_triton' in sys.modules]\n"
         "assert not loaded, f'kernel modules imported eagerly: {loaded}'\n"
         "x = torch.randn(2, 8)\n"

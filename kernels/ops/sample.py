@@ -24,7 +24,7 @@ from kernels.ops.noise import FIXED_ONE, gumbel_noise
 _lib = torch.library.Library("rlt", "FRAGMENT")
 _lib.define(
     "sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, "
-    "Tensor output_index, bool filters) -> (Tensor, Tensor)"
+    "Tensor output_index, bool filters=True) -> (Tensor, Tensor)"
 )
 
 
