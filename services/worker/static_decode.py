@@ -136,6 +136,12 @@ class StaticDecode:
             total_gib=round(total / 2**30, 2),
         )
 
+    def graph(self, bucket: int, variant: Variant) -> torch.cuda.CUDAGraph | None:
+        """The captured graph of a bucket variant (None: not captured), for benchmarks that
+        time a replay alone; it replays the last inputs its bucket ran."""
+        static = self._static.get((bucket, variant))
+        return static.graph if static is not None else None
+
     def try_run(self, active: list[LiveRow]) -> tuple[PassPlan, torch.Tensor] | None:
         """Runs ``active`` as a static decode pass if it is one; None: run it eagerly. The
         packed results live in the bucket's static output until the next static pass."""
