@@ -128,6 +128,9 @@ def child_main(args: argparse.Namespace, plan: Plan) -> int:
 
 def _child_env(device: str, section: str) -> dict[str, str]:
     env = dict(os.environ)
+    if section != "flash_attn":
+        # the other sections measure the Triton kernels, and need not compile flash-attn
+        env["RLT_FLASH_ATTN"] = "0"
     if device == "cpu":  # toy-sized matmuls: more threads only contend (10x slower on 2 cores)
         env.setdefault("OMP_NUM_THREADS", "1")
         if section == "attention":  # the Triton kernels on CPU tensors

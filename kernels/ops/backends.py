@@ -7,7 +7,8 @@
 * ``rlt::paged_attention`` decode passes: flash-attn 4 where it imports, agrees with the
   reference within the Triton kernel's tolerance and is at least ``MIN_SPEEDUP`` times
   faster than the Triton decode kernel on the model's shape; else the Triton kernel (which
-  stays the reference's stand-in and the fallback).
+  stays the reference's stand-in and the fallback). ``RLT_FLASH_ATTN=0`` skips the probe
+  (its compilation takes seconds) and keeps the Triton kernel.
 
 ``select_backends`` returns what it chose and why, for the caller to log. On a CPU nothing is
 chosen: the CPU ops are the torch references.
@@ -15,6 +16,7 @@ chosen: the CPU ops are the torch references.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -142,6 +144,8 @@ def select_decode_attention(
     attention.use_flash_decode(False)
     if not triton_available():
         return Choice("paged_attention", "torch", "triton does not import")
+    if os.environ.get("RLT_FLASH_ATTN") == "0":
+        return Choice("paged_attention", "triton", "flash-attn turned off (RLT_FLASH_ATTN=0)")
     if varlen_function() is None:
         return Choice("paged_attention", "triton", "flash-attn 4 does not import")
     version = flash_version()
