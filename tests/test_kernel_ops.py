@@ -717,6 +717,8 @@ def _check_sample(failures: list[str]) -> None:
     sample_triton = importlib.import_module("kernels.ops.sample_triton")
     for seed, rows, vocab in ((0, 12, 200), (1, 12, 333), (2, 10, 2500)):
         args = _sampler_rows(seed, rows, vocab)
+        if seed == 1:  # float64 temperatures, as sample_token passes them
+            args = (args[0], args[1].double(), *args[2:])
         logits, temperature, top_k, top_p = args[:4]
         ids, bad, threshold = sample_triton.sample(*args)
         want_ids, want_bad = sample.sample_reference(*args, filters=True)
@@ -725,7 +727,7 @@ def _check_sample(failures: list[str]) -> None:
             failures.append(f"{tag}: bad {bad.tolist()} vs {want_bad.tolist()}")
         if not torch.equal(ids, want_ids):
             failures.append(f"{tag}: ids {ids.tolist()} vs {want_ids.tolist()}")
-        divisor = torch.where(temperature == 0, 1.0, temperature)
+        divisor = torch.where(temperature == 0, 1.0, temperature).to(torch.float32)
         want = sample.filter_threshold(logits / divisor[:, None], top_k, top_p)[:, 0]
         for i in range(rows):
             if temperature[i] != 0 and not want_bad[i] and threshold[i] != want[i]:
@@ -897,7 +899,10 @@ def _ouro_shaped_launches() -> None:
     importlib.import_module("kernels.ops.kv_copy").copy_kv_slots_masked_triton(
         cache.clone(), cache.clone(), pairs, pairs, torch.ones(4, dtype=torch.bool)
     )
-    importlib.import_module("kernels.ops.sample_triton").sample(*_sampler_rows(0, 4, 49152))
+    sampler_args = _sampler_rows(0, 4, 49152)
+    sample_triton = importlib.import_module("kernels.ops.sample_triton")
+    sample_triton.sample(*sampler_args)
+    sample_triton.sample(sampler_args[0], sampler_args[1].double(), *sampler_args[2:])
 
 
 def _compile_main() -> int:
