@@ -10,13 +10,13 @@ Sections, each in its own child process with a time box (a hang, an OOM or a bro
 context costs that section, never the report):
 
 1. ``copy``: the copy bandwidth every share below is of, 2. ``attention``: decode attention
-   alone on shuffled paged KV, 3. ``flash_attn``: flash-attn 4 where it installs
-   (``scripts/device_check_attention.py``).
-4. ``long_context``: whole decode passes at contexts of 512 to 8k, 1 to 128 rows
+   alone on shuffled paged KV, 3. ``sampler``: the sampler alone, 4. ``flash_attn``:
+   flash-attn 4 where it installs (``scripts/device_check_kernels.py``).
+5. ``long_context``: whole decode passes at contexts of 512 to 8k, 1 to 128 rows
    (``scripts/device_check_context.py``).
-5. ``pass_time``, 6. ``decode``, 7. ``hbm``: speed at short contexts
+6. ``pass_time``, 7. ``decode``, 8. ``hbm``: speed at short contexts
    (``scripts/device_check_speed.py``).
-8. ``oracle``, 9. ``bf16``: accuracy (``scripts/device_check_accuracy.py``).
+9. ``oracle``, 10. ``bf16``: accuracy (``scripts/device_check_accuracy.py``).
 
 What they share (sizes, report rows, engine helpers) is in ``scripts/device_check_common.py``.
 This file is the entry point: its arguments, the parent (env, hardware and commit lines,
@@ -50,11 +50,6 @@ if str(ROOT) not in sys.path:  # run as a file from anywhere: import the repo's 
 import torch  # noqa: E402
 
 from scripts.device_check_accuracy import section_bf16, section_oracle  # noqa: E402
-from scripts.device_check_attention import (  # noqa: E402
-    section_attention,
-    section_copy,
-    section_flash_attn,
-)
 from scripts.device_check_common import (  # noqa: E402
     FULL,
     QUICK,
@@ -65,11 +60,18 @@ from scripts.device_check_common import (  # noqa: E402
     render,
 )
 from scripts.device_check_context import section_long_context  # noqa: E402
+from scripts.device_check_kernels import (  # noqa: E402
+    section_attention,
+    section_copy,
+    section_flash_attn,
+    section_sampler,
+)
 from scripts.device_check_speed import hbm_rows, section_decode, section_pass_time  # noqa: E402
 
 SECTIONS = (
     "copy",
     "attention",
+    "sampler",
     "flash_attn",
     "long_context",
     "pass_time",
@@ -95,6 +97,7 @@ CPU_NOTE = (
 SECTION_FNS: dict[str, Callable[[Child], None]] = {
     "copy": section_copy,
     "attention": section_attention,
+    "sampler": section_sampler,
     "flash_attn": section_flash_attn,
     "long_context": section_long_context,
     "pass_time": section_pass_time,
@@ -133,7 +136,7 @@ def _child_env(device: str, section: str) -> dict[str, str]:
         env["RLT_FLASH_ATTN"] = "0"
     if device == "cpu":  # toy-sized matmuls: more threads only contend (10x slower on 2 cores)
         env.setdefault("OMP_NUM_THREADS", "1")
-        if section == "attention":  # the Triton kernels on CPU tensors
+        if section in ("attention", "sampler"):  # the Triton kernels on CPU tensors
             env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"

@@ -60,6 +60,7 @@ def test_quick_dry_run_reports_every_section(tmp_path: Path) -> None:
         "setup",
         "copy",
         "attention",
+        "sampler",
         "flash_attn",
         "long_context",
         "pass_time",
@@ -75,6 +76,11 @@ def test_quick_dry_run_reports_every_section(tmp_path: Path) -> None:
     attention = by_section["attention"]
     assert len(attention) == 2 and all(r[2].endswith(" us") for r in attention)
     assert all("max error" in r[3] and "splits" in r[3] for r in attention)
+    # the sampler alone: the kernel (interpreted) draws the reference's tokens
+    sampler = by_section["sampler"]
+    assert len(sampler) == 2 and all(
+        r[3].startswith("same tokens as the reference") for r in sampler
+    )
     assert [r[2] for r in by_section["flash_attn"]] == ["not run"]  # needs CUDA
     # the long-context grid (2 x 2 here), then the two targets (GPU only)
     long = by_section["long_context"]

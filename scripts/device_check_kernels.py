@@ -1,18 +1,24 @@
-"""The device check's memory and attention sections (``scripts/device_check.py`` runs them):
+"""The device check's kernel sections (``scripts/device_check.py`` runs them): memory
+bandwidth and the kernels alone, away from the engine.
 
 * ``copy``: the device's copy bandwidth (bytes read + written per second), measured in the
   same run, so every bandwidth share in the report reads right on an H100 and an H200 alike.
 * ``attention``: decode attention alone on synthetic paged KV (each row's context in
   shuffled blocks) at the model's shape: the Triton split kernel against the same kernel
   with one split and against the torch reference, its error, and its bandwidth share.
-* ``flash_attn``: flash-attn 4 on the same cases where its carried wheels import, and the
+* ``sampler``: the sampler alone over the model's vocabulary, rows that all filter
+  (temperature 0.8, top-p 0.9, top-k 40): the Triton kernel against the torch reference
+  (same tokens required) and against a greedy pass's argmax.
+* ``flash_attn``: flash-attn 4 on attention cases where its carried wheels import, and the
   decode backend the worker would choose at start (``kernels.ops.backends``).
 
 On a CPU (``--quick``) the Triton kernels run under the interpreter: the numbers are not
-speeds, the errors are still checked.
+speeds, the errors and tokens are still checked.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -123,6 +129,72 @@ def section_attention(c: Child) -> None:
             reference_us=ref_ms * 1e3,
             bytes_per_s=bytes_per_s,
             error=error,
+        )
+
+
+def _sampler_args(rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Every row sampled with the issue's filters; bf16-rounded logits (ties)."""
+    gen = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).to(torch.bfloat16).float()
+    return tuple(
+        t.to(device)
+        for t in (
+            logits,
+            torch.full((rows,), 0.8),
+            torch.full((rows,), 40, dtype=torch.int32),
+            torch.full((rows,), 0.9),
+            torch.randint(0, 2**62, (rows,), generator=gen),
+            torch.arange(rows, dtype=torch.int64),
+        )
+    )
+
+
+def _time_sampler(args: tuple, c: Child) -> tuple[bool, float, float, float]:
+    """(same tokens and bad rows, Triton ms, reference ms, greedy argmax ms)."""
+    sample = importlib.import_module("kernels.ops.sample")
+
+    got = sample.sample_triton(*args)
+    want = sample.sample_reference(*args, filters=True)
+    same = bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+    repeats = c.plan.repeats
+    logits = args[0]
+    triton_ms = median_ms(lambda: sample.sample_triton(*args), c.device, repeats)
+    ref_ms = median_ms(lambda: sample.sample_reference(*args, filters=True), c.device, repeats)
+    greedy_ms = median_ms(
+        lambda: (torch.argmax(logits, dim=-1), torch.isnan(logits).any(dim=-1)), c.device, repeats
+    )
+    return same, triton_ms, ref_ms, greedy_ms
+
+
+def section_sampler(c: Child) -> None:
+    from services.worker.model.toy import toy_config
+
+    vocab = toy_config(c.plan.shape).vocab_size
+    interpreted = c.device.type != "cuda"
+    for rows in c.plan.sampler_rows:
+        label = f"{rows} row{'s' if rows > 1 else ''} x {vocab}, t 0.8 / p 0.9 / k 40"
+        if c.out_of_time("sampler", label):
+            continue
+        try:
+            same, triton_ms, ref_ms, greedy_ms = _time_sampler(
+                _sampler_args(rows, vocab, c.device), c
+            )
+        except Exception as exc:
+            c.res.error("sampler", label, exc)
+            continue
+        c.res.add(
+            "sampler",
+            label,
+            f"{triton_ms * 1e3:.1f} us",
+            ("same tokens as the reference" if same else "MISMATCH with the reference")
+            + f"; torch reference {ref_ms * 1e3:.1f} us ({ref_ms / triton_ms:.2f}x the kernel's "
+            f"time); a greedy pass's argmax {greedy_ms * 1e3:.1f} us"
+            + ("; CPU interpreter: not a speed" if interpreted else ""),
+            failed=not same,
+            rows=rows,
+            us=triton_ms * 1e3,
+            reference_us=ref_ms * 1e3,
+            greedy_us=greedy_ms * 1e3,
         )
 
 
