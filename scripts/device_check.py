@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""One-command device check of the fused core pass on a lent GPU (H200), under 8 minutes.
+"""One-command device check of the fused core pass on a lent GPU (H100 or H200), under 8
+minutes.
 
     python3 scripts/device_check.py            # on the GPU machine: Ouro-1.4B shape, bf16
     python3 scripts/device_check.py --quick    # dry run on the CPU, toy checkpoint, seconds
@@ -8,12 +9,18 @@
 Sections, each in its own child process with a time box (a hang, an OOM or a broken CUDA
 context costs that section, never the report):
 
-1. ``pass_time``, 2. ``decode``, 3. ``hbm``: speed (``scripts/device_check_speed.py``).
-4. ``oracle``, 5. ``bf16``: accuracy (``scripts/device_check_accuracy.py``).
+1. ``copy``: the copy bandwidth every share below is of, 2. ``attention``: decode attention
+   alone on shuffled paged KV, 3. ``sampler``: the sampler alone, 4. ``flash_attn``:
+   flash-attn 4 where it installs (``scripts/device_check_kernels.py``).
+5. ``long_context``: whole decode passes at contexts of 512 to 8k, 1 to 128 rows
+   (``scripts/device_check_context.py``).
+6. ``pass_time``, 7. ``decode``, 8. ``hbm``: speed at short contexts
+   (``scripts/device_check_speed.py``).
+9. ``oracle``, 10. ``bf16``: accuracy (``scripts/device_check_accuracy.py``).
 
 What they share (sizes, report rows, engine helpers) is in ``scripts/device_check_common.py``.
-This file is the entry point: its arguments, the parent (env, hardware and commit lines, the
-checkpoint, one child process per section, the report) and the child's main.
+This file is the entry point: its arguments, the parent (env, hardware and commit lines,
+the checkpoint, one child process per section, the report) and the child's main.
 
 The report (markdown table + JSON) is rewritten after every row, so a run killed from
 outside still leaves what it had.
@@ -52,13 +59,35 @@ from scripts.device_check_common import (  # noqa: E402
     free_device,
     render,
 )
+from scripts.device_check_context import section_long_context  # noqa: E402
+from scripts.device_check_kernels import (  # noqa: E402
+    section_attention,
+    section_copy,
+    section_flash_attn,
+    section_sampler,
+)
 from scripts.device_check_speed import hbm_rows, section_decode, section_pass_time  # noqa: E402
 
-SECTIONS = ("pass_time", "decode", "hbm", "oracle", "bf16")
-CHILD_SECTIONS = ("pass_time", "decode", "oracle", "bf16")  # hbm is arithmetic, in the parent
+SECTIONS = (
+    "copy",
+    "attention",
+    "sampler",
+    "flash_attn",
+    "long_context",
+    "pass_time",
+    "decode",
+    "hbm",
+    "oracle",
+    "bf16",
+)
+# hbm is arithmetic on the pass_time rows, in the parent
+CHILD_SECTIONS = tuple(s for s in SECTIONS if s != "hbm")
+# sections that load the random checkpoint the parent writes
+CHECKPOINT_SECTIONS = {"long_context", "pass_time", "decode", "bf16"}
 CPU_NOTE = (
     "**CPU dry run: these are not GPU numbers.** Toy checkpoint and tiny counts on the CPU; "
-    "graphs fall back to padded eager passes; the HBM bound is the H200's."
+    "graphs fall back to padded eager passes; the Triton kernels run under the interpreter; "
+    "bandwidth shares are of the CPU's own copy bandwidth."
 )
 
 
@@ -66,6 +95,11 @@ CPU_NOTE = (
 
 
 SECTION_FNS: dict[str, Callable[[Child], None]] = {
+    "copy": section_copy,
+    "attention": section_attention,
+    "sampler": section_sampler,
+    "flash_attn": section_flash_attn,
+    "long_context": section_long_context,
     "pass_time": section_pass_time,
     "decode": section_decode,
     "oracle": section_oracle,
@@ -85,7 +119,9 @@ def child_main(args: argparse.Namespace, plan: Plan) -> int:
     deadline = time.monotonic() + box - min(15.0, box / 6)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.ckpt) if args.ckpt else None
-        c = Child(plan, torch.device(args.device), ckpt, res, deadline, Path(tmp))
+        c = Child(
+            plan, torch.device(args.device), ckpt, res, deadline, Path(tmp), args.copy_bw or None
+        )
         try:
             SECTION_FNS[args.section](c)
         except Exception as exc:  # the section's remaining rows are lost, the run is not
@@ -93,10 +129,15 @@ def child_main(args: argparse.Namespace, plan: Plan) -> int:
     return 0
 
 
-def _child_env(device: str) -> dict[str, str]:
+def _child_env(device: str, section: str) -> dict[str, str]:
     env = dict(os.environ)
+    if section != "flash_attn":
+        # the other sections measure the Triton kernels, and need not compile flash-attn
+        env["RLT_FLASH_ATTN"] = "0"
     if device == "cpu":  # toy-sized matmuls: more threads only contend (10x slower on 2 cores)
         env.setdefault("OMP_NUM_THREADS", "1")
+        if section in ("attention", "sampler"):  # the Triton kernels on CPU tensors
+            env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -125,10 +166,13 @@ def run_child(
         cmd += ["--ckpt", str(ckpt)]
     if args.quick:
         cmd.append("--quick")
+    copy_bw = copy_bandwidth(res.rows)
+    if copy_bw:
+        cmd += ["--copy-bw", repr(copy_bw)]
     start = time.perf_counter()
     print(f"[{time.time() - args.t0:6.1f}s] == {section} (time box {box:.0f} s)", flush=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(args.device), timeout=box)
+        proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(args.device, section), timeout=box)
         status = None if proc.returncode == 0 else f"exit code {proc.returncode}"
     except subprocess.TimeoutExpired:
         status = f"killed at its {box:.0f} s time box"
@@ -146,6 +190,12 @@ def run_child(
     elif not rows:
         res.add(section, "section", "FAILED", "no rows came back", failed=True)
     print(f"[{time.time() - args.t0:6.1f}s] == {section} done in {took:.1f} s", flush=True)
+
+
+def copy_bandwidth(rows: list[dict[str, Any]]) -> float | None:
+    """Bytes per second the ``copy`` section measured, if it ran."""
+    found = [r["bytes_per_s"] for r in rows if r["section"] == "copy" and r.get("bytes_per_s")]
+    return found[-1] if found else None
 
 
 # ---------------------------------------------------------------------------- parent
@@ -201,14 +251,19 @@ def env_row(device: torch.device, res: Results) -> None:
         parts.append("no usable triton" + (": the pass runs torch references" if cuda else ""))
     if missing:
         parts.append(f"MISSING {', '.join(missing)} (carry wheels: docs/gpu.md)")
+    if cuda:
+        from kernels.ops.attention_flash import flash_version, varlen_function
+
+        flash = varlen_function() is not None
+        parts.append(f"flash-attn {flash_version()}" if flash else "no flash-attn 4")
     bad_triton = cuda and not triton_ok
     result = "missing packages" if missing else "no triton" if bad_triton else "ok"
     res.add("env", str(device), result, "; ".join(parts), failed=bool(missing) or bad_triton)
 
 
 def write_checkpoint(plan: Plan, device: torch.device, where: Path, res: Results) -> Path | None:
-    """The random bf16 checkpoint sections 1, 2 and 5 load (drawn on the GPU when there is
-    one: seconds rather than a minute of CPU randn)."""
+    """The random bf16 checkpoint the ``CHECKPOINT_SECTIONS`` load (drawn on the GPU when
+    there is one: seconds rather than a minute of CPU randn)."""
     from services.worker.model.toy import write_toy_checkpoint
 
     t0 = time.perf_counter()
@@ -270,7 +325,7 @@ def parent_main(args: argparse.Namespace, plan: Plan, argv: list[str]) -> int:
         env_row(device, res)
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = None
-            if only & {"pass_time", "decode", "bf16"}:
+            if only & CHECKPOINT_SECTIONS:
                 ckpt = write_checkpoint(plan, device, Path(tmp) / "ckpt", res)
             for section in SECTIONS:
                 if section not in only:
@@ -278,7 +333,7 @@ def parent_main(args: argparse.Namespace, plan: Plan, argv: list[str]) -> int:
                 if section == "hbm":
                     pass_rows = [r for r in res.rows if r["section"] == "pass_time"]
                     try:
-                        hbm_rows(pass_rows, plan.shape, res, on_cpu=device.type == "cpu")
+                        hbm_rows(pass_rows, plan.shape, res, copy_bandwidth(res.rows))
                     except Exception as exc:
                         res.error("hbm", "section", exc)
                 else:
@@ -304,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", help=argparse.SUPPRESS)
     parser.add_argument("--t0", type=float, default=time.time(), help=argparse.SUPPRESS)
+    parser.add_argument("--copy-bw", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.device = args.device or ("cpu" if args.quick else "cuda")
     if args.only and not set(args.only.split(",")) <= set(SECTIONS):

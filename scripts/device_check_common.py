@@ -49,7 +49,14 @@ class Plan:
     oracle_tokens: int
     agree_prompts: int
     agree_tokens: int
-    # hard time box of each child section, seconds: 400 s in all on the GPU, which leaves
+    copy_mib: int  # the copy bandwidth's buffer
+    attention_cases: tuple[tuple[int, int], ...]  # (rows, context) of the microbenchmark
+    sampler_rows: tuple[int, ...]
+    context_rows: tuple[int, ...]  # the long-context grid
+    contexts: tuple[int, ...]
+    kv_pool_gib: float  # most KV the long-context grid allocates (rows share blocks past it)
+    repeats: int  # timed repeats of each kernel or pass (the median is reported)
+    # hard time box of each child section, seconds: 435 s in all on the GPU, which leaves
     # the checkpoint write and start-up inside 8 minutes
     boxes: dict[str, float] = field(default_factory=dict)
 
@@ -65,9 +72,26 @@ FULL = Plan(
     oracle_sizes=("toy", "small"),
     oracle_prompts=8,
     oracle_tokens=24,
-    agree_prompts=8,
-    agree_tokens=32,
-    boxes={"pass_time": 110, "decode": 100, "oracle": 90, "bf16": 100},
+    agree_prompts=4,
+    agree_tokens=24,
+    copy_mib=2048,
+    attention_cases=((1, 512), (1, 8192), (8, 2048), (32, 2048), (128, 2048)),
+    sampler_rows=(1, 32, 128),
+    context_rows=(1, 8, 32, 128),
+    contexts=(512, 2048, 8192),
+    kv_pool_gib=32.0,
+    repeats=20,
+    boxes={
+        "copy": 15,
+        "attention": 45,
+        "sampler": 25,
+        "flash_attn": 40,
+        "long_context": 95,
+        "pass_time": 60,
+        "decode": 45,
+        "oracle": 50,
+        "bf16": 60,
+    },
 )
 QUICK = Plan(
     shape="toy",
@@ -82,7 +106,24 @@ QUICK = Plan(
     oracle_tokens=6,
     agree_prompts=2,
     agree_tokens=4,
-    boxes={"pass_time": 60, "decode": 60, "oracle": 60, "bf16": 60},
+    copy_mib=64,
+    attention_cases=((1, 200), (4, 64)),
+    sampler_rows=(1, 4),
+    context_rows=(1, 4),
+    contexts=(32, 128),
+    kv_pool_gib=0.05,
+    repeats=3,
+    boxes={
+        "copy": 30,
+        "attention": 60,
+        "sampler": 60,
+        "flash_attn": 30,
+        "long_context": 60,
+        "pass_time": 60,
+        "decode": 60,
+        "oracle": 60,
+        "bf16": 60,
+    },
 )
 
 
@@ -156,6 +197,34 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` after one warm-up call: CUDA events around each call
+    on a GPU, the wall clock (with the call's own waits) on a CPU."""
+    fn()
+    sync_device(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def share_of_copy(bytes_per_s: float, copy_bytes_per_s: float | None) -> str:
+    if not copy_bytes_per_s:
+        return "no copy bandwidth measured"
+    return f"{100 * bytes_per_s / copy_bytes_per_s:.1f}% of the copy bandwidth"
 
 
 def free_device(device: torch.device) -> None:
@@ -271,14 +340,17 @@ class Child:
     res: Results
     deadline: float
     tmp: Path
+    copy_bytes_per_s: float | None = None  # the ``copy`` section's, passed on by the parent
 
-    def load(self, dtype: torch.dtype) -> OuroModel:
+    def load(self, dtype: torch.dtype, max_positions: int | None = None) -> OuroModel:
         from services.worker.model.ouro import OuroModel
 
         if self.ckpt is None or not (self.ckpt / "config.json").exists():
             raise RuntimeError("no checkpoint: the setup row says why")
         t0 = time.perf_counter()
-        model = OuroModel.from_checkpoint(self.ckpt, dtype=dtype, device=self.device)
+        model = OuroModel.from_checkpoint(
+            self.ckpt, dtype=dtype, device=self.device, max_position_embeddings=max_positions
+        )
         sync_device(self.device)
         print(
             f"  loaded {self.plan.shape} as {_dtype_name(dtype)} on {self.device} in "

@@ -55,7 +55,41 @@ def test_quick_dry_run_reports_every_section(tmp_path: Path) -> None:
     by_section: dict[str, list[list[str]]] = {}
     for row in rows:
         by_section.setdefault(row[0], []).append(row)
-    assert set(by_section) == {"env", "setup", "pass_time", "decode", "hbm", "oracle", "bf16"}
+    assert set(by_section) == {
+        "env",
+        "setup",
+        "copy",
+        "attention",
+        "sampler",
+        "flash_attn",
+        "long_context",
+        "pass_time",
+        "decode",
+        "hbm",
+        "oracle",
+        "bf16",
+    }
+    # the copy bandwidth, then decode attention alone: the Triton kernel (under the
+    # interpreter here) within its tolerance of the reference, per case
+    (copy,) = by_section["copy"]
+    assert copy[2].endswith(" TB/s")
+    attention = by_section["attention"]
+    assert len(attention) == 2 and all(r[2].endswith(" us") for r in attention)
+    assert all("max error" in r[3] and "splits" in r[3] for r in attention)
+    # the sampler alone: the kernel (interpreted) draws the reference's tokens
+    sampler = by_section["sampler"]
+    assert len(sampler) == 2 and all(
+        r[3].startswith("same tokens as the reference") for r in sampler
+    )
+    assert [r[2] for r in by_section["flash_attn"]] == ["not run"]  # needs CUDA
+    # the long-context grid (2 x 2 here), then the two targets (GPU only)
+    long = by_section["long_context"]
+    assert len(long) == 6 and all(r[2].endswith(" ms/pass") for r in long[:4])
+    assert {r[1] for r in long[:4]} == {
+        f"{n} row{'s' if n > 1 else ''} x {c}, graphs->padded" for n in (1, 4) for c in (32, 128)
+    }
+    assert all("of the copy bandwidth" in r[3] for r in long[:4])
+    assert [r[2] for r in long[4:]] == ["not a GPU", "not a GPU"]
 
     # 1: three row counts, graphs (padded on a CPU) and eager, every timed pass decode-only
     passes = by_section["pass_time"]
@@ -65,10 +99,10 @@ def test_quick_dry_run_reports_every_section(tmp_path: Path) -> None:
     decode = by_section["decode"]
     assert len(decode) == 4 and all(r[2].endswith(" tok/s") for r in decode)
     assert sum("exit on" in r[1] for r in decode) == 2
-    # 3: the floor, then one ratio per measured pass
+    # 3: the floor at the measured copy bandwidth, then one share per measured pass
     hbm = by_section["hbm"]
     assert hbm[0][2].endswith("ms/pass floor") and len(hbm) == 1 + len(passes)
-    assert all("% of HBM bound" in r[2] for r in hbm[1:])
+    assert all("% of copy bandwidth" in r[2] for r in hbm[1:])
     # 4: the oracle, eager and static passes, both agreeing
     oracle = by_section["oracle"]
     assert [r[1] for r in oracle] == ["toy fp32, eager", "toy fp32, graphs->padded"]
@@ -86,12 +120,15 @@ def test_quick_dry_run_reports_every_section(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_a_failed_section_is_recorded_and_the_exit_code_says_so(tmp_path: Path) -> None:
-    """hbm alone has no pass timings to compare: its row fails, the report is still written."""
+    """hbm without pass timings has nothing to compare: its row fails, the report is still
+    written; without the copy section it has no bandwidth to compare with."""
     out = tmp_path / "dc.md"
-    assert _script().main(["--quick", "--only", "hbm", "--out", str(out)]) == 1
+    assert _script().main(["--quick", "--only", "copy,hbm", "--out", str(out)]) == 1
     rows = _table(out.read_text())
     assert rows[0][0] == "env" and rows[-1][:3] == ["hbm", "measured passes", "FAILED"]
-    assert "ms/pass floor" in rows[1][2]
+    assert "ms/pass floor" in rows[-2][2]
+    assert _script().main(["--quick", "--only", "hbm", "--out", str(out)]) == 1
+    assert _table(out.read_text())[-1][:3] == ["hbm", "copy bandwidth", "FAILED"]
 
 
 @pytest.mark.unit

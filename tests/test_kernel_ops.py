@@ -413,6 +413,22 @@ def test_exit_copy_pairs_move_only_the_exited_tokens_kv(block_size: int, contigu
         planner.slot([0], block_size)
 
 
+@pytest.mark.unit
+def test_decode_split_count_depends_only_on_the_grid() -> None:
+    """A static bucket (S segments) always gets the same split count, so its graph replays the
+    same grid; a small grid is split up to the cap, a grid that fills the SMs is not split."""
+    from kernels.ops._triton import MAX_SPLITS, decode_splits
+
+    assert decode_splits(1, 16, 132) == MAX_SPLITS
+    assert decode_splits(8, 16, 132) == 5  # 640 programs for 528 wanted
+    assert decode_splits(32, 16, 132) == 2
+    assert decode_splits(128, 16, 132) == 1
+    assert decode_splits(0, 16, 132) == MAX_SPLITS  # no segment: nothing runs anyway
+    for segs in (1, 2, 4, 8, 16, 32, 64, 128):
+        splits = decode_splits(segs, 16, 132)
+        assert 1 <= splits <= MAX_SPLITS and splits == decode_splits(segs, 16, 132)
+
+
 # --- dispatch and fake tensors --------------------------------------------------------------
 
 
@@ -447,6 +463,7 @@ def _wrapper_calls() -> dict[str, tuple[Callable, tuple]]:
             (qkv, cos, sin, cache[0], cache[1], torch.tensor([0, -1, 9]), nh, nkv),
         ),
         "paged_attention": (ops.paged_attention, attn.args()),
+        "sample": (ops.sample, _sampler_rows(0, 10, 50)),
     }
 
 
@@ -473,7 +490,7 @@ def test_package_imports_without_triton() -> None:
         "sys.modules['triton'] = None  # import triton now raises ImportError\n"
         "import torch, kernels.ops as ops\n"
         "assert not ops.triton_available()\n"
-        "lazy = ('norms', 'activation', 'rope_kv', 'attention')\n"
+        "lazy = ('norms', 'activation', 'rope_kv', 'attention', 'sample')\n"
         "loaded = [m for m in lazy if f'kernels.ops.{m}_triton' in sys.modules]\n"
         "assert not loaded, f'kernel modules imported eagerly: {loaded}'\n"
         "x = torch.randn(2, 8)\n"
@@ -603,6 +620,120 @@ def _check_attention(failures: list[str]) -> None:
     _close("paged_attention default bs=256", got, want, TOLERANCE[torch.float32], failures)
 
 
+# (layout, block size, splits, split alignment): contexts of 1, splits left empty by short
+# contexts, split boundaries inside a block (alignments that do not divide the block size),
+# zero-row segments, and one split (the kernel writes the output itself)
+DECODE_CASES = [
+    ([(1, 0)], 4, 4, 1),
+    ([(1, 0), (1, 0), (0, 0)], 16, 2, 64),
+    ([(1, 0), (1, 5), (0, 3), (1, 63)], 16, 8, 1),
+    ([(1, 100), (1, 1)], 16, 3, 5),
+    ([(1, 300), (1, 7), (0, 12)], 256, 4, 64),
+    ([(1, 40)], 1, 2, 16),
+    ([(1, 129), (1, 2)], 16, 32, 7),
+    ([(1, 2), (1, 2), (1, 2)], 4, 1, 64),
+    ([(1, 77), (1, 33)], 16, 5, 64),
+]
+
+
+class _Launches(TorchDispatchMode):
+    """Torch ops a call makes (the Triton launches themselves are invisible to it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _check_attention_decode(failures: list[str]) -> None:
+    """The split-context decode kernel against the reference and the float64 dense formula:
+    float32 tight, bf16 loose; padding rows past the segments come out zero with no memset."""
+    for i, (layout, block_size, splits, align) in enumerate(DECODE_CASES):
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, TOLERANCE[torch.bfloat16])):
+            kv_heads, group = HEADS[i % len(HEADS)]
+            case = make_attention_case(
+                1000 + i, layout, block_size, kv_heads, group, head_dim=32, dtype=dtype, pad_rows=2
+            )
+            case = replace(case, max_query_len=1)
+            tag = f"decode {dtype} bs={block_size} splits={splits} align={align} {layout}"
+            with _Launches() as launches:
+                got = attention.paged_attention_triton(
+                    *case.args(), num_splits=splits, split_align=align
+                )
+            memsets = [op for op in launches.ops if "zero" in op or "fill" in op]
+            if memsets:
+                failures.append(f"{tag}: memsets {memsets}")
+            want = attention.paged_attention_reference(*case.args())
+            _close(tag, got, want, tol, failures)
+            _close(f"{tag} vs dense", got, dense_attention(case).to(dtype), tol, failures)
+            if not torch.equal(got[sum(n for n, _ in layout) :], torch.zeros_like(got[:2])):
+                failures.append(f"{tag}: padding rows are not zero")
+    # the default split count on a wide grid of one row, and with many rows (one split)
+    for layout in ([(1, 200)], [(1, 9)] * 40):
+        case = replace(make_attention_case(7, layout, 16, 2, 2, head_dim=32), max_query_len=1)
+        got = attention.paged_attention_triton(*case.args())
+        want = attention.paged_attention_reference(*case.args())
+        _close(f"decode default splits {len(layout)} rows", got, want, 1e-5, failures)
+
+
+def _sampler_rows(seed: int, rows: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    """Logits and sampling params covering the sampler's branches: bf16-rounded logits (many
+    exact ties), a row of one value, -inf and NaN logits, greedy rows, temperatures that
+    overflow or are not positive, top-k at 1, V - 1, V and off, top-p at 0, near 1 and off,
+    64-bit seeds and indices."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    logits = (
+        torch.randn(rows, vocab, generator=gen)
+        * torch.tensor([rng.choice([0.5, 3.0, 12.0]) for _ in range(rows)])[:, None]
+    )
+    logits = logits.to(torch.bfloat16).float()
+    logits[1] = 0.25  # every token tied
+    logits[2, ::3] = float("-inf")
+    logits[3, rng.randrange(vocab)] = float("nan")
+    temps = [0.8] * rows
+    for i, t in ((0, 0.0), (4, 1e-38), (5, -1.0), (6, 0.0), (7, float("nan")), (8, 1.7)):
+        temps[i % rows] = t
+    top_k = [rng.choice([0, 1, 5, 40, vocab - 1, vocab, vocab + 3]) for _ in range(rows)]
+    top_p = [rng.choice([1.0, 0.9, 0.5, 0.0, 0.999999, 0.3]) for _ in range(rows)]
+    top_k[9 % rows], top_p[9 % rows] = 40, 0.9  # the issue's sampled row
+    return (
+        logits,
+        torch.tensor(temps, dtype=torch.float32),
+        torch.tensor(top_k, dtype=torch.int32),
+        torch.tensor(top_p, dtype=torch.float32),
+        torch.randint(-(2**62), 2**62, (rows,), generator=gen),
+        torch.randint(0, 2**40, (rows,), generator=gen),
+    )
+
+
+def _check_sample(failures: list[str]) -> None:
+    """The sort-free Triton sampler draws the reference's token and flags the same bad rows;
+    on rows that filter, its threshold is the reference's to the bit."""
+    sample = importlib.import_module("kernels.ops.sample")  # the package's ``sample`` is the op
+    sample_triton = importlib.import_module("kernels.ops.sample_triton")
+    for seed, rows, vocab in ((0, 12, 200), (1, 12, 333), (2, 10, 2500)):
+        args = _sampler_rows(seed, rows, vocab)
+        if seed == 1:  # float64 temperatures, as sample_token passes them
+            args = (args[0], args[1].double(), *args[2:])
+        logits, temperature, top_k, top_p = args[:4]
+        ids, bad, threshold = sample_triton.sample(*args)
+        want_ids, want_bad = sample.sample_reference(*args, filters=True)
+        tag = f"sample seed={seed} {rows}x{vocab}"
+        if not torch.equal(bad, want_bad):
+            failures.append(f"{tag}: bad {bad.tolist()} vs {want_bad.tolist()}")
+        if not torch.equal(ids, want_ids):
+            failures.append(f"{tag}: ids {ids.tolist()} vs {want_ids.tolist()}")
+        divisor = torch.where(temperature == 0, 1.0, temperature).to(torch.float32)
+        want = sample.filter_threshold(logits / divisor[:, None], top_k, top_p)[:, 0]
+        for i in range(rows):
+            if temperature[i] != 0 and not want_bad[i] and threshold[i] != want[i]:
+                failures.append(f"{tag} row {i}: threshold {threshold[i]} vs {want[i]}")
+
+
 def _check_exit_rule(failures: list[str]) -> None:
     module = importlib.import_module("kernels.ops.exit_rule")
 
@@ -654,6 +785,8 @@ INTERPRETER_CHECKS: dict[str, Callable[[list[str]], None]] = {
     "activation": _check_activation,
     "rope": _check_rope,
     "attention": _check_attention,
+    "attention_decode": _check_attention_decode,
+    "sample": _check_sample,
 }
 
 
@@ -671,6 +804,143 @@ def test_triton_kernels_match_references_under_interpreter(group: str) -> None:
         timeout=300,
     )
     assert proc.returncode == 0, f"{group}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+
+
+# --- every Triton kernel compiled for Hopper, without a GPU ---------------------------------
+
+_TRITON_TYPES = {
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+def _record_launches(calls: Callable[[], None]) -> list[tuple]:
+    """The (kernel, args, kwargs) of every Triton launch ``calls`` makes; nothing runs."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list[tuple] = []
+    run = JITFunction.run
+    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append(  # type: ignore[method-assign]
+        (self, args, kwargs)
+    )
+    try:
+        calls()
+    finally:
+        JITFunction.run = run  # type: ignore[method-assign]
+    return launches
+
+
+def _compile_for_hopper(kernel, args: tuple, kwargs: dict) -> None:  # type: ignore[no-untyped-def]
+    """Compiles one recorded launch to an sm_90 cubin (Triton's bundled ptxas): type errors,
+    unsupported ops and register allocation failures show up here, as on the GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    constexprs = {
+        name: True if name == "LIBDEVICE" else value
+        for name, value in kwargs.items()
+        if name not in _LAUNCH_OPTIONS
+    }
+    signature: dict[str, str] = {}
+    values = iter(args)
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        value = next(values)
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TRITON_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            signature[name] = "fp32"
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(n),): v for n, v in constexprs.items()},
+    )
+    options = {k: v for k, v in kwargs.items() if k in _LAUNCH_OPTIONS}
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _ouro_shaped_launches() -> None:
+    """Each wrapper at Ouro-1.4B's shapes (bf16, 16 heads of 128), every kernel variant."""
+    dtype, nh, hd, bs = torch.bfloat16, 16, 128, 16
+    x = torch.randn(4, 2048).to(dtype)
+    w = torch.randn(2048).to(dtype)
+    norms.rms_norm_triton(x, w, EPS)
+    norms.add_rms_norm_triton(x, x, w, w, EPS)
+    activation.silu_mul_triton(torch.randn(4, 2 * 5504).to(dtype))
+    qkv, cos, sin = _rope_inputs(0, 4, nh, nh, hd, dtype)
+    cache = torch.zeros(2, 8, bs, nh, hd, dtype=dtype)
+    rope_kv.rope_write_kv_triton(qkv, cos, sin, cache[0], cache[1], torch.arange(4), nh, nh)
+    for layout, max_q in (([(1, 40), (1, 3)], 1), ([(3, 5), (1, 9)], 3), ([(20, 4)], 20)):
+        case = replace(make_attention_case(0, layout, bs, nh, 1, hd, dtype), max_query_len=max_q)
+        attention.paged_attention_triton(*case.args())
+        if max_q == 1:
+            attention.paged_attention_triton(*case.args(), num_splits=1)
+    importlib.import_module("kernels.ops.exit_rule").exit_rule_triton(
+        torch.randn(3), torch.rand(3), *(torch.ones(3, dtype=torch.int32),) * 3,
+        torch.rand(3), torch.zeros(3, dtype=torch.int32),
+    )  # fmt: skip
+    pairs = torch.arange(4, dtype=torch.int32)
+    importlib.import_module("kernels.ops.kv_copy").copy_kv_slots_masked_triton(
+        cache.clone(), cache.clone(), pairs, pairs, torch.ones(4, dtype=torch.bool)
+    )
+    sampler_args = _sampler_rows(0, 4, 49152)
+    sample_triton = importlib.import_module("kernels.ops.sample_triton")
+    sample_triton.sample(*sampler_args)
+    sample_triton.sample(sampler_args[0], sampler_args[1].double(), *sampler_args[2:])
+
+
+def _compile_main() -> int:
+    """``python -m tests.test_kernel_ops compile``: every kernel the wrappers launch at
+    Ouro's shapes, compiled for sm_90."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the check compiles the kernels")
+        return 2
+    launches = _record_launches(_ouro_shaped_launches)
+    failures = []
+    for kernel, args, kwargs in launches:
+        try:
+            _compile_for_hopper(kernel, args, kwargs)
+        except Exception as exc:
+            failures.append(f"{kernel.__name__}: {type(exc).__name__}: {str(exc)[-2000:]}")
+    print(f"compiled {len(launches) - len(failures)}/{len(launches)} launches for sm_90")
+    for line in failures:
+        print("COMPILE FAILED", line)
+    return 1 if failures or not launches else 0
+
+
+@pytest.mark.unit
+def test_triton_kernels_compile_for_hopper() -> None:
+    """Every kernel, as the wrappers launch it at Ouro's shapes, compiles to an sm_90 cubin
+    here (no GPU needed: Triton ships ptxas). The GPU image's Triton is older: an API it
+    lacks would still only show on a GPU."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_kernel_ops", "compile"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
 
 
 def _interpreter_main(groups: list[str]) -> int:
@@ -759,7 +1029,30 @@ def test_cuda_ops_match_cpu_references(dtype: torch.dtype) -> None:
                     tol,
                     failures,
                 )
+    # long contexts in shuffled blocks: the split decode kernel's default split counts
+    from kernels.ops.paged_case import paged_decode_case
+
+    for rows, context in ((1, 5000), (8, 700), (33, 257)):
+        long = paged_decode_case(rows, context, 16, 16, 128, 16, dtype, "cuda", pad_rows=2)
+        got = ops.paged_attention(*long.args()).cpu()
+        want = ops.paged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in long.args()))
+        _close(f"decode {rows} rows x {context}", got, want, tol, failures)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_triton_sampler_draws_the_references_tokens() -> None:
+    """On the GPU the sort-free sampler and the torch reference agree on every probe row
+    (the start-up check that picks the sampler runs the same comparison)."""
+    from kernels.ops import backends
+
+    sample = importlib.import_module("kernels.ops.sample")
+    for vocab in (49152, 151_936):
+        args = backends.sampler_probe(vocab, torch.device("cuda"))
+        got = sample.sample_triton(*args)
+        want = sample.sample_reference(*args, filters=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), vocab
 
 
 @pytest.mark.gpu
@@ -820,4 +1113,6 @@ def test_decode_attention_replays_from_a_cuda_graph() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["compile"]:
+        sys.exit(_compile_main())
     sys.exit(_interpreter_main(sys.argv[1:]))

@@ -135,3 +135,109 @@ def test_exit_rule_op_equals_the_host_rule_bit_for_bit() -> None:
                 int(loops[i]), float(survived[i]), int(low[i]), int(high[i]), float(threshold[i])
             )
         assert bool(got_exit[i]) == want, i
+
+
+# ------------------------------------------------------------------ the coda and the sampler
+
+
+class LmHeadReads(TorchDispatchMode):
+    """Ops that read the lm_head's memory (its matmul; views of it launch nothing)."""
+
+    def __init__(self, lm_head: torch.Tensor) -> None:
+        super().__init__()
+        self.ptr = lm_head.untyped_storage().data_ptr()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and any(
+            isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self.ptr for a in args
+        ):
+            self.reads += 1
+        return out
+
+
+def _may_exit(live, params: SamplingParams) -> bool:  # type: ignore[no-untyped-def]
+    """The exit rule's host side, written out: whether a row may exit at the loop it runs."""
+    loops = live.depth + 1
+    if loops >= (live.row.max_loops or params.max_loops or 4):
+        return True
+    return params.exit_threshold < 1.0 and loops >= params.min_loops
+
+
+def _coda_per_pass(mode: DecodeMode) -> list[tuple[bool, int]]:
+    """(some row may exit, lm_head reads) of every decode-only pass: rows at mixed depths,
+    some that may exit from loop 3 on, some only at loop 4."""
+    config = SchedulerConfig(block_size=4, num_blocks=512, max_num_seqs=16)
+    engine = LLMEngine(_model(2), config, decode_mode=mode)
+    runner = engine.runner
+    params = {}
+    passes: list[tuple[bool, int]] = []
+    run_pass = runner._run_pass
+
+    def counted(active, first_pass):  # type: ignore[no-untyped-def]
+        may = any(_may_exit(live, params[live.row.request_id]) for live in active)
+        with LmHeadReads(runner.model.lm_head) as reads:
+            out = run_pass(active, first_pass)
+        if all(live.is_decode for live in active):
+            passes.append((may, reads.reads))
+        return out
+
+    runner._run_pass = counted  # type: ignore[method-assign]
+    for i in range(8):  # arrivals one step apart: their loops interleave
+        p = SamplingParams(
+            max_tokens=6,
+            temperature=0.0,
+            ignore_eos=True,
+            min_loops=3,
+            exit_threshold=0.5 if i % 2 else 1.0,
+        )
+        params[f"r{i}"] = p
+        engine.add_request(f"r{i}", [1 + i, 2, 3 + i], p)
+        engine.step()
+    engine.run_until_done()
+    return passes
+
+
+@pytest.mark.parametrize("mode", [DecodeMode.EAGER, DecodeMode.PADDED])
+def test_the_coda_runs_at_most_once_per_loop_where_a_row_may_exit(mode: DecodeMode) -> None:
+    passes = _coda_per_pass(mode)
+    assert all(reads <= 1 for _, reads in passes), passes
+    # no lm_head read at a loop below every row's min_loops (and below fixed depth)
+    assert all(reads == 0 for may, reads in passes if not may), passes
+    assert sum(not may for may, _ in passes) >= 4 and sum(reads for _, reads in passes) >= 4
+
+
+def _ops_per_coda_pass(mode: DecodeMode, sampled: bool) -> tuple[float, int]:
+    """Kernel-launching ops over the decode passes, and how many passes ran the coda."""
+    config = SchedulerConfig(block_size=4, num_blocks=1024, max_num_seqs=64)
+    engine = LLMEngine(_model(2), config, decode_mode=mode)
+    params = SamplingParams(
+        max_tokens=40,
+        ignore_eos=True,
+        exit_threshold=1.0,
+        **(
+            {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 3}
+            if sampled
+            else {"temperature": 0.0}
+        ),
+    )
+    for i in range(NUM_REQUESTS):
+        engine.add_request(f"r{i}", [1 + i, 2 + i, 3], params)
+    for _ in range(12):
+        engine.step()
+    runner = engine.runner
+    passes0 = runner.stats.core_passes
+    with OpCounter() as counter, LmHeadReads(runner.model.lm_head) as reads:
+        for _ in range(8):
+            engine.step()
+    assert runner.stats.core_passes - passes0 == 8
+    return sum(counter.ops.values()), reads.reads
+
+
+@pytest.mark.parametrize("mode", [DecodeMode.EAGER, DecodeMode.PADDED])
+def test_sampled_rows_add_at_most_four_ops_per_pass_over_greedy(mode: DecodeMode) -> None:
+    greedy, coda_greedy = _ops_per_coda_pass(mode, sampled=False)
+    sampled, coda_sampled = _ops_per_coda_pass(mode, sampled=True)
+    assert coda_greedy == coda_sampled > 0  # the same passes, the same codas
+    assert (sampled - greedy) / coda_sampled <= 4, (sampled, greedy, coda_sampled)

@@ -13,6 +13,7 @@ from kernels.ops.exit_rule import exit_rule
 from kernels.ops.kv_copy import copy_kv_slots_masked
 from kernels.ops.norms import add_rms_norm, rms_norm
 from kernels.ops.rope_kv import rope_write_kv
+from kernels.ops.sample import sample
 
 __all__ = [
     "add_rms_norm",
@@ -21,6 +22,7 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "rope_write_kv",
+    "sample",
     "silu_mul",
     "triton_available",
 ]

@@ -253,11 +253,16 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int,
     tiled: bool | None = None,
+    num_splits: int | None = None,
+    split_align: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels on any device Triton drives (CPU tensors under TRITON_INTERPRET=1).
 
     ``tiled`` picks the tl.dot kernel (query tiles of >= 16) over the per-query one; by default
-    it is used from ``max_query_len >= 16`` on.
+    it is used from ``max_query_len >= 16`` on. Decode (``max_query_len == 1``, not tiled)
+    splits each context ``num_splits`` ways (default: from the grid's size and the device's
+    SMs), each split's key range a multiple of ``split_align`` positions (default: the key
+    tile).
     """
     from kernels.ops import attention_triton
 
@@ -271,7 +276,18 @@ def paged_attention_triton(
         scale,
         max_query_len,
         tiled=tiled,
+        num_splits=num_splits,
+        **({} if split_align is None else {"split_align": split_align}),
     )
+
+
+# Whether CUDA decode passes (max_query_len 1) go through flash-attn 4: set at start by
+# kernels.ops.backends where it is exact and faster here; the Triton kernels otherwise.
+_cuda_decode = {"flash": False}
+
+
+def use_flash_decode(enabled: bool) -> None:
+    _cuda_decode["flash"] = enabled
 
 
 def _paged_attention_cuda(
@@ -284,7 +300,14 @@ def _paged_attention_cuda(
     scale: float,
     max_query_len: int,
 ) -> torch.Tensor:
-    impl = paged_attention_triton if triton_available() else paged_attention_reference
+    if max_query_len == 1 and _cuda_decode["flash"]:
+        from kernels.ops import attention_flash
+
+        impl = attention_flash.paged_decode
+    elif triton_available():
+        impl = paged_attention_triton
+    else:
+        impl = paged_attention_reference
     return impl(q, k_cache, v_cache, block_tables, context_lens, query_start, scale, max_query_len)
 
 

@@ -13,9 +13,14 @@ import torch
 
 class DecodePool:
     SCRATCH = 0
+    DEFAULT_CAPACITY = 256
 
     def __init__(
-        self, hidden_size: int, dtype: torch.dtype, device: torch.device, capacity: int = 256
+        self,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int = DEFAULT_CAPACITY,
     ) -> None:
         self.rows = torch.zeros((capacity, hidden_size), dtype=dtype, device=device)
         self._free = list(range(capacity - 1, 0, -1))  # the scratch row is never handed out

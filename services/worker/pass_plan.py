@@ -116,10 +116,12 @@ class PassPlanner:
         first_pass: bool,
         pad_to: int | None = None,
         table_width: int | None = None,
+        with_coda: bool | None = None,
     ) -> PassPlan:
         """The plan of a pass over ``rows``. ``pad_to``: static shapes for that many decode
         rows (all of ``rows`` must be single-token decode rows), block tables ``table_width``
-        wide."""
+        wide. A static pass has the coda and the exit copies (for all its rows) only if some
+        row may exit at this loop; ``with_coda`` overrides that (a capture's blank plan)."""
         reqs = [requests[live.row.request_id] for live in rows]
         decode = [i for i, live in enumerate(rows) if live.is_decode]
         may_exit = {i for i in decode if self._may_exit(rows[i], reqs[i].sampling)}
@@ -141,11 +143,18 @@ class PassPlanner:
         ]
         if pad_to is not None:
             padded = pad_to
-            spare_planes = self.total_loops - 1 if self.last_exited else 0
+            # one static shape per bucket with the coda and one without: a loop where no row
+            # may exit reads no lm_head and copies no KV
+            coda = bool(may_exit) if with_coda is None else with_coda
+            spare_planes = self.total_loops - 1 if self.last_exited and coda else 0
             shape = PassShape(
-                padded, padded, table_width or 1, padded, padded * spare_planes, padded
+                padded,
+                padded,
+                table_width or 1,
+                padded,
+                padded * spare_planes,
+                padded if coda else 0,
             )
-            coda_index = list(range(len(rows)))  # a static pass samples every row
         else:
             shape = PassShape(
                 num_tokens,

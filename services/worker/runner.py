@@ -17,9 +17,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from kernels.ops import copy_kv_slots_masked, exit_rule
+from kernels.ops.backends import select_backends
 from messages.batch import Batch, BatchKind, BatchResult
 from services.common.config import KVLayout
 from services.common.sampling import sample_batch
@@ -50,6 +52,8 @@ from services.worker.static_decode import DecodeMode, StaticDecode
 from services.worker.transfer import Transfer
 
 NAN_LOGITS = "the model produced NaN logits"
+
+_log = structlog.get_logger("rlt")
 
 
 @dataclass
@@ -87,7 +91,19 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.transfer = Transfer(model.device)
-        self.pool = DecodePool(cfg.hidden_size, model.dtype, model.device)
+        mode = decode_mode or DecodeMode.default_for(model.device)
+        if mode is DecodeMode.GRAPHS and model.device.type != "cuda":
+            mode = DecodeMode.PADDED  # graphs need CUDA: the same static passes, eagerly
+        # Captured graphs read the pool's rows where they are: a pool with a row per KV block
+        # never has to grow (each live request holds a block of its own), so nothing is
+        # captured again while serving.
+        capacity = max(DecodePool.DEFAULT_CAPACITY, num_blocks + 1)
+        self.pool = DecodePool(
+            cfg.hidden_size,
+            model.dtype,
+            model.device,
+            capacity if mode is DecodeMode.GRAPHS else DecodePool.DEFAULT_CAPACITY,
+        )
         self.planner = PassPlanner(
             block_size,
             self.total_loops,
@@ -104,9 +120,17 @@ class ModelRunner:
         self.stats = RunnerStats()
         # (rows, tokens) of each core pass of the last batch (the worker's metrics read it)
         self.last_batch_passes: list[tuple[int, int]] = []
-        mode = decode_mode or DecodeMode.default_for(model.device)
-        if mode is DecodeMode.GRAPHS and model.device.type != "cuda":
-            mode = DecodeMode.PADDED  # graphs need CUDA: the same static passes, eagerly
+        # each op's CUDA kernel, chosen on this machine before any graph captures it
+        for choice in select_backends(
+            model.device,
+            vocab_size=cfg.vocab_size,
+            num_heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            block_size=block_size,
+            dtype=model.dtype,
+        ):
+            _log.info("cuda_backend", op=choice.op, backend=choice.backend, reason=choice.reason)
         self.static = StaticDecode(self, mode) if mode is not DecodeMode.EAGER else None
         if self.static is not None and mode is DecodeMode.GRAPHS:
             self.static.capture_all()
@@ -204,6 +228,9 @@ class ModelRunner:
         results: list[torch.Tensor] = []
         prompt_rows: list[tuple[LiveRow, torch.Tensor]] = []  # asked for prompt logprobs
         while active := [live for live in rows if live.loops_left > 0]:
+            if plans and plans[-1].padded:
+                # a static pass's results live in its graph's output until the next replay
+                results[-1] = results[-1].clone()
             plan, packed = self._run_pass(active, first_pass)
             first_pass = False
             plans.append(plan)
@@ -358,7 +385,7 @@ class ModelRunner:
         return sample_batch(
             logits,
             device["coda.temperature"],
-            device["coda.top_k"].long(),
+            device["coda.top_k"],
             device["coda.top_p"],
             device["coda.seed"],
             device["coda.output_index"],

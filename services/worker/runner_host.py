@@ -3,14 +3,20 @@ config) and the runner built over one KV geometry, rebuilt at each reset.
 
 A KV geometry the device cannot hold is refused before the runner is rebuilt
 (``check_geometry``), so a scheduler asking for too much gets a failed batch instead of a
-worker that died allocating. No NATS here: the worker service decides when to reset.
+worker that died allocating. With CUDA graphs the KV is sized after the capture: at load a
+runner over one KV block captures every graph, and the memory that took is kept free of KV
+for the real runner's own capture (which runs before it serves). No NATS here: the worker
+service decides when to reset.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 from pathlib import Path
 
+import structlog
 import torch
 
 from services.common.config import KVLayout
@@ -20,8 +26,13 @@ from services.worker.grammar import GrammarBook
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from services.worker.sim import SimRunner
+from services.worker.static_decode import DecodeMode
 
 SIM_DEVICE = "sim"
+# KV block size of the graph-memory probe (the graphs' memory does not depend on it)
+_PROBE_BLOCK_SIZE = 16
+
+_log = structlog.get_logger("rlt")
 
 
 class RunnerHost:
@@ -37,6 +48,8 @@ class RunnerHost:
         # structured outputs (the checkpoint's tokenizer); kept across runner rebuilds
         self.grammars: GrammarBook | None = None
         self._sim_config: OuroConfig | None = None
+        # device memory the CUDA graphs of a runner take (measured at load), kept out of KV
+        self.graph_reserve_bytes = 0
 
     def load(self) -> None:
         """Blocking (reads the checkpoint): the service runs it on a thread."""
@@ -51,6 +64,26 @@ class RunnerHost:
         if codec is not None:  # without a tokenizer a structured output fails its row
             cfg = self.model.cfg
             self.grammars = GrammarBook(codec, cfg.vocab_size, cfg.stop_token_ids)
+        device = self.model.device
+        if device.type == "cuda" and DecodeMode.default_for(device) is DecodeMode.GRAPHS:
+            self.graph_reserve_bytes = self._measure_graph_memory()
+
+    def _measure_graph_memory(self) -> int:
+        """Captures every graph over a one-block KV cache and returns the memory it took."""
+        assert self.model is not None
+        t0 = time.perf_counter()
+        probe = ModelRunner(self.model, 1, _PROBE_BLOCK_SIZE, decode_mode=DecodeMode.GRAPHS)
+        assert probe.static is not None
+        reserve = probe.static.capture_bytes
+        del probe
+        gc.collect()
+        torch.cuda.empty_cache()
+        _log.info(
+            "cuda_graph_memory_measured",
+            mib=round(reserve / 2**20, 1),
+            seconds=round(time.perf_counter() - t0, 2),
+        )
+        return reserve
 
     def close(self) -> None:
         if self.grammars is not None:
@@ -68,11 +101,16 @@ class RunnerHost:
         elem = torch.empty((), dtype=self.model.dtype).element_size()
         per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
         need = num_blocks * per_block * elem
-        limit = kv_memory_limit(self.device, self._kv_bytes())
+        runner = self.runner
+        # a runner with graphs frees their pool with itself: the next one captures in it
+        holds_graphs = isinstance(runner, ModelRunner) and runner.static is not None
+        reserve = 0 if holds_graphs and runner.static.captures else self.graph_reserve_bytes
+        limit = kv_memory_limit(self.device, self._kv_bytes(), reserve)
         if need > limit:
             raise MemoryError(
                 f"KV cache of {num_blocks} blocks x {block_size} needs {need / 2**30:.2f} GiB, "
-                f"only {limit / 2**30:.2f} GiB available (RLT_WORKER_MAX_KV_BYTES)"
+                f"only {limit / 2**30:.2f} GiB available (RLT_WORKER_MAX_KV_BYTES; "
+                f"{reserve / 2**30:.2f} GiB kept for CUDA graphs)"
             )
 
     def _kv_bytes(self) -> int:
@@ -90,15 +128,27 @@ class RunnerHost:
             self.runner = SimRunner.h200(self._sim_config, dilation=dilation)
         else:
             assert self.model is not None
-            self.runner = ModelRunner(
+            runner = ModelRunner(
                 self.model, num_blocks, block_size, KVLayout(kv_layout), grammars=self.grammars
             )
+            self.runner = runner
+            if runner.model.device.type == "cuda":
+                free, _total = torch.cuda.mem_get_info(runner.model.device)
+                _log.info(
+                    "kv_cache_allocated",
+                    gib=round(
+                        2 * runner.k_cache.numel() * runner.k_cache.element_size() / 2**30, 2
+                    ),
+                    graph_reserve_mib=round(self.graph_reserve_bytes / 2**20, 1),
+                    free_gib_after=round(free / 2**30, 2),
+                )
 
 
-def kv_memory_limit(device: str, current_kv_bytes: int) -> int:
+def kv_memory_limit(device: str, current_kv_bytes: int, reserve_bytes: int = 0) -> int:
     """Bytes a new KV cache may take: ``RLT_WORKER_MAX_KV_BYTES`` if set, else the cache
     being replaced plus what the device has free, with headroom on the free part only (a
-    cache rebuilt at the size it has always fits)."""
+    cache rebuilt at the size it has always fits), less ``reserve_bytes`` kept for what is
+    allocated after the KV (the CUDA graphs' pool)."""
     configured = os.environ.get("RLT_WORKER_MAX_KV_BYTES")
     if configured:
         return int(configured)
@@ -107,12 +157,18 @@ def kv_memory_limit(device: str, current_kv_bytes: int) -> int:
         free, _total = torch.cuda.mem_get_info(dev)
         # what torch's allocator holds unused is free to us too (mem_get_info omits it)
         cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        return current_kv_bytes + int(0.95 * (free + cached))
+        return kv_budget(current_kv_bytes, free + cached, 0.95, reserve_bytes)
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return current_kv_bytes + int(0.8 * int(line.split()[1]) * 1024)
+                    available = int(line.split()[1]) * 1024
+                    return kv_budget(current_kv_bytes, available, 0.8, reserve_bytes)
     except OSError:
         pass
     return 1 << 62  # unknown platform: no check
+
+
+def kv_budget(current_kv_bytes: int, free_bytes: int, share: float, reserve_bytes: int) -> int:
+    """The cache being replaced, plus ``share`` of the free memory, less the reserve."""
+    return current_kv_bytes + int(share * free_bytes) - reserve_bytes

@@ -4,9 +4,17 @@ once as a CUDA graph and replayed (one launch instead of hundreds).
 
 Buckets are 1, 2, 4, ... up to ``max_rows``; a decode pass of n rows runs in the smallest
 bucket that holds it, its padding rows masked (no KV write, no exit, a scratch pool row).
-Passes with prompt rows, more rows than the largest bucket, log-probabilities asked for or
-a structured output's rows run eagerly. On a CPU the same padded path runs eagerly under
-``DecodeMode.PADDED``, so the oracle tests cover what a graph replays.
+Each bucket has three variants (``Variant``): no coda, for a loop where no row may exit (the
+host knows each row's min and max loops), which reads no lm_head and copies no KV; a greedy
+coda; and a sampled one. Passes with prompt rows, more rows than the largest bucket,
+log-probabilities asked for or a structured output's rows run eagerly. On a CPU the same
+padded path runs eagerly under ``DecodeMode.PADDED``, so the oracle tests cover what a graph
+replays.
+
+On CUDA every variant of every bucket is captured at start (``capture_all``, logged with its
+time and memory) into one shared memory pool, before the worker serves: nothing is captured
+while serving. Graphs of one pool reuse each other's scratch memory, so a replay's results
+are valid until the next replay: the runner reads them (or copies them) before that.
 """
 
 from __future__ import annotations
@@ -67,8 +75,22 @@ class PassRunner(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class Variant(StrEnum):
+    """What a static pass runs after the core loop."""
+
+    NO_CODA = "no_coda"  # no row may exit at this loop: exit rule and pool write only
+    GREEDY = "greedy"  # the coda, every wanted row greedy (one argmax)
+    SAMPLED = "sampled"  # the coda and the sampler (top-k/top-p where a row asks)
+
+    @classmethod
+    def of(cls, plan: PassPlan) -> Variant:
+        if not plan.shape.num_coda:
+            return cls.NO_CODA
+        return cls.GREEDY if plan.all_greedy else cls.SAMPLED
+
+
 class _Captured:
-    """One bucket's static buffers (and graph, on CUDA)."""
+    """One bucket variant's static buffers (and graph, on CUDA)."""
 
     def __init__(self, shape: PassShape, device: torch.device) -> None:
         self.shape = shape
@@ -85,26 +107,44 @@ class StaticDecode:
         self.buckets = buckets(max_rows)
         cfg = runner.model.cfg
         self.table_width = -(-cfg.max_position_embeddings // runner.block_size)
-        self._static: dict[tuple[int, bool], _Captured] = {}
+        self._static: dict[tuple[int, Variant], _Captured] = {}
         self.replays = 0  # passes that ran through a static bucket
+        self.captures = 0  # graphs captured (all at start unless the decode pool grew)
+        self.capture_bytes = 0  # device memory the captures reserved (their shared pool)
+        self._pool: Any = None  # the graphs' shared memory pool (CUDA)
 
     def capture_all(self) -> None:
-        """Captures every bucket's greedy decode pass (start-up; sampling passes are captured
-        on their first use) and logs what it captured and how long it took."""
+        """Captures every variant of every bucket (start-up, before serving) into one shared
+        memory pool, and logs how long it took and the memory it reserved."""
         t0 = time.perf_counter()
+        device = self.runner.model.device
+        before = torch.cuda.memory_reserved(device)
         for bucket in self.buckets:
-            blank = self.runner.planner.plan(
-                [], self.runner.requests, False, pad_to=bucket, table_width=self.table_width
-            )
-            self._prepare(bucket, blank)
+            for variant in Variant:
+                self._prepare(bucket, variant, capture=True)
+        torch.cuda.synchronize(device)
+        self.capture_bytes = torch.cuda.memory_reserved(device) - before
+        free, total = torch.cuda.mem_get_info(device)
         _log.info(
             "cuda_graphs_ready",
             buckets=self.buckets,
+            variants=[str(v) for v in Variant],
+            graphs=len(self._static),
             seconds=round(time.perf_counter() - t0, 3),
+            pool_mib=round(self.capture_bytes / 2**20, 1),
+            free_gib=round(free / 2**30, 2),
+            total_gib=round(total / 2**30, 2),
         )
 
+    def graph(self, bucket: int, variant: Variant) -> torch.cuda.CUDAGraph | None:
+        """The captured graph of a bucket variant (None: not captured), for benchmarks that
+        time a replay alone; it replays the last inputs its bucket ran."""
+        static = self._static.get((bucket, variant))
+        return static.graph if static is not None else None
+
     def try_run(self, active: list[LiveRow]) -> tuple[PassPlan, torch.Tensor] | None:
-        """Runs ``active`` as a static decode pass if it is one; None: run it eagerly."""
+        """Runs ``active`` as a static decode pass if it is one; None: run it eagerly. The
+        packed results live in the bucket's static output until the next static pass."""
         n = len(active)
         if n > self.buckets[-1] or not all(
             live.is_decode and live.row.token_count == 1 for live in active
@@ -124,7 +164,7 @@ class StaticDecode:
             pad_to=bucket,
             table_width=self.table_width,
         )
-        static = self._prepare(bucket, plan)
+        static = self._prepare(bucket, Variant.of(plan))
         self.runner.transfer.to_device(plan.host.buffer, out=static.words)
         if static.graph is not None:
             static.graph.replay()
@@ -142,29 +182,41 @@ class StaticDecode:
         packed, _ = runner.run_core(plan, device, hidden)
         return packed
 
-    def _prepare(self, bucket: int, plan: PassPlan) -> _Captured:
-        key = (bucket, plan.all_greedy)
+    def _prepare(self, bucket: int, variant: Variant, capture: bool = False) -> _Captured:
+        key = (bucket, variant)
         static = self._static.get(key)
         if static is None:
-            static = self._static[key] = _Captured(plan.shape, self.runner.model.device)
+            shape = self._blank(bucket, variant).shape
+            static = self._static[key] = _Captured(shape, self.runner.model.device)
         if self.mode is DecodeMode.GRAPHS and (
             static.graph is None or static.pool_version != self.runner.pool.version
         ):
-            self._capture(static, plan)
+            if not capture:
+                # only a decode pool that had to grow gets here (its rows moved): the
+                # graphs read the old rows, so they are captured again
+                _log.warning("cuda_graph_recaptured_while_serving", bucket=bucket)
+            self._capture(static, bucket, variant)
         return static
 
-    def _capture(self, static: _Captured, plan: PassPlan) -> None:
-        """Captures the bucket's pass on all-padding inputs (every write goes to scratch)."""
-        t0 = time.perf_counter()
+    def _blank(self, bucket: int, variant: Variant) -> PassPlan:
+        """An all-padding plan of the variant's shape: every write goes to scratch."""
         runner = self.runner
         blank = runner.planner.plan(
             [],
             runner.requests,
             False,
-            pad_to=plan.shape.num_tokens,
+            pad_to=bucket,
             table_width=self.table_width,
+            with_coda=variant is not Variant.NO_CODA,
         )
-        blank.all_greedy, blank.filters = plan.all_greedy, not plan.all_greedy
+        blank.all_greedy = variant is not Variant.SAMPLED
+        blank.filters = variant is Variant.SAMPLED
+        return blank
+
+    def _capture(self, static: _Captured, bucket: int, variant: Variant) -> None:
+        """Captures the variant's pass on all-padding inputs into the shared pool."""
+        t0 = time.perf_counter()
+        blank = self._blank(bucket, variant)
         static.words.copy_(torch.from_numpy(blank.host.buffer))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -172,14 +224,17 @@ class StaticDecode:
             for _ in range(2):  # warm-up: kernels compiled and autotuned outside the capture
                 self._body(blank, static)
         torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self._pool):
             static.packed = self._body(blank, static)
         static.graph = graph
-        static.pool_version = runner.pool.version
-        _log.info(
+        static.pool_version = self.runner.pool.version
+        self.captures += 1
+        _log.debug(
             "cuda_graph_captured",
-            rows=plan.shape.num_tokens,
-            greedy=plan.all_greedy,
+            rows=bucket,
+            variant=str(variant),
             seconds=round(time.perf_counter() - t0, 3),
         )

@@ -9,7 +9,7 @@ input norm, or the final norm after the last layer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -133,8 +133,13 @@ class OuroModel:
         path: str | Path,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        max_position_embeddings: int | None = None,
     ) -> OuroModel:
+        """``max_position_embeddings``: positions the model serves (its RoPE table), if not
+        the checkpoint's (a benchmark at longer contexts than a random checkpoint declares)."""
         cfg, weights = load_checkpoint(path, dtype=dtype)
+        if max_position_embeddings is not None:
+            cfg = replace(cfg, max_position_embeddings=max_position_embeddings)
         dev = torch.device(device)
         # Preserve tying (one tensor, not two copies) across the device move.
         moved: dict[int, torch.Tensor] = {}
