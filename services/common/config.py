@@ -8,7 +8,8 @@ from enum import StrEnum
 from typing import Any
 
 from messages.errors import RequestError
-from messages.sampling import API_DEFAULTS, RequestDefaults, SamplingParams
+from messages.sampling import API_DEFAULTS, RequestDefaults, SamplingParams, check_retention
+from services.common.sparse_prefill import DEFAULT_SPARSE_WINDOW, SparseDefaults
 
 
 def scheduler_lost_s() -> float:
@@ -138,6 +139,12 @@ class SchedulerConfig:
     # estimated to finish before it could start). 0 = strict queue order, no backfill
     # either (services/scheduler/waiting.py, docs/benchmarks/admission_bypass.md)
     max_admission_bypasses: int = 4
+    # token-sparse prefill (docs/sparse_prefill.md) for requests that do not choose: off
+    # by default, as it changes outputs; the retention per loop (None: FlashLoop's
+    # defaults for the model's loop count) and the window of prompt tokens it ranks within
+    token_sparse_prefill: bool = False
+    prefill_retention: tuple[float, ...] | None = None
+    sparse_window: int = DEFAULT_SPARSE_WINDOW
 
     def __post_init__(self) -> None:
         for name in (
@@ -147,6 +154,7 @@ class SchedulerConfig:
             "block_size",
             "num_blocks",
             "max_inflight_batches",
+            "sparse_window",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -191,6 +199,35 @@ class SchedulerConfig:
                 "kv_layout=shared needs atomic prefill: with split/wavefront prefill the KV "
                 "version a chunk reads would depend on timing"
             )
+        self._check_sparse_prefill()
+
+    def _check_sparse_prefill(self) -> None:
+        if self.sparse_window % self.block_size:
+            # a prefix hit is whole blocks and must end at a window boundary
+            raise ValueError(
+                f"sparse_window ({self.sparse_window}) must be a multiple of block_size "
+                f"({self.block_size})"
+            )
+        if self.prefill_retention is not None:
+            retention = tuple(float(r) for r in self.prefill_retention)
+            try:
+                check_retention(list(retention), "prefill_retention")
+            except RequestError as exc:
+                raise ValueError(str(exc)) from None
+            object.__setattr__(self, "prefill_retention", retention)
+        if self.token_sparse_prefill and not self.split_prefill:
+            raise ValueError(
+                "token_sparse_prefill needs split or wavefront prefill: atomic prefill runs "
+                "every loop of a chunk in one task"
+            )
+
+    def sparse_defaults(self) -> SparseDefaults:
+        """What a request that leaves token-sparse prefill unset gets."""
+        return SparseDefaults(
+            enabled=self.token_sparse_prefill,
+            retention=self.prefill_retention,
+            window=self.sparse_window,
+        )
 
     def num_planes(self, total_ut_steps: int) -> int:
         return total_ut_steps if self.kv_layout == KVLayout.LAST_EXITED else 1
