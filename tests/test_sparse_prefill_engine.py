@@ -8,9 +8,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from messages.api import FinishedEvent
 from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, SchedulerConfig
 from services.common.sparse_prefill import FLASHLOOP_RETENTION
+from services.engine.engine import LLMEngine
+from services.engine.executor import InProcessExecutor
+from services.worker.runner import ModelRunner
 from tests.engine_harness import Arrival, assert_matches_oracle, oracle_result, run_workload
 from tests.engine_strategies import VOCAB_TRAINED, D, max_kv_blocks
 
@@ -92,3 +96,67 @@ def test_sparse_engine_equals_oracle(toy_model, oracle, data) -> None:
     arrivals = data.draw(sparse_workloads())
     config = data.draw(sparse_configs(arrivals))
     check(toy_model, oracle, arrivals, config)
+
+
+LONG = [
+    [(11 * i + 7 * k + 3) % VOCAB_TRAINED + 1 for i in range(n)] for k, n in enumerate((45, 33, 60))
+]
+
+
+def test_preemption_mid_window_recomputes_the_same_active_sets(toy_model, oracle) -> None:
+    """Tight KV under incremental admission preempts requests in the middle of their sparse
+    windows; recomputed, they choose the same active tokens (the tokens equal the oracle's)."""
+    params = SamplingParams(
+        max_tokens=8, temperature=0.0, min_loops=1, exit_threshold=0.7, ignore_eos=True,
+        token_sparse_prefill=True,
+    )  # fmt: skip
+    arrivals = [Arrival(f"p{i}", prompt, params, step=i) for i, prompt in enumerate(LONG)]
+    config = SchedulerConfig(
+        block_size=4,
+        num_blocks=70,
+        max_num_seqs=3,
+        prefill_chunk_size=8,
+        max_num_batched_tokens=10,
+        kv_admission=KVAdmission.INCREMENTAL,
+        sparse_window=16,
+    )
+    record = run_workload(toy_model, config, arrivals)
+    assert record.engine is not None
+    stats = record.engine.scheduler.stats
+    assert stats.num_preemptions > 0 and stats.num_recomputed_prompt_token_loops > 0
+    for a in arrivals:
+        expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
+        assert assert_matches_oracle(record.finished[a.request_id], expected) == 8
+
+
+@pytest.mark.parametrize("crash_step", [2, 6, 14])
+def test_worker_loss_mid_window_recomputes_the_same_active_sets(toy_model, crash_step) -> None:
+    config = SchedulerConfig(
+        block_size=4, num_blocks=256, max_num_batched_tokens=9, prefill_chunk_size=8,
+        sparse_window=16, token_sparse_prefill=True,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=6, temperature=0.0, exit_threshold=0.7, ignore_eos=True)
+
+    def fresh() -> LLMEngine:
+        engine = LLMEngine(toy_model, config)
+        for i, prompt in enumerate(LONG):
+            engine.add_request(f"p{i}", prompt, params)
+        return engine
+
+    def finished(events) -> dict[str, tuple[list[int], list[int]]]:
+        return {
+            e.request_id: (e.token_ids, e.exit_depths)
+            for e in events
+            if isinstance(e, FinishedEvent)
+        }
+
+    expected = finished(fresh().run_until_done())
+    engine = fresh()
+    events = []
+    for _ in range(crash_step):
+        events += engine.step()
+    engine.core.reset_after_executor_loss()
+    engine.runner = ModelRunner(toy_model, config.num_blocks, config.block_size, config.kv_layout)
+    engine.core.executor = InProcessExecutor(engine.runner)
+    events += engine.run_until_done()
+    assert finished(events) == expected

@@ -30,8 +30,13 @@ from flashloop_torch.token_updates import LoopFreezeIntervention
 from safetensors.torch import load_file
 from torch import nn
 
+from messages.api import FinishedEvent, TokenEvent
+from messages.sampling import SamplingParams
+from services.common.config import SchedulerConfig
 from services.common.sparse_prefill import FLASHLOOP_RETENTION
+from services.engine.engine import LLMEngine
 from services.oracle import SerialOracle, SparseSetting
+from services.worker.model.ouro import OuroModel
 
 pytestmark = pytest.mark.oracle
 
@@ -314,3 +319,41 @@ def test_oracle_equals_flashloop_loopfreeze(
     dense_top = dict(dense.steps[0].top_logprobs)
     shared = set(dense_top) & set(ours)
     assert max(abs(dense_top[t] - ours[t]) for t in shared) > 1e-3
+
+
+@pytest.mark.parametrize(("chunk", "budget"), [(512, 2048), (16, 24), (7, 5)])
+def test_engine_equals_flashloop_loopfreeze(
+    toy_model: OuroModel, references: dict, chunk: int, budget: int
+) -> None:
+    """The engine, one window over each prompt (W >= P), in wavefront prefill of several
+    chunk sizes and budgets (small budgets cut each sparse loop into fragments): the first
+    token's log-probabilities within 1e-4 of FlashLoop's and the same greedy tokens."""
+    config = SchedulerConfig(
+        block_size=16,
+        num_blocks=256,
+        prefill_chunk_size=chunk,
+        max_num_batched_tokens=budget,
+        sparse_window=128,
+        token_sparse_prefill=True,
+    )
+    engine = LLMEngine(toy_model, config)
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0.0, exit_threshold=1.0, ignore_eos=True, logprobs=20
+    )
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(f"p{index}", prompt, params)
+    events = engine.run_until_done()
+    first = {e.request_id: e for e in events if isinstance(e, TokenEvent) and e.index == 0}
+    finished = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
+    for index in range(len(PROMPTS)):
+        reference, tokens, _ = references[index]
+        logprobs = first[f"p{index}"].logprobs
+        assert logprobs is not None and len(logprobs.top_logprobs) == 20
+        for top in logprobs.top_logprobs:
+            assert abs(float(reference[top.token_id]) - top.logprob) < LOGPROB_TOL
+        assert finished[f"p{index}"].token_ids == tokens
+    # only the active tokens ran: 2 dense loops, then a quarter and a tenth
+    dense = sum(len(p) for p in PROMPTS) * 4
+    sparse = sum(2 * len(p) + math.ceil(len(p) * 0.25) + math.ceil(len(p) * 0.1) for p in PROMPTS)
+    assert engine.scheduler.stats.num_prefill_rows == sparse
+    assert engine.scheduler.stats.num_prefill_rows_saved == dense - sparse
