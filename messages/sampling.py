@@ -162,6 +162,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise RequestError(
                 f"min_loops ({self.min_loops}) must not exceed max_loops ({max_loops})"
             )
+        if self.prefill_retention is not None and len(self.prefill_retention) != total_ut_steps:
+            raise RequestError(
+                f"prefill_retention has {len(self.prefill_retention)} entries; the model runs "
+                f"{total_ut_steps} loops (one entry per loop)"
+            )
         for tok in self.stop_token_ids:
             if tok >= vocab_size:
                 raise RequestError(f"stop token id {tok} is outside the vocabulary ({vocab_size})")

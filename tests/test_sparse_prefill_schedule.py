@@ -111,3 +111,64 @@ def test_model_and_engine_checks() -> None:
         _resolve(SamplingParams(token_sparse_prefill=True), split=False)
     # atomic prefill refuses only requests that ask: the default is off
     assert _resolve(SamplingParams(), split=False) is None
+
+
+def test_server_flags_round_trip_and_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from services.common.config import SchedulerConfig
+    from services.common.flags import add_engine_flags, engine_args, scheduler_config_from_args
+
+    config = SchedulerConfig(
+        token_sparse_prefill=True, prefill_retention=(1.0, 1.0, 0.5, 0.125), sparse_window=96
+    )
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    back = scheduler_config_from_args(parser.parse_args(engine_args(config)))
+    assert (back.token_sparse_prefill, back.prefill_retention, back.sparse_window) == (
+        True,
+        (1.0, 1.0, 0.5, 0.125),
+        96,
+    )
+    assert not scheduler_config_from_args(parser.parse_args([])).token_sparse_prefill
+    # compose sets them through the environment
+    monkeypatch.setenv("RLT_SPARSE_PREFILL", "1")
+    monkeypatch.setenv("RLT_PREFILL_RETENTION", "1,1,0.3,0.2")
+    monkeypatch.setenv("RLT_SPARSE_WINDOW", "64")
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    env = scheduler_config_from_args(parser.parse_args([]))
+    assert (env.token_sparse_prefill, env.prefill_retention, env.sparse_window) == (
+        True,
+        (1.0, 1.0, 0.3, 0.2),
+        64,
+    )
+    off = scheduler_config_from_args(parser.parse_args(["--no-token-sparse-prefill"]))
+    assert not off.token_sparse_prefill
+
+
+def test_http_extra_body_fields_reach_the_nats_api() -> None:
+    from services.gateway.errors import ApiError
+    from services.gateway.protocol import parse_chat, parse_completion
+    from services.gateway.translate import to_generate
+    from tests.gateway_helpers import json_body
+
+    req = to_generate(
+        parse_completion(
+            json_body(prompt="x", token_sparse_prefill=True, prefill_retention=[1, 1, 0.5, 0.2])
+        ),
+        "r",
+    )
+    assert (req.token_sparse_prefill, req.prefill_retention) == (True, [1.0, 1.0, 0.5, 0.2])
+    chat = to_generate(
+        parse_chat(
+            json_body(messages=[{"role": "user", "content": "x"}], token_sparse_prefill=False)
+        ),
+        "r",
+    )
+    assert chat.token_sparse_prefill is False and chat.prefill_retention is None
+    plain = to_generate(parse_completion(json_body(prompt="x")), "r")
+    assert plain.token_sparse_prefill is None  # the server's default
+    with pytest.raises(ApiError) as err:
+        parse_completion(json_body(prompt="x", token_sparse_prefill="yes"))
+    assert err.value.status == 400

@@ -168,8 +168,8 @@ def test_options_refused_where_they_cannot_run() -> None:
         atomic.add_request("a", [1, 2, 3], SPARSE)
     with pytest.raises(ValueError, match="atomic prefill"):
         config(split_prefill=False, wavefront_chunked_prefill=False, token_sparse_prefill=True)
-    with pytest.raises(ValueError, match="multiple of block_size"):
-        config(sparse_window=10)
+    with pytest.raises(ValueError, match="sparse_window must be >= 1"):
+        config(sparse_window=0)
     with pytest.raises(ValueError, match="prefill_retention"):
         config(prefill_retention=(0.5, 1.0, 1.0, 1.0))
     s = Scheduler(config(), LIMITS)

@@ -202,12 +202,6 @@ class SchedulerConfig:
         self._check_sparse_prefill()
 
     def _check_sparse_prefill(self) -> None:
-        if self.sparse_window % self.block_size:
-            # a prefix hit is whole blocks and must end at a window boundary
-            raise ValueError(
-                f"sparse_window ({self.sparse_window}) must be a multiple of block_size "
-                f"({self.block_size})"
-            )
         if self.prefill_retention is not None:
             retention = tuple(float(r) for r in self.prefill_retention)
             try:

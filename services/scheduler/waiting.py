@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -366,14 +367,15 @@ class Admission:
     def _whole_windows(self, request: Request, hashes: list[int]) -> list[int]:
         """Under token-sparse prefill a hit must end at a window boundary (a window's active
         tokens are chosen from all of it): ``hashes`` cut to the cached run, rounded down to
-        whole windows. Unchanged for a dense request."""
+        a position that ends both a block and a window. Unchanged for a dense request."""
         sparse = request.sparse
         if sparse is None or not hashes:
             return hashes
         state = self._state
-        per_window = sparse.window // state.config.block_size
+        block_size = state.config.block_size
+        step = math.lcm(sparse.window, block_size) // block_size  # blocks per aligned hit
         hits = state.kv.lookup_prefix(hashes, before_batch_seq=state.next_seq)
-        return hashes[: hits - hits % per_window]
+        return hashes[: hits - hits % step]
 
     def _claim_cached_prefix(self, request: Request) -> int:
         """Attaches the longest cached prefix (never the last prompt token) and returns the
