@@ -5,7 +5,9 @@ hits stop at window boundaries under a hash that includes the retention."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -188,3 +190,58 @@ def test_server_default_applies_to_requests_that_do_not_choose() -> None:
     run(s)
     assert s.stats.num_prefill_rows == 8 + 4 + 4 + 4 + 8 * D
     assert math.isclose(s.stats.num_prefill_rows_saved, 12)
+
+
+def test_schedule_trace_shows_fragments_with_their_active_rows(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from services.cli import main
+    from services.worker.model.toy import write_toy_checkpoint
+
+    ckpt = write_toy_checkpoint(tmp_path / "ckpt", seed=0, size="toy")
+    common = [
+        "schedule-trace", "--checkpoint", str(ckpt), "--prompt-ids",
+        ",".join(str(i) for i in range(1, 21)), "--token-sparse-prefill", "--sparse-window", "8",
+        "--prefill-chunk-size", "4", "--block-size", "4", "--max-tokens", "2",
+        "--max-num-batched-tokens", "1",
+    ]  # fmt: skip
+    assert main(common) == 0
+    text = capsys.readouterr().out
+    # window [0, 8) keeps 2 tokens at depth 2, cut into fragments of one row by the budget
+    assert "(a,0,8,2,active[0..1)/2)" in text and "(a,0,8,2,active[1..2)/2)" in text
+    assert "prefill_rows=48 prefill_rows_saved=32" in text
+    assert main([*common, "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    fragments = [
+        (row, active)
+        for r in records
+        for row, active in zip(r["rows"], r["active"], strict=True)
+        if active is not None
+    ]
+    assert (["a", 0, 8, 2], [1, 1, 2]) in fragments
+    prompt_rows = [
+        c
+        for r in records
+        for c, kind in zip(r["core_rows"], r["kinds"], strict=True)
+        if kind == "prefill"
+    ]
+    assert sum(prompt_rows) == 48
+
+
+def test_prompt_rows_are_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from services.scheduler.telemetry import SchedulerTelemetry
+
+    s = Scheduler(config(), LIMITS)
+    s.add_request("a", list(range(1, 21)), SPARSE)
+    s.add_request("b", list(range(1, 11)), SamplingParams(max_tokens=1))
+    telemetry = SchedulerTelemetry(lambda: s, total_ut_steps=D, prefix_caching=False)
+    run(s)
+    text = generate_latest(telemetry.registry).decode()
+    values = {
+        line.split()[0]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("rlt:prefill_rows")
+    }
+    assert values == {"rlt:prefill_rows_total": 48 + 40, "rlt:prefill_rows_saved_total": 32}
