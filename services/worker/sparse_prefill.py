@@ -5,8 +5,8 @@ chooses by.
 The scheduler sends each sparse loop of a window as fragments of its active rows by rank
 (``BatchRow.fragment``); it knows how many tokens are active, never which. The worker
 chooses them when the window's first fragment arrives, from the scores its earlier loops
-left, and runs only them: each fragment becomes ordinary prompt rows, one per run of
-consecutive active positions, through the same fused ops as any prompt row. A frozen token
+left, and runs only them: each fragment becomes ordinary one-token prompt rows, through the
+same fused ops as any prompt row. A frozen token
 is not touched: its hidden row already holds its last loop's state, and its K/V at the
 loop's plane is copied from the plane below (the copy the LAST_EXITED layout makes for a
 decode token that exits early).
@@ -68,16 +68,6 @@ def choose_active(candidates: np.ndarray, scores: np.ndarray, count: int, last: 
     order = np.lexsort((others, -other_scores))
     chosen = np.concatenate([others[order[:take]], candidates[forced]])
     return np.sort(chosen)
-
-
-def _runs(positions: np.ndarray) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive positions as (start, count)."""
-    if positions.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [positions.size]])
-    return [(int(positions[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
 
 
 class SparseFragments:
@@ -187,9 +177,10 @@ class SparseFragments:
         copy_kv_slots_masked(self.k_cache, self.v_cache, slots[:count], slots[count:], keep)
 
     def _fragment_rows(self, live: LiveRow, windows: SparseWindows) -> list[LiveRow]:
-        """The fragment's active tokens as prompt rows, one per run of consecutive
-        positions; they share the fragment's result. The run holding the prompt's last
-        position (the last of its last fragment) keeps the fragment's coda."""
+        """The fragment's active tokens as one-token prompt rows (each its own attention
+        segment, as a decode row is: no query of one pads another's); they share the
+        fragment's result. The prompt's last position (the last row of its last fragment)
+        keeps the fragment's coda."""
         row = live.row
         fragment = row.fragment
         assert fragment is not None
@@ -199,20 +190,20 @@ class SparseFragments:
                 f"{row.request_id}: window {row.token_start} has no active tokens of loop "
                 f"{row.depth}"
             )
-        positions = chosen[1][fragment.active_start : fragment.active_end]
+        positions = chosen[1][fragment.active_start : fragment.active_end].tolist()
         if fragment.active_end == fragment.window_active and row.depth == self.total_loops - 1:
             del windows.active[row.token_start]  # its last reader
         last = windows.prompt_len - 1
         out: list[LiveRow] = []
-        for start, count in _runs(positions):
+        for position in positions:
             part = BatchRow(
                 request_id=row.request_id,
                 kind=RowKind.PREFILL,
-                token_start=start,
-                token_count=count,
+                token_start=position,
+                token_count=1,
                 depth=row.depth,
                 num_loops=1,
-                compute_logits=row.compute_logits and start + count - 1 == last,
+                compute_logits=row.compute_logits and position == last,
                 output_index=row.output_index,
             )
             piece = LiveRow(live.index, part, row.depth, 1)
