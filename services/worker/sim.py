@@ -212,10 +212,10 @@ class SimRunner:
             num_rows = context = pairs = 0
             for r in active:
                 end = r.row.token_start + r.row.token_count
-                rows = r.row.num_rows  # a token-sparse fragment: its active tokens only
-                num_rows += rows
+                queries = r.row.num_rows  # a token-sparse fragment: its active tokens only
+                num_rows += queries
                 context += end
-                pairs += rows * end
+                pairs += queries * end
             seconds += self.cost.core_pass_s(num_rows, context, pairs)
             self.stats.record_pass(num_rows)
             self.last_batch_passes.append((len(active), num_rows))
