@@ -27,6 +27,7 @@ come from the finished events (``prefill_rows``), which are exact.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 import statistics
 from dataclasses import dataclass
@@ -177,7 +178,10 @@ def run_metrics(outcomes: list[Outcome], wall: float) -> dict[str, Any]:
         if o.token_times and o.finished is not None and o.finished.num_prompt_tokens >= LONG
     ]
     ttft = [o.token_times[0] - o.arrival for o in outcomes if o.token_times]
-    digest = [(f.token_ids, f.exit_depths) for f in finished]
+    digest = hashlib.blake2b(digest_size=8)  # every request's tokens and exit depths
+    for o in outcomes:
+        f = o.finished
+        digest.update(repr(None if f is None else (f.token_ids, f.exit_depths)).encode())
     return {
         "wall_s": wall,
         "finished": len(finished),
@@ -187,7 +191,7 @@ def run_metrics(outcomes: list[Outcome], wall: float) -> dict[str, Any]:
         "output_tokens_per_s": out_tokens / wall if wall else None,
         "ttft_ms_p50_long": _ms(percentile(ttft_long, 50)),
         "ttft_ms_p50": _ms(percentile(ttft, 50)),
-        "digest": repr(digest),
+        "digest": digest.hexdigest(),
     }
 
 
@@ -460,7 +464,7 @@ def plot(c: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     shown = [r for r in c["ratios"] if r["metric"] != "identical" and r["median"] is not None]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(shown) + 1.5))
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(shown) + 1.5))
     labels = [f"{r['label']} [{r['workload']}]" for r in shown]
     values = [r["median"] for r in shown]
     lows = [r["median"] - r["min"] for r in shown]

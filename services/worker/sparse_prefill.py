@@ -129,14 +129,18 @@ class SparseFragments:
         """Chooses each opening window's active tokens (one read of their candidates'
         scores) and copies every frozen token's K/V up one plane (one op)."""
         chosen: list[tuple[BatchRow, SparseWindows, np.ndarray]] = []
-        gathers: list[torch.Tensor] = []
         for live in opening:
             row = live.row
             windows = self._windows(requests, row)
-            candidates = self._candidates(windows, row)
-            chosen.append((row, windows, candidates))
-            index = torch.from_numpy(candidates).to(windows.scores.device)
-            gathers.append(windows.scores.index_select(0, index))
+            chosen.append((row, windows, self._candidates(windows, row)))
+        total = sum(c.size for _, _, c in chosen)
+        words = self.transfer.host_words(total)
+        words[:] = np.concatenate([c for _, _, c in chosen])
+        index = self.transfer.to_device(words).long()
+        gathers, at = [], 0
+        for _, windows, candidates in chosen:
+            gathers.append(windows.scores.index_select(0, index[at : at + candidates.size]))
+            at += candidates.size
         scores = self.transfer.to_host(torch.cat(gathers)).numpy()
         pairs: list[np.ndarray] = []
         at = 0
@@ -221,8 +225,8 @@ class SparseFragments:
     ) -> None:
         """Scores of the prompt rows whose next loop is sparse: the relative change of each
         token's state over the loop that just ran, in float32."""
-        index: list[np.ndarray] = []
-        targets: list[tuple[SparseWindows, int, int]] = []
+        # per request: its pass rows and the positions their scores go to
+        targets: dict[int, tuple[SparseWindows, list[np.ndarray], list[np.ndarray]]] = {}
         for offset, live in zip(plan.row_offsets, plan.rows, strict=True):
             if live.is_decode:
                 continue
@@ -232,18 +236,25 @@ class SparseFragments:
                 continue
             if not windows.schedule.is_sparse(following):
                 continue
-            count = live.row.token_count
-            index.append(np.arange(offset, offset + count))
-            targets.append((windows, live.row.token_start, count))
+            start, count = live.row.token_start, live.row.token_count
+            _, rows, positions = targets.setdefault(id(windows), (windows, [], []))
+            rows.append(np.arange(offset, offset + count))
+            positions.append(np.arange(start, start + count))
         if not targets:
             return
-        rows = torch.from_numpy(np.concatenate(index)).to(outputs.device)
-        new = outputs.index_select(0, rows).float()
-        old = inputs.index_select(0, rows).float()
+        rows_all = np.concatenate([r for _, rows, _ in targets.values() for r in rows])
+        num = rows_all.size
+        words = self.transfer.host_words(2 * num)  # one copy: rows, then positions
+        words[:num] = rows_all
+        words[num:] = np.concatenate([p for _, _, positions in targets.values() for p in positions])
+        index = self.transfer.to_device(words).long()
+        new = outputs.index_select(0, index[:num]).float()
+        old = inputs.index_select(0, index[:num]).float()
         score = torch.linalg.vector_norm(new - old, dim=-1) / torch.linalg.vector_norm(
             new, dim=-1
         ).clamp_min(1e-12)
         at = 0
-        for windows, start, count in targets:
-            windows.scores[start : start + count] = score[at : at + count]
-            at += count
+        for windows, rows, _ in targets.values():
+            end = at + sum(r.size for r in rows)
+            windows.scores.index_put_((index[num + at : num + end],), score[at:end])
+            at = end
