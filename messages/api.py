@@ -91,6 +91,10 @@ class FinishedEvent(msgspec.Struct, gc=False, kw_only=True, tag="finished", tag_
     # loops it could run; entry 0, the prompt's token, always ran full depth)
     shed_tokens: int = 0
     depth_budgets: list[int] | None = None
+    # hidden-state rows the prompt's loops computed on this shard (token x loop; prompt x
+    # loops when every loop ran every token, fewer under token-sparse prefill or a prefix
+    # hit, more after a preemption recomputed some)
+    prefill_rows: int = 0
 
 
 class ErrorEvent(msgspec.Struct, gc=False, kw_only=True, tag="error", tag_field="type"):

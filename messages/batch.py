@@ -55,6 +55,34 @@ class WorkerSampling(msgspec.Struct, gc=False, kw_only=True):
     structured_output: StructuredOutput | None = None
 
 
+class SparsePrefill(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """Token-sparse prefill of one request (docs/sparse_prefill.md). The prompt is cut into
+    windows of ``window`` tokens anchored at positions 0, W, 2W, ... (the last may be
+    short). Loop l of a window keeps ``min(max(1, ceil(len * retention[l])), kept at
+    l - 1)`` of its tokens active, nested in loop l - 1's; the loops before the first
+    retention below 1 are dense. Which tokens is the worker's to choose (it holds the
+    hidden states); how many is this arithmetic, which the scheduler charges."""
+
+    window: int
+    retention: tuple[float, ...]
+
+
+class SparseFragment(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    """Part of one window's sparse loop: the window's active tokens of rank
+    ``[active_start, active_end)`` (rank = order by prompt position) out of the
+    ``window_active`` that loop keeps. The fragment that starts at rank 0 chooses the
+    window's active tokens for the loop; the one that ends at ``window_active`` completes
+    the loop over the whole window."""
+
+    active_start: int
+    active_end: int
+    window_active: int
+
+    @property
+    def num_active(self) -> int:
+        return self.active_end - self.active_start
+
+
 class NewRequest(msgspec.Struct, gc=False, kw_only=True):
     """A request the worker learns of: on admission, and again after a preemption, a worker
     loss or a move to another shard, when its known tokens are replayed by decode rows."""
@@ -65,6 +93,8 @@ class NewRequest(msgspec.Struct, gc=False, kw_only=True):
     # with a structured output: the tokens it has generated so far, from which the worker
     # rebuilds the grammar's state (empty otherwise, and for a request that starts now)
     generated_token_ids: list[int] = msgspec.field(default_factory=list)
+    # token-sparse prefill (None: every loop runs every prompt token)
+    sparse_prefill: SparsePrefill | None = None
 
 
 class BlockDelta(msgspec.Struct, gc=False, kw_only=True):
@@ -89,6 +119,9 @@ class BatchRow(msgspec.Struct, gc=False, kw_only=True):
     overload shedding lowered it below the request's own ``max_loops`` (None: not shed). A
     token's budget is fixed by its first loop: the worker takes a follow-on's only when it
     resolves to depth 0, and carries it on to the token's later loops.
+    A PREFILL row with a ``fragment`` runs one sparse loop of the window
+    ``[token_start, token_start + token_count)``: only the fragment's active tokens are
+    computed (``num_rows`` of them).
     """
 
     request_id: str
@@ -104,6 +137,12 @@ class BatchRow(msgspec.Struct, gc=False, kw_only=True):
     compute_logits: bool = False
     output_index: int = 0
     max_loops: int | None = None
+    fragment: SparseFragment | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Hidden-state rows the row computes per loop."""
+        return self.token_count if self.fragment is None else self.fragment.num_active
 
 
 class Batch(msgspec.Struct, gc=False, kw_only=True):

@@ -66,6 +66,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # generated tokens at fewer loops than ``max_loops`` (never below ``min_loops``); false
     # keeps its full depth whatever the load
     shed_depth: bool = True
+    # token-sparse prefill (docs/sparse_prefill.md): late loops run only the prompt tokens
+    # whose hidden state still moves; None: the server's default (off unless it was started
+    # with --token-sparse-prefill). It changes outputs, and needs every prompt position's
+    # full-depth state for nothing, so it cannot be combined with prompt_logprobs
+    token_sparse_prefill: bool | None = None
+    # with it, each loop's retention (one entry per loop, in (0, 1], the first 1); None: the
+    # server's. Given without token_sparse_prefill it turns it on
+    prefill_retention: list[float] | None = None
 
     def validate(self) -> None:
         """Model-independent range checks of the fields that are set; raises RequestError."""
@@ -113,6 +121,31 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         if not isinstance(self.shed_depth, bool):
             raise RequestError(f"shed_depth must be true or false, got {self.shed_depth!r}")
+        self._validate_sparse_prefill()
+
+    def _validate_sparse_prefill(self) -> None:
+        sparse = self.token_sparse_prefill
+        if sparse is not None and not isinstance(sparse, bool):
+            raise RequestError(f"token_sparse_prefill must be true or false, got {sparse!r}")
+        retention = self.prefill_retention
+        if retention is not None:
+            check_retention(retention, "prefill_retention")
+            if sparse is False:
+                raise RequestError(
+                    "prefill_retention needs token_sparse_prefill (it was set to false)"
+                )
+        if self.wants_sparse_prefill is True and self.prompt_logprobs is not None:
+            raise RequestError(
+                "token_sparse_prefill cannot be combined with prompt_logprobs: frozen prompt "
+                "tokens never run their late loops"
+            )
+
+    @property
+    def wants_sparse_prefill(self) -> bool | None:
+        """What the request itself asks: True/False, or None to take the server's default."""
+        if self.token_sparse_prefill is None and self.prefill_retention is not None:
+            return True
+        return self.token_sparse_prefill
 
     def resolve(
         self, total_ut_steps: int, vocab_size: int, defaults: RequestDefaults = API_DEFAULTS
@@ -128,6 +161,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.min_loops > max_loops:
             raise RequestError(
                 f"min_loops ({self.min_loops}) must not exceed max_loops ({max_loops})"
+            )
+        if self.prefill_retention is not None and len(self.prefill_retention) != total_ut_steps:
+            raise RequestError(
+                f"prefill_retention has {len(self.prefill_retention)} entries; the model runs "
+                f"{total_ut_steps} loops (one entry per loop)"
             )
         for tok in self.stop_token_ids:
             if tok >= vocab_size:
@@ -237,6 +275,25 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     def choices(self) -> list[str]:
         """The strings of a CHOICE spec (validated)."""
         return list(json.loads(self.spec))
+
+
+# a retention list has one entry per loop: bounded like any other list a client sends
+MAX_RETENTION_LOOPS = 64
+
+
+def check_retention(retention: object, name: str) -> None:
+    """A retention list's shape: 1..64 numbers, each in (0, 1], the first exactly 1 (loop 0
+    has no earlier loop to score its tokens by). Its length is checked against the model
+    where the model is known."""
+    if not isinstance(retention, list | tuple) or not 1 <= len(retention) <= MAX_RETENTION_LOOPS:
+        raise RequestError(
+            f"{name} must be a list of 1 to {MAX_RETENTION_LOOPS} numbers, got {retention!r}"
+        )
+    for r in retention:
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 < r <= 1.0:
+            raise RequestError(f"{name} entries must be numbers in (0, 1], got {r!r}")
+    if retention[0] != 1:
+        raise RequestError(f"{name} must start with 1 (loop 0 is always dense), got {retention[0]}")
 
 
 def _json_spec(spec: str, what: str) -> object:

@@ -14,3 +14,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 .venv/bin/pip install -q -e '.[dev]'
+# FlashLoop's reference (tests/test_sparse_prefill_reference.py): its flashloop_torch imports
+# only torch, but the package pins an older transformers, hence --no-deps
+.venv/bin/pip install -q --no-deps flashloop==0.1.0

@@ -9,8 +9,9 @@ from messages.api import FinishedEvent, StreamEvent, TokenEvent
 from messages.batch import RowKind
 from messages.sampling import SamplingParams
 from services.common.config import KVLayout, SchedulerConfig
+from services.common.sparse_prefill import resolve_sparse_prefill
 from services.engine.engine import LLMEngine
-from services.oracle import SerialOracle
+from services.oracle import SerialOracle, SparseSetting
 from services.oracle.near_tie import compare_with_oracle
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.kv_admission import Commitment
@@ -34,7 +35,7 @@ class RunRecord:
 
 
 def check_batch_limits(batch: ScheduledBatch, config: SchedulerConfig) -> None:
-    tokens = sum(t.token_count for t in batch.tasks)
+    tokens = sum(t.budget_rows for t in batch.tasks)
     assert tokens <= config.max_num_batched_tokens, f"batch {batch.seq} over budget: {tokens}"
     seqs = {t.request.request_id for t in batch.tasks}
     assert len(seqs) <= config.max_num_seqs, f"batch {batch.seq} has {len(seqs)} requests"
@@ -121,6 +122,18 @@ def run_workload(
     return record
 
 
+def sparse_setting(
+    params: SamplingParams, config: SchedulerConfig, total_ut_steps: int
+) -> SparseSetting | None:
+    """The token-sparse prefill a request runs under in this engine, for the oracle."""
+    schedule = resolve_sparse_prefill(
+        params, config.sparse_defaults(), total_ut_steps, split_prefill=bool(config.split_prefill)
+    )
+    if schedule is None:
+        return None
+    return SparseSetting(window=schedule.window, retention=schedule.retention)
+
+
 def oracle_result(
     oracle: SerialOracle, prompt: list[int], params: SamplingParams, config: SchedulerConfig
 ):
@@ -135,6 +148,7 @@ def oracle_result(
         ignore_eos=params.ignore_eos,
         kv_layout=config.kv_layout.value,
         prefill_chunk_size=config.prefill_chunk_size if shared else None,
+        sparse_prefill=sparse_setting(params, config, oracle.total_ut_steps),
     )
 
 

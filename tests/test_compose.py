@@ -70,6 +70,12 @@ def _volume(mount: str | dict[str, Any]) -> tuple[str, str, str | None, bool]:
     return source, target, None, mode == ["ro"]
 
 
+def _interpolate(value: str) -> str:
+    """Compose's ``${NAME:-default}`` as ``docker compose`` fills it from an environment
+    that sets no RLT_ variable (the test's containers see none of this shell's)."""
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: m.group(2) or "", value)
+
+
 def _flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
@@ -128,10 +134,12 @@ def test_init_writes_the_secrets_before_anything_starts(compose: dict[str, Any])
 @pytest.mark.unit
 def test_no_secret_in_the_compose_file_the_image_or_env() -> None:
     """Passwords and keys only ever come from files in the secrets volume: compose
-    interpolates nothing but the (public) torch index, sets no secret-looking variable but
-    *_FILE ones, and the image copies no deploy file and no .env."""
+    interpolates nothing but public settings (token-sparse prefill's, the torch index),
+    sets no secret-looking variable but *_FILE ones, and the image copies no deploy file
+    and no .env."""
     text = (ROOT / "compose.yaml").read_text()
-    assert re.findall(r"\$\{(\w+)", text) == ["RLT_TORCH_INDEX"]
+    public = ["RLT_SPARSE_PREFILL", "RLT_PREFILL_RETENTION", "RLT_SPARSE_WINDOW", "RLT_TORCH_INDEX"]
+    assert re.findall(r"\$\{(\w+)", text) == public
     compose = yaml.safe_load(text)
     for key, svc in compose["services"].items():
         env = svc.get("environment") or {}
@@ -354,7 +362,10 @@ class Container:
         # a container's environment: compose's, and nothing of this shell's rlt settings
         base = {k: v for k, v in os.environ.items() if not k.startswith("RLT_")}
         base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # rlt
-        spec_env = {k: self.local(str(v)) for k, v in (self.spec.get("environment") or {}).items()}
+        spec_env = {
+            k: self.local(_interpolate(str(v)))
+            for k, v in (self.spec.get("environment") or {}).items()
+        }
         return {**base, "RLT_RUN_DIR": str(self.run_dir), "OMP_NUM_THREADS": "1", **spec_env}
 
     def command(self) -> list[str]:

@@ -467,6 +467,7 @@ def _fin(n: int, reason: str = "length", text: str = "") -> FinishedEvent:
         num_prompt_tokens=7,
         num_cached_tokens=4,
         text=text,
+        prefill_rows=12,
     )
 
 
@@ -484,6 +485,7 @@ def test_answer_counts_usage_with_loop_extensions() -> None:
         "mean_exit_depth": 3.0,
         "core_loops": 9,
         "shed_tokens": 0,
+        "prefill_rows": 12,  # the prompt's rows as the engine computed them
     }
     body = a.body(chat=True, model="toy", created=1)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "abc"}

@@ -5,6 +5,7 @@ along the path both runs agreed on."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -32,12 +33,13 @@ def _step(token: int, depth: int, gap: float = 1.0, margin: float = 1.0) -> Simp
     return SimpleNamespace(token_id=token, exit_depth=depth, top2_gap=gap, threshold_margin=margin)
 
 
-def _oracle(*steps: SimpleNamespace) -> SimpleNamespace:
+def _oracle(*steps: SimpleNamespace, selection_margin: float = math.inf) -> SimpleNamespace:
     return SimpleNamespace(
         steps=list(steps),
         token_ids=[s.token_id for s in steps],
         exit_depths=[s.exit_depth for s in steps],
         finish_reason="length",
+        selection_margin=selection_margin,
     )
 
 
@@ -71,6 +73,13 @@ def test_oracle_comparison_stops_only_at_the_oracles_near_ties() -> None:
 
     # gaps measured by a sampler replace the raw logits' (a sampled row's draw scores)
     assert compare(_engine([5, 8, 1], [4, 2, 4]), expected, gaps=[1.0, 1e-6, 1.0]).near_tie
+
+    # token-sparse prefill chose its active tokens at a near-tie: nothing is compared
+    chosen_at_tie = _oracle(_step(5, 4), _step(7, 2), selection_margin=1e-7)
+    tie = compare(_engine([6, 8], [1, 1]), chosen_at_tie)
+    assert (tie.compared, tie.mismatch) == (0, None) and "active-token" in (tie.near_tie or "")
+    clear = _oracle(_step(5, 4), _step(7, 2), selection_margin=1e-3)
+    assert compare(_engine([6, 8], [1, 1]), clear).mismatch is not None
 
 
 @pytest.mark.unit

@@ -38,13 +38,17 @@ class _Grid:
         block_size: int,
         q_max: int,
         c_max: int,
+        q_pos: torch.Tensor | None = None,
     ) -> None:
+        """``q_pos`` [S, Q]: each query's own position, when a segment is a group of
+        one-row segments (``_one_table_runs``); else a segment's queries are its last rows."""
         dev = tables.device
         num_segs = tables.shape[0]
         self.q_max, self.c_max, self.num_segs = q_max, c_max, num_segs
         j = torch.arange(q_max, device=dev)
         q_ok = j < seg_rows[:, None]  # [S, Q]
-        q_pos = ctx[:, None] - seg_rows[:, None] + j
+        if q_pos is None:
+            q_pos = ctx[:, None] - seg_rows[:, None] + j
         c = torch.arange(c_max, device=dev)
         self.c_ok = c < ctx[:, None]  # [S, C]
         # which positions each query sees, [S, 1, Q, C] (one mask for every head)
@@ -155,11 +159,22 @@ def _grids(
     starts = query_start.long()
     seg_start, seg_rows = starts[:-1], starts[1:] - starts[:-1]
     ctx = context_lens.long()
+    runs: list[list[int]] = []
     if not split_decode:
         c_max = block_tables.shape[1] * block_size
         parts = [(None, max_query_len, c_max)]
     else:
-        parts = _split(seg_rows.tolist(), ctx.tolist())
+        rows, lens = seg_rows.tolist(), ctx.tolist()
+        runs = _one_table_runs(rows, lens, block_tables, block_size)
+        grouped = {i for run in runs for i in run}
+        rest = [i for i in range(len(rows)) if i not in grouped]
+        parts = _split([rows[i] for i in rest], [lens[i] for i in rest])
+        if runs:  # the remaining segments by their own indices
+            parts = [
+                (torch.tensor(rest) if idx is None else torch.tensor(rest)[idx], q, c)
+                for idx, q, c in parts
+                if rest
+            ]
     grids = [
         _Grid(
             block_tables if idx is None else block_tables[idx],
@@ -174,6 +189,8 @@ def _grids(
         for idx, q_max, c_max in parts
         if q_max > 0 and c_max > 0
     ]
+    if runs:
+        grids.append(_run_grid(runs, block_tables, ctx, seg_start, num_rows, block_size))
     _last = (key, grids)
     return grids
 
@@ -199,6 +216,66 @@ def _split(rows: list[int], ctx: list[int]) -> list[tuple[torch.Tensor | None, i
     if len(rows) * whole[1] * whole[2] - split_pairs <= _MERGE_SLACK:
         return [whole]
     return parts
+
+
+def _one_table_runs(
+    rows: list[int], ctx: list[int], block_tables: torch.Tensor, block_size: int
+) -> list[list[int]]:
+    """Runs of two or more consecutive one-row segments that read one block table (the
+    one-token rows a token-sparse prefill loop runs over one prompt): one grid segment each,
+    so their context is gathered once, not once per query. Consecutive rows of one request
+    share the blocks of the shorter context (entries past a context are never read)."""
+    num = len(rows)
+    if num < 2 or sum(1 for n in rows if n == 1) < 2:
+        return []
+    width = block_tables.shape[1]
+    needed = torch.tensor([-(-c // block_size) for c in ctx])
+    shorter = torch.minimum(needed[1:], needed[:-1])
+    same = block_tables[1:] == block_tables[:-1]
+    same |= torch.arange(width)[None, :] >= shorter[:, None]
+    linked = same.all(dim=1).tolist()
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for i in range(num):
+        if rows[i] == 1 and current and linked[i - 1]:
+            current.append(i)
+            continue
+        if len(current) > 1:
+            runs.append(current)
+        current = [i] if rows[i] == 1 else []
+    if len(current) > 1:
+        runs.append(current)
+    return runs
+
+
+def _run_grid(
+    runs: list[list[int]],
+    block_tables: torch.Tensor,
+    ctx: torch.Tensor,
+    seg_start: torch.Tensor,
+    num_rows: int,
+    block_size: int,
+) -> _Grid:
+    """One grid of ``_one_table_runs``: a segment per run, its queries at their own
+    positions, its context the longest of its rows', read through that row's table."""
+    longest = [max(run, key=lambda i: int(ctx[i])) for run in runs]
+    q_max = max(len(run) for run in runs)
+    q_pos = torch.zeros((len(runs), q_max), dtype=torch.long)
+    for r, run in enumerate(runs):
+        q_pos[r, : len(run)] = ctx[run] - 1
+    pick = torch.tensor(longest)
+    firsts = torch.tensor([run[0] for run in runs])
+    return _Grid(
+        block_tables[pick],
+        ctx[pick],
+        seg_start[firsts],
+        torch.tensor([len(run) for run in runs]),
+        num_rows,
+        block_size,
+        q_max,
+        int(ctx[pick].max()),
+        q_pos=q_pos,
+    )
 
 
 def paged_attention_reference(

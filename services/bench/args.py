@@ -22,7 +22,14 @@ SHARD_COMPARISON_NAMES = ("routing", "scaling")
 BYPASS_COMPARISON_NAMES = ("admission_bypass",)
 # open-loop overload on this machine's model and the simulated H200 (services/bench/
 # overload.py, ~5 min on two cores): only when asked for with --only
-OPT_IN_COMPARISON_NAMES = (*SHARD_COMPARISON_NAMES, *BYPASS_COMPARISON_NAMES, "overload")
+# token-sparse prefill against dense on 1-4k prompts, this machine's model and the simulated
+# H200 (services/bench/sparse_prefill.py, ~10 min on small): only when asked for with --only
+OPT_IN_COMPARISON_NAMES = (
+    *SHARD_COMPARISON_NAMES,
+    *BYPASS_COMPARISON_NAMES,
+    "overload",
+    "sparse_prefill",
+)
 
 
 def _names(text: str) -> list[str]:

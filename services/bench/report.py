@@ -198,6 +198,11 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
 
         lines = overload.markdown(c)
         return [*lines, f"![{c['name']}]({plot})", ""] if plot else lines
+    if c.get("kind") == "sparse_prefill":
+        from services.bench import sparse_prefill
+
+        lines = sparse_prefill.markdown(c)
+        return [*lines, f"![{c['name']}]({plot})", ""] if plot else lines
     lines += [f"- {n}" for n in c["notes"]]
     for name, cal in c["calibration"].items():
         caps = ", ".join(f"{arm} {fmt(v)}" for arm, v in cal["closed_loop_requests_per_s"].items())
@@ -337,11 +342,7 @@ def report_markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
         f"- Repeats: {s['repeats']} ({s['interleaving']}); seed {s['seed']}; "
         f"elapsed {results['elapsed_s']:.0f} s",
         "- Greedy decoding with ignore_eos, so every arm generates exactly the same tokens"
-        + (
-            " (but overload's shed-depth arm where it sheds: fewer loops, other tokens)."
-            if any(c.get("kind") == "overload" for c in results["comparisons"])
-            else "."
-        ),
+        + _token_exceptions(results),
         "",
         "## Targets",
         "",
@@ -399,6 +400,17 @@ def plot_comparison(c: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _token_exceptions(results: dict[str, Any]) -> str:
+    """The arms whose tokens may differ by design, for the report's header."""
+    kinds = {c.get("kind") for c in results["comparisons"]}
+    but = []
+    if "overload" in kinds:
+        but.append("overload's shed-depth arm where it sheds: fewer loops, other tokens")
+    if "sparse_prefill" in kinds:
+        but.append("sparse_prefill's sparse arm: frozen prompt tokens change its tokens")
+    return f" (but {'; '.join(but)})." if but else "."
+
+
 def write_report(results: dict[str, Any], out_dir: Path, plots: bool = True) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -410,6 +422,8 @@ def write_report(results: dict[str, Any], out_dir: Path, plots: bool = True) -> 
             path = out_dir / f"{c['name']}.png"
             if c.get("kind") == "overload":
                 from services.bench.overload import plot as draw
+            elif c.get("kind") == "sparse_prefill":
+                from services.bench.sparse_prefill import plot as draw
             else:
                 draw = plot_comparison
             if draw(c, path):

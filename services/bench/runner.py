@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from services.bench import overload, scheduler_step
+from services.bench import overload, scheduler_step, sparse_prefill
 from services.bench.analysis import arm_summary, ratio_result
 from services.bench.backends import Backend, InProcessBackend
 from services.bench.comparisons import (
@@ -320,6 +320,10 @@ def model_info(model: OuroModel, checkpoint: Path, size: str | None) -> dict[str
     }
 
 
+# comparisons with their own runner (not ``Comparison``s)
+STANDALONE = ("scheduler", "overload", "sparse_prefill")
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Runs everything and returns the results document (also what the JSON holds)."""
     threads = args.threads or (1 if args.device == "cpu" else None)
@@ -350,7 +354,7 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         comparisons = build_comparisons(
-            [n for n in args.only if n not in ("scheduler", "overload")], settings, arms=args.arms
+            [n for n in args.only if n not in STANDALONE], settings, arms=args.arms
         )
     except UnknownArmError:
         bench.close()
@@ -362,6 +366,8 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     if "overload" in args.only:
         total += overload.num_runs(args.repeats, args.quick)
+    if "sparse_prefill" in args.only:
+        total += sparse_prefill.num_runs(args.repeats, args.quick)
     progress = Progress(total, enabled=not args.no_progress)
     results: list[dict[str, Any]] = []
     try:
@@ -386,6 +392,24 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
             except Exception as exc:  # as a broken comparison above: the others still report
                 results.append(
                     {"name": "overload", "title": "Overload", "question": "",
+                     "error": f"{type(exc).__name__}: {exc}", "runs": [], "ratios": []}
+                )  # fmt: skip
+        if "sparse_prefill" in args.only:
+            try:
+                results.append(
+                    sparse_prefill.run_comparison(
+                        bench.model,
+                        settings.vocab,
+                        repeats=args.repeats,
+                        seed=args.seed,
+                        quick=args.quick,
+                        model_label=f"{settings.model_size or 'checkpoint'} model, {args.device}",
+                        progress=progress,
+                    )
+                )
+            except Exception as exc:  # as a broken comparison above: the others still report
+                results.append(
+                    {"name": "sparse_prefill", "title": "Token-sparse prefill", "question": "",
                      "error": f"{type(exc).__name__}: {exc}", "runs": [], "ratios": []}
                 )  # fmt: skip
         if "scheduler" in args.only:

@@ -14,7 +14,9 @@ from messages.sampling import (
     RequestDefaults,
     SamplingParams,
     StructuredOutputsBackend,
+    check_retention,
 )
+from services.common.sparse_prefill import DEFAULT_SPARSE_WINDOW, SparseDefaults
 
 
 def scheduler_lost_s() -> float:
@@ -148,6 +150,12 @@ class SchedulerConfig:
     # it into each request, so every worker the request runs on uses the same one; the
     # default is chosen by measured conformance (docs/benchmarks/structured_outputs.md)
     structured_outputs_backend: StructuredOutputsBackend = DEFAULT_STRUCTURED_OUTPUTS_BACKEND
+    # token-sparse prefill (docs/sparse_prefill.md) for requests that do not choose: off
+    # by default, as it changes outputs; the retention per loop (None: FlashLoop's
+    # defaults for the model's loop count) and the window of prompt tokens it ranks within
+    token_sparse_prefill: bool = False
+    prefill_retention: tuple[float, ...] | None = None
+    sparse_window: int = DEFAULT_SPARSE_WINDOW
 
     def __post_init__(self) -> None:
         for name in (
@@ -157,6 +165,7 @@ class SchedulerConfig:
             "block_size",
             "num_blocks",
             "max_inflight_batches",
+            "sparse_window",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -210,6 +219,29 @@ class SchedulerConfig:
                 "kv_layout=shared needs atomic prefill: with split/wavefront prefill the KV "
                 "version a chunk reads would depend on timing"
             )
+        self._check_sparse_prefill()
+
+    def _check_sparse_prefill(self) -> None:
+        if self.prefill_retention is not None:
+            retention = tuple(float(r) for r in self.prefill_retention)
+            try:
+                check_retention(list(retention), "prefill_retention")
+            except RequestError as exc:
+                raise ValueError(str(exc)) from None
+            object.__setattr__(self, "prefill_retention", retention)
+        if self.token_sparse_prefill and not self.split_prefill:
+            raise ValueError(
+                "token_sparse_prefill needs split or wavefront prefill: atomic prefill runs "
+                "every loop of a chunk in one task"
+            )
+
+    def sparse_defaults(self) -> SparseDefaults:
+        """What a request that leaves token-sparse prefill unset gets."""
+        return SparseDefaults(
+            enabled=self.token_sparse_prefill,
+            retention=self.prefill_retention,
+            window=self.sparse_window,
+        )
 
     def num_planes(self, total_ut_steps: int) -> int:
         return total_ut_steps if self.kv_layout == KVLayout.LAST_EXITED else 1

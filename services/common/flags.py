@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from messages.sampling import SamplingParams, StructuredOutputsBackend
 from services.common.config import KVAdmission, KVLayout, OverloadPolicy, SchedulerConfig
+from services.common.sparse_prefill import DEFAULT_SPARSE_WINDOW
 from services.runtime.bus import DEFAULT_NATS_URL
 
 if TYPE_CHECKING:
@@ -179,7 +180,55 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "is chosen by measured conformance (docs/benchmarks/structured_outputs.md) "
         "(default: %(default)s)",
     )
+    add_sparse_prefill_flags(g)
     add_device_flags(g)
+
+
+def _env_switch(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def add_sparse_prefill_flags(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Token-sparse prefill's server defaults (a request may choose for itself); each also
+    reads the environment, which is how compose sets them."""
+    g.add_argument(
+        "--token-sparse-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=_env_switch("RLT_SPARSE_PREFILL"),
+        help="late loops of a prompt run only the tokens whose hidden state still moves "
+        "(FlashLoop's LoopFreeze per window; docs/sparse_prefill.md) for requests that do "
+        "not choose (token_sparse_prefill). It changes outputs: off by default "
+        "(default: $RLT_SPARSE_PREFILL, else off). Needs split or wavefront prefill",
+    )
+    g.add_argument(
+        "--prefill-retention",
+        default=os.environ.get("RLT_PREFILL_RETENTION") or None,
+        metavar="R0,R1,...",
+        help="token-sparse prefill: the share of a window's tokens each loop keeps, one per "
+        "loop, the first 1 (default: $RLT_PREFILL_RETENTION, else FlashLoop's 1,1,0.25,0.1 "
+        "for four loops)",
+    )
+    g.add_argument(
+        "--sparse-window",
+        type=int,
+        default=int(os.environ.get("RLT_SPARSE_WINDOW") or DEFAULT_SPARSE_WINDOW),
+        metavar="W",
+        help="token-sparse prefill: prompt tokens per window (anchored at 0, W, 2W, ...); "
+        "a loop keeps the highest-scoring tokens of each window "
+        "(default: $RLT_SPARSE_WINDOW, else %(default)s)",
+    )
+
+
+def parse_retention(text: str | None) -> tuple[float, ...] | None:
+    """``--prefill-retention``'s value as numbers (checked by ``SchedulerConfig``)."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise SystemExit(
+            f"--prefill-retention must be comma-separated numbers, got {text!r}"
+        ) from None
 
 
 def add_device_flags(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -356,6 +405,9 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         kv_watermark=args.kv_watermark,
         max_admission_bypasses=args.max_admission_bypasses,
         structured_outputs_backend=StructuredOutputsBackend(args.structured_outputs_backend),
+        token_sparse_prefill=args.token_sparse_prefill,
+        prefill_retention=parse_retention(args.prefill_retention),
+        sparse_window=args.sparse_window,
         **unset,
     )
 
@@ -378,7 +430,10 @@ def engine_args(config: SchedulerConfig) -> list[str]:
         f"--kv-watermark={config.kv_watermark!r}",
         f"--max-admission-bypasses={config.max_admission_bypasses}",
         f"--structured-outputs-backend={config.structured_outputs_backend.value}",
+        f"--sparse-window={config.sparse_window}",
     ]
+    if config.prefill_retention is not None:
+        args += ["--prefill-retention=" + ",".join(repr(r) for r in config.prefill_retention)]
     mode = prefill_mode(config)
     args += [f"--prefill={mode}"]
     args += ["--async-scheduling" if config.async_scheduling else "--no-async-scheduling"]
@@ -386,6 +441,7 @@ def engine_args(config: SchedulerConfig) -> list[str]:
         "--no-refill": not config.refill,
         "--enable-prefix-caching": config.enable_prefix_caching,
         "--no-share-inflight-prefill": not config.share_inflight_prefill,
+        "--token-sparse-prefill": config.token_sparse_prefill,
     }
     return args + [flag for flag, on in switches.items() if on]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels.ops.noise import counter_hash, gumbel_noise, uniform_from_bits
-from kernels.ops.sample import sample
+from kernels.ops.sample import filter_threshold, sample
 
 __all__ = [
     "SamplingError",
@@ -108,13 +108,12 @@ def draw_scores(
     rounded again; the kept set is the float32 one ``sample_batch`` draws from."""
     vocab = logits.shape[-1]
     scaled = logits.reshape(1, vocab).to(torch.float32) / temperature
-    kept = torch.isfinite(
-        _filter(
-            scaled,
-            torch.tensor([top_k], dtype=torch.int64, device=logits.device),
-            torch.tensor([top_p], dtype=torch.float32, device=logits.device),
-        )
-    )[0]
+    threshold = filter_threshold(
+        scaled,
+        torch.tensor([top_k], dtype=torch.int64, device=logits.device),
+        torch.tensor([top_p], dtype=torch.float32, device=logits.device),
+    )
+    kept = torch.isfinite(torch.where(scaled >= threshold, scaled, float("-inf")))[0]
     at = torch.tensor([output_index], dtype=torch.int64, device=logits.device)
     noise = gumbel_noise(torch.tensor([seed], device=logits.device), at, vocab)[0]
     scores = logits.to(torch.float64) / temperature + noise.to(torch.float64)

@@ -3,7 +3,8 @@
 Plain output prints one line per batch, an indented line per request that the batch's
 selection preempted (with the tokens it will recompute), and the waste totals at the end;
 with ``--overload-policy shed-depth`` each line also shows the depth budget new decode
-tokens started under in that step (``budget=N``);
+tokens started under in that step (``budget=N``); a token-sparse fragment shows its active
+rows (``active[a..b)/n``: rows a to b of the n its window keeps at that depth);
 ``--json`` one JSON object per batch, ``preemptions`` included; ``--diagram`` adds, per
 request, a wavefront grid (depth rows x chunk columns) whose cells name the step(s) that ran
 that piece, so a maintainer sees the anti-diagonals at a glance.
@@ -31,9 +32,14 @@ def request_names(n: int) -> list[str]:
 
 def row_text(task: ScheduledTask) -> str:
     """``(request, token_start, token_count, depth)``; a follow-on row's depth is not known
-    when it is scheduled (the worker resolves it), so it shows as ``+``."""
+    when it is scheduled (the worker resolves it), so it shows as ``+``. A token-sparse
+    fragment (its window, a sparse depth) adds its active rows: ``[first..end)/kept``."""
     depth = "+" if task.kind is RowKind.FOLLOW_ON else str(task.depth)
-    return f"({task.request.request_id},{task.token_start},{task.token_count},{depth})"
+    text = f"({task.request.request_id},{task.token_start},{task.token_count},{depth}"
+    if task.window_active:
+        end = task.active_start + task.active_count
+        text += f",active[{task.active_start}..{end})/{task.window_active}"
+    return text + ")"
 
 
 def batch_record(batch: ScheduledBatch) -> dict:
@@ -47,6 +53,14 @@ def batch_record(batch: ScheduledBatch) -> dict:
         "depth_budget": batch.depth_budget,
         # decode rows' lowered budgets (null: the request's own max_loops)
         "loop_budgets": [t.loop_budget for t in batch.tasks],
+        # token-sparse fragments: [first active row, rows, the window's kept rows]; null
+        # for every other row (its rows are its tokens)
+        "active": [
+            [t.active_start, t.active_count, t.window_active] if t.window_active else None
+            for t in batch.tasks
+        ],
+        # hidden-state rows each task computes (token x loop; a fragment's active rows)
+        "core_rows": [t.core_rows for t in batch.tasks],
     }
 
 
@@ -63,7 +77,8 @@ def waste_summary(engine: LLMEngine) -> str:
         f"kv_admission={engine.config.kv_admission} preemptions={s.num_preemptions} "
         f"recomputed_prompt_tokens={s.num_recomputed_prompt_tokens} "
         f"recomputed_decode_loops={s.num_recomputed_decode_loops} "
-        f"reserved_unused_blocks={s.num_reserved_unused_blocks}/{s.num_reserved_blocks}"
+        f"reserved_unused_blocks={s.num_reserved_unused_blocks}/{s.num_reserved_blocks} "
+        f"prefill_rows={s.num_prefill_rows} prefill_rows_saved={s.num_prefill_rows_saved}"
     )
 
 

@@ -8,6 +8,7 @@ request into rlt's NATS API, ``responses.py`` shapes the answers.
 Accepted beyond OpenAI's fields (vLLM's extra body fields, the loop knobs):
 ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_loops``, ``max_loops``,
 ``exit_threshold``, ``shed_depth`` (false: full depth under overload shedding),
+``token_sparse_prefill`` and ``prefill_retention`` (token-sparse prefill),
 ``priority``, ``chat_template_kwargs``, ``include_stop_str_in_output``
 and ``return_token_ids`` (the choice carries ``token_ids`` and, rlt's own, ``exit_depths``).
 Structured outputs: ``response_format`` (json_object, json_schema) and vLLM's
@@ -108,6 +109,9 @@ class _Common(msgspec.Struct, kw_only=True):
     max_loops: int | None = None
     exit_threshold: float | None = None
     shed_depth: bool | None = None
+    # token-sparse prefill (docs/sparse_prefill.md); checked by admission
+    token_sparse_prefill: bool | None = None
+    prefill_retention: list[float] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):

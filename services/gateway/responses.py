@@ -20,6 +20,9 @@ class Usage:
     completion_tokens: int
     core_loops: int
     shed_tokens: int = 0  # completion tokens run under a depth budget overload shedding lowered
+    # hidden-state rows the prompts' loops computed (token x loop; fewer under token-sparse
+    # prefill), every choice's
+    prefill_rows: int = 0
 
     def body(self) -> dict[str, Any]:
         completion, loops = self.completion_tokens, self.core_loops
@@ -33,6 +36,7 @@ class Usage:
             "mean_exit_depth": round(loops / completion, 6) if completion else None,
             "core_loops": loops,
             "shed_tokens": self.shed_tokens,
+            "prefill_rows": self.prefill_rows,
         }
 
 

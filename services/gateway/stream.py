@@ -62,6 +62,7 @@ class Answer:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_shed_tokens: int = 0
+    num_prefill_rows: int = 0
     engine_done: bool = False  # the engine's terminal event arrived
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
     _stops: StopMatcher = field(init=False)
@@ -89,6 +90,7 @@ class Answer:
             self.num_prompt_tokens = event.num_prompt_tokens
             self.num_cached_tokens = event.num_cached_tokens
             self.num_shed_tokens = event.shed_tokens
+            self.num_prefill_rows = event.prefill_rows
             if self.finish_reason is not None:  # a stop string ended it already
                 return []
             self.finish_reason = event.finish_reason
@@ -192,6 +194,7 @@ def combined_usage(answers: list[Answer]) -> Usage:
         completion_tokens=sum(len(a.exit_depths) for a in answers),
         core_loops=sum(sum(a.exit_depths) for a in answers),
         shed_tokens=sum(a.num_shed_tokens for a in answers),
+        prefill_rows=sum(a.num_prefill_rows for a in answers),
     )
 
 

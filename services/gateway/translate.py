@@ -114,7 +114,15 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str) -> Genera
         "max_loops": req.max_loops,
         "exit_threshold": req.exit_threshold,
     }
-    for name in ("min_loops", "ignore_eos", "stop_token_ids", "priority", "shed_depth"):
+    for name in (
+        "min_loops",
+        "ignore_eos",
+        "stop_token_ids",
+        "priority",
+        "shed_depth",
+        "token_sparse_prefill",
+        "prefill_retention",
+    ):
         value = getattr(req, name)
         if value is not None:
             fields[name] = value

@@ -1,6 +1,19 @@
 """Serial single-request oracle used by tests to check the serving engine."""
 
 from services.oracle.exit_tracker import ExitTracker
-from services.oracle.serial import KV_LAYOUTS, OracleResult, OracleStep, SerialOracle
+from services.oracle.serial import (
+    KV_LAYOUTS,
+    OracleResult,
+    OracleStep,
+    SerialOracle,
+    SparseSetting,
+)
 
-__all__ = ["KV_LAYOUTS", "ExitTracker", "OracleResult", "OracleStep", "SerialOracle"]
+__all__ = [
+    "KV_LAYOUTS",
+    "ExitTracker",
+    "OracleResult",
+    "OracleStep",
+    "SerialOracle",
+    "SparseSetting",
+]

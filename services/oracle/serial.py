@@ -62,6 +62,18 @@ class OracleResult:
     exit_depths: list[int]
     finish_reason: str
     steps: list[OracleStep] = field(default_factory=list)
+    # token-sparse prefill: the smallest score gap between the last token a window kept and
+    # the best one it froze (+inf if none); a tiny gap flags a choice rounding could flip
+    selection_margin: float = math.inf
+
+
+@dataclass(frozen=True)
+class SparseSetting:
+    """Token-sparse prefill for ``SerialOracle.generate``: windows of ``window`` prompt
+    tokens, ``retention`` one share per loop (the first 1)."""
+
+    window: int
+    retention: tuple[float, ...]
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,24 +168,29 @@ class SerialOracle:
         return x * cos + _rotate_half(x) * sin
 
     def _attention(
-        self, layer: int, w: LayerWeights, x: torch.Tensor, start: int, kv: _DenseKV, plane: int
+        self,
+        layer: int,
+        w: LayerWeights,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv: _DenseKV,
+        plane: int,
     ) -> torch.Tensor:
-        """Causal attention for queries at positions [start, start+n) against ``plane``.
+        """Causal attention for queries at ``positions`` (ascending) against ``plane``.
 
         The queries' own K/V are written into the plane first, so each query sees itself and
         every earlier position's current content of that plane.
         """
         cfg = self._cfg
         n = x.shape[0]
-        end = start + n
-        positions = torch.arange(start, end)
+        end = int(positions[-1]) + 1
         q = F.linear(x, w.wq).view(n, cfg.num_heads, cfg.head_dim)
         k = F.linear(x, w.wk).view(n, cfg.num_kv_heads, cfg.head_dim)
         v = F.linear(x, w.wv).view(n, cfg.num_kv_heads, cfg.head_dim)
         q = self._rope(q, positions)
         k = self._rope(k, positions)
-        kv.k[plane][layer][start:end] = k
-        kv.v[plane][layer][start:end] = v
+        kv.k[plane][layer][positions] = k
+        kv.v[plane][layer][positions] = v
 
         group = cfg.num_heads // cfg.num_kv_heads
         # GQA: query head h uses kv head h // group, hence repeat_interleave.
@@ -190,11 +207,13 @@ class SerialOracle:
         out = out.transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim)
         return F.linear(out, w.wo)
 
-    def _loop(self, h: torch.Tensor, start: int, kv: _DenseKV, plane: int) -> torch.Tensor:
+    def _loop(
+        self, h: torch.Tensor, positions: torch.Tensor, kv: _DenseKV, plane: int
+    ) -> torch.Tensor:
         """One loop: all L layers, then the final norm (inside the loop)."""
         for i, w in enumerate(self._layers):
             x = self._rms(h, w.norm_in)
-            h = h + self._rms(self._attention(i, w, x, start, kv, plane), w.norm_attn_out)
+            h = h + self._rms(self._attention(i, w, x, positions, kv, plane), w.norm_attn_out)
             x = self._rms(h, w.norm_post)
             mlp = F.linear(F.silu(F.linear(x, w.w_gate)) * F.linear(x, w.w_up), w.w_down)
             h = h + self._rms(mlp, w.norm_mlp_out)
@@ -223,11 +242,66 @@ class SerialOracle:
         for start in range(0, len(prompt), size):
             ids = torch.tensor(prompt[start : start + size], dtype=torch.int64)
             h = self._embed[ids]
+            positions = torch.arange(start, start + len(ids))
             for depth in range(self.total_ut_steps):
                 plane = depth if layout == "last_exited" else 0
-                h = self._loop(h, start, kv, plane)
+                h = self._loop(h, positions, kv, plane)
             outs.append(h)
         return torch.cat(outs, dim=0)
+
+    def _prefill_sparse(
+        self, prompt: list[int], kv: _DenseKV, sparse: SparseSetting
+    ) -> tuple[torch.Tensor, float]:
+        """Token-sparse prefill (FlashLoop's LoopFreeze per window), loop by loop over the
+        whole prompt; returns the final hidden [P, H] and the selection margin.
+
+        Loops before the first retention below 1 run every token. At a sparse loop l each
+        window of W tokens (anchored at 0, W, 2W, ...) keeps ``min(max(1, ceil(len * r_l)),
+        kept at l - 1)`` tokens, taken from those kept at l - 1: the prompt's last token when
+        the window holds it, then the highest scores ``|h(l-1) - h(l-2)| / |h(l-1)|`` (h(k)
+        the output of loop k after its norm, h(-1) the embedding), ties to the lower
+        position. A frozen token keeps its hidden state, and its K/V at plane l is its K/V
+        at plane l - 1; kept tokens attend over every prompt key of plane l.
+        """
+        num = len(prompt)
+        last = num - 1
+        h = self._embed[torch.tensor(prompt, dtype=torch.int64)]
+        before = h  # h(l-2) once h is h(l-1)
+        first_sparse = next(
+            (i for i, r in enumerate(sparse.retention) if r < 1.0), len(sparse.retention)
+        )
+        windows = [
+            list(range(s, min(s + sparse.window, num))) for s in range(0, num, sparse.window)
+        ]
+        kept = [list(w) for w in windows]
+        margin = math.inf
+        everything = torch.arange(num)
+        for loop in range(self.total_ut_steps):
+            if loop < first_sparse:
+                before, h = h, self._loop(h, everything, kv, loop)
+                continue
+            hf = h.float()
+            score = torch.linalg.vector_norm(
+                hf - before.float(), dim=-1
+            ) / torch.linalg.vector_norm(hf, dim=-1).clamp_min(1e-12)
+            values = score.tolist()
+            for i, window in enumerate(windows):
+                count = min(max(1, math.ceil(len(window) * sparse.retention[loop])), len(kept[i]))
+                forced = [last] if last in window else []
+                ranked = sorted((p for p in kept[i] if p != last), key=lambda p: (-values[p], p))
+                take = count - len(forced)
+                if 0 < take < len(ranked):
+                    margin = min(margin, values[ranked[take - 1]] - values[ranked[take]])
+                kept[i] = sorted(forced + ranked[:take])
+            # every token's plane-l K/V starts as its plane-(l-1) K/V; kept tokens overwrite it
+            for layer in range(len(self._layers)):
+                kv.k[loop][layer][:num] = kv.k[loop - 1][layer][:num]
+                kv.v[loop][layer][:num] = kv.v[loop - 1][layer][:num]
+            active = torch.tensor(sorted(p for group in kept for p in group), dtype=torch.int64)
+            out = h.clone()
+            out[active] = self._loop(h[active], active, kv, loop)
+            before, h = h, out
+        return h, margin
 
     def prompt_logits(
         self,
@@ -258,6 +332,7 @@ class SerialOracle:
         sampler: Sampler | None = None,
         forced_exit_depths: Sequence[int] | None = None,
         max_loops_per_token: Sequence[int] | None = None,
+        sparse_prefill: SparseSetting | None = None,
     ) -> OracleResult:
         """Generate up to ``max_tokens`` tokens for one request.
 
@@ -266,7 +341,8 @@ class SerialOracle:
         after exactly that many loops instead of following the policy; entry 0 is ignored
         because the first token always comes from the full-depth prefill.
         ``max_loops_per_token[i]`` (i >= 1) replaces ``max_loops`` for generated token i (a
-        depth budget the engine's overload shedding gave it); entry 0 is ignored too. Unset
+        depth budget the engine's overload shedding gave it); entry 0 is ignored too.
+        ``sparse_prefill`` runs the prompt token-sparse (``_prefill_sparse``). Unset
         ``max_tokens`` / ``exit_threshold`` take the checkpoint's defaults
         (generation_config.json's max_new_tokens, else 16; config.json's early_exit_threshold).
         """
@@ -296,7 +372,12 @@ class SerialOracle:
             stops.update(self.eos_token_ids)
 
         kv = self._new_kv(layout, len(prompt) + max_tokens)
-        h_prompt = self._prefill(prompt, kv, layout, prefill_chunk_size)
+        margin = math.inf
+        if sparse_prefill is None:
+            h_prompt = self._prefill(prompt, kv, layout, prefill_chunk_size)
+        else:
+            self._check_sparse(sparse_prefill, layout)
+            h_prompt, margin = self._prefill_sparse(prompt, kv, sparse_prefill)
         # Coda on a [1, H] row, the same op shape as every decode step.
         logits = self._coda(h_prompt[-1:])[0]
         token = self._sample(sample, logits, 0)
@@ -329,7 +410,7 @@ class SerialOracle:
             h = self._embed[torch.tensor([token])]
             for r in range(1, D + 1):
                 plane = r - 1 if layout == "last_exited" else 0
-                h = self._loop(h, position, kv, plane)
+                h = self._loop(h, torch.tensor([position]), kv, plane)
                 # Always update the tracker so the margin diagnostic stays meaningful.
                 policy_exit = tracker.observe(self._gate_logit(h))
                 if (r == forced) if forced is not None else policy_exit:
@@ -346,6 +427,7 @@ class SerialOracle:
             exit_depths=[s.exit_depth for s in steps],
             finish_reason=finish,
             steps=steps,
+            selection_margin=margin,
         )
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -354,6 +436,17 @@ class SerialOracle:
         planes = self.total_ut_steps if layout == "last_exited" else 1
         cfg = self._cfg
         return _DenseKV(planes, cfg.num_layers, capacity, cfg.num_kv_heads, cfg.head_dim)
+
+    def _check_sparse(self, sparse: SparseSetting, layout: str) -> None:
+        if layout != "last_exited":
+            raise ValueError("token-sparse prefill needs the last_exited KV layout")
+        if sparse.window < 1:
+            raise ValueError(f"sparse window must be >= 1, got {sparse.window}")
+        ratios = list(sparse.retention)
+        if len(ratios) != self.total_ut_steps or ratios[0] != 1.0:
+            raise ValueError(f"retention needs {self.total_ut_steps} entries, the first 1")
+        if not all(0.0 < r <= 1.0 for r in ratios):
+            raise ValueError(f"retention entries must be in (0, 1], got {ratios}")
 
     def _check_tokens(self, ids: Sequence[int]) -> list[int]:
         tokens = [int(t) for t in ids]

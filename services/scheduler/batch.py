@@ -31,10 +31,31 @@ class ScheduledTask(msgspec.Struct, gc=False, eq=False):
     # decode and follow-on rows: the depth budget of a token this row starts, when shedding
     # lowered it (a follow-on's applies only if it resolves to a token's first loop)
     loop_budget: int | None = None
+    # token-sparse prefill: a fragment of one window's sparse loop ([token_start, token_end)
+    # is the whole window): its active rows of rank [active_start, active_start +
+    # active_count) of the window's ``window_active``; 0 for every other task
+    active_start: int = 0
+    active_count: int = 0
+    window_active: int = 0
 
     @property
     def token_end(self) -> int:
         return self.token_start + self.token_count
+
+    @property
+    def is_fragment(self) -> bool:
+        return self.window_active > 0
+
+    @property
+    def budget_rows(self) -> int:
+        """What the task charges against ``max_num_batched_tokens``: its tokens, or a sparse
+        fragment's active rows."""
+        return self.active_count if self.window_active else self.token_count
+
+    @property
+    def core_rows(self) -> int:
+        """Hidden-state rows the task's loops compute (token x loop)."""
+        return self.active_count if self.window_active else self.token_count * self.num_loops
 
     def key(self) -> tuple[str, int, int, int]:
         """(request_id, token_start, token_count, depth) as traces and tests print it."""

@@ -3,7 +3,15 @@ the requests the worker learns of, KV block deltas and the ids it may free."""
 
 from __future__ import annotations
 
-from messages.batch import Batch, BatchKind, BatchRow, NewRequest, RowKind, WorkerSampling
+from messages.batch import (
+    Batch,
+    BatchKind,
+    BatchRow,
+    NewRequest,
+    RowKind,
+    SparseFragment,
+    WorkerSampling,
+)
 from services.scheduler.batch import ScheduledBatch, ScheduledTask
 from services.scheduler.request import Request
 from services.scheduler.state import SchedulerState
@@ -90,6 +98,11 @@ def _wire_row(task: ScheduledTask) -> BatchRow:
         embed=task.embed or task.kind is _PRELUDE,
         compute_logits=task.compute_logits,
         output_index=len(request.output_token_ids),
+        fragment=SparseFragment(
+            task.active_start, task.active_start + task.active_count, task.window_active
+        )
+        if task.window_active
+        else None,
     )
 
 
@@ -114,6 +127,7 @@ def _new_request(request: Request) -> NewRequest:
         ),
         # the worker rebuilds the grammar's state from what the request has generated
         generated_token_ids=list(request.output_token_ids) if p.structured_output else [],
+        sparse_prefill=None if request.sparse is None else request.sparse.to_wire(),
     )
 
 

@@ -171,12 +171,42 @@ class Progress:
                 self._apply_prelude_spans(request, tasks)
                 continue
             for task in tasks:
+                self._count_prefill_rows(request, task)
                 if task.embed:  # atomic prefill runs its prelude in the same task
                     self._apply_prelude_spans(request, [task])
+                if task.window_active and not self._advance_sparse_fragment(request, task):
+                    continue  # the window's loop is not over: its frontier waits
                 if self._advance_prefill_depth_frontier(
                     request, task.depth, task.token_start, task.token_end, task.num_loops
                 ):
                     self._retire_prefill_chunk(request, task.token_start, task.token_end, batch.seq)
+
+    def _count_prefill_rows(self, request: Request, task: ScheduledTask) -> None:
+        rows = task.core_rows
+        request.num_prefill_rows += rows
+        stats = self._state.stats
+        stats.num_prefill_rows += rows
+        if task.window_active and task.active_start + task.active_count == task.window_active:
+            # the window's sparse loop is over: its frozen tokens are the rows it saved
+            stats.num_prefill_rows_saved += task.token_count - task.window_active
+
+    def _advance_sparse_fragment(self, request: Request, task: ScheduledTask) -> bool:
+        """A fragment of a window's sparse loop: its active rows continue where the last
+        one stopped. Returns True when it is the window's last, which moves the depth's
+        frontier over the whole window (``_advance_prefill_depth_frontier``)."""
+        done = request.sparse_rows_done
+        depth = task.depth
+        if task.active_start != done[depth]:
+            raise SchedulerInvariantError(
+                f"{request.request_id}: sparse fragment of depth {depth} starts at active row "
+                f"{task.active_start}, {done[depth]} of the window ran"
+            )
+        end = task.active_start + task.active_count
+        if end < task.window_active:
+            done[depth] = end
+            return False
+        done[depth] = 0
+        return True
 
     def _apply_prelude_spans(self, request: Request, tasks: list[ScheduledTask]) -> None:
         """One pass over the spans in token order: they must continue the prelude frontier

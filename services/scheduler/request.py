@@ -8,6 +8,7 @@ from enum import StrEnum
 from messages.api import TokenLogprobs
 from messages.sampling import SamplingParams
 from services.common.fit import kv_tokens
+from services.common.sparse_prefill import SparseSchedule
 
 
 class RequestState(StrEnum):
@@ -66,6 +67,14 @@ class Request:
     prefill_depth_ranges: list[tuple[int, int]] = field(default_factory=list)
     prefill_reclaimable_tokens: int = 0
     num_cached_tokens: int = 0
+    # token-sparse prefill (None: dense): the schedule, and per sparse depth how many active
+    # rows of the window at that depth's frontier have been run (the frontier itself moves
+    # over the whole window with its last fragment); written by progress alone
+    sparse: SparseSchedule | None = None
+    sparse_rows_done: list[int] = field(default_factory=list)
+    # hidden-state rows the prompt's loops computed (recomputes included): the prompt's core
+    # work, token x loop, fewer than prompt x loops under token-sparse prefill
+    num_prefill_rows: int = 0
     # prefix caching: chain hashes of the prompt's full blocks, and how many are published
     block_hashes: list[int] = field(default_factory=list)
     num_published_blocks: int = 0
@@ -164,6 +173,7 @@ class Request:
         self.prefill_window_origin = origin
         self.num_preluded_tokens = origin
         self.prefill_depth_ranges = [(origin, origin) for _ in range(self.total_ut_steps)]
+        self.sparse_rows_done = [0] * self.total_ut_steps
         self.prefill_reclaimable_tokens = origin
         self.num_computed_tokens = origin
         self.decode_depth = 0

@@ -93,6 +93,7 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
             num_cached_tokens=request.num_cached_tokens,
             shed_tokens=shed,
             depth_budgets=budgets,
+            prefill_rows=request.num_prefill_rows,
         )
     )
 

@@ -26,6 +26,7 @@ from messages.prefix import PrefixEventBatch, prompt_block_hashes
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.fit import check_request_fits
+from services.common.sparse_prefill import resolve_sparse_prefill
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.batch_builder import build_batch
 from services.scheduler.depth_budget import BudgetChange, DepthBudget
@@ -123,6 +124,12 @@ class Scheduler:
         )
         known = known_outputs or KnownOutputs([], [])
         validate_known_outputs(known, resolved, self.limits)
+        sparse = resolve_sparse_prefill(
+            resolved,
+            self.config.sparse_defaults(),
+            self.total_ut_steps,
+            split_prefill=bool(self.config.split_prefill),
+        )
         seed = resolved.seed if resolved.seed is not None else self._rng.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -136,17 +143,33 @@ class Scheduler:
             output_exit_loops=list(known.exit_loops),
             # the budgets the other shard ran them under (shed ones count as shed here too)
             output_loop_budgets=list(known.depth_budgets) or [None] * len(known.token_ids),
+            sparse=sparse,
         )
         if self.config.enable_prefix_caching:
-            request.block_hashes = prompt_block_hashes(
-                request.prompt_token_ids, self.config.block_size, self.cache_salt
-            )
+            request.block_hashes = self._block_hashes(request)
         if resolved.prompt_logprobs is not None and not known.token_ids:
             request.prompt_logprobs = [None] * request.num_prompt_tokens
         self._arrivals += 1
         self._state.requests[request_id] = request
         heapq.heappush(self._state.waiting, (request.priority_key, request))
         return request
+
+    def _block_hashes(self, request: Request) -> list[int]:
+        """The prompt blocks the request may publish and claim. Under token-sparse prefill
+        a block's KV depends on the window and retention (they go into its hash) and on
+        whether its window holds the prompt's last token (always kept): only blocks before
+        the last window are another prompt's."""
+        bs = self.config.block_size
+        sparse = request.sparse
+        if sparse is None:
+            return prompt_block_hashes(request.prompt_token_ids, bs, self.cache_salt)
+        reusable = sparse.last_reusable_position(request.num_prompt_tokens) // bs
+        return prompt_block_hashes(
+            request.prompt_token_ids,
+            bs,
+            self.cache_salt + sparse.cache_key(),
+            max_blocks=reusable,
+        )
 
     def finish_if_complete(self, request_id: str) -> list[StreamEvent]:
         """A resumed request whose known outputs already end it (its last token was a stop,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from messages.batch import BatchKind, RowKind
 from services.scheduler.batch import ScheduledTask
 from services.scheduler.depth_budget import token_budget
+from services.scheduler.progress import SchedulerInvariantError
 from services.scheduler.request import PREFILL_STATES, Request, RequestState
 from services.scheduler.running import preempt
 from services.scheduler.state import SchedulerState
@@ -244,6 +245,9 @@ class Selector:
         if state not in _SPLIT_PREFILLING:
             return None
         depth = level
+        sparse = request.sparse
+        if sparse is not None and sparse.is_sparse(depth):
+            return _sparse_fragment(request, depth)
         start = request.prefill_right(depth)
         # ready as of the start of the step: [right_d, ...) bounded by the level above
         limit = request.ready_end(depth)
@@ -253,8 +257,10 @@ class Selector:
         loops = 1
         if not self._state.config.wavefront_chunked_prefill:
             # depth-serial split prefill: run every depth whose frontier is level with this
-            # one in the same task (several depths of one request in one update)
-            while depth + loops < total_ut_steps and request.prefill_right(depth + loops) == start:
+            # one in the same task (several depths of one request in one update), up to the
+            # first sparse depth, which runs by windows
+            last = total_ut_steps if sparse is None else sparse.first_sparse_loop
+            while depth + loops < last and request.prefill_right(depth + loops) == start:
                 loops += 1
         return _task(request, _PREFILL, start, end, depth=depth, loops=loops)
 
@@ -269,18 +275,27 @@ class Selector:
         budget = sel.budget_left
         if budget <= 0:
             return None
-        count = task.token_count if task.token_count <= budget else budget
+        # a sparse fragment is charged, and cut, by its active rows; its window stays whole
+        fragment = task.window_active > 0
+        wanted = task.active_count if fragment else task.token_count
+        count = wanted if wanted <= budget else budget
         kind = task.kind
         # prelude spans need no KV (decode rows take the other path: _accept_decode_row)
         needs_kv = kind is _FOLLOW_ON or kind is _PREFILL
-        if needs_kv and not self._ensure_execution_capacity(request, task.token_start + count, sel):
+        kv_end = task.token_end if fragment else task.token_start + count
+        if needs_kv and not self._ensure_execution_capacity(request, kv_end, sel):
             return None
-        task.token_count = count
+        if fragment:
+            task.active_count = count
+        else:
+            task.token_count = count
         task.incarnation = request.incarnation
         if kind is _PREFILL:
             reaches_coda = (
                 task.depth + task.num_loops == self._total_ut_steps
                 and task.token_end == request.num_prompt_tokens
+                # the prompt's last token is its window's last active row
+                and (not fragment or task.active_start + count == task.window_active)
             )
             # a recomputed request already knows its first token
             task.compute_logits = reaches_coda and not request.output_token_ids
@@ -300,6 +315,10 @@ class Selector:
         if task.kind is not _PREFILL:
             return  # prelude spans are embeddings, not core work
         start, end = task.token_start, task.token_end
+        if task.window_active:  # a sparse fragment: its rows, once the window ran before
+            if request.prefill_high_water[task.depth] >= end:
+                stats.num_recomputed_prompt_token_loops += task.active_count
+            return
         stats.num_recomputed_prompt_token_loops += request.recomputed_prompt_work(
             task.depth, task.num_loops, start, end
         )
@@ -360,6 +379,40 @@ def _task(
         num_loops=loops,
         embed=embed,
         incarnation=request.incarnation,
+    )
+
+
+def _sparse_fragment(request: Request, depth: int) -> ScheduledTask | None:
+    """The next fragment of the window at a sparse depth's frontier, once the depth above
+    covers the whole window (the active tokens are chosen from the whole window's scores).
+    Its rows are the window's active rows not yet run; acceptance cuts them to the budget."""
+    sparse = request.sparse
+    assert sparse is not None
+    prompt_len = request.num_prompt_tokens
+    start = request.prefill_right(depth)
+    if start >= prompt_len:
+        return None
+    window_start, window_end = sparse.window_bounds(start, prompt_len)
+    if window_start != start:
+        raise SchedulerInvariantError(
+            f"{request.request_id}: sparse depth {depth} frontier {start} is inside the "
+            f"window starting at {window_start}"
+        )
+    if request.ready_end(depth) < window_end:
+        return None
+    active = sparse.active_count(depth, window_end - window_start)
+    done = request.sparse_rows_done[depth]
+    return ScheduledTask(
+        request=request,
+        kind=_PREFILL,
+        token_start=window_start,
+        token_count=window_end - window_start,
+        depth=depth,
+        num_loops=1,
+        incarnation=request.incarnation,
+        active_start=done,
+        active_count=active - done,
+        window_active=active,
     )
 
 

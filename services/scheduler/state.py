@@ -44,6 +44,10 @@ class SchedulerStats:
     # passer was estimated to finish before the refused one could start: not counted)
     num_admission_bypasses: int = 0
     num_admission_backfills: int = 0
+    # prompt core work: hidden-state rows the prompts' loops computed (token x loop), and
+    # the rows token-sparse prefill's frozen tokens did not compute
+    num_prefill_rows: int = 0
+    num_prefill_rows_saved: int = 0
 
 
 def new_kv(config: SchedulerConfig, limits: ModelLimits) -> KVManager:

@@ -29,6 +29,9 @@ Looped-model metrics (a loop = one pass of the shared core for one token):
 - ``rlt:depth_budget``: the loops a new generated token may run now (total_ut_steps unless
   ``--overload-policy shed-depth`` lowered it under a long queue);
   ``rlt:shed_tokens_total``: generated tokens that ran under a lowered budget;
+- ``rlt:prefill_rows_total``: hidden-state rows the prompts' loops computed (token x
+  loop); ``rlt:prefill_rows_saved_total``: the rows token-sparse prefill's frozen tokens
+  did not compute (what it saved against dense prefill);
 - ``rlt:wasted_follow_on_rows_total``: follow-on rows sent for a request that finished
   before they ran (async scheduling's speculation that did not pay);
 - ``rlt:bus_overhead_seconds``: per batch, the round trip scheduler -> worker -> scheduler
@@ -112,6 +115,16 @@ class _LiveState(Collector):
             "num_shed_tokens",
             "rlt:shed_tokens",
             "Generated tokens that ran under a depth budget overload shedding lowered.",
+        ),
+        (
+            "num_prefill_rows",
+            "rlt:prefill_rows",
+            "Hidden-state rows the prompts' loops computed (token x loop).",
+        ),
+        (
+            "num_prefill_rows_saved",
+            "rlt:prefill_rows_saved",
+            "Prompt rows token-sparse prefill did not compute (frozen tokens of sparse loops).",
         ),
     )
 

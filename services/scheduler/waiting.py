@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -310,7 +311,8 @@ class Admission:
         claimed = parked = 0
         if config.enable_prefix_caching:
             claimed, parked = kv.claimable_prefix(
-                self._claimable_hashes(request), before_batch_seq=state.next_seq
+                self._whole_windows(request, self._claimable_hashes(request)),
+                before_batch_seq=state.next_seq,
             )
         planes = kv.num_planes
         free = kv.num_free_blocks - parked * planes
@@ -362,6 +364,19 @@ class Admission:
         need every position computed."""
         return [] if request.prompt_logprobs is not None else self._usable_hashes(request)
 
+    def _whole_windows(self, request: Request, hashes: list[int]) -> list[int]:
+        """Under token-sparse prefill a hit must end at a window boundary (a window's active
+        tokens are chosen from all of it): ``hashes`` cut to the cached run, rounded down to
+        a position that ends both a block and a window. Unchanged for a dense request."""
+        sparse = request.sparse
+        if sparse is None or not hashes:
+            return hashes
+        state = self._state
+        block_size = state.config.block_size
+        step = math.lcm(sparse.window, block_size) // block_size  # blocks per aligned hit
+        hits = state.kv.lookup_prefix(hashes, before_batch_seq=state.next_seq)
+        return hashes[: hits - hits % step]
+
     def _claim_cached_prefix(self, request: Request) -> int:
         """Attaches the longest cached prefix (never the last prompt token) and returns the
         prefill origin it gives. The scheduler's own table is the authority on hits."""
@@ -370,7 +385,7 @@ class Admission:
             return 0
         hits = state.kv.claim_prefix(
             request.request_id,
-            self._claimable_hashes(request),
+            self._whole_windows(request, self._claimable_hashes(request)),
             before_batch_seq=state.next_seq,
         )
         request.num_published_blocks = hits

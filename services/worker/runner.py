@@ -25,6 +25,7 @@ from kernels.ops.backends import select_backends
 from messages.batch import Batch, BatchKind, BatchResult
 from services.common.config import KVLayout
 from services.common.sampling import sample_batch
+from services.common.sparse_prefill import SparseSchedule
 from services.worker.decode_pool import DecodePool
 from services.worker.grammar import (
     GrammarBook,
@@ -48,6 +49,7 @@ from services.worker.rows import (
     row_failed,
     token_sampled,
 )
+from services.worker.sparse_prefill import SparseFragments, SparseWindows
 from services.worker.static_decode import DecodeMode, StaticDecode
 from services.worker.transfer import Transfer
 
@@ -59,6 +61,9 @@ _log = structlog.get_logger("rlt")
 @dataclass
 class _WorkerRequest(RowCursor, RequestView):
     prefill_hidden: torch.Tensor | None = None  # [P, H]: hidden of each prompt position
+    # token-sparse prefill's window state (scores, active tokens): lives as long as
+    # prefill_hidden
+    sparse: SparseWindows | None = None
 
 
 class ModelRunner:
@@ -113,6 +118,9 @@ class ModelRunner:
             host_words=self.transfer.host_words,
         )
         self.requests: dict[str, _WorkerRequest] = {}
+        self.sparse = SparseFragments(
+            self.planner, self.transfer, self.k_cache, self.v_cache, self.total_loops
+        )
         self.grammars = grammars
         # the live requests with a structured output (empty: passes skip every mask step)
         self.constrained: dict[str, RequestGrammar] = {}
@@ -149,6 +157,13 @@ class ModelRunner:
                 sampling=new.sampling,
                 tables=[[] for _ in range(num_planes)],
                 pool_slot=old.pool_slot if old is not None else self.pool.allocate(),
+                sparse=None
+                if new.sparse_prefill is None
+                else SparseWindows.new(
+                    SparseSchedule.from_wire(new.sparse_prefill),
+                    len(new.prompt_token_ids),
+                    self.model.device,
+                ),
             )
             constraint = new.sampling.structured_output
             if constraint is not None:
@@ -223,6 +238,8 @@ class ModelRunner:
         return req.prefill_hidden
 
     def _run_recurrent(self, rows: list[LiveRow]) -> None:
+        if any(live.row.fragment is not None for live in rows):
+            rows = self.sparse.expand(rows, self.requests)  # only their active tokens run
         first_pass = True
         plans: list[PassPlan] = []
         results: list[torch.Tensor] = []
@@ -261,6 +278,7 @@ class ModelRunner:
                 and r.token_start + r.token_count == len(req.prompt)
             ):
                 req.prefill_hidden = None
+                req.sparse = None
 
     def _prompt_hidden(self, live: LiveRow) -> torch.Tensor:
         r = live.row
@@ -278,6 +296,8 @@ class ModelRunner:
         masks = self._token_masks(plan) if self.constrained else None
         hidden = self.pass_inputs(plan, device)
         packed, out = self.run_core(plan, device, hidden, masks)
+        if len(plan.decode) < len(plan.rows):  # prompt rows may feed a sparse loop's choice
+            self.sparse.record_scores(plan, hidden, out, self.requests)
         self._store_prompt_rows(plan, out)
         return plan, packed
 

@@ -23,7 +23,11 @@ Cost model (``SimCostModel``), calibrated for Ouro-1.4B in bfloat16 on one H200:
   to device time the bench reports.
 
 It is an optimistic roofline (no kernel launch gaps, perfect overlap), which makes the
-control plane's share look larger than on real hardware, not smaller.
+control plane's share look larger than on real hardware, not smaller. A token-sparse prefill
+fragment (``BatchRow.fragment``) costs its active rows and reads its window's context once,
+as a dense chunk does (the worker runs its runs of active tokens as separate segments, which
+a real kernel serves from cache when they share a context; this model does not charge the
+re-reads).
 """
 
 from __future__ import annotations
@@ -208,9 +212,10 @@ class SimRunner:
             num_rows = context = pairs = 0
             for r in active:
                 end = r.row.token_start + r.row.token_count
-                num_rows += r.row.token_count
+                queries = r.row.num_rows  # a token-sparse fragment: its active tokens only
+                num_rows += queries
                 context += end
-                pairs += r.row.token_count * end
+                pairs += queries * end
             seconds += self.cost.core_pass_s(num_rows, context, pairs)
             self.stats.record_pass(num_rows)
             self.last_batch_passes.append((len(active), num_rows))

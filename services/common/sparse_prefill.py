@@ -1,0 +1,141 @@
+"""Token-sparse prefill's schedule: which loops are sparse, where a position's window lies,
+how many tokens each loop keeps in a window (docs/sparse_prefill.md).
+
+Pure arithmetic that the scheduler (readiness, charging, fragments) and the worker (how
+many tokens it keeps) both read. Which tokens are kept is the worker's alone: it holds the
+hidden states they are scored by.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from messages.batch import SparsePrefill
+from messages.errors import RequestError
+from messages.prefix import encode_extra_keys
+from messages.sampling import SamplingParams, check_retention
+
+# FlashLoop's LoopFreeze defaults for Ouro's four loops: two dense loops, then a quarter
+# and a tenth of the tokens
+FLASHLOOP_RETENTION = (1.0, 1.0, 0.25, 0.1)
+DEFAULT_SPARSE_WINDOW = 1024
+
+
+def default_retention(total_ut_steps: int) -> tuple[float, ...]:
+    """FlashLoop's defaults for a four-loop model; for another loop count the same shape:
+    two dense loops, a quarter at the third, a tenth from the fourth on."""
+    tail = (0.25,) + (0.1,) * max(0, total_ut_steps - 3)
+    return ((1.0,) * min(2, total_ut_steps) + tail)[:total_ut_steps]
+
+
+@dataclass(frozen=True)
+class SparseSchedule:
+    """One request's sparse prefill: windows of ``window`` tokens, ``retention[l]`` per
+    loop. Loops from the first retention below 1 on are sparse (nested), those before are
+    dense; a schedule without such a loop is dense throughout."""
+
+    window: int
+    retention: tuple[float, ...]
+    first_sparse_loop: int
+
+    @classmethod
+    def of(cls, window: int, retention: Sequence[float]) -> SparseSchedule:
+        if window < 1:
+            raise ValueError(f"sparse window must be >= 1, got {window}")
+        ratios = tuple(float(r) for r in retention)
+        first = next((i for i, r in enumerate(ratios) if r < 1.0), len(ratios))
+        return cls(window, ratios, first)
+
+    @classmethod
+    def from_wire(cls, sparse: SparsePrefill) -> SparseSchedule:
+        return cls.of(sparse.window, sparse.retention)
+
+    def to_wire(self) -> SparsePrefill:
+        return SparsePrefill(window=self.window, retention=self.retention)
+
+    @property
+    def total_loops(self) -> int:
+        return len(self.retention)
+
+    def is_sparse(self, loop: int) -> bool:
+        return loop >= self.first_sparse_loop
+
+    def window_bounds(self, position: int, prompt_len: int) -> tuple[int, int]:
+        """[start, end) of the window holding ``position``: anchored at absolute prompt
+        positions, the last one cut at the prompt's end."""
+        start = position - position % self.window
+        return start, min(start + self.window, prompt_len)
+
+    def active_counts(self, length: int) -> list[int]:
+        """Active tokens per loop of a window of ``length`` tokens: all of them at a dense
+        loop; ``min(max(1, ceil(length * r_l)), n_{l-1})`` at a sparse one (the product in
+        float64, as FlashLoop computes it)."""
+        counts: list[int] = []
+        previous = length
+        for loop, r in enumerate(self.retention):
+            n = (
+                length
+                if loop < self.first_sparse_loop
+                else min(max(1, math.ceil(length * r)), previous)
+            )
+            counts.append(n)
+            previous = n
+        return counts
+
+    def active_count(self, loop: int, length: int) -> int:
+        return self.active_counts(length)[loop]
+
+    def last_reusable_position(self, prompt_len: int) -> int:
+        """Where the prompt's last window starts: KV before it can be reused by another
+        prompt (its windows are whole and hold no forced last token), KV from it on cannot."""
+        return self.window_bounds(prompt_len - 1, prompt_len)[0] if prompt_len else 0
+
+    def cache_key(self) -> bytes:
+        """What a prefix block's hash must include: KV made under another window or
+        retention is other KV."""
+        return encode_extra_keys(
+            "sparse-prefill", str(self.window), ",".join(repr(r) for r in self.retention)
+        )
+
+
+@dataclass(frozen=True)
+class SparseDefaults:
+    """The server's side of the option (``--token-sparse-prefill``, ``--prefill-retention``,
+    ``--sparse-window``): what a request that leaves it unset gets."""
+
+    enabled: bool = False
+    retention: tuple[float, ...] | None = None  # None: default_retention(total_ut_steps)
+    window: int = DEFAULT_SPARSE_WINDOW
+
+
+def resolve_sparse_prefill(
+    params: SamplingParams,
+    defaults: SparseDefaults,
+    total_ut_steps: int,
+    *,
+    split_prefill: bool,
+) -> SparseSchedule | None:
+    """The schedule a request runs under (None: dense), or RequestError naming why not."""
+    wanted = params.wants_sparse_prefill
+    if wanted is None:
+        # the server's default does not apply where it cannot: prompt logprobs need every
+        # position at full depth
+        wanted = defaults.enabled and params.prompt_logprobs is None
+    if not wanted:
+        return None
+    if not split_prefill:
+        raise RequestError(
+            "token_sparse_prefill needs split or wavefront prefill; this engine runs atomic prefill"
+        )
+    retention = params.prefill_retention or defaults.retention
+    if retention is None:
+        retention = default_retention(total_ut_steps)
+    check_retention(list(retention), "prefill_retention")
+    if len(retention) != total_ut_steps:
+        raise RequestError(
+            f"prefill_retention has {len(retention)} entries; the model runs {total_ut_steps} "
+            "loops (one entry per loop)"
+        )
+    return SparseSchedule.of(defaults.window, retention)

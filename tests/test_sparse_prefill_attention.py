@@ -1,0 +1,80 @@
+"""The CPU attention reference on the rows a token-sparse loop runs: one-token segments of
+one request at scattered positions, over one block table, are attended as one group (its
+context gathered once) and give every query exactly its causal attention, beside dense
+chunks and decode rows of other requests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.ops import attention
+
+pytestmark = pytest.mark.unit
+
+
+def _case(seed: int, block_size: int):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, group, hd = 2, 2, 16
+    num_blocks = 128
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, hd, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, hd, generator=gen, dtype=torch.float64)
+    blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    length = 40
+    need = -(-length // block_size)
+    sparse_table, blocks = blocks[:need], blocks[need:]
+    other_table, blocks = blocks[:need], blocks[need:]
+    # segments: (table, context length, rows); queries are the last rows of their context
+    positions = sorted(rng.sample(range(length), 9))
+    segments = [(other_table, 13, 1)]  # a decode row of another request
+    segments += [(sparse_table, p + 1, 1) for p in positions[:5]]
+    segments += [(other_table, 30, 6)]  # a chunk of another request
+    segments += [(sparse_table, p + 1, 1) for p in positions[5:]]
+    width = need + 1
+    tables = torch.zeros(len(segments), width, dtype=torch.int32)
+    for s, (table, ctx, _) in enumerate(segments):
+        used = -(-ctx // block_size)
+        tables[s, :used] = torch.tensor(table[:used])  # entries past a context stay 0
+    rows = sum(n for _, _, n in segments)
+    q = torch.randn(rows, kv_heads * group, hd, generator=gen, dtype=torch.float64)
+    ctx = torch.tensor([c for _, c, _ in segments], dtype=torch.int32)
+    starts = [0]
+    for _, _, n in segments:
+        starts.append(starts[-1] + n)
+    args = (q, k_cache, v_cache, tables, ctx, torch.tensor(starts, dtype=torch.int32), hd**-0.5, 6)
+    return args, segments, block_size
+
+
+def _expected(args, segments, block_size: int) -> torch.Tensor:
+    q, k_cache, v_cache, _, _, _, scale, _ = args
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.zeros_like(q)
+    row = 0
+    for table, ctx, n in segments:
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx)]
+        keys = k_cache.view(-1, *k_cache.shape[2:])[slots]
+        vals = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        for i in range(n):
+            visible = ctx - n + i + 1
+            for h in range(q.shape[1]):
+                weights = torch.softmax(keys[:visible, h // group] @ q[row + i, h] * scale, 0)
+                out[row + i, h] = weights @ vals[:visible, h // group]
+        row += n
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_one_token_rows_of_one_table_are_grouped_and_exact(seed: int, block_size: int) -> None:
+    args, segments, bs = _case(seed, block_size)
+    runs = attention._one_table_runs(
+        [n for _, _, n in segments], [c for _, c, _ in segments], args[3], bs
+    )
+    assert runs == [[1, 2, 3, 4, 5], [7, 8, 9, 10]]
+    want = _expected(args, segments, bs)
+    for split in (True, False):
+        out = attention.paged_attention_reference(*args, split_decode=split)
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
