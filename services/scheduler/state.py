@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from messages.kv_transfer import KVPull
 from services.common.config import ModelLimits, SchedulerConfig
 from services.scheduler.inflight_prefix import QueueEntry
 from services.scheduler.kv_admission import Commitment, Preemption
@@ -76,6 +77,8 @@ class SchedulerState:
     pending_new: list[Request] = field(default_factory=list)
     pending_finished: list[str] = field(default_factory=list)
     pending_preemptions: list[Preemption] = field(default_factory=list)
+    # prompt KV the worker is to pull from prefill workers (disaggregation.py)
+    pending_pulls: list[KVPull] = field(default_factory=list)
     # loops a new decode token may run under overload shedding (total_ut_steps: none shed);
     # written only by ``DepthBudget``
     depth_budget: int = field(init=False)
