@@ -134,9 +134,9 @@ class Pair:
     def _confirm(self) -> None:
         pulls = self.decode.scheduler.pulls
         for result in self.executor.done:
-            release = pulls.pulled(result)
-            assert release is not None
-            held = self.prefill.scheduler.handoffs.release(release.handoff_id)
+            handoff = pulls.pulled(result)
+            assert handoff is not None
+            held = self.prefill.scheduler.handoffs.release(handoff.handoff_id)
             if result.ok:
                 self.pulled += pulls.confirmed(result.transfer_id, held and self.release_held)
         self.executor.done.clear()

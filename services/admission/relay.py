@@ -48,6 +48,9 @@ class Relay:
                 continue
             if entry.owner is None:
                 entry.owner = batch.scheduler_id
+            if item.handoff is not None:
+                await self._moves.hand_over(entry, item.handoff, item.seq)
+                continue
             if event is None:
                 continue
             try:

@@ -16,11 +16,13 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import msgspec
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
 from messages.errors import ErrorCode
 from messages.internal import FenceQuery, FenceUpdate
+from messages.kv_transfer import KVHandoff
 from services.admission.aborts import Aborts
 from services.admission.config import AdmissionConfig
 from services.admission.routing import Routing
@@ -56,6 +58,7 @@ class ShardMoves:
         self._aborts = aborts
         self._next_seq = next_seq  # a fresh admission seq: a move is a new submit
         self.num_moved = 0
+        self.num_handed_over = 0  # prefill shard -> decode shard, after the first token
         # silence before this (a stall of our own: we could not hear anyone) judges nobody
         self._judge_from = 0.0
         self._stalled_noted: set[str] = set()
@@ -133,6 +136,43 @@ class ShardMoves:
             **request_fields(entry.request_id, entry.trace_id),
         )
         return True
+
+    async def hand_over(self, entry: OpenRequest, handoff: KVHandoff, seen_seq: int) -> None:
+        """A prefill shard ran the prompt and first token of ``entry`` and holds its KV: it
+        goes on on a decode shard that pulls that KV (or, with none healthy, on any healthy
+        shard, which computes it again). The old try ended there by itself."""
+        admitted = entry.admitted
+        if admitted is None or not self._open.is_open(entry, seen_seq):
+            return
+        now = time.monotonic()
+        old_shard = entry.shard
+        chosen = await self._routing.choose_decode(admitted, now, exclude=old_shard)
+        if not self._open.is_open(entry, seen_seq):
+            return  # ended (an abort, the client gone) while we looked
+        source: KVHandoff | None = handoff
+        if chosen is None:
+            source = None
+            target = self._routing.choose_healthy(len(admitted.prompt_token_ids), now, "")
+            if target is None:
+                await self.move_or_end(entry, "no shard can decode it", seen_seq)
+                return
+            overlap = 0
+        else:
+            target, overlap = chosen
+        seq = self._next_seq()
+        resumed = msgspec.structs.replace(
+            entry.resumed(admitted, seq, target), kv_source=source, hand_off=False
+        )
+        self._open.moved(entry, seq, target, now, handed=True)
+        await self._routing.submit(resumed, now, overlap, handoff.traceparent)
+        self.num_handed_over += 1
+        self._actor.log.info(
+            "request handed over",
+            from_shard=old_shard,
+            to_shard=target,
+            kv_pulled=source is not None,
+            **request_fields(entry.request_id, entry.trace_id),
+        )
 
     async def _check_shards(self, now: float) -> None:
         for entry in self._open.expired(now):

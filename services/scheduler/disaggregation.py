@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from messages.kv_transfer import KVBlockFormat, KVHandoff, KVPull, KVPullResult, KVRelease
+from messages.kv_transfer import KVBlockFormat, KVHandoff, KVPull, KVPullResult
 from services.scheduler.request import PREFILL_STATES, Request, RequestState
 from services.scheduler.running import detach
 from services.scheduler.state import SchedulerState
@@ -194,18 +194,17 @@ class Pulls:
                 )
             )
 
-    def pulled(self, result: KVPullResult) -> KVRelease | None:
+    def pulled(self, result: KVPullResult) -> KVHandoff | None:
         """The worker's word on a pull. A failed one prefills at once; a read one waits for
-        the prefill side's confirmation. Returns the release to send (None: unknown pull)."""
+        the prefill side's confirmation. Returns the handoff to release (None: unknown)."""
         pull = self._pulls.get(result.transfer_id)
         if pull is None:
             return None
-        release = KVRelease(handoff_id=pull.handoff.handoff_id, request_id=pull.request.request_id)
         if result.ok and self._live(pull):
             pull.pulled = True
         else:
             self._fall_back(result.transfer_id)
-        return release
+        return pull.handoff
 
     def confirmed(self, transfer_id: str, held: bool) -> bool:
         """The prefill side's answer to our release: the request decodes from its pulled

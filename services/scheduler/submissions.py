@@ -90,6 +90,8 @@ class Submissions:
                 req.params,
                 trace_id=req.trace_id,
                 known_outputs=known,
+                hand_off=req.hand_off,
+                kv_source=req.kv_source,
             )
         except RequestError as exc:
             self.log.info("request refused", code=str(exc.code), reason=exc.message[:200], **fields)
@@ -106,6 +108,10 @@ class Submissions:
         if known.token_ids:
             self.num_resumed += 1
             extra["resumed_tokens"] = len(req.resume_token_ids)
+        if req.kv_source is not None:
+            extra["kv_from_shard"] = req.kv_source.shard_id
+        if req.hand_off:
+            extra["hand_off"] = True
         self.log.info(
             "request added",
             num_prompt_tokens=len(req.prompt_token_ids),
