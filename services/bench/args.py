@@ -22,7 +22,13 @@ SHARD_COMPARISON_NAMES = ("routing", "scaling")
 BYPASS_COMPARISON_NAMES = ("admission_bypass",)
 # open-loop overload on this machine's model and the simulated H200 (services/bench/
 # overload.py, ~5 min on two cores): only when asked for with --only
-OPT_IN_COMPARISON_NAMES = (*SHARD_COMPARISON_NAMES, *BYPASS_COMPARISON_NAMES, "overload")
+# prefill/decode disaggregation: simulated shards, KV moved with NIXL (~3 min): when asked
+OPT_IN_COMPARISON_NAMES = (
+    *SHARD_COMPARISON_NAMES,
+    *BYPASS_COMPARISON_NAMES,
+    "overload",
+    "disaggregation",
+)
 
 
 def _names(text: str) -> list[str]:

@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -95,6 +96,8 @@ class KVPulls:
         self.results: asyncio.Queue[tuple[str, KVPullResult]] = asyncio.Queue()
         self.num_pulls = self.num_failed = 0
         self.num_bytes = 0
+        # (bytes, seconds) of the latest pulls that succeeded (health: percentiles, GB/s)
+        self.recent: deque[tuple[int, float]] = deque(maxlen=1000)
 
     async def start(self) -> None:
         """Creates the NIXL agent (on the transfer thread: it takes a while)."""
@@ -200,6 +203,7 @@ class KVPulls:
             self.num_bytes += result.num_bytes
             self.metrics.bytes.inc(result.num_bytes)
             self.metrics.seconds.observe(result.seconds)
+            self.recent.append((result.num_bytes, result.seconds))
         else:
             self.num_failed += 1
             self.metrics.failures.labels(cause=result.cause).inc()
@@ -235,4 +239,5 @@ class KVPulls:
             "kv_pulls_failed": self.num_failed,
             "kv_bytes_pulled": self.num_bytes,
             "kv_sources_known": len(self._sources),
+            "kv_recent_pulls": [list(p) for p in self.recent],
         }
