@@ -46,6 +46,7 @@ from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
 from services.worker.batch_queue import BatchQueue, BatchRun
 from services.worker.kv_pulls import KVPulls
+from services.worker.kv_transfer import TransferError
 from services.worker.runner import ModelRunner
 from services.worker.runner_host import RunnerHost
 from services.worker.sim import SimRunner
@@ -118,7 +119,10 @@ class WorkerService(Service):
             shard=self.shard_id,
         )
         if self.kv_transfer:
-            await self.kv.start()
+            try:
+                await self.kv.start()
+            except TransferError as exc:  # refused at start, by name: not at the first pull
+                raise ValueError(f"KV transfer (--role prefill|decode) needs NIXL: {exc}") from exc
         cfg = self.config
         geometry = (cfg.num_blocks, cfg.block_size, str(cfg.kv_layout))
         await asyncio.to_thread(host.make_runner, *geometry)
