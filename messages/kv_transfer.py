@@ -81,7 +81,8 @@ class KVPull(msgspec.Struct, kw_only=True):
 
 class KVPullResult(msgspec.Struct, kw_only=True):
     """decode worker -> its scheduler: one pull's outcome. ``cause`` names a failure
-    (``source_lost``, ``timeout``, ``layout_mismatch``, ``source_reset``, ``error``)."""
+    (``source_lost``, ``timeout``, ``layout_mismatch``, ``source_reset``, ``local_reset``,
+    ``unavailable``, ``error``)."""
 
     transfer_id: str
     request_id: str
@@ -89,7 +90,11 @@ class KVPullResult(msgspec.Struct, kw_only=True):
     cause: str = ""
     message: str = ""
     num_bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # handed to the transfer thread -> over (what the request waited)
+    copy_s: float = 0.0  # its own chunks' transfer time (bytes / copy_s: the link's rate)
+    # a failed pull whose abort NIXL did not confirm: its landing blocks may still be
+    # written, so they must never be reused (the worker's next KV reset frees them)
+    abort_unconfirmed: bool = False
 
 
 class KVPullResults(msgspec.Struct, kw_only=True):

@@ -6,9 +6,10 @@ of both arenas. ``KVArena`` turns block lists into NIXL descriptors (a run of co
 blocks on both sides is one descriptor per layer and arena); ``KVTransferAgent`` owns one
 NIXL agent (UCX backend: host memory between processes, device memory on a GPU), registers
 this worker's arenas, describes them to peers (``KVSourceInfo``) and READs a peer's blocks
-into its own. Every call blocks: the worker runs them on its transfer thread
-(``kv_pulls.py``), never on the event loop. NIXL's own errors become ``TransferError`` with
-a cause (``source_lost``, ``timeout``, ``layout_mismatch``, ``error``).
+into its own, a pull cut into chunks (``ReadPlan``) that are posted and polled one by one.
+Every call may block: the worker makes them on its transfer thread (``kv_pull_queue.py``),
+never on the event loop. NIXL's own errors become ``TransferError`` with a cause
+(``source_lost``, ``timeout``, ``layout_mismatch``, ``error``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ TIMEOUT = "timeout"
 LAYOUT_MISMATCH = "layout_mismatch"
 ERROR = "error"
 UNAVAILABLE = "unavailable"  # no NIXL on this worker
+LOCAL_RESET = "local_reset"  # this worker's KV was rebuilt (a new epoch) before it landed
+
+# a pull moves in chunks of this many bytes at most, so a short pull never waits behind
+# all of a long one (RLT_KV_TRANSFER_CHUNK_BYTES)
+DEFAULT_CHUNK_BYTES = 8 << 20
+# how long an abort NIXL has not confirmed at once is waited for
+ABORT_GRACE_S = 2.0
 
 
 class TransferError(Exception):
@@ -143,8 +151,59 @@ def descriptors(
     return rows
 
 
+@dataclass
+class ReadPlan:
+    """One pull's descriptors cut into chunks of at most ``chunk_bytes``: the unit a pull
+    is posted, timed and interleaved with other pulls by (``kv_pull_queue.py``)."""
+
+    agent_name: str  # the source's NIXL agent
+    chunks: list[tuple[np.ndarray, np.ndarray]]  # (local rows, remote rows), row i pairs
+    chunk_bytes: list[int]  # bytes each chunk moves
+    arena: KVArena  # the landing arena: kept alive while the plan runs
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self.chunk_bytes)
+
+
+@dataclass
+class Transfer:
+    """One posted chunk."""
+
+    handle: Any
+    done: bool  # the post itself finished it (a shared-memory copy does)
+
+
+def split_rows(
+    local: np.ndarray, remote: np.ndarray, block_bytes: int, chunk_bytes: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Groups paired descriptor rows into chunks of at most ``chunk_bytes`` (a row longer
+    than that is cut at block boundaries; a chunk holds at least one block)."""
+    cap = max(block_bytes, chunk_bytes // block_bytes * block_bytes)
+    chunks: list[tuple[list[list[int]], list[list[int]]]] = []
+    size = cap  # the current chunk is full: the first piece starts one
+    for (l_addr, length, l_dev), (r_addr, _, r_dev) in zip(
+        local.tolist(), remote.tolist(), strict=True
+    ):
+        offset = 0
+        while offset < length:
+            piece = min(cap, length - offset)
+            if size + piece > cap:
+                chunks.append(([], []))
+                size = 0
+            chunks[-1][0].append([l_addr + offset, piece, l_dev])
+            chunks[-1][1].append([r_addr + offset, piece, r_dev])
+            size += piece
+            offset += piece
+    return [(np.array(lo, dtype=np.uint64), np.array(re, dtype=np.uint64)) for lo, re in chunks]
+
+
 class KVTransferAgent:
-    """One NIXL agent per worker process; not thread-safe (one transfer thread uses it)."""
+    """One NIXL agent per worker process; not thread-safe (one transfer thread uses it).
+
+    A READ is planned (``plan``: checks, descriptors in chunks), each chunk posted
+    (``start``) and polled (``finished``) or aborted (``abort``); ``read`` does all of it
+    in order for one pull."""
 
     def __init__(self, name: str) -> None:
         nixl = load_nixl()
@@ -200,16 +259,16 @@ class KVTransferAgent:
             block_bytes=arena.block_bytes,
         )
 
-    def read(
+    def plan(
         self,
         source: KVSourceInfo,
         remote_blocks: list[int],
         local_blocks: list[int],
-        timeout_s: float,
-    ) -> int:
-        """Copies the source's ``remote_blocks`` into our ``local_blocks`` (every layer, K
-        and V); returns the bytes moved. Raises TransferError; on a timeout the transfer is
-        released (aborted) before it returns, so nothing lands later."""
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> ReadPlan:
+        """The READ of the source's ``remote_blocks`` into our ``local_blocks`` (every layer,
+        K and V), in chunks. Raises TransferError (a layout mismatch, blocks out of range,
+        a source that cannot be reached)."""
         arena, layout = self._arena, self._layout
         if arena is None or layout is None:
             raise TransferError(ERROR, "this worker has no KV registered")
@@ -224,10 +283,10 @@ class KVTransferAgent:
         bad += [b for b in local_blocks if not 0 <= b < arena.num_blocks]
         if bad:
             raise TransferError(ERROR, f"block ids out of range: {bad[:4]}")
-        if not remote_blocks:
-            return 0
-        self._load_remote(source)
         runs = block_runs(remote_blocks, local_blocks)
+        if not runs:
+            return ReadPlan(source.agent_name, [], [], arena)
+        self._load_remote(source)
         layers, block_bytes = arena.num_layers, arena.block_bytes
         local = descriptors(
             runs, arena.addresses, arena.num_blocks, layers, block_bytes,
@@ -236,44 +295,113 @@ class KVTransferAgent:
         remote = descriptors(
             runs, source.arena_addresses, source.num_blocks, layers, block_bytes, remote=True
         )
-        mem = arena.mem_type
-        deadline = time.monotonic() + timeout_s
+        chunks = split_rows(local, remote, block_bytes, chunk_bytes)
+        sizes = [int(lo[:, 1].sum()) for lo, _ in chunks]
+        return ReadPlan(source.agent_name, chunks, sizes, arena)
+
+    def start(self, plan: ReadPlan, index: int) -> Transfer:
+        """Posts chunk ``index`` of ``plan``. Raises TransferError."""
+        local, remote = plan.chunks[index]
+        mem = plan.arena.mem_type
         try:
             handle = self._agent.initialize_xfer(
                 "READ",
                 self._agent.get_xfer_descs(local, mem),
                 self._agent.get_xfer_descs(remote, mem),
-                source.agent_name,
+                plan.agent_name,
             )
         except Exception as exc:
             raise _as_transfer_error(exc) from exc
+        transfer = Transfer(handle, done=False)
         try:
             state = self._agent.transfer(handle)
-            pause = 0.0002
-            while state == "PROC":
+        except Exception as exc:
+            self.abort(transfer)
+            raise _as_transfer_error(exc) from exc
+        if state == "DONE":
+            transfer.done = True
+            self._release(transfer)
+        elif state != "PROC":
+            self.abort(transfer)
+            raise TransferError(SOURCE_LOST, f"transfer failed ({state})")
+        return transfer
+
+    def finished(self, transfer: Transfer) -> bool:
+        """Whether a posted chunk is done (its handle is released then). Raises
+        TransferError if it failed."""
+        if transfer.done:
+            return True
+        try:
+            state = self._agent.check_xfer_state(transfer.handle)
+        except Exception as exc:
+            self.abort(transfer)
+            raise _as_transfer_error(exc) from exc
+        if state == "PROC":
+            return False
+        if state != "DONE":
+            self.abort(transfer)
+            raise TransferError(SOURCE_LOST, f"transfer failed ({state})")
+        transfer.done = True
+        self._release(transfer)
+        return True
+
+    def abort(self, transfer: Transfer, grace_s: float = ABORT_GRACE_S) -> bool:
+        """Stops a posted chunk: True once NIXL confirms nothing of it lands any more (an
+        abort it could not confirm within ``grace_s``: False, the landing blocks may still
+        be written)."""
+        if transfer.handle is None:
+            return True
+        deadline = time.monotonic() + grace_s
+        while True:
+            try:
+                transfer.handle.release()  # aborts one still in progress
+                transfer.handle = None
+                return True
+            except Exception:  # the abort is under way: wait for it, then release again
                 if time.monotonic() > deadline:
+                    # kept from the GC (whose release would fail the same way)
+                    self._agent._leaked_xfer_handles.append(transfer.handle._handle)
+                    transfer.handle = None
+                    return False
+                with contextlib.suppress(Exception):
+                    self._agent.check_xfer_state(transfer.handle)
+                time.sleep(0.005)
+
+    def read(
+        self,
+        source: KVSourceInfo,
+        remote_blocks: list[int],
+        local_blocks: list[int],
+        timeout_s: float,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> int:
+        """One pull start to end, chunk after chunk: returns the bytes moved. Raises
+        TransferError; on a timeout the transfer is aborted before it returns."""
+        deadline = time.monotonic() + timeout_s
+        plan = self.plan(source, remote_blocks, local_blocks, chunk_bytes)
+        for index in range(len(plan.chunks)):
+            transfer = self.start(plan, index)
+            pause = 0.0002
+            while not self.finished(transfer):
+                if time.monotonic() > deadline:
+                    self.abort(transfer)
                     raise TransferError(TIMEOUT, f"transfer not done after {timeout_s:g} s")
                 time.sleep(pause)
                 pause = min(pause * 2, 0.005)
-                state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferError(SOURCE_LOST, f"transfer failed ({state})")
-        except TransferError:
-            raise
-        except Exception as exc:
-            raise _as_transfer_error(exc) from exc
-        finally:
-            try:
-                handle.release()  # aborts one still in progress
-            except Exception:  # an abort NIXL could not confirm: keep it from the GC
-                self._agent._leaked_xfer_handles.append(handle._handle)
-        return int(2 * layers * len(remote_blocks) * block_bytes)
+        return plan.num_bytes
 
     def forget(self, agent_name: str) -> None:
         """Drops a peer (it is gone, or its memory changed)."""
         if self._remotes.pop(agent_name, None) is not None:
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(agent_name)
+
+    def _release(self, transfer: Transfer) -> None:
+        """Frees a finished chunk's handle."""
+        handle, transfer.handle = transfer.handle, None
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                handle.release()
 
     def _load_remote(self, source: KVSourceInfo) -> None:
         known = self._remotes.get(source.agent_name)

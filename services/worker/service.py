@@ -275,8 +275,8 @@ class WorkerService(Service):
             self.log.warning("duplicate batch dropped", **{BATCH_SEQ: batch.seq})
             return
         if batch.kv_pulls and self.kv is not None:
-            # where their sources are, fetched now: this handler's next batch waits (order)
-            await self.kv.prepare(batch.kv_pulls)
+            # where their sources are: asked now, answered while the batch waits its turn
+            self.kv.prepare(batch.kv_pulls)
         reply = msg.reply or subjects.worker_result(wb.epoch)  # where its scheduler listens
         run = BatchRun(wb, reply, time.perf_counter())
         self._log_requests(batch)
