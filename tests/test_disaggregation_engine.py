@@ -20,6 +20,7 @@ from services.common.config import KVLayout, SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.scheduler.intake import KnownOutputs
+from services.scheduler.request import RequestState
 from services.worker.kv_pulls import arena_of, num_planes
 from services.worker.kv_transfer import KVTransferAgent, nixl_available
 
@@ -47,6 +48,7 @@ class PullingExecutor(InProcessExecutor):
         super().__init__(runner)
         self.agent, self.source = agent, source
         self.fail = False
+        self.unconfirmed = False  # a failed pull's abort NIXL could not confirm
         self.done: list[KVPullResult] = []
         self.bytes = 0
 
@@ -59,8 +61,9 @@ class PullingExecutor(InProcessExecutor):
     def _pull(self, pull: KVPull) -> KVPullResult:
         if self.fail:
             return KVPullResult(
-                transfer_id=pull.transfer_id, request_id=pull.request_id, ok=False, cause="error"
-            )
+                transfer_id=pull.transfer_id, request_id=pull.request_id, ok=False,
+                cause="timeout", abort_unconfirmed=self.unconfirmed,
+            )  # fmt: skip
         moved = self.agent.read(
             self.source.source_info(), pull.remote_blocks, pull.local_blocks, 10.0
         )
@@ -79,6 +82,7 @@ class Pair:
     events: list = field(default_factory=list)
     handed_off: int = 0
     pulled: int = 0
+    unused: int = 0  # handoffs the decode side released without reading them
 
     @classmethod
     def build(cls, model, config: SchedulerConfig) -> Pair:
@@ -140,6 +144,9 @@ class Pair:
             if result.ok:
                 self.pulled += pulls.confirmed(result.transfer_id, held and self.release_held)
         self.executor.done.clear()
+        for handoff in self.decode.scheduler.take_unused_handoffs():  # as the service does
+            self.unused += 1
+            self.prefill.scheduler.handoffs.release(handoff.handoff_id)
 
     def finished(self) -> dict[str, FinishedEvent]:
         return {e.request_id: e for e in self.events if isinstance(e, FinishedEvent)}
@@ -285,3 +292,86 @@ def test_lost_kv_is_prefilled_on_the_decode_side(toy_model, failure):
     _compare(pair, expected)
     assert pair.handed_off == len(requests) and pair.pulled == 0
     pair.check_no_leaks(config)
+
+
+def _hand_over_all(pair: Pair, n: int) -> None:
+    """Runs the prefill side until ``n`` requests are handed to the decode side."""
+    for _ in range(2000):
+        if pair.handed_off >= n:
+            return
+        pair.events += pair.prefill.step()
+        pair._hand_over()
+    raise AssertionError("no handoff")
+
+
+def _drain(pair: Pair) -> None:
+    """Steps the decode side until its batches in flight (their pulls) are back."""
+    for _ in range(50):
+        pair.events += pair.decode.step()
+        pair._confirm()
+        if not pair.decode.core.inflight:
+            return
+
+
+def test_an_abort_before_or_during_a_pull_leaks_nothing(toy_model):
+    """Aborted on the decode shard before its pull started, the handoff goes back at once
+    (not after the hold time); aborted while its blocks land, they are freed when the
+    worker says the pull is over. Each request ends once, aborted."""
+    config = CONFIGS["wcpb-async-prefix"]
+    pair = Pair.build(toy_model, config)
+    pair.add("a", PROMPTS["a"], GREEDY_EXIT)
+    pair.add("b", PROMPTS["b"], GREEDY_EXIT)
+    _hand_over_all(pair, 2)
+    pair.events += pair.decode.core.abort_request("a")  # still waiting to start there
+    pair.events += pair.decode.step()
+    assert pair.decode.scheduler.requests["b"].state is RequestState.RECEIVING_KV
+    pair.events += pair.decode.core.abort_request("b")  # its pull is in flight
+    _drain(pair)
+    finished = pair.finished()
+    assert {rid: e.finish_reason for rid, e in finished.items()} == {"a": "abort", "b": "abort"}
+    assert sum(isinstance(e, FinishedEvent) for e in pair.events) == 2
+    assert pair.unused == 1  # "a": never read
+    pair.check_no_leaks(config)
+
+
+def test_a_decode_worker_lost_mid_pull_prefills_and_releases_the_handoff(toy_model):
+    config = CONFIGS["wcpb-async-prefix"]
+    requests = workload(GREEDY_EXIT)[:2]
+    expected = colocated(toy_model, config, requests)
+    pair = Pair.build(toy_model, config)
+    for request in requests:
+        pair.add(*request)
+    _hand_over_all(pair, 2)
+    pair.events += pair.decode.step()
+    assert all(
+        r.state is RequestState.RECEIVING_KV for r in pair.decode.scheduler.requests.values()
+    )
+    pair.executor._queued.clear()  # the worker and its batches are gone
+    pair.decode.core.reset_after_executor_loss()
+    pair.run()
+    _compare(pair, expected)
+    assert pair.pulled == 0 and pair.unused == 2
+    pair.check_no_leaks(config)
+
+
+def test_landing_blocks_of_an_unconfirmed_abort_are_never_reused(toy_model):
+    """A pull that failed without NIXL confirming its abort: its landing blocks stay out
+    of use (a late write could land there) until the worker's KV is reset; the request
+    prefills elsewhere in the pool, with the same tokens."""
+    config = CONFIGS["wcpb-async-prefix"]
+    requests = workload(GREEDY_EXIT)[:2]
+    expected = colocated(toy_model, config, requests)
+    pair = Pair.build(toy_model, config)
+    pair.executor.fail = pair.executor.unconfirmed = True
+    for request in requests:
+        pair.add(*request)
+    pair.run()
+    _compare(pair, expected)
+    pulls = pair.decode.scheduler.pulls
+    kv = pair.decode.scheduler.kv
+    blocks = sum(-(-len(PROMPTS[rid]) // config.block_size) for rid, _, _ in requests)
+    assert pulls.num_quarantined_blocks == blocks * 4  # every plane's landing blocks
+    assert kv.num_free_blocks == config.num_blocks - pulls.num_quarantined_blocks
+    pair.decode.core.reset_after_executor_loss()  # a new worker KV: nothing to fear
+    assert pulls.num_quarantined_blocks == 0
+    assert pair.decode.scheduler.kv.num_free_blocks == config.num_blocks

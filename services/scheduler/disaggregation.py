@@ -14,7 +14,9 @@ with work in flight, so nothing preempts it while the blocks are written). When 
 succeeded and the prefill side confirmed it still held the blocks, they join the request's
 tables, its prompt counts as prefilled and it decodes from the first token on. Any other
 outcome, or no answer, prefills the prompt here instead: its known first token is replayed,
-so the tokens are the same either way.
+so the tokens are the same either way. A handoff this shard will not read (the request
+ended before its pull, or prefills here) goes back at once (``unused_handoffs``), so the
+prefill side does not hold its blocks until ``hold_s``.
 """
 
 from __future__ import annotations
@@ -140,6 +142,9 @@ class Pulls:
         self.timeout_s = _DEFAULT_PULL_TIMEOUT_S
         self._pulls: dict[str, _Pull] = {}
         self._count = 0
+        # landing blocks of pulls whose abort NIXL could not confirm: never reused (a later
+        # write could land in them) until the worker's KV is reset
+        self.num_quarantined_blocks = 0
 
     def __len__(self) -> int:
         return len(self._pulls)
@@ -168,6 +173,7 @@ class Pulls:
                 continue
             request.kv_source = None  # one try: a later restart prefills
             if self.usable(source, request.num_prompt_tokens) is not None:
+                state.unused_handoffs.append(source)
                 continue
             bs = state.config.block_size
             origin = request.prefill_window_origin // bs
@@ -176,8 +182,9 @@ class Pulls:
             transfer_id = f"{request.request_id}#{request.incarnation}.{self._count}"
             holder = f"pull:{transfer_id}"
             landing = state.kv.reserve(holder, total - origin)
-            if landing is None:
-                continue  # prefills instead (as much KV, only later)
+            if landing is None:  # prefills instead (as much KV, only later)
+                state.unused_handoffs.append(source)
+                continue
             self._pulls[transfer_id] = _Pull(request, request.incarnation, holder, source, origin)
             request.state = RequestState.RECEIVING_KV
             request.inflight_batches += 1  # nothing may preempt it while blocks land
@@ -203,7 +210,7 @@ class Pulls:
         if result.ok and self._live(pull):
             pull.pulled = True
         else:
-            self._fall_back(result.transfer_id)
+            self._fall_back(result.transfer_id, landed=not result.abort_unconfirmed)
         return pull.handoff
 
     def confirmed(self, transfer_id: str, held: bool) -> bool:
@@ -234,8 +241,11 @@ class Pulls:
 
     def clear(self) -> None:
         """The worker's KV is gone (and the KV manager with it): results still coming are
-        stale, the requests were requeued by the worker-loss reset."""
+        stale, the requests were requeued by the worker-loss reset (they prefill here), and
+        the handoffs go back."""
+        self._state.unused_handoffs += [pull.handoff for pull in self._pulls.values()]
         self._pulls.clear()
+        self.num_quarantined_blocks = 0
 
     def _live(self, pull: _Pull) -> bool:
         request = pull.request
@@ -245,11 +255,15 @@ class Pulls:
             and request.state is RequestState.RECEIVING_KV
         )
 
-    def _fall_back(self, transfer_id: str) -> None:
-        """The pull is over without usable KV: its landing blocks go back, and a request
+    def _fall_back(self, transfer_id: str, *, landed: bool = True) -> None:
+        """The pull is over without usable KV: its landing blocks go back (unless a write
+        may still land in them: ``landed`` False keeps them out of use), and a request
         still waiting for them prefills its prompt here."""
         pull = self._pulls.pop(transfer_id)
-        self._state.kv.free(pull.holder)
+        if landed:
+            self._state.kv.free(pull.holder)
+        else:
+            self.num_quarantined_blocks += self._state.kv.num_held_blocks(pull.holder)
         if not self._live(pull):
             return
         request = pull.request

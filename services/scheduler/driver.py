@@ -332,6 +332,7 @@ class SchedulerDriver(Submissions):
         envelope = self.scheduler.take_prefix_events()
         if envelope is not None:
             out.prefix_events.append(envelope)
+        out.kv_releases += self.scheduler.take_unused_handoffs()
         return out
 
     def _fail(self, request_ids: Iterable[str], code: ErrorCode, message: str) -> None:

@@ -106,4 +106,5 @@ class Handover:
             "kv_pulls_open": len(s.pulls),
             "kv_pulled": self.num_pulled,
             "kv_pull_failures": self.num_pull_failures,
+            "kv_blocks_quarantined": s.pulls.num_quarantined_blocks,
         }

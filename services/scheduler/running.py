@@ -69,6 +69,9 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
     """Ends the request (running or waiting) and appends its finished event."""
     request.state = RequestState.FINISHED
     request.finish_reason = reason
+    if request.kv_source is not None:  # ended before its pull started: never read
+        state.unused_handoffs.append(request.kv_source)
+        request.kv_source = None
     running = request in state.running
     if running:
         _release_kv(state, request)

@@ -161,6 +161,8 @@ class Scheduler:
             hand_off=hand_off,
             kv_source=kv_source if known.token_ids else None,
         )
+        if kv_source is not None and request.kv_source is None:
+            self._state.unused_handoffs.append(kv_source)  # no first token: it prefills
         if self.config.enable_prefix_caching:
             request.block_hashes = prompt_block_hashes(
                 request.prompt_token_ids, self.config.block_size, self.cache_salt
@@ -212,6 +214,11 @@ class Scheduler:
         state.kv = new_kv(self.config, self.limits)
         state.kv.reset_prefix_cache()  # consumers forget every block of the lost worker
         return affected
+
+    def take_unused_handoffs(self) -> list[KVHandoff]:
+        """Handoffs this shard will not read, since the last call (for their release)."""
+        out, self._state.unused_handoffs = self._state.unused_handoffs, []
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._state.requests)

@@ -70,6 +70,8 @@ class Submissions:
             return self._refuse(req, ErrorCode.INVALID_REQUEST, message)
         if live is not None:
             self._reattach(req, live, track, relay)
+            if req.kv_source is not None:  # it goes on here with the KV it has
+                self._out.kv_releases.append(req.kv_source)
             if self.tombstones.take(req.tenant, req.request_id, time.monotonic(), live.key):
                 self._abort_live(req.request_id)  # the retry's abort came first
             return self._take()
@@ -149,7 +151,10 @@ class Submissions:
     def _end_unstarted(self, req: AdmittedRequest, event: StreamEvent) -> StepOutput:
         """The terminal event of a request that never ran, through its relay (admission
         passes it on and so learns it ended). Metrics count it like any other ending (a
-        refusal by its error code, an early abort as finished "abort")."""
+        refusal by its error code, an early abort as finished "abort"). The KV a prefill
+        shard handed over with it is released."""
+        if req.kv_source is not None:
+            self._out.kv_releases.append(req.kv_source)
         self.telemetry.on_events([event], self.core.inflight)
         self.streams.remember_ended(req.request_id, (req.admission_id, req.admission_seq))
         self._out.relays.append(Stream.of(req).relay_of(event))
