@@ -59,6 +59,8 @@ SERVICE_ROLES: dict[str, Permissions] = {
             subjects.SHARD_DISCOVER,
             subjects.SCHED_ALIVE_ALL,
             subjects.PREFIX_LOOKUP,
+            # a handoff no decode shard will read (its request ended during the handover)
+            f"{subjects.SCHED_KV_RELEASE}.>",
             *_CLIENT_INBOXES,
             _own_inbox("admission"),
             # answers to a scheduler's fence query (its request inbox)

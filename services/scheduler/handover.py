@@ -49,7 +49,7 @@ class Handover:
                 now=now,
             )
             d.core.outputs.forget(rid)
-            stream = d.streams.end(rid)
+            stream = d.streams.end(rid, handed_off=True)
             handoff.traceparent = d.telemetry.handed_off(rid)
             if stream is None:  # nobody to hand it to (fenced meanwhile): let it go
                 scheduler.handoffs.release(handoff.handoff_id)

@@ -177,8 +177,10 @@ class Submissions:
         request arrives; the requester hears ``not_found`` now, unless the abort was a
         ``broadcast`` to every shard, or it named a try that has not been here while no
         other copy runs here (its submit is behind it: the requester hears the abort
-        confirmed). The requester's reply carries no outputs: those go to the request's own
-        stream only."""
+        confirmed), or a try this shard handed to a decode shard (admission, which sent
+        the abort here before it knew, ends it instead of moving it on: confirmed too).
+        The requester's reply carries no outputs: those go to the request's own stream
+        only."""
         aimed = (admission_id, admission_seq) if admission_seq else ANY
         live = self.streams.get(request_id)
         stream = live if live is not None and aimed in (ANY, live.key) else None
@@ -186,7 +188,8 @@ class Submissions:
             self.tombstones.add(tenant, request_id, time.monotonic(), aimed)
             if requester_reply and not broadcast:
                 coming = live is None and self.streams.ended_key(request_id) != aimed
-                if aimed != ANY and coming:
+                handed_off = self.streams.handed_off_key(request_id) == aimed
+                if aimed != ANY and (coming or handed_off):
                     answer: StreamEvent = aborted(request_id, 0)
                 else:
                     message = f"unknown request id {request_id!r}"
