@@ -233,12 +233,6 @@ class Pulls:
         self._publish(request)
         return True
 
-    def transfer_of(self, request_id: str) -> str | None:
-        for transfer_id, pull in self._pulls.items():
-            if pull.request.request_id == request_id and pull.pulled:
-                return transfer_id
-        return None
-
     def clear(self) -> None:
         """The worker's KV is gone (and the KV manager with it): results still coming are
         stale, the requests were requeued by the worker-loss reset (they prefill here), and

@@ -151,8 +151,15 @@ class BatchQueue:
 
     def _inline(self, run: BatchRun) -> bool:
         """Whether the batch may run on the event loop: expected to be short (unknown until
-        a few batches ran on the thread)."""
+        a few batches ran on the thread), and not one that may wait for a grammar to
+        compile (seconds, with xgrammar's import: no heartbeat would go out meanwhile)."""
         if self.inline_max_s <= 0:
+            return False
+        batch = run.wb.batch
+        if any(new.sampling.structured_output is not None for new in batch.new_requests):
+            return False
+        grammars = self.runner_host.grammars
+        if grammars is not None and grammars.compiling:
             return False
         expected = self.execute_time.estimate(run.token_loops)
         return expected is not None and expected <= self.inline_max_s
