@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,14 @@ import torch
 from messages.kv_transfer import KVPull, KVSourceInfo
 from services.worker import kv_transfer as kvt
 from services.worker.kv_pull_queue import PullJob, PullOutcome, PullQueue
-from services.worker.kv_transfer import KVArena, KVTransferAgent, TransferError, split_rows
+from services.worker.kv_transfer import (
+    KVArena,
+    KVTransferAgent,
+    ReadPlan,
+    Transfer,
+    TransferError,
+    split_rows,
+)
 
 pytestmark = [
     pytest.mark.unit,
@@ -47,7 +55,12 @@ def test_split_rows_cuts_at_block_boundaries_and_keeps_the_pairs() -> None:
 class Pair:
     """A source agent (filled arena) and a reader whose transfer thread is the queue."""
 
-    def __init__(self, hold_s: float = 0.0, chunk_bytes: int = 4 * BLOCK_BYTES) -> None:
+    def __init__(
+        self,
+        hold_s: float = 0.0,
+        chunk_bytes: int = 4 * BLOCK_BYTES,
+        agent: type[KVTransferAgent] = KVTransferAgent,
+    ) -> None:
         self.src = KVArena(torch.randn(SHAPE), torch.randn(SHAPE))
         self.dst = KVArena(torch.zeros(SHAPE), torch.zeros(SHAPE))
         self.source = KVTransferAgent(f"pq-src-{id(self)}")
@@ -55,7 +68,7 @@ class Pair:
         self.outcomes: list[PullOutcome] = []
         self.done = threading.Event()
         self.queue = PullQueue(
-            lambda: KVTransferAgent(f"pq-dst-{id(self)}"),
+            lambda: agent(f"pq-dst-{id(self)}"),
             self._on_done,
             chunk_bytes=chunk_bytes,
             hold_s=hold_s,
@@ -132,20 +145,52 @@ def test_the_pull_with_the_fewest_bytes_left_goes_first() -> None:
         pair.close()
 
 
+class _ArrivalAgent(KVTransferAgent):
+    """Calls ``on_start(plan, index)`` as each chunk is posted (on the transfer thread)."""
+
+    on_start: Any = None
+
+    def start(self, plan: ReadPlan, index: int) -> Transfer:
+        if self.on_start is not None:
+            self.on_start(plan, index)
+        return super().start(plan, index)
+
+
 def test_a_pull_under_way_does_not_hold_back_a_new_one() -> None:
-    pair = Pair(hold_s=0.02)  # each chunk of a pull is 20 ms apart: a long pull is slow
+    """A short pull submitted while a long one is moving (its third chunk being posted)
+    lands before the long one's next chunks: the thread looks for new pulls between
+    chunks, even when each post moves its chunk at once."""
+    pair = Pair(agent=_ArrivalAgent)
     try:
-        long_r, long_l = list(range(0, 40)), list(range(10, 50))
+        long_r, long_l = list(range(0, 40)), list(range(10, 50))  # 40 chunks
+        short: list[str] = []
+
+        def arrive(plan: ReadPlan, index: int) -> None:
+            if index == 2 and not short and plan.num_bytes > 2 * 2 * 2 * BLOCK_BYTES:
+                short.append(pair.submit([50, 51], [60, 61]))
+
+        pair.queue.call(lambda agent: setattr(agent, "on_start", arrive)).result(10)
         first = pair.submit(long_r, long_l)
-        while pair.queue.num_started == 0:  # the long pull is under way
-            time.sleep(0.001)
-        second = pair.submit([50, 51], [60, 61])
         outcomes = pair.wait(2)
-        assert [o.job.pull.transfer_id for o in outcomes] == [second, first]
+        assert [o.job.pull.transfer_id for o in outcomes] == [short[0], first]
         by_id = {o.job.pull.transfer_id: o for o in outcomes}
-        assert by_id[second].seconds < by_id[first].seconds / 2
-        assert 0 < by_id[first].copy_s < by_id[first].seconds
+        assert 0 < by_id[first].copy_s <= by_id[first].seconds
         assert pair.landed(long_r, long_l) and pair.landed([50, 51], [60, 61])
+    finally:
+        pair.close()
+
+
+def test_a_held_pull_moves_one_chunk_at_a_time() -> None:
+    """The test hold (RLT_KV_TRANSFER_TEST_HOLD_S): a pull is under way for as long as its
+    chunks times the hold, one chunk landed at a time."""
+    pair = Pair(hold_s=0.05)
+    try:
+        pair.submit(list(range(0, 16)), list(range(0, 16)))  # 16 chunks
+        while pair.queue.num_started == 0:
+            time.sleep(0.001)
+        assert pair.queue.num_active == 1
+        (outcome,) = pair.wait(1)
+        assert outcome.error is None and outcome.seconds >= 15 * 0.05
     finally:
         pair.close()
 

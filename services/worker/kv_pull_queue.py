@@ -104,8 +104,9 @@ class PullQueue:
         max_in_flight: int = MAX_IN_FLIGHT,
         hold_s: float = 0.0,
     ) -> None:
-        """``on_done`` runs on the transfer thread; ``hold_s`` (tests only) keeps each pull
-        waiting that long after each of its chunks, so a fault can strike mid-pull."""
+        """``on_done`` runs on the transfer thread; ``hold_s`` (tests only) moves each pull
+        one chunk at a time and keeps it waiting that long after each, so a fault can
+        strike mid-pull."""
         self._make_agent = make_agent
         self._on_done = on_done
         self.chunk_bytes = chunk_bytes
@@ -188,9 +189,7 @@ class PullQueue:
             return True, None
         now = time.monotonic()
         runnable = any(
-            a.in_flight
-            or (a.plan is None and a.job.source.done())
-            or (a.plan is not None and not a.all_posted and a.not_before <= now)
+            a.in_flight or (a.plan is None and a.job.source.done()) or self._may_post(a, now)
             for a in self._active
         )
         if runnable:
@@ -217,9 +216,6 @@ class PullQueue:
                 self._plan(active)
         progressed = self._poll()
         progressed |= self._post(now)
-        for active in list(self._active):
-            if active.all_posted and not active.in_flight:
-                self._report(active, None)
         if not progressed and any(a.in_flight for a in self._active):
             time.sleep(_MAX_PAUSE_S)
 
@@ -239,6 +235,9 @@ class PullQueue:
             self._fail(active, exc)
         except Exception as exc:
             self._fail(active, TransferError(kvt.ERROR, repr(exc)[:300]))
+        else:
+            if not active.plan.chunks:  # nothing to move (a prefix hit covered it all)
+                self._report(active, None)
 
     def _poll(self) -> bool:
         """Chunks in flight that finished (or failed)."""
@@ -257,19 +256,19 @@ class PullQueue:
                 active.in_flight.remove(entry)
                 self._landed(active, index, started)
                 progressed = True
+                if active not in self._active:
+                    break  # reported: its last chunk
         return progressed
 
     def _post(self, now: float) -> bool:
         """Posts chunks while fewer than ``max_in_flight`` are out: each from the pull with
-        the fewest bytes left (the oldest among equals)."""
+        the fewest bytes left (the oldest among equals). Back to the inbox after a chunk
+        that the post itself moved (a shared-memory copy): a pull submitted meanwhile is
+        weighed before the next chunk."""
         assert self._agent is not None
         posted = False
         while sum(len(a.in_flight) for a in self._active) < self.max_in_flight:
-            ready = [
-                a
-                for a in self._active
-                if a.plan is not None and not a.all_posted and a.not_before <= now
-            ]
+            ready = [a for a in self._active if self._may_post(a, now)]
             if not ready:
                 break
             active = min(ready, key=lambda a: (a.bytes_left, a.order))
@@ -285,18 +284,25 @@ class PullQueue:
             posted = True
             if transfer.done:
                 self._landed(active, index, started)
-                now = time.monotonic()
-            else:
-                active.in_flight.append((transfer, index, started))
+                break
+            active.in_flight.append((transfer, index, started))
         return posted
 
+    def _may_post(self, active: _Active, now: float) -> bool:
+        if active.plan is None or active.all_posted or active.not_before > now:
+            return False
+        return not (self.hold_s > 0 and active.in_flight)  # held: one chunk at a time
+
     def _landed(self, active: _Active, index: int, started: float) -> None:
+        """A chunk is done; the pull is reported at once if it was its last."""
         assert active.plan is not None
         if active.moved == 0:
             self.num_started += 1
         active.moved += active.plan.chunk_bytes[index]
         active.copy_s += time.monotonic() - started
-        if self.hold_s > 0 and not active.all_posted:
+        if active.all_posted and not active.in_flight:
+            self._report(active, None)
+        elif self.hold_s > 0:
             active.not_before = time.monotonic() + self.hold_s
 
     def _fail(self, active: _Active, error: TransferError) -> None:
