@@ -49,7 +49,12 @@ TARGETS = {
     "chat_itl_p99": ("chat ITL p99 <= 0.5x colocated (SIM compute)", None, 0.5),
     "output_tokens_per_s": ("output tokens/s >= 0.9x colocated (SIM compute)", 0.9, None),
 }
-LONG_PULL_BYTES = 1_000_000  # pulls above this are the long prompts' (a chat prompt: ~0.4 MB)
+# bytes a simulated worker pulls per 16-token block of a prompt: every loop's plane (4), K
+# and V, SIM_KV_LAYERS layers of 16 KV heads x 128 x bf16 x 16 tokens
+BLOCK_PULL_BYTES = 4 * 2 * SIM_KV_LAYERS * 16 * 128 * 2 * 16
+# pulls above this are the long prompts' (a chat prompt's is 1.5 MB, the shortest long
+# prompt's 32 MB)
+LONG_PULL_BYTES = 2 * -(-CHAT_PROMPT // 16) * BLOCK_PULL_BYTES
 
 
 def bench_checkpoint(workdir: Path) -> Path:
