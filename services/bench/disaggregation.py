@@ -252,7 +252,11 @@ async def _drive(url: str, duration: float, seed: int, disaggregated: bool) -> d
     long_pulls = [(b, s, c) for b, s, c in pulls if b >= LONG_PULL_BYTES]
     chat_pulls = [s for b, s, _ in pulls if b < LONG_PULL_BYTES]
     if chat_pulls:
-        out.update(chat_pull_s_p50=_pct(chat_pulls, 0.5), chat_pull_s_p99=_pct(chat_pulls, 0.99))
+        out.update(
+            chat_pulls=len(chat_pulls),
+            chat_pull_s_p50=_pct(chat_pulls, 0.5),
+            chat_pull_s_p99=_pct(chat_pulls, 0.99),
+        )
     if long_pulls:
         seconds = [s for _, s, _ in long_pulls]
         moved = sum(b for b, _, _ in long_pulls)
@@ -260,6 +264,7 @@ async def _drive(url: str, duration: float, seed: int, disaggregated: bool) -> d
         biggest = max(b for b, _, _ in long_pulls)
         out.update(
             kv_pulls=len(pulls),
+            long_pulls=len(long_pulls),
             long_pull_s_p50=_pct(seconds, 0.5),
             long_pull_s_p99=_pct(seconds, 0.99),
             long_pull_gb_per_s=gbps,
@@ -297,16 +302,16 @@ def markdown(c: dict[str, Any]) -> list[str]:
     if c.get("error"):
         return [*lines, f"**Failed**: `{c['error']}`", ""]
     header = ["repeat", "arm", "SIM chat ITL p50 ms", "SIM chat ITL p99 ms", "SIM out tok/s",
-              "SIM long TTFT p50 s", "SIM handover gap p50 ms", "chat pull p50 / p99 ms",
-              "long pull p50 / p99 ms", "GB/s", "moved / real prompt MB",
+              "SIM long TTFT p50 s", "SIM handover gap p50 ms", "chat pull p50 / p99 ms (n)",
+              "long pull p50 / p99 ms (n)", "GB/s", "moved / real prompt MB",
               "est. real prompt s"]  # fmt: skip
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in c["runs"]:
         chat = pull = real = moved = gbps = "-"
         if r.get("chat_pull_s_p50") is not None:
-            chat = f"{_ms(r['chat_pull_s_p50'])} / {_ms(r['chat_pull_s_p99'])}"
+            chat = f"{_ms(r['chat_pull_s_p50'])} / {_ms(r['chat_pull_s_p99'])} ({r['chat_pulls']})"
         if r.get("long_pull_s_p50") is not None:
-            pull = f"{_ms(r['long_pull_s_p50'])} / {_ms(r['long_pull_s_p99'])}"
+            pull = f"{_ms(r['long_pull_s_p50'])} / {_ms(r['long_pull_s_p99'])} ({r['long_pulls']})"
             gbps = f"{r['long_pull_gb_per_s']:.2f}"
             moved = f"{r['long_pull_max_bytes'] / 1e6:.0f} / {r['real_prompt_bytes'] / 1e6:.0f}"
             real = f"{r['real_prompt_s_at_measured']:.2f}"
