@@ -18,7 +18,7 @@ WORKDIR /app
 COPY pyproject.toml README.md* ./
 RUN mkdir -p services messages kernels \
     && touch services/__init__.py messages/__init__.py kernels/__init__.py \
-    && pip install --extra-index-url https://download.pytorch.org/whl/${TORCH_INDEX} . \
+    && pip install --extra-index-url https://download.pytorch.org/whl/${TORCH_INDEX} '.[disagg]' \
     && pip uninstall -y rlt
 
 COPY messages ./messages

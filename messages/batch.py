@@ -11,6 +11,7 @@ from typing import Annotated
 
 import msgspec
 
+from messages.kv_transfer import KVPull
 from messages.sampling import StructuredOutput
 
 
@@ -156,6 +157,9 @@ class Batch(msgspec.Struct, gc=False, kw_only=True):
     # W3C traceparent of the scheduler's span of each request loaded here, when spans are
     # exported: the worker's span of the request is its child (services/runtime/tracing.py)
     traceparents: dict[str, str] = msgspec.field(default_factory=dict)
+    # prompt KV to pull from a prefill worker (disaggregation), started once every earlier
+    # batch has run; a batch may carry only these (no rows)
+    kv_pulls: list[KVPull] = msgspec.field(default_factory=list)
 
 
 class SampledLogprobs(msgspec.Struct, array_like=True, gc=False):

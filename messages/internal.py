@@ -7,6 +7,7 @@ import msgspec
 
 from messages.api import FinishedEvent, StreamEvent
 from messages.batch import Batch, BatchResult
+from messages.kv_transfer import KVBlockFormat, KVHandoff
 from messages.sampling import SamplingParams
 
 
@@ -38,6 +39,11 @@ class AdmittedRequest(msgspec.Struct, kw_only=True):
     # and the depth budget of each that overload shedding lowered (None: not lowered;
     # empty: none was)
     resume_depth_budgets: list[int | None] = msgspec.field(default_factory=list)
+    # disaggregation: a prefill shard stops it after its first token and hands it over
+    # (``KVHandoff`` in its relayed events); a decode shard gets the handoff here and pulls
+    # the prompt's KV from the prefill worker instead of computing it
+    hand_off: bool = False
+    kv_source: KVHandoff | None = None
 
 
 class AbortForward(msgspec.Struct, kw_only=True):
@@ -104,6 +110,10 @@ class ShardAnnounce(msgspec.Struct, kw_only=True):
     num_blocks: int = 0
     enable_prefix_caching: bool = False
     time: float = 0.0
+    # disaggregation: "prefill", "decode" or "both" (colocated), and what its blocks are
+    # (prefill and decode shards must agree, or the shard is refused by name)
+    role: str = "both"
+    block_format: KVBlockFormat | None = None
 
 
 class RelayedEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -117,6 +127,9 @@ class RelayedEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
     known_token_ids: list[int] = msgspec.field(default_factory=list)
     known_exit_depths: list[int] = msgspec.field(default_factory=list)
     known_depth_budgets: list[int | None] = msgspec.field(default_factory=list)
+    # the request left this shard after its first token: where its prompt KV waits (the
+    # stream's last event from here; admission moves the request to a decode shard)
+    handoff: KVHandoff | None = None
 
 
 class RelayBatch(msgspec.Struct, kw_only=True):

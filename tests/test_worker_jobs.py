@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from messages.batch import Batch, BatchKind, BatchResult
+from messages.batch import Batch, BatchKind, BatchResult, NewRequest, WorkerSampling
 from messages.internal import WorkerBatch
+from messages.sampling import StructuredOutput
 from services.common.config import SchedulerConfig
 from services.worker.batch_queue import BatchRun
 from services.worker.compute import ExecuteTimeEstimate, JobRunner
@@ -267,5 +268,46 @@ async def test_a_failed_kv_reset_is_retried_by_the_next_batch(toy_checkpoint: Pa
         ok = await run(1)
         assert ok.error is None and worker.runner is not None
         assert worker.runner.k_cache.shape[1:3] == (33, 4)  # the new geometry, and a scratch block
+    finally:
+        await worker.teardown()
+
+
+async def test_a_batch_that_may_wait_for_a_grammar_never_runs_on_the_event_loop(
+    toy_checkpoint: Path,
+) -> None:
+    """A pass that waits for a grammar to compile (seconds on a busy CPU, xgrammar's import
+    first) must not run on the event loop: the worker's heartbeats would stop and its
+    scheduler would give it up."""
+    config = SchedulerConfig(block_size=4, num_blocks=64)
+    worker = WorkerService("nats://127.0.0.1:1", toy_checkpoint, config, inline_max_s=0.05)
+    await worker.setup()
+    try:
+        queue, book = worker.queue, worker.runner_host.grammars
+        assert book is not None
+        for _ in range(5):
+            queue.execute_time.observe(10, 0.0001)
+
+        def run(new: list[NewRequest]) -> BatchRun:
+            wb = WorkerBatch(
+                epoch="e", batch=Batch(seq=0, kind=BatchKind.RECURRENT, rows=[], new_requests=new)
+            )
+            return BatchRun(wb, "reply", time.perf_counter())
+
+        fmt = StructuredOutput(kind="regex", spec="[a-c]{2}")
+        sampling = WorkerSampling(
+            temperature=0.0, top_p=1.0, top_k=0, seed=1, min_loops=1, max_loops=4,
+            exit_threshold=1.0, structured_output=fmt,
+        )  # fmt: skip
+        assert queue._inline(run([]))
+        assert not queue._inline(
+            run([NewRequest(request_id="r", prompt_token_ids=[1, 2], sampling=sampling)])
+        )
+        gate = threading.Event()
+        book._pool.submit(gate.wait)  # the compile below waits behind this
+        compiled = book.compile(fmt)
+        assert book.compiling and not queue._inline(run([]))
+        gate.set()
+        await asyncio.wrap_future(compiled)
+        assert not book.compiling and queue._inline(run([]))
     finally:
         await worker.teardown()

@@ -48,6 +48,8 @@ class Relay:
                 continue
             if entry.owner is None:
                 entry.owner = batch.scheduler_id
+            if item.handoff is not None:  # moved on, or (aborted meanwhile) its last event
+                event = await self._moves.hand_over(entry, item.handoff, item.seq)
             if event is None:
                 continue
             try:

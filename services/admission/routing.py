@@ -101,6 +101,8 @@ class Routing:
         candidates = [s for s in self.shards.routable(now) if s.shard_id != exclude]
         if not candidates and not exclude:
             candidates = await self._discover_shards()
+        # a new request starts with its prefill: on a decode shard only if nothing else runs
+        candidates = [s for s in candidates if s.role != "decode"] or candidates
         if not candidates:
             raise AdmissionError(rid, ErrorCode.UNAVAILABLE, "no scheduler is running")
         loads = [self.shards.load(s, now) for s in candidates]
@@ -138,10 +140,32 @@ class Routing:
         loads = [self.shards.load(s, now) for s in healthy]
         return self.router.choose(loads, num_prompt_tokens).shard_id
 
+    async def choose_decode(
+        self, admitted: AdmittedRequest, now: float, exclude: str
+    ) -> tuple[str, int] | None:
+        """The decode shard for a request a prefill shard handed over: by load and by the
+        prompt prefix it already caches (it then pulls only the rest); None if none is
+        healthy."""
+        targets = self.shards.decode_targets(now, exclude=exclude)
+        if not targets:
+            return None
+        loads = [self.shards.load(s, now) for s in targets]
+        prompt = admitted.prompt_token_ids
+        overlaps = None
+        if self.router.uses_overlap and len(loads) > 1 and any(s.prefix_caching for s in targets):
+            bs = self.shards.block_size
+            hashes = prompt_block_hashes(prompt, bs)[: cacheable_prefix_blocks(len(prompt), bs)]
+            if hashes:
+                overlaps = await self._lookup(hashes, loads, admitted.request_id, admitted.trace_id)
+        choice = self.router.choose(loads, len(prompt), overlaps)
+        return choice.shard_id, choice.overlap_blocks
+
     async def submit(
         self, admitted: AdmittedRequest, now: float, overlap_blocks: int = 0, traceparent: str = ""
     ) -> None:
         shard = admitted.shard_id
+        if admitted.kv_source is None and self.shards.hands_off(shard, now):
+            admitted = msgspec.structs.replace(admitted, hand_off=True)
         seq = admitted.admission_seq
         prompt = len(admitted.prompt_token_ids)
         prefill = max(0, prompt - overlap_blocks * self.shards.block_size)
@@ -163,6 +187,11 @@ class Routing:
     async def _overlaps(
         self, hashes: list[int], loads: list[ShardLoad], prepared: Prepared
     ) -> dict[str, int] | None:
+        return await self._lookup(hashes, loads, prepared.request_id, prepared.trace_id)
+
+    async def _lookup(
+        self, hashes: list[int], loads: list[ShardLoad], request_id: str, trace_id: str
+    ) -> dict[str, int] | None:
         """{shard: cached leading blocks}: the prefix index's per-producer answer, topped up
         with what this router sent each shard recently. None (load only) when the index
         cannot answer."""
@@ -171,8 +200,8 @@ class Routing:
             return None
         lookup = PrefixLookup(
             block_hashes=hashes,
-            request_id=prepared.request_id,
-            trace_id=prepared.trace_id,
+            request_id=request_id,
+            trace_id=trace_id,
             per_producer=True,
         )
         started = time.perf_counter()

@@ -218,6 +218,7 @@ class AdmissionService(Service):
             "open_requests": len(self.open),
             "lost_to_scheduler_failure": self.aborts.num_lost,
             "moved": self.moves.num_moved,
+            "handed_over": self.moves.num_handed_over,
             "clients_gone": self.relay.num_clients_gone,
             "retries": self.num_retries,
             "finished_record": len(self.finished),

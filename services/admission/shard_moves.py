@@ -16,17 +16,21 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import msgspec
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
+from messages.api import FinishedEvent
 from messages.errors import ErrorCode
 from messages.internal import FenceQuery, FenceUpdate
+from messages.kv_transfer import KVHandoff, KVRelease
 from services.admission.aborts import Aborts
 from services.admission.config import AdmissionConfig
 from services.admission.routing import Routing
 from services.admission.shards import Shard
 from services.admission.tables import FenceLog, OpenRequest, OpenRequests
 from services.runtime import subjects
+from services.runtime.bus import encode_msgpack
 from services.runtime.logging import request_fields
 from services.runtime.service import Service
 
@@ -56,6 +60,7 @@ class ShardMoves:
         self._aborts = aborts
         self._next_seq = next_seq  # a fresh admission seq: a move is a new submit
         self.num_moved = 0
+        self.num_handed_over = 0  # prefill shard -> decode shard, after the first token
         # silence before this (a stall of our own: we could not hear anyone) judges nobody
         self._judge_from = 0.0
         self._stalled_noted: set[str] = set()
@@ -133,6 +138,80 @@ class ShardMoves:
             **request_fields(entry.request_id, entry.trace_id),
         )
         return True
+
+    async def hand_over(
+        self, entry: OpenRequest, handoff: KVHandoff, seen_seq: int
+    ) -> FinishedEvent | None:
+        """A prefill shard ran the prompt and first token of ``entry`` and holds its KV: it
+        goes on on a decode shard that pulls that KV (or, with none healthy, on any healthy
+        shard, which computes it again). The old try ended there by itself. A client that
+        asked to abort it meanwhile (the abort went to the prefill shard, too late) gets
+        its end here: returns that ``abort`` event for the caller to pass on. Whatever does
+        not reach a decode shard releases the handoff, so the prefill side frees the KV
+        now rather than after its hold time."""
+        admitted = entry.admitted
+        if admitted is None or not self._open.is_open(entry, seen_seq):
+            await self._release(handoff)
+            return None
+        now = time.monotonic()
+        old_shard = entry.shard
+        chosen = None
+        if not entry.abort_requested:
+            chosen = await self._routing.choose_decode(admitted, now, exclude=old_shard)
+        if not self._open.is_open(entry, seen_seq):  # ended (the client gone) meanwhile
+            await self._release(handoff)
+            return None
+        if entry.abort_requested:
+            self._open.close(entry.seq)
+            await self._release(handoff)
+            self._actor.log.info(
+                "request aborted at its handover",
+                **request_fields(entry.request_id, entry.trace_id),
+            )
+            return FinishedEvent(
+                request_id=entry.request_id,
+                finish_reason="abort",
+                token_ids=list(entry.token_ids),
+                exit_depths=list(entry.exit_depths),
+                num_prompt_tokens=len(admitted.prompt_token_ids),
+                shard=old_shard,
+            )
+        source: KVHandoff | None = handoff
+        if chosen is None:
+            source = None
+            await self._release(handoff)
+            target = self._routing.choose_healthy(len(admitted.prompt_token_ids), now, "")
+            if target is None:
+                await self.move_or_end(entry, "no shard can decode it", seen_seq)
+                return None
+            overlap = 0
+        else:
+            target, overlap = chosen
+        seq = self._next_seq()
+        resumed = msgspec.structs.replace(
+            entry.resumed(admitted, seq, target), kv_source=source, hand_off=False
+        )
+        self._open.moved(entry, seq, target, now, handed=True)
+        await self._routing.submit(resumed, now, overlap, handoff.traceparent)
+        self.num_handed_over += 1
+        self._actor.log.info(
+            "request handed over",
+            from_shard=old_shard,
+            to_shard=target,
+            kv_pulled=source is not None,
+            **request_fields(entry.request_id, entry.trace_id),
+        )
+        return None
+
+    async def _release(self, handoff: KVHandoff) -> None:
+        """The prefill scheduler may free the handoff's blocks: nobody will read them."""
+        release = KVRelease(handoff_id=handoff.handoff_id, request_id=handoff.request_id)
+        try:
+            await self._actor.nc.publish(
+                subjects.sched_kv_release(handoff.scheduler_id), encode_msgpack(release)
+            )
+        except Exception as exc:  # its hold time frees them anyway
+            self._actor.log.warning("handoff release not sent", error=repr(exc)[:200])
 
     async def _check_shards(self, now: float) -> None:
         for entry in self._open.expired(now):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from messages.internal import SchedulerLoad, ShardAnnounce
+from messages.kv_transfer import KVBlockFormat
 from services.runtime import subjects
 
 
@@ -70,6 +71,9 @@ class Shard:
     report_at: float = float("-inf")
     no_worker_since: float | None = None  # reports say its worker is gone, since when
     unseen: _Unseen = field(default_factory=_Unseen)
+    # disaggregation: "prefill", "decode" or "both"; its block format (roles must agree)
+    role: str = "both"
+    block_format: KVBlockFormat | None = None
 
     def fresh(self, now: float, fresh_s: float) -> bool:
         return now - self.report_at <= fresh_s
@@ -134,10 +138,15 @@ class ShardTable:
             )
             self.refused[key] = why
             return why, None
+        why = self._format_mismatch(a)
+        if why is not None:
+            self.refused[key] = why
+            return why, None
         self.refused.pop(key, None)
         current = self.shards.get(a.shard_id)
         if current is not None and current.scheduler_id == a.scheduler_id:
             current.producer_id = a.producer_id or current.producer_id
+            current.role, current.block_format = a.role, a.block_format
             return None, None
         replaced = current.scheduler_id if current is not None else None
         self.shards[a.shard_id] = Shard(
@@ -147,8 +156,31 @@ class ShardTable:
             a.block_size,
             announced_at=now,
             prefix_caching=a.enable_prefix_caching,
+            role=a.role,
+            block_format=a.block_format,
         )
         return None, replaced
+
+    def _format_mismatch(self, a: ShardAnnounce) -> str | None:
+        """Prefill and decode shards hand requests over by block: a shard of either role
+        whose block format differs from another's is refused, naming what differs."""
+        if a.role == "both":
+            return None
+        if a.block_format is None:
+            return f"a {a.role} shard must announce its KV block format"
+        for other in self.shards.values():
+            if other.shard_id == a.shard_id or other.role == "both":
+                continue
+            if other.block_format is None:
+                continue
+            diff = a.block_format.mismatch(other.block_format)
+            if diff is not None:
+                return (
+                    f"KV block format differs from {other.role} shard {other.shard_id}'s "
+                    f"({diff}): prefill and decode shards need the same --block-size, "
+                    "--kv-layout and model depth"
+                )
+        return None
 
     def apply(self, r: SchedulerLoad, now: float, wall_now: float) -> Refusal | None:
         """Applies a load report, or says why it was refused."""
@@ -223,6 +255,17 @@ class ShardTable:
             if s.shard_id != exclude and s.fresh(now, self.config.fresh_s) and s.healthy_report
         ]
 
+    def decode_targets(self, now: float, exclude: str = "") -> list[Shard]:
+        """Healthy decode shards (where a prefill shard's requests go after their first
+        token)."""
+        return [s for s in self.healthy(now, exclude=exclude) if s.role == "decode"]
+
+    def hands_off(self, shard_id: str, now: float) -> bool:
+        """Whether a request sent to ``shard_id`` should leave it after its first token: a
+        prefill shard, while some decode shard is healthy."""
+        shard = self.shards.get(shard_id)
+        return shard is not None and shard.role == "prefill" and bool(self.decode_targets(now))
+
     def load(self, shard: Shard, now: float) -> ShardLoad:
         shard.unseen.expire(now, self.config.unseen_expiry_s)
         n, tokens, prefill = shard.unseen.totals()
@@ -265,4 +308,5 @@ class ShardTable:
             "free_blocks": load.num_free_blocks,
             "step_time_s": load.step_time_s,
             "report_age_s": round(now - shard.report_at, 3) if shard.report else None,
+            "role": shard.role,
         }

@@ -116,12 +116,15 @@ class OpenRequests:
             if e.shard == shard and (owner is None or e.owner in (None, owner))
         }
 
-    def moved(self, entry: OpenRequest, new_seq: int, shard: str, now: float) -> None:
+    def moved(
+        self, entry: OpenRequest, new_seq: int, shard: str, now: float, *, handed: bool = False
+    ) -> None:
         """``entry`` is resubmitted to ``shard`` under ``new_seq``: anything still arriving
-        for its old seq (its old shard's copy) no longer reaches it."""
+        for its old seq (its old shard's copy) no longer reaches it. ``handed``: a prefill
+        shard handed it over (not a failure: it does not count as a move)."""
         self._open.pop(entry.seq, None)
         entry.seq, entry.shard, entry.owner, entry.sent_at = new_seq, shard, None, now
-        entry.moves += 1
+        entry.moves += 0 if handed else 1
         self._open[new_seq] = entry
         self._by_id[entry.request_id] = new_seq
 
@@ -140,6 +143,8 @@ class OpenRequests:
         if scheduler_id and entry.owner and entry.owner != scheduler_id:
             return None, None  # not from the scheduler instance that accepted it
         event = item.event
+        if item.handoff is not None:
+            return entry, None  # its shard handed it over: the caller moves it
         if event is None:  # a resync: the stream's outputs so far
             entry.token_ids = list(item.known_token_ids)
             entry.exit_depths = list(item.known_exit_depths)

@@ -24,11 +24,13 @@ BYPASS_COMPARISON_NAMES = ("admission_bypass",)
 # overload.py, ~5 min on two cores): only when asked for with --only
 # token-sparse prefill against dense on 1-4k prompts, this machine's model and the simulated
 # H200 (services/bench/sparse_prefill.py, ~10 min on small): only when asked for with --only
+# prefill/decode disaggregation: simulated shards, KV moved with NIXL (~3 min): when asked
 OPT_IN_COMPARISON_NAMES = (
     *SHARD_COMPARISON_NAMES,
     *BYPASS_COMPARISON_NAMES,
     "overload",
     "sparse_prefill",
+    "disaggregation",
 )
 
 

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -50,7 +51,10 @@ class ServiceProcesses:
         router: str = "prefix",
         worker_device: str | None = None,
         env: dict[str, str] | None = None,
+        roles: Sequence[str] = (),
     ) -> None:
+        """``roles``: each shard's role (disaggregation), by shard id; empty: colocated."""
+        self.roles = tuple(roles)
         self.nats_url = nats_url
         self.checkpoint = checkpoint
         self.config = config
@@ -92,6 +96,7 @@ class ServiceProcesses:
             dtype=self.dtype_name,
             shard=shard,
             router=self.router,
+            role=self.roles[int(shard or 0)] if self.roles else "both",
         )
         return service_command(name, self.nats_url, *args)
 

@@ -190,6 +190,10 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
         from services.bench.scheduler_step import markdown
 
         return markdown(c)
+    if c.get("kind") == "disaggregation":
+        from services.bench import disaggregation
+
+        return disaggregation.markdown(c)
     lines = [f"## {c['title']}", "", c["question"], ""]
     if c.get("error"):
         return [*lines, f"**Failed**: `{c['error']}`", ""]
@@ -417,7 +421,7 @@ def write_report(results: dict[str, Any], out_dir: Path, plots: bool = True) -> 
     plot_names: dict[str, str] = {}
     if plots:
         for c in results["comparisons"]:
-            if c.get("error") or c.get("kind") == "microbench":
+            if c.get("error") or c.get("kind") in ("microbench", "disaggregation"):
                 continue
             path = out_dir / f"{c['name']}.png"
             if c.get("kind") == "overload":

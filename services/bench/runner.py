@@ -321,7 +321,7 @@ def model_info(model: OuroModel, checkpoint: Path, size: str | None) -> dict[str
 
 
 # comparisons with their own runner (not ``Comparison``s)
-STANDALONE = ("scheduler", "overload", "sparse_prefill")
+STANDALONE = ("scheduler", "overload", "sparse_prefill", "disaggregation")
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -415,6 +415,19 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if "scheduler" in args.only:
             steps = 200 if args.quick else 2000
             results.append(scheduler_step.run_comparison(args.repeats, steps=steps))
+        if "disaggregation" in args.only:
+            from services.bench import disaggregation  # NIXL and processes: only when asked
+
+            try:
+                results.append(
+                    disaggregation.run_comparison(args.repeats, seed=args.seed, quick=args.quick)
+                )
+            except Exception as exc:  # as a broken comparison above: the others still report
+                results.append(
+                    {"name": "disaggregation", "kind": "disaggregation", "title":
+                     "Prefill/decode disaggregation", "question": "", "notes": [],
+                     "error": f"{type(exc).__name__}: {exc}", "runs": [], "ratios": []}
+                )  # fmt: skip
     finally:
         progress.close()
         bench.close()

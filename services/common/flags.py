@@ -257,6 +257,26 @@ def add_device_flags(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
 ROUTER_POLICIES = ("prefix", "round-robin", "least-loaded")
 
 
+SHARD_ROLES = ("both", "prefill", "decode")
+
+
+def shard_roles(shards: int, prefill: int = 0, decode: int = 0) -> tuple[str, ...]:
+    """Each shard's role, by shard id 0.. : ``--shards N`` colocated shards, or
+    ``--prefill-shards P --decode-shards D`` (prefill 0..P-1, decode P..P+D-1)."""
+    if not prefill and not decode:
+        if shards < 1:
+            raise ValueError(f"--shards must be >= 1, got {shards}")
+        return ("both",) * shards
+    if prefill < 1 or decode < 1:
+        raise ValueError(
+            f"disaggregation needs --prefill-shards and --decode-shards >= 1, got {prefill} "
+            f"and {decode}"
+        )
+    if shards != 1:
+        raise ValueError("--shards and --prefill-shards/--decode-shards are exclusive")
+    return ("prefill",) * prefill + ("decode",) * decode
+
+
 def add_shard_flags(p: argparse.ArgumentParser, *, many: bool) -> None:
     """``rlt up``: ``--shards N``; ``rlt service``: ``--shard ID`` (scheduler, worker).
     Both: ``--router`` (admission's routing policy)."""
@@ -269,6 +289,22 @@ def add_shard_flags(p: argparse.ArgumentParser, *, many: bool) -> None:
             metavar="N",
             help="engine shards (one scheduler + one worker each), ids 0..N-1 (default 1)",
         )
+        g.add_argument(
+            "--prefill-shards",
+            type=int,
+            default=0,
+            metavar="P",
+            help="prefill/decode disaggregation: P prefill shards (ids 0..P-1) that run prompts "
+            "and first tokens, then hand each request to one of the --decode-shards (with its "
+            "KV, over NIXL); replaces --shards",
+        )
+        g.add_argument(
+            "--decode-shards",
+            type=int,
+            default=0,
+            metavar="D",
+            help="decode shards (ids P..P+D-1) that pull a request's prompt KV and decode it",
+        )
     else:
         g.add_argument(
             "--shard",
@@ -276,6 +312,13 @@ def add_shard_flags(p: argparse.ArgumentParser, *, many: bool) -> None:
             metavar="ID",
             help="the engine shard this scheduler or worker serves (default 0; a short "
             "string of [A-Za-z0-9_-])",
+        )
+        g.add_argument(
+            "--role",
+            choices=SHARD_ROLES,
+            default="both",
+            help="the shard's role (scheduler and worker): both (default: colocated), prefill "
+            "(hands requests over after their first token) or decode (pulls their KV)",
         )
     g.add_argument(
         "--router",
@@ -455,6 +498,7 @@ def service_args(
     dtype: str = "float32",
     shard: str | None = None,
     router: str = "prefix",
+    role: str = "both",
 ) -> list[str]:
     """The flags of ``rlt service NAME`` (all but ``--nats-url``) that run it as part of a
     deployment with ``config``: ``rlt up``'s children and the bench's processes."""
@@ -465,6 +509,8 @@ def service_args(
         args.append("--no-cuda-graphs")
     if shard is not None:
         args += ["--shard", shard]
+    if role != "both" and name in ("scheduler", "worker"):
+        args += ["--role", role]
     if name == "admission":
         args += ["--router", router]
     return args

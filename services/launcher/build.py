@@ -42,6 +42,7 @@ def build_service(
     dtype: torch.dtype | None = None,
     shard_id: str = subjects.DEFAULT_SHARD,
     http: HttpSettings | None = None,
+    role: str = "both",
 ) -> Service:
     """One service object (not started). ``checkpoint`` is needed by all but prefix-cache;
     ``device`` and ``dtype`` are the worker's; ``shard_id`` is the scheduler's and the
@@ -65,12 +66,13 @@ def build_service(
             heartbeat_interval_s=float(os.environ.get("RLT_WORKER_HEARTBEAT_S", "0.5")),
             shard_id=shard_id,
             inline_max_s=_inline_max_s(),
+            kv_transfer=role != "both",  # a NIXL agent: serve (prefill) or pull (decode) KV
         )
     if name == "scheduler":
         from services.scheduler.options import SchedulerOptions
         from services.scheduler.service import SchedulerService
 
-        options = SchedulerOptions.from_env(shard_id=shard_id)
+        options = SchedulerOptions.from_env(shard_id=shard_id, role=role)
         return SchedulerService(nats_url, checkpoint, config, options=options)
     if name == "admission":
         from services.admission.service import AdmissionService
@@ -104,11 +106,14 @@ def build_services(
     dtype: torch.dtype | None = None,
     shards: int = 1,
     url_for: Callable[[str], str] | None = None,
+    roles: Sequence[str] = (),
 ) -> list[Service]:
     """Services in start order: the pipeline's back end first, the public entry point last;
-    a worker and a scheduler per shard (ids 0..shards-1). ``url_for(name)``: the NATS URL
-    (with that service's credentials) when it is not ``nats_url``."""
+    a worker and a scheduler per shard (ids 0..shards-1, ``roles[i]`` each: both by
+    default). ``url_for(name)``: the NATS URL (with that service's credentials) when it is
+    not ``nats_url``."""
     _check_shards(shards)
+    roles = roles or ("both",) * shards
     out: list[Service] = []
     for name in (n for n in SERVICE_ORDER if n in names):
         for i in range(shards if name in _PER_SHARD else 1):
@@ -122,6 +127,7 @@ def build_services(
                     device=device,
                     dtype=dtype,
                     shard_id=str(i),
+                    role=roles[i] if name in _PER_SHARD else "both",
                 )
             )
     return out
@@ -138,19 +144,23 @@ def service_processes(
     shards: int = 1,
     router: str = "prefix",
     url_for: Callable[[str], str] | None = None,
+    roles: Sequence[str] = (),
 ) -> list[ServiceProcess]:
     """``build_services``, each service as a supervised ``rlt service`` child process (in
     start order; a worker and a scheduler per shard). ``run_dir``: where each child gets a
     folder for its identity file."""
     _check_shards(shards)
+    roles = roles or ("both",) * shards
     out: list[ServiceProcess] = []
     for name in SERVICE_ORDER:
         per_shard = name in _PER_SHARD
         for i in range(shards if per_shard else 1):
             shard = str(i) if per_shard else None
+            role = roles[i] if per_shard else "both"
             args = service_args(
-                name, checkpoint, config, device=device, dtype=dtype, shard=shard, router=router
-            )
+                name, checkpoint, config, device=device, dtype=dtype, shard=shard, router=router,
+                role=role,
+            )  # fmt: skip
             url = url_for(name) if url_for is not None else nats_url
             key = name if shard is None else f"{name}-{shard}"
             out.append(ServiceProcess(name, url, args, run_dir / key))

@@ -36,6 +36,7 @@ def main_service(args: argparse.Namespace) -> int:
         dtype=dtype,
         shard_id=shard,
         http=settings.http,
+        role=settings.role,
     )
     return run_main(f"rlt service {name}", serve([service]))
 

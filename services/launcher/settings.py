@@ -15,6 +15,7 @@ from services.common.flags import (
     api_keys_from_args,
     metrics_api_keys_from_args,
     scheduler_config_from_args,
+    shard_roles,
 )
 
 
@@ -63,15 +64,17 @@ class UpSettings:
     client_url_file: Path | None  # None: $RLT_CLIENT_URL_FILE, else ~/.rlt/client-url
     operator_url_file: Path | None
     http: HttpSettings = field(default_factory=HttpSettings)
+    roles: tuple[str, ...] = ()  # each shard's role (empty: all colocated)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> UpSettings:
+        roles = shard_roles(args.shards, args.prefill_shards, args.decode_shards)
         return cls(
             checkpoint=args.checkpoint,
             config=scheduler_config_from_args(args),
             device=args.device,
             dtype=args.dtype,
-            shards=args.shards,
+            shards=len(roles),
             router=args.router,
             one_process=args.one_process,
             host=args.host,
@@ -82,6 +85,7 @@ class UpSettings:
             client_url_file=Path(args.client_url_file) if args.client_url_file else None,
             operator_url_file=Path(args.operator_url_file) if args.operator_url_file else None,
             http=HttpSettings.from_args(args),
+            roles=roles,
         )
 
 
@@ -97,6 +101,7 @@ class ServiceSettings:
     shard: str  # as given: checked when the service starts
     router: str
     http: HttpSettings = field(default_factory=HttpSettings)
+    role: str = "both"  # the shard's role (scheduler, worker)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServiceSettings:
@@ -109,6 +114,7 @@ class ServiceSettings:
             shard=args.shard,
             router=args.router,
             http=HttpSettings.from_args(args, listen_fd=args.http_fd),
+            role=args.role,
         )
 
 

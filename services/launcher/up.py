@@ -147,6 +147,7 @@ def _engine(
                 dtype=torch_dtype(settings.dtype),
                 shards=settings.shards,
                 url_for=url_for,
+                roles=settings.roles,
             )
         )
     processes = service_processes(
@@ -159,6 +160,7 @@ def _engine(
         shards=settings.shards,
         router=settings.router,
         url_for=url_for,
+        roles=settings.roles,
     )
     children += processes
     for child in processes:

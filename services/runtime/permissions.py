@@ -59,6 +59,8 @@ SERVICE_ROLES: dict[str, Permissions] = {
             subjects.SHARD_DISCOVER,
             subjects.SCHED_ALIVE_ALL,
             subjects.PREFIX_LOOKUP,
+            # a handoff no decode shard will read (its request ended during the handover)
+            f"{subjects.SCHED_KV_RELEASE}.>",
             *_CLIENT_INBOXES,
             _own_inbox("admission"),
             # answers to a scheduler's fence query (its request inbox)
@@ -86,6 +88,7 @@ SERVICE_ROLES: dict[str, Permissions] = {
             subjects.SHARD_ANNOUNCE,
             f"{subjects.PREFIX_EVENTS}.>",
             f"{subjects.ADMISSION_TRACK_PREFIX}.>",
+            f"{subjects.SCHED_KV_RELEASE}.>",  # a decode shard done with a handoff
             subjects.metrics("scheduler"),
             *_CLIENT_INBOXES,
             f"{subjects.SERVICE_INBOX_PREFIX}.>",
@@ -102,6 +105,7 @@ SERVICE_ROLES: dict[str, Permissions] = {
             subjects.SHARD_DISCOVER,
             f"{subjects.WORKER_HEARTBEAT}.>",
             f"{subjects.WORKER_RESULT}.>",
+            f"{subjects.SCHED_KV_RELEASE}.>",
             subjects.health("scheduler"),
             f"{subjects.health('scheduler')}.>",  # one shard's scheduler
             "$SRV.>",
@@ -115,6 +119,7 @@ SERVICE_ROLES: dict[str, Permissions] = {
             subjects.metrics("worker"),
             # "is the scheduler I am bound to still there?" before another may take over
             subjects.SCHED_ALIVE_ALL,
+            f"{subjects.WORKER_KV_META}.>",  # where a prefill worker's KV is (decode role)
             *_CLIENT_INBOXES,
             _own_inbox("worker"),
             "$SRV.PING.>",
@@ -122,6 +127,7 @@ SERVICE_ROLES: dict[str, Permissions] = {
         subscribe=(
             f"{subjects.WORKER_BATCH}.>",
             f"{subjects.WORKER_DISCOVER}.>",
+            f"{subjects.WORKER_KV_META}.>",
             subjects.health("worker"),
             f"{subjects.health('worker')}.>",  # one shard's worker
             "$SRV.>",

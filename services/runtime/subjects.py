@@ -165,6 +165,31 @@ def worker_results_of(instance: str) -> str:
     return f"{WORKER_RESULT}.{instance}.*"
 
 
+# disaggregation (prefill/decode shards)
+WORKER_KV_META = f"{VERSION_PREFIX}.worker.kvmeta"
+SCHED_KV_RELEASE = f"{VERSION_PREFIX}.sched.kvrelease"
+_KV_RESULTS = "kv"
+
+
+def worker_kv_meta(worker_id: str) -> str:
+    """A worker's description of its KV for peers that pull from it (request/reply)."""
+    return f"{WORKER_KV_META}.{worker_id}"
+
+
+def worker_kv_results(epoch: str) -> str:
+    """Where a worker reports the KV pulls of one scheduler epoch."""
+    return f"{WORKER_RESULT}.{epoch}.{_KV_RESULTS}"
+
+
+def worker_kv_results_of(instance: str) -> str:
+    return f"{WORKER_RESULT}.{instance}.*.{_KV_RESULTS}"
+
+
+def sched_kv_release(scheduler_id: str) -> str:
+    """A prefill scheduler instance's handoffs: released by the decode side (request/reply)."""
+    return f"{SCHED_KV_RELEASE}.{scheduler_id}"
+
+
 # admission <- scheduler: per-request tracking subject (the submit's reply subject) that
 # receives RequestNotice ("accepted"; "done" once a retry took the stream elsewhere) and,
 # when no scheduler listens, the "no responders" status for the submit itself

@@ -42,7 +42,9 @@ def build_batch(
         block_deltas=state.kv.take_deltas(),
         finished_request_ids=state.pending_finished,
         trace_ids={r.request_id: r.trace_id for r in pending_new if r.trace_id},
+        kv_pulls=state.pending_pulls,
     )
+    state.pending_pulls = []
     state.pending_new = []
     state.pending_finished = []
     preemptions, state.pending_preemptions = state.pending_preemptions, []

@@ -24,6 +24,7 @@ from messages.internal import (
     WorkerHeartbeat,
     WorkerResult,
 )
+from messages.kv_transfer import KVHandoff, KVPullResult
 from messages.prefix import PrefixEventBatch
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.tokenizer import TextCodec
@@ -31,6 +32,7 @@ from services.runtime import subjects
 from services.runtime.logging import get_logger, request_fields
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.engine_core import EngineCore
+from services.scheduler.handover import Handover
 from services.scheduler.liveness import LossDetector
 from services.scheduler.load_report import LoadReport, scheduler_health
 from services.scheduler.nats_executor import NatsExecutor
@@ -88,6 +90,7 @@ class SchedulerDriver(Submissions):
             prefix_caching=config.enable_prefix_caching,
             shard=shard_id,
         )
+        self.handover = Handover(self)  # disaggregation: handoffs and pulls
 
     def _new_core(self) -> None:
         self.core = EngineCore(
@@ -102,6 +105,7 @@ class SchedulerDriver(Submissions):
         # every new core is a new prefix-log epoch whose first envelope clears the cache, so
         # the prefix cache drops what the previous one published even before we cache anything
         self.scheduler.kv.reset_prefix_cache()
+        self.scheduler.handoffs.scheduler_id = self.instance  # whom decode shards ask
         self.streams.live.clear()
 
     @property
@@ -226,6 +230,25 @@ class SchedulerDriver(Submissions):
         """One ``EngineCore`` step: results applied in seq order, then (``schedule``, i.e.
         a worker is bound and the bus is up) new batches for the worker."""
         self._route(self.core.step(schedule=schedule))
+        self.handover.hand_off_due(time.monotonic())
+        return self._take()
+
+    # ------------------------------------------------------------------ disaggregation
+    def kv_pulled(self, result: KVPullResult) -> KVHandoff | None:
+        """A pull's outcome from our worker; returns the handoff to release at its prefill
+        scheduler (then ``kv_confirmed`` with the answer, if the pull succeeded)."""
+        return self.handover.pulled(result)
+
+    def kv_confirmed(self, transfer_id: str, request_id: str, held: bool) -> StepOutput:
+        self.handover.confirmed(transfer_id, request_id, held)
+        return self._take()
+
+    def release_handoff(self, handoff_id: str) -> bool:
+        """A decode shard is done with one of our handoffs: True if it was still held."""
+        return self.handover.release(handoff_id)
+
+    def expire_handoffs(self, now: float) -> StepOutput:
+        self.handover.expire(now)
         return self._take()
 
     def on_result(self, wr: WorkerResult) -> bool:
@@ -288,6 +311,7 @@ class SchedulerDriver(Submissions):
             "inflight_batches": len(self.inflight),
             "abort_tombstones": len(self.tombstones),
             "prefix_producer": self.producer_id,
+            **self.handover.health(),
             **scheduler_health(self.scheduler),
         }
 
@@ -308,6 +332,7 @@ class SchedulerDriver(Submissions):
         envelope = self.scheduler.take_prefix_events()
         if envelope is not None:
             out.prefix_events.append(envelope)
+        out.kv_releases += self.scheduler.take_unused_handoffs()
         return out
 
     def _fail(self, request_ids: Iterable[str], code: ErrorCode, message: str) -> None:

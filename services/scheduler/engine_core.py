@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from messages.api import StreamEvent
 from messages.batch import BatchResult
 from messages.errors import ErrorCode
+from messages.kv_transfer import KVHandoff
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.tokenizer import TextCodec
@@ -81,14 +82,23 @@ class EngineCore:
         params: SamplingParams,
         trace_id: str = "",
         known_outputs: KnownOutputs | None = None,
+        *,
+        hand_off: bool = False,
+        kv_source: KVHandoff | None = None,
     ) -> list[StreamEvent]:
         """Queues a request; raises ``RequestError`` (and changes nothing) if it is refused.
         ``known_outputs`` (token ids, exit loops, depth budgets) resumes a request from
         another shard: they are replayed, not streamed, and the stream's text goes on from
         them. Returns the events of a resumed request that its known outputs already
-        finish."""
+        finish. ``hand_off`` / ``kv_source``: disaggregation (``Scheduler.add_request``)."""
         self.scheduler.add_request(
-            request_id, prompt_token_ids, params, trace_id=trace_id, known_outputs=known_outputs
+            request_id,
+            prompt_token_ids,
+            params,
+            trace_id=trace_id,
+            known_outputs=known_outputs,
+            hand_off=hand_off,
+            kv_source=kv_source,
         )
         if not known_outputs or not known_outputs.token_ids:
             return []

@@ -135,6 +135,36 @@ class KVManager:
     def tables(self, request_id: str) -> list[list[int]]:
         return self._tables.get(request_id, [])
 
+    # held blocks (disaggregation: a handoff's prompt KV, a pull's landing blocks) --------
+    # A holder is a key in the tables that the worker never hears of: its blocks are used,
+    # not free, and ``free(holder)`` gives them back like a request's (shared groups too).
+    def detach(self, request_id: str, holder: str) -> list[list[int]]:
+        """Moves the request's blocks to ``holder`` (the request is gone, its KV stays)."""
+        tables = self._tables.pop(request_id, [])
+        self._pending.pop(request_id, None)
+        if tables:
+            self._tables[holder] = tables
+        return tables
+
+    def reserve(self, holder: str, blocks_per_plane: int) -> list[list[int]] | None:
+        """``blocks_per_plane`` fresh blocks in every plane under ``holder``; None (nothing
+        taken) if they do not fit."""
+        if not self.ensure(holder, blocks_per_plane * self.block_size):
+            return None
+        self._pending.pop(holder, None)
+        return self._tables[holder]
+
+    def attach(self, holder: str, request_id: str) -> None:
+        """Appends ``holder``'s blocks to the request's tables (and to its next delta)."""
+        blocks = self._tables.pop(holder, None)
+        if not blocks:
+            return
+        tables = self._tables.setdefault(request_id, [[] for _ in range(self.num_planes)])
+        pending = self._pending.setdefault(request_id, [[] for _ in range(self.num_planes)])
+        for table, delta, new in zip(tables, pending, blocks, strict=True):
+            table.extend(new)
+            delta.extend(new)
+
     def take_deltas(self) -> list[BlockDelta]:
         """Blocks appended since the last call, for the next batch to carry."""
         deltas = [

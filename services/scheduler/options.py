@@ -42,6 +42,12 @@ class SchedulerOptions:
     scheduler_lost_s: float = field(default_factory=scheduler_lost_s)
     # how long an abort that came before its request is remembered
     abort_keep_s: float = 10.0
+    # disaggregation: "prefill", "decode" or "both" (announced to admission)
+    role: str = "both"
+    # a handoff's blocks are freed after this without the decode side's release, and a
+    # pull (decode side) fails after this long
+    kv_handoff_hold_s: float = 30.0
+    kv_transfer_timeout_s: float = 10.0
 
     @classmethod
     def from_env(cls, **overrides: Any) -> SchedulerOptions:
@@ -60,8 +66,22 @@ class SchedulerOptions:
             producer_name=os.environ.get("RLT_SCHEDULER_NAME") or base.producer_name,
             scheduler_lost_s=base.scheduler_lost_s,
             abort_keep_s=_env_float("RLT_ABORT_TOMBSTONE_S", base.abort_keep_s),
+            role=check_role(base.role),
+            kv_handoff_hold_s=_env_float("RLT_KV_HANDOFF_HOLD_S", base.kv_handoff_hold_s),
+            kv_transfer_timeout_s=_env_float(
+                "RLT_KV_TRANSFER_TIMEOUT_S", base.kv_transfer_timeout_s
+            ),
         )
 
     @property
     def producer(self) -> str:
         return self.producer_name or f"scheduler-{self.shard_id}"
+
+
+ROLES = ("both", "prefill", "decode")
+
+
+def check_role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    return role

@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from messages.api import StreamEvent, TokenEvent
 from messages.errors import ErrorCode
 from messages.internal import RelayBatch, RelayedEvent, WorkerBatch
+from messages.kv_transfer import KVHandoff, KVRelease
 from services.runtime import subjects
 from services.runtime.bus import encode_json, encode_msgpack, fits, publish_chunked
 from services.runtime.logging import BATCH_SEQ
@@ -97,6 +98,8 @@ class OutputPublisher:
         d = self.driver
         for wb in out.batches:
             await self._publish_batch(wb)
+        for handoff in out.kv_releases:
+            await self._release_unused(handoff)
         t0 = time.perf_counter()
         for subject, event in out.deliveries:
             data = encode_json(for_client(event))
@@ -108,6 +111,17 @@ class OutputPublisher:
             await self._send_message(subject, encode_msgpack(notice), key=key)
         await self._send_relays(out.relays)
         return time.perf_counter() - t0
+
+    async def _release_unused(self, handoff: KVHandoff) -> None:
+        """Tells a prefill scheduler we will not read a handoff: it frees the blocks now
+        (no answer needed; without this message they go after its hold time)."""
+        release = KVRelease(handoff_id=handoff.handoff_id, request_id=handoff.request_id)
+        try:
+            await self.nc.publish(
+                subjects.sched_kv_release(handoff.scheduler_id), encode_msgpack(release)
+            )
+        except Exception as exc:  # its hold time frees them anyway
+            self.log.warning("handoff release not sent", error=repr(exc)[:200])
 
     async def _send_message(
         self, subject: str, data: bytes, reply: str = "", key: StreamKey | None = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from messages.api import TokenLogprobs
+from messages.kv_transfer import KVHandoff
 from messages.sampling import SamplingParams
 from services.common.fit import kv_tokens
 from services.common.sparse_prefill import SparseSchedule
@@ -23,6 +24,8 @@ class RequestState(StrEnum):
     PREFILLING_PRELUDE = "prefilling_prelude"
     PREFILLING_RECURRENT = "prefilling_recurrent"  # split prefill: only depth tasks are left
     RECURRENT = "recurrent"  # decoding
+    # disaggregation: its prompt KV is being pulled from a prefill worker (no rows run)
+    RECEIVING_KV = "receiving_kv"
     FINISHED = "finished"
 
 
@@ -60,6 +63,11 @@ class Request:
     # position as final-depth prefill rows come back (sent with the first token). While
     # set, the request claims no cached prefix: every prompt position must be computed
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    # disaggregation: leave for a decode shard once the first token is out (prefill role);
+    # the prefill worker's blocks to pull the prompt's KV from instead of computing it
+    hand_off: bool = False
+    kv_source: KVHandoff | None = None
 
     # prefill (split / wavefront): prelude frontier and one [origin, right_d) per depth
     prefill_window_origin: int = 0

@@ -69,6 +69,9 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
     """Ends the request (running or waiting) and appends its finished event."""
     request.state = RequestState.FINISHED
     request.finish_reason = reason
+    if request.kv_source is not None:  # ended before its pull started: never read
+        state.unused_handoffs.append(request.kv_source)
+        request.kv_source = None
     running = request in state.running
     if running:
         _release_kv(state, request)
@@ -96,6 +99,21 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
             prefill_rows=request.num_prefill_rows,
         )
     )
+
+
+def detach(state: SchedulerState, request: Request, holder: str) -> list[list[int]]:
+    """Ends a running request without freeing its KV, which ``holder`` keeps (a prefill
+    shard's handoff: the decode shard reads it from there). Returns its block tables."""
+    _release_kv(state, request)
+    tables = state.kv.detach(request.request_id, holder)
+    state.running.remove(request)
+    state.pending_finished.append(request.request_id)
+    if request in state.pending_new:
+        state.pending_new.remove(request)
+    state.requests.pop(request.request_id, None)
+    request.state = RequestState.FINISHED
+    request.finish_reason = "handoff"
+    return tables
 
 
 def _record_preemption(state: SchedulerState, request: Request, for_request_id: str) -> None:

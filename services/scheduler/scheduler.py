@@ -20,8 +20,9 @@ import heapq
 import random
 
 from messages.api import StreamEvent
-from messages.batch import BatchResult
+from messages.batch import BatchKind, BatchResult
 from messages.errors import ErrorCode, RequestError
+from messages.kv_transfer import KVBlockFormat, KVHandoff
 from messages.prefix import PrefixEventBatch, prompt_block_hashes
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
@@ -30,6 +31,7 @@ from services.common.sparse_prefill import resolve_sparse_prefill
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.batch_builder import build_batch
 from services.scheduler.depth_budget import BudgetChange, DepthBudget
+from services.scheduler.disaggregation import Handoffs, Pulls
 from services.scheduler.intake import KnownOutputs, validate_known_outputs, validate_prompt
 from services.scheduler.kv_admission import Commitment
 from services.scheduler.kv_manager import KVManager
@@ -66,6 +68,19 @@ class Scheduler:
         self._selector = Selector(self._state)
         self._progress = Progress(self._state)
         self._depth_budget = DepthBudget(self._state)
+        # disaggregation: requests handed to decode shards, prompt KV pulled from prefill ones
+        self.handoffs = Handoffs(self._state, producer_id)
+        self.pulls = Pulls(self._state, self.block_format)
+
+    @property
+    def block_format(self) -> KVBlockFormat:
+        """What a block is here: shards that hand requests over must agree on it."""
+        config = self.config
+        return KVBlockFormat(
+            kv_layout=str(config.kv_layout),
+            block_size=config.block_size,
+            num_planes=config.num_planes(self.total_ut_steps),
+        )
 
     # the shared state, read by the engine, the driver, telemetry and tests
     @property
@@ -103,13 +118,20 @@ class Scheduler:
         params: SamplingParams,
         trace_id: str = "",
         known_outputs: KnownOutputs | None = None,
+        *,
+        hand_off: bool = False,
+        kv_source: KVHandoff | None = None,
     ) -> Request:
         """Validates and queues a request; raises RequestError and changes nothing on failure.
 
         ``known_outputs`` (token ids, exit loops, depth budgets) resumes a request another
         shard started:
         it is queued as a preempted request is, so its prompt is prefilled and the known
-        tokens are replayed with their recorded exits (never streamed again)."""
+        tokens are replayed with their recorded exits (never streamed again).
+
+        Disaggregation: ``hand_off`` stops it after its first token, for a decode shard
+        (``Handoffs``); ``kv_source`` (with its first token known) pulls its prompt's KV
+        from a prefill worker instead of computing it (``Pulls``), if the blocks fit here."""
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id must be a non-empty string")
         if request_id in self._state.requests:
@@ -144,7 +166,11 @@ class Scheduler:
             # the budgets the other shard ran them under (shed ones count as shed here too)
             output_loop_budgets=list(known.depth_budgets) or [None] * len(known.token_ids),
             sparse=sparse,
+            hand_off=hand_off,
+            kv_source=kv_source if known.token_ids else None,
         )
+        if kv_source is not None and request.kv_source is None:
+            self._state.unused_handoffs.append(kv_source)  # no first token: it prefills
         if self.config.enable_prefix_caching:
             request.block_hashes = self._block_hashes(request)
         if resolved.prompt_logprobs is not None and not known.token_ids:
@@ -205,9 +231,17 @@ class Scheduler:
             preempt(state, request)
         # the new worker starts empty: nothing to free there, and no cached prefix survives
         state.pending_finished = []
+        state.pending_pulls = []
+        self.handoffs.clear()  # their blocks went with the worker
+        self.pulls.clear()
         state.kv = new_kv(self.config, self.limits)
         state.kv.reset_prefix_cache()  # consumers forget every block of the lost worker
         return affected
+
+    def take_unused_handoffs(self) -> list[KVHandoff]:
+        """Handoffs this shard will not read, since the last call (for their release)."""
+        out, self._state.unused_handoffs = self._state.unused_handoffs, []
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._state.requests)
@@ -222,10 +256,14 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch | None:
         self._admission.admit_waiting()
+        if self._state.pending_new:
+            self.pulls.start_pending()
         self._depth_budget.update()
         selected = self._selector.select()
         if selected is None:
-            return None
+            if not self._state.pending_pulls:
+                return None
+            selected = (BatchKind.RECURRENT, [])  # a batch that only starts KV pulls
         kind, tasks = selected
         return build_batch(self._state, kind, tasks)
 

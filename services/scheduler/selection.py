@@ -91,8 +91,8 @@ class Selector:
             r.state is decoding and r.decode_depth > 0 for r in running
         )
         for request in list(running):
-            if request.state is not decoding:
-                continue
+            if request.state is not decoding or request.hand_off:
+                continue  # (a request handed off after its first token decodes elsewhere)
             if request.awaiting_output:
                 task = self._follow_on_task(request)
                 if task is not None:

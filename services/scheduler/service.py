@@ -37,6 +37,7 @@ from messages.internal import (
     WorkerHeartbeat,
     WorkerResult,
 )
+from messages.kv_transfer import KVHandoff, KVPullResult, KVPullResults, KVRelease, KVReleaseAck
 from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
 from services.common.tokenizer import TextCodec
@@ -61,6 +62,8 @@ from services.scheduler.worker_binding import WorkerBinding
 
 # load reports go out on every change, but at most one per this gap (plus the periodic ones)
 _LOAD_MIN_GAP_S = 0.02
+# a prefill scheduler that does not answer a release in this long cannot vouch for its KV
+_RELEASE_TIMEOUT_S = 2.0
 
 
 class SchedulerService(Service):
@@ -107,6 +110,8 @@ class SchedulerService(Service):
             log=self.log,
             abort_keep_s=self.options.abort_keep_s,
         )
+        self.driver.scheduler.handoffs.hold_s = self.options.kv_handoff_hold_s
+        self.driver.scheduler.pulls.timeout_s = self.options.kv_transfer_timeout_s
         self.binding = WorkerBinding(
             self.driver,
             heartbeat_timeout_s=self.options.heartbeat_timeout_s,
@@ -161,6 +166,19 @@ class SchedulerService(Service):
             # "are you there?": nats-server answers "no responders" once our connection is
             # gone, which is what lets admission and workers give up on us (fencing)
             Endpoint("alive", subjects.sched_alive(self.instance_id), self._on_alive, micro=False),
+            # disaggregation: our worker's KV pulls, and decode shards done with our handoffs
+            Endpoint(
+                "kv-results",
+                subjects.worker_kv_results_of(self.instance_id),
+                self._on_kv_results,
+                micro=False,
+            ),
+            Endpoint(
+                "kv-release",
+                subjects.sched_kv_release(self.instance_id),
+                self._on_kv_release,
+                micro=False,
+            ),
         )
 
     async def on_ready(self) -> None:
@@ -283,6 +301,8 @@ class SchedulerService(Service):
             num_blocks=cfg.num_blocks,
             enable_prefix_caching=cfg.enable_prefix_caching,
             time=time.time(),
+            role=self.options.role,
+            block_format=self.driver.scheduler.block_format if self.driver else None,
         )
         try:
             await self.nc.publish(subjects.SHARD_ANNOUNCE, encode_msgpack(announce))
@@ -335,6 +355,61 @@ class SchedulerService(Service):
                 self.timings.round_trip_s += took
                 self.timings.worker_s += wr.worker_s
             self._wake.set()
+
+    async def _on_kv_results(self, msg: Msg) -> None:
+        """Our worker's KV pulls: a failed one prefills here now; one that read everything
+        is confirmed with the prefill scheduler that held the blocks (off this handler)."""
+        assert self.driver is not None
+        try:
+            batch = decode_msgpack(msg.data, KVPullResults)
+        except msgspec.DecodeError as exc:
+            self.log.error("undecodable KV pull results", error=str(exc)[:200])
+            return
+        if batch.epoch != self.driver.epoch:
+            return  # pulls of a worker epoch that ended: their requests were requeued
+        for result in batch.results:
+            handoff = self.driver.kv_pulled(result)
+            if handoff is not None:
+                self.spawn(self._release(handoff, result), "kv-release")
+        self._wake.set()
+
+    async def _release(self, handoff: KVHandoff, result: KVPullResult) -> None:
+        """Tells the prefill scheduler we are done with its blocks; for a pull that read
+        them, its answer says whether they were still held (else: prefill here)."""
+        assert self.driver is not None
+        release = KVRelease(handoff_id=handoff.handoff_id, request_id=handoff.request_id)
+        held = False
+        try:
+            reply = await self.nc.request(
+                subjects.sched_kv_release(handoff.scheduler_id),
+                encode_msgpack(release),
+                timeout=_RELEASE_TIMEOUT_S,
+            )
+            held = decode_msgpack(reply.data, KVReleaseAck).held
+        except Exception as exc:  # gone, slow or garbled: the KV cannot be vouched for
+            self.log.warning(
+                "handoff release unanswered", error=repr(exc)[:200], request_id=handoff.request_id
+            )
+        if result.ok:
+            await self._publish(
+                self.driver.kv_confirmed(result.transfer_id, handoff.request_id, held)
+            )
+            self._wake.set()
+
+    async def _on_kv_release(self, msg: Msg) -> None:
+        assert self.driver is not None
+        try:
+            release = decode_msgpack(msg.data, KVRelease)
+        except msgspec.DecodeError as exc:
+            self.log.error("undecodable KV release", error=str(exc)[:200])
+            return
+        held = self.driver.release_handoff(release.handoff_id)
+        if msg.reply:
+            ack = KVReleaseAck(handoff_id=release.handoff_id, held=held)
+            await self.nc.publish(msg.reply, encode_msgpack(ack))
+        self.log.info("handoff released", handoff=release.handoff_id, held=held)
+        self._wake.set()  # its blocks are free again
+        await self._maybe_publish_load()
 
     async def _on_alive(self, msg: Msg) -> None:
         if msg.reply:
@@ -448,4 +523,5 @@ class SchedulerService(Service):
             worker_wait_s=self.options.worker_wait_s,
         )
         await self._publish(expired)
+        await self._publish(d.expire_handoffs(now))
         self._wake.set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from messages.kv_transfer import KVHandoff, KVPull
 from services.common.config import ModelLimits, SchedulerConfig
 from services.scheduler.inflight_prefix import QueueEntry
 from services.scheduler.kv_admission import Commitment, Preemption
@@ -80,6 +81,11 @@ class SchedulerState:
     pending_new: list[Request] = field(default_factory=list)
     pending_finished: list[str] = field(default_factory=list)
     pending_preemptions: list[Preemption] = field(default_factory=list)
+    # prompt KV the worker is to pull from prefill workers (disaggregation.py)
+    pending_pulls: list[KVPull] = field(default_factory=list)
+    # handoffs this shard will not read (the request ended first, or prefills here): the
+    # prefill side frees their blocks as soon as it hears (drained into each output)
+    unused_handoffs: list[KVHandoff] = field(default_factory=list)
     # loops a new decode token may run under overload shedding (total_ut_steps: none shed);
     # written only by ``DepthBudget``
     depth_budget: int = field(init=False)

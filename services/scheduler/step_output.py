@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from messages.api import StreamEvent
 from messages.internal import RelayedEvent, RequestNotice, WorkerBatch
+from messages.kv_transfer import KVHandoff
 from messages.prefix import PrefixEventBatch
 
 # one try of a request: (admission id, admission seq); a stream serves one, fencing and
@@ -45,10 +46,17 @@ class StepOutput:
     notices: list[Notice] = field(default_factory=list)
     # prefix-event envelopes for the JetStream event stream, in event_seq order
     prefix_events: list[PrefixEventBatch] = field(default_factory=list)
+    # handoffs this (decode) shard will not read: released at their prefill schedulers
+    kv_releases: list[KVHandoff] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
-            self.batches or self.relays or self.deliveries or self.notices or self.prefix_events
+            self.batches
+            or self.relays
+            or self.deliveries
+            or self.notices
+            or self.prefix_events
+            or self.kv_releases
         )
 
     def extend(self, other: StepOutput) -> None:
@@ -58,3 +66,4 @@ class StepOutput:
         self.deliveries += other.deliveries
         self.notices += other.notices
         self.prefix_events += other.prefix_events
+        self.kv_releases += other.kv_releases

@@ -58,6 +58,8 @@ class Streams:
     def __init__(self) -> None:
         self.live: dict[str, Stream] = {}
         self._ended: OrderedDict[str, StreamKey] = OrderedDict()
+        # of those, the tries that ended by a handoff to a decode shard
+        self._handed_off: OrderedDict[str, StreamKey] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self.live)
@@ -74,21 +76,25 @@ class Streams:
     def add(self, request_id: str, stream: Stream) -> None:
         self.live[request_id] = stream
 
-    def end(self, request_id: str) -> Stream | None:
-        """Drops a live stream (its terminal event is on its way, or it was fenced)."""
+    def end(self, request_id: str, *, handed_off: bool = False) -> Stream | None:
+        """Drops a live stream (its terminal event is on its way, it was fenced, or it was
+        ``handed_off`` to a decode shard: admission carries it on there)."""
         stream = self.live.pop(request_id, None)
         if stream is not None:
             self.remember_ended(request_id, stream.key)
+            if handed_off:
+                _remember(self._handed_off, request_id, stream.key)
         return stream
 
     def remember_ended(self, request_id: str, key: StreamKey) -> None:
-        self._ended[request_id] = key
-        self._ended.move_to_end(request_id)
-        while len(self._ended) > _MAX_ENDED:
-            self._ended.popitem(last=False)
+        _remember(self._ended, request_id, key)
 
     def ended_key(self, request_id: str) -> StreamKey | None:
         return self._ended.get(request_id)
+
+    def handed_off_key(self, request_id: str) -> StreamKey | None:
+        """The try of this request that left for a decode shard lately, if any."""
+        return self._handed_off.get(request_id)
 
     def key(self, request_id: str) -> StreamKey | None:
         """The try a live or lately ended stream serves."""
@@ -155,3 +161,10 @@ def aborted(request_id: str, num_prompt_tokens: int) -> FinishedEvent:
 
 def error_event(request_id: str, code: ErrorCode | str, message: str) -> ErrorEvent:
     return ErrorEvent(request_id=request_id, code=str(code), message=message)
+
+
+def _remember(tries: OrderedDict[str, StreamKey], request_id: str, key: StreamKey) -> None:
+    tries[request_id] = key
+    tries.move_to_end(request_id)
+    while len(tries) > _MAX_ENDED:
+        tries.popitem(last=False)

@@ -70,6 +70,8 @@ class Submissions:
             return self._refuse(req, ErrorCode.INVALID_REQUEST, message)
         if live is not None:
             self._reattach(req, live, track, relay)
+            if req.kv_source is not None:  # it goes on here with the KV it has
+                self._out.kv_releases.append(req.kv_source)
             if self.tombstones.take(req.tenant, req.request_id, time.monotonic(), live.key):
                 self._abort_live(req.request_id)  # the retry's abort came first
             return self._take()
@@ -90,6 +92,8 @@ class Submissions:
                 req.params,
                 trace_id=req.trace_id,
                 known_outputs=known,
+                hand_off=req.hand_off,
+                kv_source=req.kv_source,
             )
         except RequestError as exc:
             self.log.info("request refused", code=str(exc.code), reason=exc.message[:200], **fields)
@@ -106,6 +110,10 @@ class Submissions:
         if known.token_ids:
             self.num_resumed += 1
             extra["resumed_tokens"] = len(req.resume_token_ids)
+        if req.kv_source is not None:
+            extra["kv_from_shard"] = req.kv_source.shard_id
+        if req.hand_off:
+            extra["hand_off"] = True
         self.log.info(
             "request added",
             num_prompt_tokens=len(req.prompt_token_ids),
@@ -143,7 +151,10 @@ class Submissions:
     def _end_unstarted(self, req: AdmittedRequest, event: StreamEvent) -> StepOutput:
         """The terminal event of a request that never ran, through its relay (admission
         passes it on and so learns it ended). Metrics count it like any other ending (a
-        refusal by its error code, an early abort as finished "abort")."""
+        refusal by its error code, an early abort as finished "abort"). The KV a prefill
+        shard handed over with it is released."""
+        if req.kv_source is not None:
+            self._out.kv_releases.append(req.kv_source)
         self.telemetry.on_events([event], self.core.inflight)
         self.streams.remember_ended(req.request_id, (req.admission_id, req.admission_seq))
         self._out.relays.append(Stream.of(req).relay_of(event))
@@ -166,8 +177,10 @@ class Submissions:
         request arrives; the requester hears ``not_found`` now, unless the abort was a
         ``broadcast`` to every shard, or it named a try that has not been here while no
         other copy runs here (its submit is behind it: the requester hears the abort
-        confirmed). The requester's reply carries no outputs: those go to the request's own
-        stream only."""
+        confirmed), or a try this shard handed to a decode shard (admission, which sent
+        the abort here before it knew, ends it instead of moving it on: confirmed too).
+        The requester's reply carries no outputs: those go to the request's own stream
+        only."""
         aimed = (admission_id, admission_seq) if admission_seq else ANY
         live = self.streams.get(request_id)
         stream = live if live is not None and aimed in (ANY, live.key) else None
@@ -175,7 +188,8 @@ class Submissions:
             self.tombstones.add(tenant, request_id, time.monotonic(), aimed)
             if requester_reply and not broadcast:
                 coming = live is None and self.streams.ended_key(request_id) != aimed
-                if aimed != ANY and coming:
+                handed_off = self.streams.handed_off_key(request_id) == aimed
+                if aimed != ANY and (coming or handed_off):
                     answer: StreamEvent = aborted(request_id, 0)
                 else:
                     message = f"unknown request id {request_id!r}"

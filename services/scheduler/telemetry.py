@@ -272,6 +272,16 @@ class SchedulerTelemetry:
         )
         self._timings[req.request_id] = _Timing(time.monotonic(), span)
 
+    def handed_off(self, request_id: str) -> str:
+        """The request left for a decode shard after its first token: its span here ends;
+        returns the span's traceparent (the decode side's pull is its child)."""
+        timing = self._timings.pop(request_id, None)
+        if timing is None:
+            return ""
+        traceparent = timing.span.traceparent
+        timing.span.end(**{"rlt.handed_off": True})
+        return traceparent
+
     def on_batch(self, batch: ScheduledBatch, scheduler: Scheduler) -> None:
         """A batch was built: requests it loads leave the queue."""
         wire = batch.wire

@@ -11,6 +11,7 @@ meanwhile is dropped. No NATS here: the service feeds it and publishes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +44,19 @@ class _Reset:
 class BatchQueue:
     """Batches onto the one job runner in seq order, with the runner resets they need."""
 
-    def __init__(self, runner_host: RunnerHost, inline_max_s: float, log: Any) -> None:
+    def __init__(
+        self,
+        runner_host: RunnerHost,
+        inline_max_s: float,
+        log: Any,
+        before_execute: Callable[[Any, WorkerBatch], None] | None = None,
+    ) -> None:
         """``inline_max_s``: batches expected to run under this run on the event loop (0:
-        never); ``log``: the service's logger."""
+        never); ``log``: the service's logger; ``before_execute(runner, batch)``: called
+        just before a batch runs, every earlier batch done (it starts the batch's KV
+        pulls)."""
         self.runner_host = runner_host
+        self.before_execute = before_execute
         self.inline_max_s = inline_max_s
         self.log = log
         self.execute_time = ExecuteTimeEstimate()
@@ -141,8 +151,15 @@ class BatchQueue:
 
     def _inline(self, run: BatchRun) -> bool:
         """Whether the batch may run on the event loop: expected to be short (unknown until
-        a few batches ran on the thread)."""
+        a few batches ran on the thread), and not one that may wait for a grammar to
+        compile (seconds, with xgrammar's import: no heartbeat would go out meanwhile)."""
         if self.inline_max_s <= 0:
+            return False
+        batch = run.wb.batch
+        if any(new.sampling.structured_output is not None for new in batch.new_requests):
+            return False
+        grammars = self.runner_host.grammars
+        if grammars is not None and grammars.compiling:
             return False
         expected = self.execute_time.estimate(run.token_loops)
         return expected is not None and expected <= self.inline_max_s
@@ -155,6 +172,8 @@ class BatchQueue:
         if runner is None:  # its KV reset failed (logged): the next batch retries it
             return BatchResult(seq=run.wb.batch.seq, error="no model runner: the KV reset failed")
         try:
+            if self.before_execute is not None:
+                self.before_execute(runner, run.wb)
             result = runner.execute(run.wb.batch)
         except Exception as exc:
             return BatchResult(seq=run.wb.batch.seq, error=_describe(exc))

@@ -93,6 +93,12 @@ class GrammarBook:
             if token < vocab_size:
                 self.stop_mask[token // BITS] |= _bit(token % BITS)
 
+    @property
+    def compiling(self) -> bool:
+        """Whether some grammar is still compiling (a pass may wait for it)."""
+        with self._lock:
+            return any(not compiled.done() for compiled in self._cache.values())
+
     def compile(self, constraint: StructuredOutput) -> Future[CompiledGrammar]:
         """The compiled grammar of ``constraint`` (a future: it may still be compiling). A
         spec that does not compile fails the future with ``RequestError``."""

@@ -23,6 +23,7 @@ from services.common.config import KVLayout
 from services.common.model_config import OuroConfig
 from services.common.tokenizer import TextCodec
 from services.worker.grammar import GrammarBook
+from services.worker.kv_transfer import KVArena
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from services.worker.sim import SimRunner
@@ -38,7 +39,12 @@ _log = structlog.get_logger("rlt")
 class RunnerHost:
     """Loads the model once; builds a ``ModelRunner`` (or a ``SimRunner``) per KV geometry."""
 
-    def __init__(self, checkpoint: str | Path, device: str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, checkpoint: str | Path, device: str, dtype: torch.dtype, *, sim_kv: bool = False
+    ) -> None:
+        """``sim_kv``: a simulated device gets host KV arenas too (no compute reads them), so
+        a disaggregation bench moves real bytes between simulated workers."""
+        self.sim_kv = sim_kv
         self.checkpoint = Path(checkpoint)
         self.device = device
         self.dtype = dtype
@@ -113,6 +119,12 @@ class RunnerHost:
                 f"{reserve / 2**30:.2f} GiB kept for CUDA graphs)"
             )
 
+    @property
+    def total_loops(self) -> int:
+        cfg = self._sim_config if self.simulated else (self.model.cfg if self.model else None)
+        assert cfg is not None, "load() first"
+        return cfg.total_ut_steps
+
     def _kv_bytes(self) -> int:
         runner = self.runner  # once: the compute thread may replace it meanwhile
         if not isinstance(runner, ModelRunner):
@@ -126,6 +138,8 @@ class RunnerHost:
             assert self._sim_config is not None
             dilation = float(os.environ.get("RLT_SIM_DILATION", "1"))
             self.runner = SimRunner.h200(self._sim_config, dilation=dilation)
+            if self.sim_kv:
+                self.runner.kv_arena = sim_arena(num_blocks, block_size)
         else:
             assert self.model is not None
             runner = ModelRunner(
@@ -172,3 +186,16 @@ def kv_memory_limit(device: str, current_kv_bytes: int, reserve_bytes: int = 0) 
 def kv_budget(current_kv_bytes: int, free_bytes: int, share: float, reserve_bytes: int) -> int:
     """The cache being replaced, plus ``share`` of the free memory, less the reserve."""
     return current_kv_bytes + int(share * free_bytes) - reserve_bytes
+
+
+def sim_arena(num_blocks: int, block_size: int) -> KVArena:
+    """Host K/V arenas shaped as Ouro-1.4B's (16 KV heads x 128, bfloat16; the device the
+    simulation prices) with ``RLT_SIM_KV_LAYERS`` of its 24 layers (default 1, so a
+    simulated worker holds 1/24 of the real bytes: the bench states the real ones beside),
+    one block past the pool as a real runner has."""
+    from services.worker.model.toy import toy_config
+
+    cfg = toy_config("1.4b")
+    layers = int(os.environ.get("RLT_SIM_KV_LAYERS", "1"))
+    shape = (layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return KVArena(*(torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)))

@@ -32,17 +32,21 @@ from typing import Any
 import msgspec
 import torch
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from prometheus_client import CollectorRegistry
 
 from messages.batch import Batch, BatchResult
 from messages.internal import WorkerBatch, WorkerHeartbeat, WorkerResult
+from messages.kv_transfer import KVLayoutInfo, KVPullResult, KVPullResults, KVSourceInfo
 from services.common.config import SchedulerConfig
 from services.runtime import subjects
 from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, publish_chunked
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
 from services.worker.batch_queue import BatchQueue, BatchRun
+from services.worker.kv_pulls import KVPulls
+from services.worker.kv_transfer import TransferError
 from services.worker.runner import ModelRunner
 from services.worker.runner_host import RunnerHost
 from services.worker.sim import SimRunner
@@ -64,21 +68,28 @@ class WorkerService(Service):
         heartbeat_interval_s: float = 0.5,
         shard_id: str = subjects.DEFAULT_SHARD,
         inline_max_s: float | None = None,
+        kv_transfer: bool = False,
         **kwargs: Any,
     ) -> None:
+        """``kv_transfer``: a NIXL agent for prefill/decode disaggregation (the prefill
+        worker serves its KV, the decode worker pulls it)."""
         super().__init__(nats_url, **kwargs)
         self.shard_id = subjects.check_shard_id(shard_id)
         self.shard = self.shard_id  # the label on our metrics and spans
         self.heartbeat_interval_s = heartbeat_interval_s
         self._batches_in = Reassembler()
         self.config = config or SchedulerConfig()
-        self.runner_host = RunnerHost(checkpoint, device, dtype)
+        self.runner_host = RunnerHost(checkpoint, device, dtype, sim_kv=kv_transfer)
+        self.kv_transfer = kv_transfer
         self.simulated = self.runner_host.simulated
         # batches expected to run under this run on the event loop (0: never); by default
         # only on the CPU, where a pass holds the interpreter lock (compute.py)
         if inline_max_s is None:
             inline_max_s = INLINE_MAX_S if device == "cpu" else 0.0
-        self.queue = BatchQueue(self.runner_host, inline_max_s, self.log)
+        self.queue = BatchQueue(
+            self.runner_host, inline_max_s, self.log, before_execute=self._before_execute
+        )
+        self.kv: KVPulls | None = None  # made at setup (it needs the model's depth)
         self._next_done = 0  # every seq before this one ran and its result is published
         # the scheduler instance whose epochs we run: another one may take us over only
         # once nats-server says that one's connection is gone (a stalled scheduler that
@@ -90,6 +101,7 @@ class WorkerService(Service):
         self.num_failed = 0
         self.decode_s = 0.0  # decoding the batches received (msgpack), summed
         self.telemetry = WorkerTelemetry(self.shard)
+        self._kv_results_task: asyncio.Task[None] | None = None
 
     @property
     def runner(self) -> ModelRunner | SimRunner | None:
@@ -98,6 +110,19 @@ class WorkerService(Service):
     async def setup(self) -> None:
         host = self.runner_host
         await asyncio.to_thread(host.load)
+        self.kv = KVPulls(
+            self.instance_id,
+            host.total_loops,
+            self._fetch_kv_source,
+            self.telemetry.registry,
+            self.log,
+            shard=self.shard_id,
+        )
+        if self.kv_transfer:
+            try:
+                await self.kv.start()
+            except TransferError as exc:  # refused at start, by name: not at the first pull
+                raise ValueError(f"KV transfer (--role prefill|decode) needs NIXL: {exc}") from exc
         cfg = self.config
         geometry = (cfg.num_blocks, cfg.block_size, str(cfg.kv_layout))
         await asyncio.to_thread(host.make_runner, *geometry)
@@ -121,11 +146,14 @@ class WorkerService(Service):
                 queue_group=f"rlt-worker-{self.instance_id}",
             ),
             Endpoint("shard-health", subjects.health(self.name, self.shard_id), self._on_health),
+            # disaggregation: decode workers ask where our KV is
+            Endpoint("kv-meta", subjects.worker_kv_meta(self.instance_id), self._on_kv_meta),
         )
 
     async def on_ready(self) -> None:
         self.spawn(self._publish_results(), "results")
         self.spawn(self._heartbeats(), "heartbeats")
+        self.spawn(self._publish_kv_results(), "kv-results")
         await self._heartbeat()
 
     async def drain(self, timeout: float) -> None:
@@ -143,6 +171,8 @@ class WorkerService(Service):
 
     async def teardown(self) -> None:
         await asyncio.to_thread(self.queue.stop)
+        if self.kv is not None:
+            await asyncio.to_thread(self.kv.close)
         self.runner_host.close()
         self.telemetry.end_all()
 
@@ -170,6 +200,7 @@ class WorkerService(Service):
             # for metrics; a new KV geometry starts a new runner, and these from zero
             "runner": runner.stats.snapshot() if runner is not None else {},
             "decode_s": self.decode_s,
+            **(self.kv.health() if self.kv is not None else {}),
         }
 
     # ------------------------------------------------------------------ heartbeats
@@ -243,6 +274,9 @@ class WorkerService(Service):
         if self.queue.is_duplicate(batch.seq):
             self.log.warning("duplicate batch dropped", **{BATCH_SEQ: batch.seq})
             return
+        if batch.kv_pulls and self.kv is not None:
+            # where their sources are: asked now, answered while the batch waits its turn
+            self.kv.prepare(batch.kv_pulls)
         reply = msg.reply or subjects.worker_result(wb.epoch)  # where its scheduler listens
         run = BatchRun(wb, reply, time.perf_counter())
         self._log_requests(batch)
@@ -295,6 +329,54 @@ class WorkerService(Service):
         for rid in batch.finished_request_ids:
             self.log.info("request released", request_id=rid, **{BATCH_SEQ: batch.seq})
 
+    # ------------------------------------------------------------------ disaggregation
+    def _before_execute(self, runner: Any, wb: WorkerBatch) -> None:
+        """Just before a batch runs (compute thread or loop): its KV pulls start, on the
+        transfer thread, and a new runner's KV is offered to peers."""
+        if self.kv is not None:
+            self.kv.before_batch(runner, wb.epoch, wb.kv_layout, wb.batch.kv_pulls)
+
+    async def _on_kv_meta(self, msg: Msg) -> None:
+        if not msg.reply or self.kv is None:
+            return
+        if not self.kv_transfer:
+            info = KVSourceInfo(
+                agent_name="", agent_metadata=b"", epoch="", layout=NO_LAYOUT,
+                arena_addresses=[], num_blocks=0, block_bytes=0,
+                error="this worker was started without KV transfer (--role)",
+            )  # fmt: skip
+        else:
+            info = await self.kv.source_info()
+        await self.nc.publish(msg.reply, encode_msgpack(info))
+
+    async def _fetch_kv_source(self, worker_id: str, timeout: float) -> KVSourceInfo | None:
+        try:
+            reply = await self.nc.request(subjects.worker_kv_meta(worker_id), b"", timeout=timeout)
+            return decode_msgpack(reply.data, KVSourceInfo)
+        except (NatsError, TimeoutError, msgspec.DecodeError) as exc:
+            self.log.warning("KV source not found", worker=worker_id, error=repr(exc)[:200])
+            return None
+
+    async def _publish_kv_results(self) -> None:
+        assert self.kv is not None
+        while True:
+            epoch, result = await self.kv.results.get()
+            batch = [result]
+            while not self.kv.results.empty():  # whatever else is done goes along
+                more_epoch, more = self.kv.results.get_nowait()
+                if more_epoch == epoch:
+                    batch.append(more)
+                else:
+                    await self._send_kv_results(more_epoch, [more])
+            await self._send_kv_results(epoch, batch)
+
+    async def _send_kv_results(self, epoch: str, results: list[KVPullResult]) -> None:
+        out = KVPullResults(epoch=epoch, worker_id=self.instance_id, results=results)
+        try:
+            await self.nc.publish(subjects.worker_kv_results(epoch), encode_msgpack(out))
+        except Exception as exc:  # the scheduler falls back when its release times out
+            self.log.warning("KV pull results not sent", error=repr(exc)[:200])
+
     # ------------------------------------------------------------------ results
     async def _publish_results(self) -> None:
         while True:
@@ -336,6 +418,10 @@ class WorkerService(Service):
 # CPU batches expected to run under this run on the event loop: short enough that heartbeats
 # and health answers are late by a few ms at most (a scheduler waits 3 s for a heartbeat)
 INLINE_MAX_S = 0.02
+
+NO_LAYOUT = KVLayoutInfo(
+    kv_layout="", block_size=0, num_planes=0, num_layers=0, num_kv_heads=0, head_dim=0, dtype=""
+)
 
 # a scheduler that sent us nothing for this long has moved on: another may take us
 _BOUND_IDLE_S = 30.0

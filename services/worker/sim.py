@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from messages.batch import Batch, BatchKind, BatchResult, SampledLogprobs, WorkerSampling
 from services.common.model_config import OuroConfig
+from services.worker.kv_transfer import KVArena
 from services.worker.logprobs import LOGPROB_FLOOR
 from services.worker.rows import (
     LiveRow,
@@ -153,6 +154,8 @@ class SimRunner:
         # (rows, tokens) of each core pass of the last batch, as ModelRunner keeps them
         self.last_batch_passes: list[tuple[int, int]] = []
         self.simulated_s = 0.0  # device time the cost model charged, before dilation
+        # host K/V arenas that KV pulls write (disaggregation benches); no pass reads them
+        self.kv_arena: KVArena | None = None
 
     # ------------------------------------------------------------------ the functions
     def token_at(self, seed: int, position: int) -> int:

@@ -1,0 +1,136 @@
+"""Prefill/decode disaggregation: the messages that move a prompt's KV between shards.
+
+A prefill shard runs a request's prompt and first token, then hands the request over
+(``KVHandoff``, relayed to admission with the stream's events); admission resubmits it to a
+decode shard with the handoff attached; the decode shard's scheduler asks its worker to
+pull the blocks (``KVPull``, in a batch), the worker reads them from the prefill worker with
+NIXL and says how it went (``KVPullResult``); the decode scheduler then tells the prefill
+scheduler it is done with them (``KVRelease``), and only a release answered "held" proves
+the blocks were not reused while they were read. Map encoding; new fields get defaults.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Comparable(msgspec.Struct, frozen=True, kw_only=True):
+    def mismatch(self, other: _Comparable) -> str | None:
+        """The first field that differs, as ``name: ours vs theirs``; None if none does."""
+        for name in self.__struct_fields__:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"{name}: {mine} vs {theirs}"
+        return None
+
+
+class KVBlockFormat(_Comparable, frozen=True, kw_only=True):
+    """What schedulers know of a block and must share to hand a request over: announced by
+    every shard, so a mismatch between the roles is refused by name at start."""
+
+    kv_layout: str
+    block_size: int
+    num_planes: int
+
+
+class KVLayoutInfo(_Comparable, frozen=True, kw_only=True):
+    """What must be equal on both workers for a block to mean the same bytes: a mismatch
+    fails the pull by name (``layout_mismatch``)."""
+
+    kv_layout: str
+    block_size: int
+    num_planes: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+class KVHandoff(msgspec.Struct, kw_only=True):
+    """prefill scheduler -> admission -> decode scheduler: where a request's prompt KV is.
+
+    ``plane_blocks[p][i]`` is the prefill worker's physical block holding logical block i of
+    plane p; blocks ``[0, ceil(num_tokens / block_size))`` of every plane are complete."""
+
+    handoff_id: str  # unique per prefill scheduler instance
+    request_id: str
+    shard_id: str
+    scheduler_id: str  # the prefill scheduler instance that holds the blocks
+    worker_id: str  # its worker, whose memory holds them
+    worker_epoch: str  # the epoch the worker's KV belongs to (a reset makes it void)
+    block_format: KVBlockFormat
+    num_tokens: int
+    plane_blocks: list[list[int]]
+    hold_s: float = 30.0  # the prefill side frees them after this without a release
+    traceparent: str = ""  # the prefill scheduler's span of the request
+
+
+class KVPull(msgspec.Struct, kw_only=True):
+    """decode scheduler -> its worker, in a batch: copy these remote blocks into these local
+    ones (every plane's list pairs up by index). Started once every earlier batch ran."""
+
+    transfer_id: str
+    request_id: str
+    worker_id: str  # the source worker
+    worker_epoch: str
+    remote_blocks: list[int]
+    local_blocks: list[int]
+    timeout_s: float = 10.0
+    traceparent: str = ""
+
+
+class KVPullResult(msgspec.Struct, kw_only=True):
+    """decode worker -> its scheduler: one pull's outcome. ``cause`` names a failure
+    (``source_lost``, ``timeout``, ``layout_mismatch``, ``source_reset``, ``local_reset``,
+    ``unavailable``, ``error``)."""
+
+    transfer_id: str
+    request_id: str
+    ok: bool
+    cause: str = ""
+    message: str = ""
+    num_bytes: int = 0
+    seconds: float = 0.0  # handed to the transfer thread -> over (what the request waited)
+    copy_s: float = 0.0  # its own chunks' transfer time (bytes / copy_s: the link's rate)
+    # a failed pull whose abort NIXL did not confirm: its landing blocks may still be
+    # written, so they must never be reused (the worker's next KV reset frees them)
+    abort_unconfirmed: bool = False
+
+
+class KVPullResults(msgspec.Struct, kw_only=True):
+    """decode worker -> its scheduler, on the epoch's result subject + ``.kv``."""
+
+    epoch: str
+    worker_id: str
+    results: list[KVPullResult] = msgspec.field(default_factory=list)
+
+
+class KVSourceInfo(msgspec.Struct, kw_only=True):
+    """prefill worker -> a decode worker that asks (``rlt.v1.worker.kvmeta.<worker>``): its
+    NIXL agent, the epoch its KV belongs to, the layout, and where each K/V arena starts.
+    An arena is ``[layers, blocks, block_size, kv_heads, head_dim]`` of ``block_bytes`` a
+    block, layer-major."""
+
+    agent_name: str
+    agent_metadata: bytes
+    epoch: str
+    layout: KVLayoutInfo
+    arena_addresses: list[int]  # K then V
+    num_blocks: int  # per layer, the scratch block included
+    block_bytes: int
+    error: str = ""  # why it cannot serve (no transfer agent, no KV yet)
+
+
+class KVRelease(msgspec.Struct, kw_only=True):
+    """decode scheduler -> prefill scheduler (request/reply): done with this handoff."""
+
+    handoff_id: str
+    request_id: str = ""
+
+
+class KVReleaseAck(msgspec.Struct, kw_only=True):
+    """Whether the handoff was still held when the release came: only then is what was read
+    before it the prompt's KV."""
+
+    handoff_id: str
+    held: bool

@@ -1,0 +1,377 @@
+"""Prefill/decode disaggregation in one process: a prefill engine runs each prompt and its
+first token, hands the request over, and a decode engine pulls the prompt's KV (every
+plane) from the prefill engine's runner with NIXL (two agents, real READs) and decodes.
+Tokens, exit depths and log-probabilities equal a colocated run (and the serial oracle);
+a failed pull or a handoff no longer held prefills on the decode side, with the same
+tokens; no block leaks on either side."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+
+from messages.api import FinishedEvent, TokenEvent
+from messages.batch import BatchResult
+from messages.kv_transfer import KVPull, KVPullResult
+from messages.sampling import SamplingParams
+from services.common.config import KVLayout, SchedulerConfig
+from services.engine.engine import LLMEngine
+from services.engine.executor import InProcessExecutor
+from services.scheduler.intake import KnownOutputs
+from services.scheduler.request import RequestState
+from services.worker.kv_pulls import arena_of, num_planes
+from services.worker.kv_transfer import KVTransferAgent, nixl_available
+
+pytestmark = [
+    pytest.mark.oracle,
+    pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"),
+]
+
+_names = itertools.count()
+SHARED_PREFIX = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]
+PROMPTS = {
+    "a": [5, 9, 33, 71, 2, 18, 40, 41, 42, 43, 44],
+    "b": [101, 7, 7, 250],
+    "c": [*SHARED_PREFIX, 44, 45, 46],
+    "d": [*SHARED_PREFIX, 60, 61, 62, 63, 64, 65],
+    "e": [11] * 23,
+}
+
+
+class PullingExecutor(InProcessExecutor):
+    """Runs each batch's pulls (NIXL READs from the prefill runner) before its rows, as the
+    worker does once every earlier batch ran; ``fail`` makes them fail instead."""
+
+    def __init__(self, runner, agent: KVTransferAgent, source: KVTransferAgent) -> None:
+        super().__init__(runner)
+        self.agent, self.source = agent, source
+        self.fail = False
+        self.unconfirmed = False  # a failed pull's abort NIXL could not confirm
+        self.done: list[KVPullResult] = []
+        self.bytes = 0
+
+    def take_results(self) -> list[BatchResult]:
+        if self._queued:
+            for pull in self._queued[0].wire.kv_pulls:
+                self.done.append(self._pull(pull))
+        return super().take_results()
+
+    def _pull(self, pull: KVPull) -> KVPullResult:
+        if self.fail:
+            return KVPullResult(
+                transfer_id=pull.transfer_id, request_id=pull.request_id, ok=False,
+                cause="timeout", abort_unconfirmed=self.unconfirmed,
+            )  # fmt: skip
+        moved = self.agent.read(
+            self.source.source_info(), pull.remote_blocks, pull.local_blocks, 10.0
+        )
+        self.bytes += moved
+        return KVPullResult(
+            transfer_id=pull.transfer_id, request_id=pull.request_id, ok=True, num_bytes=moved
+        )
+
+
+@dataclass
+class Pair:
+    prefill: LLMEngine
+    decode: LLMEngine
+    executor: PullingExecutor
+    release_held: bool = True  # False: the prefill side let the handoff go (expired)
+    events: list = field(default_factory=list)
+    handed_off: int = 0
+    pulled: int = 0
+    unused: int = 0  # handoffs the decode side released without reading them
+
+    @classmethod
+    def build(cls, model, config: SchedulerConfig) -> Pair:
+        prefill, decode = LLMEngine(model, config), LLMEngine(model, config)
+        planes = num_planes(str(config.kv_layout), model.cfg.total_ut_steps)
+        agents = []
+        for engine in (prefill, decode):
+            agent = KVTransferAgent(f"test-{next(_names)}")
+            arena = arena_of(engine.runner)
+            agent.register(arena, "e", arena.layout(str(config.kv_layout), planes))
+            agents.append(agent)
+        executor = PullingExecutor(decode.runner, agents[1], agents[0])
+        decode.core.executor = executor
+        return cls(prefill, decode, executor)
+
+    def add(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        self.prefill.core.add_request(rid, prompt, params, hand_off=True)
+
+    def run(self) -> None:
+        for _ in range(20_000):
+            if not (
+                self.prefill.has_unfinished_requests() or self.decode.has_unfinished_requests()
+            ):
+                return
+            self.events += self.prefill.step()
+            self._hand_over()
+            self.events += self.decode.step()
+            self._confirm()
+        raise AssertionError("no progress")
+
+    def _hand_over(self) -> None:
+        scheduler = self.prefill.scheduler
+        for request in list(scheduler.handoffs.due()):
+            handoff = scheduler.handoffs.hand_off(
+                request,
+                shard_id="p",
+                worker_id="wp",
+                worker_epoch="e",
+                block_format=scheduler.block_format,
+                now=0.0,
+            )
+            self.prefill.core.outputs.forget(request.request_id)
+            known = KnownOutputs(list(request.output_token_ids), list(request.output_exit_loops))
+            self.handed_off += 1
+            self.events += self.decode.core.add_request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                known_outputs=known,
+                kv_source=handoff,
+            )
+
+    def _confirm(self) -> None:
+        pulls = self.decode.scheduler.pulls
+        for result in self.executor.done:
+            handoff = pulls.pulled(result)
+            assert handoff is not None
+            held = self.prefill.scheduler.handoffs.release(handoff.handoff_id)
+            if result.ok:
+                self.pulled += pulls.confirmed(result.transfer_id, held and self.release_held)
+        self.executor.done.clear()
+        for handoff in self.decode.scheduler.take_unused_handoffs():  # as the service does
+            self.unused += 1
+            self.prefill.scheduler.handoffs.release(handoff.handoff_id)
+
+    def finished(self) -> dict[str, FinishedEvent]:
+        return {e.request_id: e for e in self.events if isinstance(e, FinishedEvent)}
+
+    def check_no_leaks(self, config: SchedulerConfig) -> None:
+        for engine in (self.prefill, self.decode):
+            kv = engine.scheduler.kv
+            kv.check_consistency()
+            assert kv.num_free_blocks == config.num_blocks
+        assert len(self.prefill.scheduler.handoffs) == 0
+        assert len(self.decode.scheduler.pulls) == 0
+
+
+def colocated(model, config: SchedulerConfig, requests) -> dict[str, FinishedEvent]:
+    engine = LLMEngine(model, config)
+    for rid, prompt, params in requests:
+        engine.core.add_request(rid, prompt, params)
+    return {e.request_id: e for e in engine.run_until_done() if isinstance(e, FinishedEvent)}
+
+
+def workload(params: SamplingParams) -> list[tuple[str, list[int], SamplingParams]]:
+    return [(rid, prompt, params) for rid, prompt in PROMPTS.items()]
+
+
+GREEDY_EXIT = SamplingParams(
+    max_tokens=9, temperature=0.0, min_loops=1, exit_threshold=0.6, ignore_eos=True
+)
+SAMPLED = SamplingParams(max_tokens=9, temperature=0.9, top_k=20, seed=1234, ignore_eos=True)
+WITH_LOGPROBS = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+
+CONFIGS = {
+    "wcpb-async-prefix": SchedulerConfig(
+        block_size=4, num_blocks=160, max_num_batched_tokens=8, prefill_chunk_size=4,
+        enable_prefix_caching=True,
+    ),
+    "atomic-sync": SchedulerConfig(
+        block_size=4, num_blocks=160, split_prefill=False, async_scheduling=False
+    ),
+    "shared-layout": SchedulerConfig(
+        block_size=4, num_blocks=160, kv_layout=KVLayout.SHARED, prefill_chunk_size=5
+    ),
+}  # fmt: skip
+
+
+def _compare(pair: Pair, expected: dict[str, FinishedEvent]) -> None:
+    got = pair.finished()
+    assert set(got) == set(expected)
+    for rid, want in expected.items():
+        assert (got[rid].token_ids, got[rid].exit_depths) == (want.token_ids, want.exit_depths)
+        streamed = [e for e in pair.events if isinstance(e, TokenEvent) and e.request_id == rid]
+        assert [e.index for e in streamed] == list(range(len(want.token_ids)))  # each once
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("params", [GREEDY_EXIT, SAMPLED], ids=["greedy-exit", "sampled"])
+def test_disaggregated_equals_colocated(toy_model, oracle, name, params):
+    config = CONFIGS[name]
+    requests = workload(params)
+    expected = colocated(toy_model, config, requests)
+    pair = Pair.build(toy_model, config)
+    for request in requests:
+        pair.add(*request)
+    pair.run()
+    _compare(pair, expected)
+    assert pair.handed_off == len(requests) and pair.pulled == len(requests)
+    assert pair.executor.bytes > 0
+    pair.check_no_leaks(config)
+    if params is GREEDY_EXIT:
+        shared = config.kv_layout == KVLayout.SHARED
+        for rid, prompt, p in requests:
+            want = oracle.generate(
+                prompt,
+                max_tokens=p.max_tokens,
+                min_loops=p.min_loops,
+                exit_threshold=p.exit_threshold,
+                ignore_eos=True,
+                kv_layout=config.kv_layout.value,
+                prefill_chunk_size=config.prefill_chunk_size if shared else None,
+            )
+            assert pair.finished()[rid].token_ids == want.token_ids
+
+
+def test_prefix_hits_on_the_decode_side_pull_only_the_rest(toy_model):
+    """The second request of a shared prefix finds it cached on the decode shard (pulled
+    for the first): it pulls only the blocks past it, and its tokens stay the same."""
+    config = CONFIGS["wcpb-async-prefix"]
+    first, second = ("c", PROMPTS["c"], GREEDY_EXIT), ("d", PROMPTS["d"], GREEDY_EXIT)
+    expected = colocated(toy_model, config, [first, second])
+    pair = Pair.build(toy_model, config)
+    pair.add(*first)
+    pair.run()
+    before = pair.executor.bytes
+    pair.add(*second)
+    pair.run()
+    _compare(pair, expected)
+    one_block = before // -(-len(PROMPTS["c"]) // config.block_size)
+    blocks_second = -(-len(PROMPTS["d"]) // config.block_size)
+    hit = len(SHARED_PREFIX) // config.block_size
+    assert pair.executor.bytes - before == one_block * (blocks_second - hit)
+    pair.check_no_leaks(config)
+
+
+def test_logprobs_equal_colocated(toy_model):
+    config = CONFIGS["wcpb-async-prefix"]
+    requests = workload(WITH_LOGPROBS)[:3]
+    engine = LLMEngine(toy_model, config)
+    for request in requests:
+        engine.core.add_request(*request)
+    want = [e for e in engine.run_until_done() if isinstance(e, TokenEvent)]
+    pair = Pair.build(toy_model, config)
+    for request in requests:
+        pair.add(*request)
+    pair.run()
+    got = [e for e in pair.events if isinstance(e, TokenEvent)]
+
+    def key(e: TokenEvent):
+        return (e.request_id, e.index)
+
+    assert sorted(map(key, got)) == sorted(map(key, want))
+    by_key = {key(e): e for e in want}
+    for event in got:
+        other = by_key[key(event)]
+        mine, theirs = event.logprobs, other.logprobs
+        assert event.token_id == other.token_id and mine is not None and theirs is not None
+        # float32 rows in other batch shapes: equal to rounding
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t.token_id for t in mine.top_logprobs] == [t.token_id for t in theirs.top_logprobs]
+        for a, b in zip(mine.top_logprobs, theirs.top_logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("failure", ["pull-fails", "handoff-expired"])
+def test_lost_kv_is_prefilled_on_the_decode_side(toy_model, failure):
+    config = CONFIGS["wcpb-async-prefix"]
+    requests = workload(GREEDY_EXIT)
+    expected = colocated(toy_model, config, requests)
+    pair = Pair.build(toy_model, config)
+    pair.executor.fail = failure == "pull-fails"
+    pair.release_held = failure != "handoff-expired"
+    for request in requests:
+        pair.add(*request)
+    pair.run()
+    _compare(pair, expected)
+    assert pair.handed_off == len(requests) and pair.pulled == 0
+    pair.check_no_leaks(config)
+
+
+def _hand_over_all(pair: Pair, n: int) -> None:
+    """Runs the prefill side until ``n`` requests are handed to the decode side."""
+    for _ in range(2000):
+        if pair.handed_off >= n:
+            return
+        pair.events += pair.prefill.step()
+        pair._hand_over()
+    raise AssertionError("no handoff")
+
+
+def _drain(pair: Pair) -> None:
+    """Steps the decode side until its batches in flight (their pulls) are back."""
+    for _ in range(50):
+        pair.events += pair.decode.step()
+        pair._confirm()
+        if not pair.decode.core.inflight:
+            return
+
+
+def test_an_abort_before_or_during_a_pull_leaks_nothing(toy_model):
+    """Aborted on the decode shard before its pull started, the handoff goes back at once
+    (not after the hold time); aborted while its blocks land, they are freed when the
+    worker says the pull is over. Each request ends once, aborted."""
+    config = CONFIGS["wcpb-async-prefix"]
+    pair = Pair.build(toy_model, config)
+    pair.add("a", PROMPTS["a"], GREEDY_EXIT)
+    pair.add("b", PROMPTS["b"], GREEDY_EXIT)
+    _hand_over_all(pair, 2)
+    pair.events += pair.decode.core.abort_request("a")  # still waiting to start there
+    pair.events += pair.decode.step()
+    assert pair.decode.scheduler.requests["b"].state is RequestState.RECEIVING_KV
+    pair.events += pair.decode.core.abort_request("b")  # its pull is in flight
+    _drain(pair)
+    finished = pair.finished()
+    assert {rid: e.finish_reason for rid, e in finished.items()} == {"a": "abort", "b": "abort"}
+    assert sum(isinstance(e, FinishedEvent) for e in pair.events) == 2
+    assert pair.unused == 1  # "a": never read
+    pair.check_no_leaks(config)
+
+
+def test_a_decode_worker_lost_mid_pull_prefills_and_releases_the_handoff(toy_model):
+    config = CONFIGS["wcpb-async-prefix"]
+    requests = workload(GREEDY_EXIT)[:2]
+    expected = colocated(toy_model, config, requests)
+    pair = Pair.build(toy_model, config)
+    for request in requests:
+        pair.add(*request)
+    _hand_over_all(pair, 2)
+    pair.events += pair.decode.step()
+    assert all(
+        r.state is RequestState.RECEIVING_KV for r in pair.decode.scheduler.requests.values()
+    )
+    pair.executor._queued.clear()  # the worker and its batches are gone
+    pair.decode.core.reset_after_executor_loss()
+    pair.run()
+    _compare(pair, expected)
+    assert pair.pulled == 0 and pair.unused == 2
+    pair.check_no_leaks(config)
+
+
+def test_landing_blocks_of_an_unconfirmed_abort_are_never_reused(toy_model):
+    """A pull that failed without NIXL confirming its abort: its landing blocks stay out
+    of use (a late write could land there) until the worker's KV is reset; the request
+    prefills elsewhere in the pool, with the same tokens."""
+    config = CONFIGS["wcpb-async-prefix"]
+    requests = workload(GREEDY_EXIT)[:2]
+    expected = colocated(toy_model, config, requests)
+    pair = Pair.build(toy_model, config)
+    pair.executor.fail = pair.executor.unconfirmed = True
+    for request in requests:
+        pair.add(*request)
+    pair.run()
+    _compare(pair, expected)
+    pulls = pair.decode.scheduler.pulls
+    kv = pair.decode.scheduler.kv
+    blocks = sum(-(-len(PROMPTS[rid]) // config.block_size) for rid, _, _ in requests)
+    assert pulls.num_quarantined_blocks == blocks * 4  # every plane's landing blocks
+    assert kv.num_free_blocks == config.num_blocks - pulls.num_quarantined_blocks
+    pair.decode.core.reset_after_executor_loss()  # a new worker KV: nothing to fear
+    assert pulls.num_quarantined_blocks == 0
+    assert pair.decode.scheduler.kv.num_free_blocks == config.num_blocks
