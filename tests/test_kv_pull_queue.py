@@ -277,3 +277,34 @@ async def test_a_worker_without_kv_transfer_fails_a_pull_by_name(toy_checkpoint)
         assert (epoch, result.ok, result.cause) == ("e", False, kvt.UNAVAILABLE)
     finally:
         await worker.teardown()
+
+
+async def test_a_replaced_runner_leaves_nixl_before_its_kv_is_freed(toy_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A new runner (a new epoch) is built only once the old one's KV has left NIXL and
+    nothing holds it: on a GPU the new KV is sized to the memory the old one frees, so a
+    reference kept to the old one would fail every rebuild."""
+    import asyncio
+    import gc
+    import weakref
+
+    from services.common.config import SchedulerConfig
+    from services.worker.service import WorkerService
+
+    config = SchedulerConfig(num_blocks=32, block_size=4)
+    worker = WorkerService(
+        "nats://127.0.0.1:1", toy_checkpoint, config, inline_max_s=0.0, kv_transfer=True
+    )
+    await worker.setup()
+    try:
+        assert worker.kv is not None and worker.runner is not None
+        await asyncio.to_thread(worker.kv.before_batch, worker.runner, "e1", "last_exited", [])
+        assert (await worker.kv.source_info()).epoch == "e1"  # registered
+        old = weakref.ref(worker.runner.k_cache)
+        await asyncio.to_thread(worker.runner_host.make_runner, 32, 4, "last_exited")
+        gc.collect()
+        assert old() is None
+        assert (await worker.kv.source_info()).error  # nothing offered until a batch runs
+        await asyncio.to_thread(worker.kv.before_batch, worker.runner, "e2", "last_exited", [])
+        assert (await worker.kv.source_info()).epoch == "e2"
+    finally:
+        await worker.teardown()
