@@ -308,3 +308,43 @@ async def test_a_replaced_runner_leaves_nixl_before_its_kv_is_freed(toy_checkpoi
         assert (await worker.kv.source_info()).epoch == "e2"
     finally:
         await worker.teardown()
+
+
+class _StuckAgent(KVTransferAgent):
+    """Its posts never finish and it never confirms an abort."""
+
+    def start(self, plan: ReadPlan, index: int) -> Transfer:
+        return Transfer(handle=object(), done=False)
+
+    def finished(self, transfer: Transfer) -> bool:
+        return False
+
+    def abort(self, transfer: Transfer, grace_s: float = 0.0) -> bool:
+        transfer.handle = None
+        return False
+
+
+def test_an_arena_a_late_write_may_reach_is_never_freed() -> None:
+    """A pull whose abort NIXL did not confirm may still write its landing blocks: their
+    arena stays allocated even once a new one replaces it (else the write could land in
+    memory the new KV reuses)."""
+    import gc
+    import weakref
+
+    pair = Pair(agent=_StuckAgent)
+    try:
+        old = weakref.ref(pair.dst.k)
+        pair.submit([1, 2], [3, 4], timeout_s=0.2)
+        (outcome,) = pair.wait(1)
+        assert outcome.error is not None and outcome.error.cause == kvt.TIMEOUT
+        assert outcome.abort_unconfirmed
+        fresh = KVArena(torch.zeros(SHAPE), torch.zeros(SHAPE))
+        layout = fresh.layout("last_exited", 4)
+        pair.queue.call(lambda a: a.register(fresh, "e2", layout), resets=True).result(10)
+        pair.dst = fresh
+        del outcome
+        pair.outcomes.clear()
+        gc.collect()
+        assert old() is not None
+    finally:
+        pair.close()
