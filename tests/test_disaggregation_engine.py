@@ -426,3 +426,32 @@ def test_token_sparse_prefill_hands_over_with_the_same_tokens(toy_model, oracle)
     assert decode.kv.lookup_prefix(sparse_hashes) == len(sparse_hashes) > 0
     assert decode.kv.lookup_prefix(dense_hashes) == 0
     pair.check_no_leaks(config)
+
+
+def test_a_pull_whose_result_never_comes_prefills_and_keeps_its_blocks_out_of_use(toy_model):
+    """Results travel at most once: a pull whose result was lost ends past its deadline
+    (twice the pull's timeout and a grace, from the first check that sees it): the request
+    prefills with the same tokens, its handoff goes back at once, and its landing blocks
+    stay out of use until the worker's KV is reset (the worker may still write them)."""
+    config = CONFIGS["wcpb-async-prefix"]
+    requests = workload(GREEDY_EXIT)[:1]
+    expected = colocated(toy_model, config, requests)
+    pair = Pair.build(toy_model, config)
+    pair.add(*requests[0])
+    _hand_over_all(pair, 1)
+    pulls = pair.decode.scheduler.pulls
+    pair.events += pair.decode.step()
+    assert len(pulls) == 1
+    for _ in range(10):  # the batch that carried the pull comes back; its result is lost
+        pair.events += pair.decode.step()
+        pair.executor.done.clear()
+    limit = 2 * pulls.timeout_s + 10.0
+    assert pulls.expire(100.0) == [] and pulls.expire(100.0 + limit) == []  # not yet
+    assert pulls.expire(100.0 + limit + 0.1) == ["a"]
+    pair._confirm()  # the handoff goes back with the unused ones
+    assert pair.unused == 1 and len(pair.prefill.scheduler.handoffs) == 0
+    pair.run()
+    _compare(pair, expected)
+    blocks = -(-len(PROMPTS["a"]) // config.block_size) * 4  # every plane's landing blocks
+    assert pulls.num_quarantined_blocks == blocks
+    assert pair.decode.scheduler.kv.num_free_blocks == config.num_blocks - blocks

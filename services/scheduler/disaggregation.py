@@ -32,6 +32,9 @@ from services.scheduler.state import SchedulerState
 
 _DEFAULT_HOLD_S = 30.0
 _DEFAULT_PULL_TIMEOUT_S = 10.0
+# past its own deadline, a pull's result comes within the worker's abort grace (2 s per
+# chunk in flight) and a message's way: one not come this long past the deadline is lost
+_RESULT_GRACE_S = 10.0
 
 
 @dataclass
@@ -49,6 +52,7 @@ class _Pull:
     handoff: KVHandoff
     origin_blocks: int  # the local prefix hit: pulled from this block on
     pulled: bool = False  # the worker read them; waiting for the prefill side's word
+    waiting_since: float | None = None  # first seen by ``expire`` without a result
 
 
 class Handoffs:
@@ -232,6 +236,29 @@ class Pulls:
         request.state = RequestState.RECURRENT
         self._publish(request)
         return True
+
+    def expire(self, now: float) -> list[str]:
+        """Pulls whose result never came (the message was lost: results travel at most
+        once): past ``timeout_s`` twice (the worker's deadline starts when the batch runs,
+        not when it was sent) and a grace, the request prefills here, its handoff goes
+        back, and its landing blocks stay out of use (the worker may still be writing
+        them). Returns the ids of their requests. Called periodically: a pull's wait counts
+        from the first call that sees it."""
+        late = []
+        for transfer_id, pull in self._pulls.items():
+            if pull.pulled:
+                continue  # the release's answer comes within its own timeout
+            if pull.waiting_since is None:
+                pull.waiting_since = now
+            elif now - pull.waiting_since > 2 * self.timeout_s + _RESULT_GRACE_S:
+                late.append(transfer_id)
+        out = []
+        for transfer_id in late:
+            pull = self._pulls[transfer_id]
+            self._state.unused_handoffs.append(pull.handoff)
+            self._fall_back(transfer_id, landed=False)
+            out.append(pull.request.request_id)
+        return out
 
     def clear(self) -> None:
         """The worker's KV is gone (and the KV manager with it): results still coming are

@@ -247,7 +247,8 @@ class SchedulerDriver(Submissions):
         """A decode shard is done with one of our handoffs: True if it was still held."""
         return self.handover.release(handoff_id)
 
-    def expire_handoffs(self, now: float) -> StepOutput:
+    def expire_transfers(self, now: float) -> StepOutput:
+        """Handoffs held too long, pulls whose result never came."""
         self.handover.expire(now)
         return self._take()
 

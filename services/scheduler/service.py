@@ -523,5 +523,5 @@ class SchedulerService(Service):
             worker_wait_s=self.options.worker_wait_s,
         )
         await self._publish(expired)
-        await self._publish(d.expire_handoffs(now))
+        await self._publish(d.expire_transfers(now))
         self._wake.set()
