@@ -95,7 +95,9 @@ class Handoffs:
         """Detaches ``request`` (its stream ends here without a terminal event) and returns
         where its prompt KV is."""
         self._count += 1
-        handoff_id = f"{self.scheduler_id}.{self._count}"
+        # the epoch in it: a new core counts from 1 again, and a late release of the old
+        # core's handoff must not free (and vouch for) the new one's of the same number
+        handoff_id = f"{worker_epoch}.{self._count}"
         holder = f"handoff:{handoff_id}"
         tables = detach(self._state, request, holder)
         blocks = math.ceil(request.num_prompt_tokens / self._state.config.block_size)

@@ -109,9 +109,9 @@ class SchedulerService(Service):
             shard_id=self.options.shard_id,
             log=self.log,
             abort_keep_s=self.options.abort_keep_s,
+            kv_handoff_hold_s=self.options.kv_handoff_hold_s,
+            kv_transfer_timeout_s=self.options.kv_transfer_timeout_s,
         )
-        self.driver.scheduler.handoffs.hold_s = self.options.kv_handoff_hold_s
-        self.driver.scheduler.pulls.timeout_s = self.options.kv_transfer_timeout_s
         self.binding = WorkerBinding(
             self.driver,
             heartbeat_timeout_s=self.options.heartbeat_timeout_s,
