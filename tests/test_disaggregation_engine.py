@@ -428,11 +428,13 @@ def test_token_sparse_prefill_hands_over_with_the_same_tokens(toy_model, oracle)
     pair.check_no_leaks(config)
 
 
-def test_a_pull_whose_result_never_comes_prefills_and_keeps_its_blocks_out_of_use(toy_model):
-    """Results travel at most once: a pull whose result was lost ends past its deadline
-    (twice the pull's timeout and a grace, from the first check that sees it): the request
-    prefills with the same tokens, its handoff goes back at once, and its landing blocks
-    stay out of use until the worker's KV is reset (the worker may still write them)."""
+@pytest.mark.parametrize("lost", ["result", "answer"])
+def test_a_pull_never_settled_prefills_past_its_deadline(toy_model, lost):
+    """Results travel at most once: a pull whose result was lost (or whose release was
+    never answered) ends past its deadline (twice the pull's timeout and a grace, from the
+    first check that sees it): the request prefills with the same tokens and its handoff
+    goes back at once. Without a result its landing blocks stay out of use until the
+    worker's KV is reset (the worker may still write them); with one they are freed."""
     config = CONFIGS["wcpb-async-prefix"]
     requests = workload(GREEDY_EXIT)[:1]
     expected = colocated(toy_model, config, requests)
@@ -442,8 +444,11 @@ def test_a_pull_whose_result_never_comes_prefills_and_keeps_its_blocks_out_of_us
     pulls = pair.decode.scheduler.pulls
     pair.events += pair.decode.step()
     assert len(pulls) == 1
-    for _ in range(10):  # the batch that carried the pull comes back; its result is lost
+    for _ in range(10):  # the batch that carried the pull comes back
         pair.events += pair.decode.step()
+        for result in pair.executor.done:
+            if lost == "answer":  # read: waits for the prefill side's word, which is lost
+                assert pulls.pulled(result) is not None
         pair.executor.done.clear()
     limit = 2 * pulls.timeout_s + 10.0
     assert pulls.expire(100.0) == [] and pulls.expire(100.0 + limit) == []  # not yet
@@ -453,5 +458,6 @@ def test_a_pull_whose_result_never_comes_prefills_and_keeps_its_blocks_out_of_us
     pair.run()
     _compare(pair, expected)
     blocks = -(-len(PROMPTS["a"]) // config.block_size) * 4  # every plane's landing blocks
-    assert pulls.num_quarantined_blocks == blocks
-    assert pair.decode.scheduler.kv.num_free_blocks == config.num_blocks - blocks
+    kept = blocks if lost == "result" else 0
+    assert pulls.num_quarantined_blocks == kept
+    assert pair.decode.scheduler.kv.num_free_blocks == config.num_blocks - kept

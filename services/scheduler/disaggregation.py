@@ -240,16 +240,15 @@ class Pulls:
         return True
 
     def expire(self, now: float) -> list[str]:
-        """Pulls whose result never came (the message was lost: results travel at most
-        once): past ``timeout_s`` twice (the worker's deadline starts when the batch runs,
-        not when it was sent) and a grace, the request prefills here, its handoff goes
-        back, and its landing blocks stay out of use (the worker may still be writing
-        them). Returns the ids of their requests. Called periodically: a pull's wait counts
-        from the first call that sees it."""
+        """Pulls still open long past their deadline: a result that never came (results
+        travel at most once) or an answer that never came. Past ``timeout_s`` twice (the
+        worker's deadline starts when the batch runs, not when it was sent) and a grace,
+        the request prefills here and its handoff goes back; the landing blocks of a pull
+        without a result stay out of use (the worker may still be writing them). Returns
+        the ids of their requests. Called periodically: a pull's wait counts from the
+        first call that sees it."""
         late = []
         for transfer_id, pull in self._pulls.items():
-            if pull.pulled:
-                continue  # the release's answer comes within its own timeout
             if pull.waiting_since is None:
                 pull.waiting_since = now
             elif now - pull.waiting_since > 2 * self.timeout_s + _RESULT_GRACE_S:
@@ -258,7 +257,7 @@ class Pulls:
         for transfer_id in late:
             pull = self._pulls[transfer_id]
             self._state.unused_handoffs.append(pull.handoff)
-            self._fall_back(transfer_id, landed=False)
+            self._fall_back(transfer_id, landed=pull.pulled)
             out.append(pull.request.request_id)
         return out
 
