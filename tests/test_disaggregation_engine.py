@@ -15,14 +15,17 @@ import pytest
 from messages.api import FinishedEvent, TokenEvent
 from messages.batch import BatchResult
 from messages.kv_transfer import KVPull, KVPullResult
+from messages.prefix import prompt_block_hashes
 from messages.sampling import SamplingParams
 from services.common.config import KVLayout, SchedulerConfig
+from services.common.sparse_prefill import resolve_sparse_prefill
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.scheduler.intake import KnownOutputs
 from services.scheduler.request import RequestState
 from services.worker.kv_pulls import arena_of, num_planes
 from services.worker.kv_transfer import KVTransferAgent, nixl_available
+from tests.engine_harness import assert_matches_oracle, oracle_result
 
 pytestmark = [
     pytest.mark.oracle,
@@ -375,3 +378,86 @@ def test_landing_blocks_of_an_unconfirmed_abort_are_never_reused(toy_model):
     pair.decode.core.reset_after_executor_loss()  # a new worker KV: nothing to fear
     assert pulls.num_quarantined_blocks == 0
     assert pair.decode.scheduler.kv.num_free_blocks == config.num_blocks
+
+
+SPARSE_PROMPTS = {
+    "s1": [(7 * i + 3) % 90 + 1 for i in range(37)],
+    "s2": [*SHARED_PREFIX, *[(5 * i + 1) % 90 + 1 for i in range(21)]],
+    "s3": [(3 * i + 11) % 90 + 1 for i in range(9)],
+}
+
+
+def test_token_sparse_prefill_hands_over_with_the_same_tokens(toy_model, oracle):
+    """A token-sparse prompt's planes already hold its frozen tokens' copied K/V: pulled
+    as they are, the decode shard goes on with the colocated run's (and the oracle's)
+    tokens and exit depths; its blocks publish under the sparse key on both sides."""
+    config = SchedulerConfig(
+        block_size=4, num_blocks=200, max_num_batched_tokens=8, prefill_chunk_size=4,
+        enable_prefix_caching=True, sparse_window=8,
+    )  # fmt: skip
+    params = SamplingParams(
+        max_tokens=8, temperature=0.0, min_loops=1, exit_threshold=0.6, ignore_eos=True,
+        token_sparse_prefill=True,
+    )  # fmt: skip
+    requests = [(rid, prompt, params) for rid, prompt in SPARSE_PROMPTS.items()]
+    expected = colocated(toy_model, config, requests)
+    pair = Pair.build(toy_model, config)
+    for request in requests:
+        pair.add(*request)
+    pair.run()
+    _compare(pair, expected)
+    assert pair.handed_off == len(requests) and pair.pulled == len(requests)
+    for rid, prompt, p in requests:
+        want = oracle_result(oracle, prompt, p.resolve(toy_model.cfg.total_ut_steps, 512), config)
+        assert assert_matches_oracle(pair.finished()[rid], want, rid) == p.max_tokens
+    assert pair.prefill.scheduler.stats.num_prefill_rows_saved > 0  # it did run sparse
+    # the pulled blocks are cached on the decode side under the sparse key, never the dense
+    decode, prompt, bs = pair.decode.scheduler, SPARSE_PROMPTS["s1"], config.block_size
+    steps = toy_model.cfg.total_ut_steps
+    schedule = resolve_sparse_prefill(
+        params.resolve(steps, 512), config.sparse_defaults(), steps, split_prefill=True
+    )
+    assert schedule is not None
+    reusable = schedule.last_reusable_position(len(prompt)) // bs
+    sparse_hashes = prompt_block_hashes(
+        prompt, bs, decode.cache_salt + schedule.cache_key(), max_blocks=reusable
+    )
+    dense_hashes = prompt_block_hashes(prompt, bs)[:reusable]
+    assert decode.kv.lookup_prefix(sparse_hashes) == len(sparse_hashes) > 0
+    assert decode.kv.lookup_prefix(dense_hashes) == 0
+    pair.check_no_leaks(config)
+
+
+@pytest.mark.parametrize("lost", ["result", "answer"])
+def test_a_pull_never_settled_prefills_past_its_deadline(toy_model, lost):
+    """Results travel at most once: a pull whose result was lost (or whose release was
+    never answered) ends past its deadline (twice the pull's timeout and a grace, from the
+    first check that sees it): the request prefills with the same tokens and its handoff
+    goes back at once. Without a result its landing blocks stay out of use until the
+    worker's KV is reset (the worker may still write them); with one they are freed."""
+    config = CONFIGS["wcpb-async-prefix"]
+    requests = workload(GREEDY_EXIT)[:1]
+    expected = colocated(toy_model, config, requests)
+    pair = Pair.build(toy_model, config)
+    pair.add(*requests[0])
+    _hand_over_all(pair, 1)
+    pulls = pair.decode.scheduler.pulls
+    pair.events += pair.decode.step()
+    assert len(pulls) == 1
+    for _ in range(10):  # the batch that carried the pull comes back
+        pair.events += pair.decode.step()
+        for result in pair.executor.done:
+            if lost == "answer":  # read: waits for the prefill side's word, which is lost
+                assert pulls.pulled(result) is not None
+        pair.executor.done.clear()
+    limit = 2 * pulls.timeout_s + 10.0
+    assert pulls.expire(100.0) == [] and pulls.expire(100.0 + limit) == []  # not yet
+    assert pulls.expire(100.0 + limit + 0.1) == ["a"]
+    pair._confirm()  # the handoff goes back with the unused ones
+    assert pair.unused == 1 and len(pair.prefill.scheduler.handoffs) == 0
+    pair.run()
+    _compare(pair, expected)
+    blocks = -(-len(PROMPTS["a"]) // config.block_size) * 4  # every plane's landing blocks
+    kept = blocks if lost == "result" else 0
+    assert pulls.num_quarantined_blocks == kept
+    assert pair.decode.scheduler.kv.num_free_blocks == config.num_blocks - kept

@@ -220,3 +220,70 @@ def test_the_prefill_scheduler_confirms_an_abort_of_a_try_it_handed_off(
     # an abort naming no try is answered as before
     out = driver.abort("r", "_INBOX.abort2")
     assert out.deliveries[0][1].code == "not_found"  # type: ignore[union-attr]
+
+
+def test_a_decode_scheduler_reset_releases_its_pulls_handoffs_at_once(
+    toy_checkpoint: Path,
+) -> None:
+    """A decode scheduler that gives up on everything (its drain timed out) releases the
+    handoffs of its pulls at once, not after the prefill side's hold time; its new core
+    keeps the service's pull timeout."""
+    from messages.errors import ErrorCode
+
+    config = SchedulerConfig(block_size=4, num_blocks=64)
+    limits = load_model_limits(toy_checkpoint)
+    driver = SchedulerDriver(config, limits, kv_handoff_hold_s=7.0, kv_transfer_timeout_s=3.0)
+    handoff = msgspec.structs.replace(
+        _handoff(), plane_blocks=[[0]] * 4, block_format=driver.scheduler.block_format
+    )
+    admitted = AdmittedRequest(
+        request_id="r", prompt_token_ids=[5, 9, 33], reply_subject="_INBOX.r",
+        params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        relay_subject=subjects.admission_relay("x"), admission_id="adm", admission_seq=2,
+        resume_token_ids=[42], resume_exit_depths=[4], kv_source=handoff,
+    )  # fmt: skip
+    driver.add(admitted)
+    driver.bind("w1")
+    out = driver.step()
+    assert any(wb.batch.kv_pulls for wb in out.batches) and len(driver.scheduler.pulls) == 1
+    out = driver.reset(ErrorCode.UNAVAILABLE, "scheduler shut down")
+    assert [h.handoff_id for h in out.kv_releases] == [handoff.handoff_id]
+    assert driver.scheduler.pulls.timeout_s == 3.0 and driver.scheduler.handoffs.hold_s == 7.0
+
+
+def test_handoff_ids_never_repeat_across_a_scheduler_reset(toy_checkpoint: Path) -> None:
+    """A release names a handoff by id: one of the old core's arriving late must not free
+    (and vouch for) the new core's handoff of the same number."""
+    from messages.errors import ErrorCode
+
+    config = SchedulerConfig(block_size=4, num_blocks=64)
+    driver = SchedulerDriver(config, load_model_limits(toy_checkpoint))
+    model = OuroModel.from_checkpoint(toy_checkpoint)
+    first = _hand_off_one(driver, model, "r1", 1)
+    driver.reset(ErrorCode.UNAVAILABLE, "scheduler shut down")
+    second = _hand_off_one(driver, model, "r2", 2)
+    assert first.handoff_id != second.handoff_id
+    assert not driver.release_handoff(first.handoff_id)  # not the new core's
+    assert driver.release_handoff(second.handoff_id)
+
+
+def _hand_off_one(driver: SchedulerDriver, model: OuroModel, rid: str, seq: int) -> KVHandoff:
+    """Runs one request on ``driver`` (prefill role, a fresh runner) up to its handoff."""
+    config = driver.config
+    runner = ModelRunner(model, config.num_blocks, config.block_size, config.kv_layout)
+    admitted = AdmittedRequest(
+        request_id=rid, prompt_token_ids=[5, 9, 33], reply_subject="_INBOX.r",
+        params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        relay_subject=subjects.admission_relay("x"), admission_id="adm", admission_seq=seq,
+        hand_off=True,
+    )  # fmt: skip
+    driver.add(admitted)
+    driver.bind("w1")
+    for _ in range(50):
+        out = driver.step()
+        for relay in out.relays:
+            if relay.item.handoff is not None:
+                return relay.item.handoff
+        for wb in out.batches:
+            driver.on_result(run_on(runner, wb))
+    raise AssertionError("no handoff")

@@ -277,3 +277,74 @@ async def test_a_worker_without_kv_transfer_fails_a_pull_by_name(toy_checkpoint)
         assert (epoch, result.ok, result.cause) == ("e", False, kvt.UNAVAILABLE)
     finally:
         await worker.teardown()
+
+
+async def test_a_replaced_runner_leaves_nixl_before_its_kv_is_freed(toy_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A new runner (a new epoch) is built only once the old one's KV has left NIXL and
+    nothing holds it: on a GPU the new KV is sized to the memory the old one frees, so a
+    reference kept to the old one would fail every rebuild."""
+    import asyncio
+    import gc
+    import weakref
+
+    from services.common.config import SchedulerConfig
+    from services.worker.service import WorkerService
+
+    config = SchedulerConfig(num_blocks=32, block_size=4)
+    worker = WorkerService(
+        "nats://127.0.0.1:1", toy_checkpoint, config, inline_max_s=0.0, kv_transfer=True
+    )
+    await worker.setup()
+    try:
+        assert worker.kv is not None and worker.runner is not None
+        await asyncio.to_thread(worker.kv.before_batch, worker.runner, "e1", "last_exited", [])
+        assert (await worker.kv.source_info()).epoch == "e1"  # registered
+        old = weakref.ref(worker.runner.k_cache)
+        await asyncio.to_thread(worker.runner_host.make_runner, 32, 4, "last_exited")
+        gc.collect()
+        assert old() is None
+        assert (await worker.kv.source_info()).error  # nothing offered until a batch runs
+        await asyncio.to_thread(worker.kv.before_batch, worker.runner, "e2", "last_exited", [])
+        assert (await worker.kv.source_info()).epoch == "e2"
+    finally:
+        await worker.teardown()
+
+
+class _StuckAgent(KVTransferAgent):
+    """Its posts never finish and it never confirms an abort."""
+
+    def start(self, plan: ReadPlan, index: int) -> Transfer:
+        return Transfer(handle=object(), done=False)
+
+    def finished(self, transfer: Transfer) -> bool:
+        return False
+
+    def abort(self, transfer: Transfer, grace_s: float = 0.0) -> bool:
+        transfer.handle = None
+        return False
+
+
+def test_an_arena_a_late_write_may_reach_is_never_freed() -> None:
+    """A pull whose abort NIXL did not confirm may still write its landing blocks: their
+    arena stays allocated even once a new one replaces it (else the write could land in
+    memory the new KV reuses)."""
+    import gc
+    import weakref
+
+    pair = Pair(agent=_StuckAgent)
+    try:
+        old = weakref.ref(pair.dst.k)
+        pair.submit([1, 2], [3, 4], timeout_s=0.2)
+        (outcome,) = pair.wait(1)
+        assert outcome.error is not None and outcome.error.cause == kvt.TIMEOUT
+        assert outcome.abort_unconfirmed
+        fresh = KVArena(torch.zeros(SHAPE), torch.zeros(SHAPE))
+        layout = fresh.layout("last_exited", 4)
+        pair.queue.call(lambda a: a.register(fresh, "e2", layout), resets=True).result(10)
+        pair.dst = fresh
+        del outcome
+        pair.outcomes.clear()
+        gc.collect()
+        assert old() is not None
+    finally:
+        pair.close()

@@ -32,6 +32,9 @@ from services.scheduler.state import SchedulerState
 
 _DEFAULT_HOLD_S = 30.0
 _DEFAULT_PULL_TIMEOUT_S = 10.0
+# past its own deadline, a pull's result comes within the worker's abort grace (2 s per
+# chunk in flight) and a message's way: one not come this long past the deadline is lost
+_RESULT_GRACE_S = 10.0
 
 
 @dataclass
@@ -49,6 +52,7 @@ class _Pull:
     handoff: KVHandoff
     origin_blocks: int  # the local prefix hit: pulled from this block on
     pulled: bool = False  # the worker read them; waiting for the prefill side's word
+    waiting_since: float | None = None  # first seen by ``expire`` without a result
 
 
 class Handoffs:
@@ -91,7 +95,9 @@ class Handoffs:
         """Detaches ``request`` (its stream ends here without a terminal event) and returns
         where its prompt KV is."""
         self._count += 1
-        handoff_id = f"{self.scheduler_id}.{self._count}"
+        # the epoch in it: a new core counts from 1 again, and a late release of the old
+        # core's handoff must not free (and vouch for) the new one's of the same number
+        handoff_id = f"{worker_epoch}.{self._count}"
         holder = f"handoff:{handoff_id}"
         tables = detach(self._state, request, holder)
         blocks = math.ceil(request.num_prompt_tokens / self._state.config.block_size)
@@ -232,6 +238,28 @@ class Pulls:
         request.state = RequestState.RECURRENT
         self._publish(request)
         return True
+
+    def expire(self, now: float) -> list[str]:
+        """Pulls still open long past their deadline: a result that never came (results
+        travel at most once) or an answer that never came. Past ``timeout_s`` twice (the
+        worker's deadline starts when the batch runs, not when it was sent) and a grace,
+        the request prefills here and its handoff goes back; the landing blocks of a pull
+        without a result stay out of use (the worker may still be writing them). Returns
+        the ids of their requests. Called periodically: a pull's wait counts from the
+        first call that sees it."""
+        late = []
+        for transfer_id, pull in self._pulls.items():
+            if pull.waiting_since is None:
+                pull.waiting_since = now
+            elif now - pull.waiting_since > 2 * self.timeout_s + _RESULT_GRACE_S:
+                late.append(transfer_id)
+        out = []
+        for transfer_id in late:
+            pull = self._pulls[transfer_id]
+            self._state.unused_handoffs.append(pull.handoff)
+            self._fall_back(transfer_id, landed=pull.pulled)
+            out.append(pull.request.request_id)
+        return out
 
     def clear(self) -> None:
         """The worker's KV is gone (and the KV manager with it): results still coming are

@@ -58,6 +58,8 @@ class SchedulerDriver(Submissions):
         shard_id: str = subjects.DEFAULT_SHARD,
         log: Any = None,
         abort_keep_s: float = 10.0,
+        kv_handoff_hold_s: float = 30.0,
+        kv_transfer_timeout_s: float = 10.0,
     ) -> None:
         self.config = config
         self.limits = limits
@@ -83,6 +85,9 @@ class SchedulerDriver(Submissions):
         self._out = StepOutput()
         self.executor = NatsExecutor(config, instance)
         self.streams = Streams()
+        # disaggregation: how long a handoff is held without a release, a pull may take
+        self.kv_handoff_hold_s = kv_handoff_hold_s
+        self.kv_transfer_timeout_s = kv_transfer_timeout_s
         self._new_core()
         self.telemetry = SchedulerTelemetry(
             lambda: self.scheduler,
@@ -105,7 +110,10 @@ class SchedulerDriver(Submissions):
         # every new core is a new prefix-log epoch whose first envelope clears the cache, so
         # the prefix cache drops what the previous one published even before we cache anything
         self.scheduler.kv.reset_prefix_cache()
-        self.scheduler.handoffs.scheduler_id = self.instance  # whom decode shards ask
+        handoffs = self.scheduler.handoffs
+        handoffs.scheduler_id = self.instance  # whom decode shards ask
+        handoffs.hold_s = self.kv_handoff_hold_s
+        self.scheduler.pulls.timeout_s = self.kv_transfer_timeout_s
         self.streams.live.clear()
 
     @property
@@ -247,7 +255,8 @@ class SchedulerDriver(Submissions):
         """A decode shard is done with one of our handoffs: True if it was still held."""
         return self.handover.release(handoff_id)
 
-    def expire_handoffs(self, now: float) -> StepOutput:
+    def expire_transfers(self, now: float) -> StepOutput:
+        """Handoffs held too long, pulls whose result never came."""
         self.handover.expire(now)
         return self._take()
 
@@ -276,6 +285,8 @@ class SchedulerDriver(Submissions):
             self.streams.end(rid)
         self.telemetry.on_events(events, self.core.inflight)
         self.log.error("scheduler reset", reason=message, failed=len(events), epoch=self.epoch)
+        self.scheduler.pulls.clear()  # nobody will read their handoffs: released now
+        self._out.kv_releases += self.scheduler.take_unused_handoffs()
         self.executor.new_epoch()
         self._new_core()
         return self._take()

@@ -69,9 +69,18 @@ class Handover:
         return self._driver.scheduler.handoffs.release(handoff_id)
 
     def expire(self, now: float) -> None:
-        for rid in self._driver.scheduler.handoffs.expire(now):
+        """Handoffs nobody released in time (prefill role) and pulls whose result never
+        came (decode role)."""
+        scheduler, log = self._driver.scheduler, self._driver.log
+        for rid in scheduler.handoffs.expire(now):
             self.num_expired += 1
-            self._driver.log.warning("handoff expired; its KV is freed", request_id=rid)
+            log.warning("handoff expired; its KV is freed", request_id=rid)
+        for rid in scheduler.pulls.expire(now):
+            self.num_pull_failures += 1
+            log.warning(
+                "KV pull result never came; prefilling here, its landing blocks kept out of use",
+                request_id=rid,
+            )
 
     def pulled(self, result: KVPullResult) -> KVHandoff | None:
         """A pull's outcome from the worker; returns the handoff to release (None: the

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.config import scheduler_lost_s
+from services.common.flags import SHARD_ROLES
 from services.runtime import subjects
 
 
@@ -78,10 +79,7 @@ class SchedulerOptions:
         return self.producer_name or f"scheduler-{self.shard_id}"
 
 
-ROLES = ("both", "prefill", "decode")
-
-
 def check_role(role: str) -> str:
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if role not in SHARD_ROLES:
+        raise ValueError(f"role must be one of {', '.join(SHARD_ROLES)}, got {role!r}")
     return role

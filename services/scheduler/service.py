@@ -109,9 +109,9 @@ class SchedulerService(Service):
             shard_id=self.options.shard_id,
             log=self.log,
             abort_keep_s=self.options.abort_keep_s,
+            kv_handoff_hold_s=self.options.kv_handoff_hold_s,
+            kv_transfer_timeout_s=self.options.kv_transfer_timeout_s,
         )
-        self.driver.scheduler.handoffs.hold_s = self.options.kv_handoff_hold_s
-        self.driver.scheduler.pulls.timeout_s = self.options.kv_transfer_timeout_s
         self.binding = WorkerBinding(
             self.driver,
             heartbeat_timeout_s=self.options.heartbeat_timeout_s,
@@ -523,5 +523,5 @@ class SchedulerService(Service):
             worker_wait_s=self.options.worker_wait_s,
         )
         await self._publish(expired)
-        await self._publish(d.expire_handoffs(now))
+        await self._publish(d.expire_transfers(now))
         self._wake.set()

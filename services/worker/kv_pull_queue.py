@@ -31,7 +31,7 @@ from typing import Any
 
 from messages.kv_transfer import KVPull, KVSourceInfo
 from services.worker import kv_transfer as kvt
-from services.worker.kv_transfer import KVTransferAgent, ReadPlan, Transfer, TransferError
+from services.worker.kv_transfer import KVArena, KVTransferAgent, ReadPlan, Transfer, TransferError
 
 MAX_IN_FLIGHT = 4  # chunks posted and not done, over all pulls
 _IDLE_POLL_S = 0.002  # while pulls wait for a source or a test hold
@@ -116,6 +116,9 @@ class PullQueue:
         self._active: list[_Active] = []
         self._order = itertools.count()
         self._agent: KVTransferAgent | None = None
+        # arenas a pull whose abort NIXL did not confirm may still write: never freed (a
+        # late write must not land in memory a new arena reuses); rare, and one entry each
+        self._unsafe_arenas: list[KVArena] = []
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, name="rlt-kv", daemon=True)
         # read by health from other threads (plain ints: a moment stale at worst)
@@ -312,6 +315,10 @@ class PullQueue:
         for transfer, _, _ in active.in_flight:
             confirmed &= self._agent.abort(transfer)
         active.in_flight.clear()
+        if not confirmed and active.plan is not None:
+            arena = active.plan.arena
+            if all(kept is not arena for kept in self._unsafe_arenas):
+                self._unsafe_arenas.append(arena)
         if error.cause == kvt.SOURCE_LOST and active.plan is not None:
             self._agent.forget(active.plan.agent_name)
         self._report(active, error, abort_unconfirmed=not confirmed)

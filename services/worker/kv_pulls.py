@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import weakref
 from collections import Counter as Tally
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
@@ -37,6 +38,9 @@ META_TIMEOUT_S = 2.0
 # pulls whose source was asked for and whose batch has not run yet (a batch of an epoch
 # that ended never runs: its entries age out)
 _MAX_PREPARED = 4096
+# how long a runner's replacement waits for the transfer thread to let go of the old KV
+# (its pulls' aborts included: 2 s each at most when NIXL does not confirm them)
+RETIRE_TIMEOUT_S = 15.0
 TRANSFER_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 # fetches a worker's KVSourceInfo (None: nobody answered)
@@ -109,7 +113,9 @@ class KVPulls:
         self._fetching: dict[str, asyncio.Task[KVSourceInfo | None]] = {}
         # transfer id -> its source's description, resolved on the loop
         self._prepared: OrderedDict[str, concurrent.futures.Future[KVSourceInfo]] = OrderedDict()
-        self._registered: Any = None  # (runner, epoch) whose arenas are registered
+        # (runner, epoch) whose arenas are registered; the runner weakly: a replaced
+        # runner's KV must be freed before the next one is allocated
+        self._registered: tuple[weakref.ref[Any], str] | None = None
         # (epoch, result) for the service to send to that epoch's scheduler
         self.results: asyncio.Queue[tuple[str, KVPullResult]] = asyncio.Queue()
         self.num_pulls = self.num_failed = 0
@@ -189,10 +195,11 @@ class KVPulls:
                 why = TransferError(kvt.UNAVAILABLE, "this worker has no KV transfer agent")
                 self._finish(epoch, pull, why, 0, 0.0, 0.0)
             return
-        if (runner, epoch) != self._registered:
+        registered = self._registered
+        if registered is None or registered[0]() is not runner or registered[1] != epoch:
             arena = arena_of(runner)
             if arena is not None:
-                self._registered = (runner, epoch)
+                self._registered = (weakref.ref(runner), epoch)
                 layout = arena.layout(kv_layout, num_planes(kv_layout, self.total_loops))
                 self.queue.call(lambda agent: agent.register(arena, epoch, layout), resets=True)
         for pull in pulls:
@@ -201,6 +208,23 @@ class KVPulls:
                 source = concurrent.futures.Future()
                 source.set_exception(TransferError(kvt.ERROR, "no source was asked for"))
             self.queue.submit(PullJob(epoch, pull, source))
+
+    def retire(self, timeout: float = RETIRE_TIMEOUT_S) -> None:
+        """Blocking, on the compute thread just before the runner is replaced: ends the
+        pulls landing in its KV and withdraws that KV from NIXL, so that nothing holds it
+        once the runner goes (the new runner's KV is sized to the memory the old one
+        frees; a peer reading it meanwhile fails instead of reading freed memory)."""
+        if not self._started or self._registered is None:
+            return
+        self._registered = None
+        done = self.queue.call(lambda agent: agent.deregister(), resets=True)
+        try:
+            done.result(timeout)
+        except concurrent.futures.TimeoutError:
+            self.log.error(
+                "the KV transfer thread did not let go of the old KV in time; it stays "
+                "allocated", timeout_s=timeout,
+            )  # fmt: skip
 
     def _done(self, outcome: PullOutcome) -> None:
         """On the transfer thread."""

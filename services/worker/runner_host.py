@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -40,11 +41,20 @@ class RunnerHost:
     """Loads the model once; builds a ``ModelRunner`` (or a ``SimRunner``) per KV geometry."""
 
     def __init__(
-        self, checkpoint: str | Path, device: str, dtype: torch.dtype, *, sim_kv: bool = False
+        self,
+        checkpoint: str | Path,
+        device: str,
+        dtype: torch.dtype,
+        *,
+        sim_kv: bool = False,
+        before_replace: Callable[[], None] | None = None,
     ) -> None:
         """``sim_kv``: a simulated device gets host KV arenas too (no compute reads them), so
-        a disaggregation bench moves real bytes between simulated workers."""
+        a disaggregation bench moves real bytes between simulated workers.
+        ``before_replace``: called before a runner is dropped for a new one, so that
+        whatever else holds its KV (the KV transfer agent) lets go of it first."""
         self.sim_kv = sim_kv
+        self.before_replace = before_replace
         self.checkpoint = Path(checkpoint)
         self.device = device
         self.dtype = dtype
@@ -133,6 +143,8 @@ class RunnerHost:
 
     def make_runner(self, num_blocks: int, block_size: int, kv_layout: str) -> None:
         # on the compute thread (or at setup): allocating device KV can take a while
+        if self.runner is not None and self.before_replace is not None:
+            self.before_replace()
         self.runner = None  # free the old KV before allocating the new one
         if self.simulated:
             assert self._sim_config is not None

@@ -79,7 +79,9 @@ class WorkerService(Service):
         self.heartbeat_interval_s = heartbeat_interval_s
         self._batches_in = Reassembler()
         self.config = config or SchedulerConfig()
-        self.runner_host = RunnerHost(checkpoint, device, dtype, sim_kv=kv_transfer)
+        self.runner_host = RunnerHost(
+            checkpoint, device, dtype, sim_kv=kv_transfer, before_replace=self._retire_kv
+        )
         self.kv_transfer = kv_transfer
         self.simulated = self.runner_host.simulated
         # batches expected to run under this run on the event loop (0: never); by default
@@ -335,6 +337,12 @@ class WorkerService(Service):
         transfer thread, and a new runner's KV is offered to peers."""
         if self.kv is not None:
             self.kv.before_batch(runner, wb.epoch, wb.kv_layout, wb.batch.kv_pulls)
+
+    def _retire_kv(self) -> None:
+        """On the compute thread, before a new runner is built: the old one's KV leaves
+        NIXL (its pulls end) so that it is freed with the runner."""
+        if self.kv is not None:
+            self.kv.retire()
 
     async def _on_kv_meta(self, msg: Msg) -> None:
         if not msg.reply or self.kv is None:
