@@ -484,6 +484,34 @@ def test_ops_pass_opcheck() -> None:
 
 
 @pytest.mark.unit
+def test_flash_decode_serves_only_the_dtype_it_was_chosen_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """flash-attn is validated at start for the model's dtype: a float32 runner in the same
+    process (an oracle check beside a bf16 model) still gets the Triton kernel, and prompt
+    chunks always do."""
+    from kernels.ops import attention_flash
+
+    calls: list[str] = []
+
+    def fake(name: str) -> Callable[..., torch.Tensor]:
+        return lambda q, *rest: calls.append(name) or q
+
+    monkeypatch.setattr(attention_flash, "paged_decode", fake("flash"))
+    monkeypatch.setattr(attention, "paged_attention_triton", fake("triton"))
+    monkeypatch.setattr(attention, "triton_available", lambda: True)
+    rest = (None,) * 5 + (1.0,)
+    attention.use_flash_decode(torch.bfloat16)
+    try:
+        attention._paged_attention_cuda(torch.zeros(2, 4, 8), *rest, 1)
+        attention._paged_attention_cuda(torch.zeros(2, 4, 8, dtype=torch.bfloat16), *rest, 1)
+        attention._paged_attention_cuda(torch.zeros(5, 4, 8, dtype=torch.bfloat16), *rest, 5)
+    finally:
+        attention.use_flash_decode(None)
+    assert calls == ["triton", "flash", "triton"]
+
+
+@pytest.mark.unit
 def test_package_imports_without_triton() -> None:
     """The ops run on CPU with triton absent, and the Triton kernel modules load lazily."""
     code = (
