@@ -23,9 +23,15 @@ EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
 
 if [ -d .whl ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/rlt-site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/rlt-site${PYTHONPATH:+:$PYTHONPATH}
+    # the wheels carried flat in .whl/ (scripts/device_wheels.sh keeps its own in folders)
+    shopt -s nullglob
+    wheels=(.whl/*.whl)
+    shopt -u nullglob
+    if [ ${#wheels[@]} -gt 0 ]; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/rlt-site "${wheels[@]}" || exit 1
+        export PYTHONPATH=/tmp/rlt-site${PYTHONPATH:+:$PYTHONPATH}
+    fi
     if [ -f .whl/nats-server ]; then
         chmod +x .whl/nats-server
         export PATH="$PWD/.whl:$PATH"

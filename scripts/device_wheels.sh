@@ -3,7 +3,7 @@
 # and installed there in one command (the machine has no network).
 #
 #   bash scripts/device_wheels.sh fetch     # here: into .whl/ (git-ignored), ~110 MB
-#   bash scripts/device_wheels.sh install   # there: into /tmp/site; prints the PYTHONPATH
+#   bash scripts/device_wheels.sh install   # there: into /tmp/site ($SITE); prints the PYTHONPATH
 #
 # .whl/core       msgspec, structlog: the engine imports them (the GPU image has neither)
 # .whl/flash      flash-attn 4 and its small needs (the image has torch, einops, typing-ext.)
@@ -14,7 +14,7 @@
 # of the CuTe DSL library are there (they are joined first). docs/gpu.md has the two calls.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-WHL="$ROOT/.whl"
+WHL="${WHL:-$ROOT/.whl}"
 PYTHON="${PYTHON:-python3}"
 CORE=(msgspec==0.23.0 structlog==26.1.0)
 FLASH=(
@@ -22,6 +22,7 @@ FLASH=(
   quack-kernels==0.6.5
   nvidia-cutlass-dsl==4.8.1
   nvidia-cutlass-dsl-libs-base==4.8.1
+  nvidia-cutlass-dsl-libs-core==4.8.1
   apache-tvm-ffi==0.1.15.post2
   torch-c-dlpack-ext==0.1.5
 )
@@ -55,7 +56,7 @@ fetch() {
 }
 
 install() {
-  local site=/tmp/site wheels=("$WHL"/core/*.whl)
+  local site=${SITE:-/tmp/site} wheels=("$WHL"/core/*.whl)
   local first=("$WHL"/cutlass-1/*.part-00) second=("$WHL"/cutlass-2/*.part-01)
   if [[ -e "${first[0]}" && -e "${second[0]}" ]]; then
     local name
@@ -68,7 +69,13 @@ install() {
   fi
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$site" "${wheels[@]}"
-  echo "$site"
+  # the CuTe DSL's packages sit under nvidia_cutlass_dsl/dsl_packages, put on sys.path by a
+  # .pth file that only a site directory runs, never a PYTHONPATH entry: name it too
+  if [[ -d "$site/nvidia_cutlass_dsl/dsl_packages" ]]; then
+    echo "$site:$site/nvidia_cutlass_dsl/dsl_packages"
+  else
+    echo "$site"
+  fi
 }
 
 case "${1:-}" in

@@ -181,3 +181,67 @@ def test_device_pipeline_script_cpu(tmp_path: Path) -> None:
         assert {r["arm"] for r in comp["runs"]} == arms
         assert "--arms" in results["command"] and results["targets"]
         assert (out / folder / "report.md").exists() and (out / f"{folder}.log").exists()
+
+
+def _wheel(folder: Path, name: str, files: dict[str, str]) -> Path:
+    """A minimal wheel of ``files`` (pip installs it with --no-deps --no-index)."""
+    import zipfile
+
+    dist = f"{name}-1.0.dist-info"
+    meta = {
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+        f"{dist}/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    contents = {**files, **meta}
+    contents[f"{dist}/RECORD"] = "".join(f"{path},,\n" for path in [*contents, f"{dist}/RECORD"])
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for member, text in contents.items():
+            zf.writestr(member, text)
+    return path
+
+
+@pytest.mark.unit
+def test_device_wheels_install_puts_the_cute_dsl_packages_on_the_path(tmp_path: Path) -> None:
+    """What ``device_wheels.sh install`` prints is all the PYTHONPATH a lent machine gets: the
+    CuTe DSL's ``cutlass`` package, which its wheels put under ``dsl_packages`` behind a .pth
+    file (run only in a site directory), must import through it."""
+    whl = tmp_path / "whl"
+    _wheel(whl / "core", "fake_core", {"fake_core.py": ""})
+    _wheel(whl / "flash", "fake_flash", {"fake_flash.py": ""})
+    dsl = _wheel(
+        tmp_path / "big",
+        "fake_dsl",
+        {
+            "nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py": "",
+            "fake_dsl_packages.pth": "import sys; sys.path.insert(0, 'unused')\n",
+        },
+    )
+    data = dsl.read_bytes()  # the big wheel travels in two halves
+    for half, part, piece in (
+        ("cutlass-1", "part-00", data[: len(data) // 2]),
+        ("cutlass-2", "part-01", data[len(data) // 2 :]),
+    ):
+        (whl / half).mkdir()
+        (whl / half / f"{dsl.name}.{part}").write_bytes(piece)
+    env = dict(os.environ, WHL=str(whl), SITE=str(tmp_path / "site"), PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "device_wheels.sh"), "install"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path = proc.stdout.strip().splitlines()[-1]
+    probe = subprocess.run(
+        [sys.executable, "-c", "import cutlass, fake_core, fake_flash"],
+        env=dict(os.environ, PYTHONPATH=path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.returncode == 0, (path, probe.stderr[-2000:])

@@ -17,6 +17,7 @@ import importlib.util
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -483,6 +484,34 @@ def test_ops_pass_opcheck() -> None:
 
 
 @pytest.mark.unit
+def test_flash_decode_serves_only_the_dtype_it_was_chosen_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """flash-attn is validated at start for the model's dtype: a float32 runner in the same
+    process (an oracle check beside a bf16 model) still gets the Triton kernel, and prompt
+    chunks always do."""
+    from kernels.ops import attention_flash
+
+    calls: list[str] = []
+
+    def fake(name: str) -> Callable[..., torch.Tensor]:
+        return lambda q, *rest: calls.append(name) or q
+
+    monkeypatch.setattr(attention_flash, "paged_decode", fake("flash"))
+    monkeypatch.setattr(attention, "paged_attention_triton", fake("triton"))
+    monkeypatch.setattr(attention, "triton_available", lambda: True)
+    rest = (None,) * 5 + (1.0,)
+    attention.use_flash_decode(torch.bfloat16)
+    try:
+        attention._paged_attention_cuda(torch.zeros(2, 4, 8), *rest, 1)
+        attention._paged_attention_cuda(torch.zeros(2, 4, 8, dtype=torch.bfloat16), *rest, 1)
+        attention._paged_attention_cuda(torch.zeros(5, 4, 8, dtype=torch.bfloat16), *rest, 5)
+    finally:
+        attention.use_flash_decode(None)
+    assert calls == ["triton", "flash", "triton"]
+
+
+@pytest.mark.unit
 def test_package_imports_without_triton() -> None:
     """The ops run on CPU with triton absent, and the Triton kernel modules load lazily."""
     code = (
@@ -819,7 +848,7 @@ _TRITON_TYPES = {
     torch.uint8: "u8",
     torch.bool: "i1",
 }
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "enable_reflect_ftz")
 
 
 def _record_launches(calls: Callable[[], None]) -> list[tuple]:
@@ -838,9 +867,10 @@ def _record_launches(calls: Callable[[], None]) -> list[tuple]:
     return launches
 
 
-def _compile_for_hopper(kernel, args: tuple, kwargs: dict) -> None:  # type: ignore[no-untyped-def]
+def _compile_for_hopper(kernel, args: tuple, kwargs: dict) -> str:  # type: ignore[no-untyped-def]
     """Compiles one recorded launch to an sm_90 cubin (Triton's bundled ptxas): type errors,
-    unsupported ops and register allocation failures show up here, as on the GPU."""
+    unsupported ops and register allocation failures show up here, as on the GPU. Returns
+    the PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -872,7 +902,7 @@ def _compile_for_hopper(kernel, args: tuple, kwargs: dict) -> None:  # type: ign
         constexprs={(names.index(n),): v for n, v in constexprs.items()},
     )
     options = {k: v for k, v in kwargs.items() if k in _LAUNCH_OPTIONS}
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 def _ouro_shaped_launches() -> None:
@@ -905,6 +935,12 @@ def _ouro_shaped_launches() -> None:
     sample_triton.sample(sampler_args[0], sampler_args[1].double(), *sampler_args[2:])
 
 
+def _no_ex2(ptx: str) -> str:
+    """The PTX without its ex2.approx instructions: every expf uses the flushing one inside
+    (nvcc's and libdevice's alike), so it says nothing about the build."""
+    return re.sub(r"ex2\.approx\.ftz\.f32", "", ptx)
+
+
 def _compile_main() -> int:
     """``python -m tests.test_kernel_ops compile``: every kernel the wrappers launch at
     Ouro's shapes, compiled for sm_90."""
@@ -915,9 +951,14 @@ def _compile_main() -> int:
     failures = []
     for kernel, args, kwargs in launches:
         try:
-            _compile_for_hopper(kernel, args, kwargs)
+            ptx = _compile_for_hopper(kernel, args, kwargs)
         except Exception as exc:
             failures.append(f"{kernel.__name__}: {type(exc).__name__}: {str(exc)[-2000:]}")
+            continue
+        # the sampler's libdevice exp/log must be torch's (nvcc's default keeps subnormals);
+        # Triton links libdevice flushing them to zero unless told not to
+        if kernel.__name__ == "_sample_kernel" and re.search(r"\.ftz\.f32", _no_ex2(ptx)):
+            failures.append(f"{kernel.__name__}: libdevice compiled flush-to-zero")
     print(f"compiled {len(launches) - len(failures)}/{len(launches)} launches for sm_90")
     for line in failures:
         print("COMPILE FAILED", line)

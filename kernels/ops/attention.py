@@ -358,13 +358,14 @@ def paged_attention_triton(
     )
 
 
-# Whether CUDA decode passes (max_query_len 1) go through flash-attn 4: set at start by
-# kernels.ops.backends where it is exact and faster here; the Triton kernels otherwise.
-_cuda_decode = {"flash": False}
+# The dtype whose CUDA decode passes (max_query_len 1) go through flash-attn 4: set at start
+# by kernels.ops.backends where it is exact and faster here for that dtype; None (and any
+# other dtype): the Triton kernels.
+_cuda_decode: dict[str, torch.dtype | None] = {"flash": None}
 
 
-def use_flash_decode(enabled: bool) -> None:
-    _cuda_decode["flash"] = enabled
+def use_flash_decode(dtype: torch.dtype | None) -> None:
+    _cuda_decode["flash"] = dtype
 
 
 def _paged_attention_cuda(
@@ -377,7 +378,7 @@ def _paged_attention_cuda(
     scale: float,
     max_query_len: int,
 ) -> torch.Tensor:
-    if max_query_len == 1 and _cuda_decode["flash"]:
+    if max_query_len == 1 and q.dtype == _cuda_decode["flash"]:
         from kernels.ops import attention_flash
 
         impl = attention_flash.paged_decode

@@ -133,6 +133,27 @@ def compare_flash(case: PagedDecodeCase) -> tuple[float, float, float]:
     return error, triton_ms, flash_ms
 
 
+def replays_in_a_graph(case: PagedDecodeCase) -> bool:
+    """Whether flash-attn, captured in a CUDA graph as the static decode passes capture it,
+    replays to its eager output (a capture that fails raises: then it is not chosen, rather
+    than failing the runner's capture at start)."""
+    from kernels.ops import attention_flash
+
+    want = attention_flash.paged_decode(*case.args())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attention_flash.paged_decode(*case.args())
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = attention_flash.paged_decode(*case.args())
+    got.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return bool(torch.equal(got, want))
+
+
 def select_decode_attention(
     device: torch.device,
     num_heads: int,
@@ -141,7 +162,7 @@ def select_decode_attention(
     block_size: int,
     dtype: torch.dtype,
 ) -> Choice:
-    attention.use_flash_decode(False)
+    attention.use_flash_decode(None)
     if not triton_available():
         return Choice("paged_attention", "torch", "triton does not import")
     if os.environ.get("RLT_FLASH_ATTN") == "0":
@@ -159,6 +180,7 @@ def select_decode_attention(
             error, triton_ms, flash_ms = compare_flash(case)
             worst = max(worst, error)
             slowest = min(slowest, triton_ms / flash_ms)
+        replays = replays_in_a_graph(case)
     except Exception as exc:
         return Choice("paged_attention", "triton", f"flash-attn {version} failed: {exc!r}"[:300])
     seconds = time.perf_counter() - t0
@@ -170,5 +192,7 @@ def select_decode_attention(
         return Choice("paged_attention", "triton", f"{facts}: not exact")
     if slowest < MIN_SPEEDUP:
         return Choice("paged_attention", "triton", f"{facts}: under {MIN_SPEEDUP}x")
-    attention.use_flash_decode(True)
+    if not replays:
+        return Choice("paged_attention", "triton", f"{facts}: a CUDA graph replays it wrong")
+    attention.use_flash_decode(dtype)
     return Choice("paged_attention", "flash_attn_4", facts)

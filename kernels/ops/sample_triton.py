@@ -12,7 +12,8 @@ on the values' order-preserving uint32 keys (32 steps, each a pass over the row)
 
 Masses are the reference's fixed point integers, so the sums are exact in any order. Every
 float is computed with the reference's operations: correctly rounded division and libdevice
-``exp``/``log`` (what torch's CUDA kernels call), never Triton's fast approximations. Greedy
+``exp``/``log`` (what torch's CUDA kernels call, linked without flush-to-zero as nvcc builds
+torch), never Triton's fast approximations. Greedy
 rows only take the first argmax of the raw logits; a sampled row does the top-k passes only
 with top-k on and the top-p passes only with top-p on.
 """
@@ -256,5 +257,7 @@ def sample(
             num_warps=8,
             # no fused multiply-adds: each float is the reference's rounding, step by step
             enable_fp_fusion=False,
+            # libdevice's exp/log as nvcc builds torch's (subnormals kept, not flushed)
+            enable_reflect_ftz=False,
         )
     return ids, bad, threshold

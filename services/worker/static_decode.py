@@ -19,6 +19,7 @@ are valid until the next replay: the runner reads them (or copies them) before t
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from enum import StrEnum
@@ -49,6 +50,14 @@ class DecodeMode(StrEnum):
         asked = os.environ.get("RLT_DECODE_MODE")
         mode = cls(asked) if asked else cls.GRAPHS if device.type == "cuda" else cls.EAGER
         return cls.PADDED if mode is cls.GRAPHS and device.type != "cuda" else mode
+
+
+@functools.cache
+def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream of every capture's warm-up: torch gives each stream a cuBLAS
+    workspace of its own (tens of MiB, kept for good), so a stream per capture would hold
+    one per graph."""
+    return torch.cuda.Stream(device)
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -118,12 +127,16 @@ class StaticDecode:
         memory pool, and logs how long it took and the memory it reserved."""
         t0 = time.perf_counter()
         device = self.runner.model.device
+        # each capture empties the allocator's cache: emptied first, what that frees (a
+        # backend probe's buffers, say) is not taken off the graphs' memory
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
         for bucket in self.buckets:
             for variant in Variant:
                 self._prepare(bucket, variant, capture=True)
         torch.cuda.synchronize(device)
-        self.capture_bytes = torch.cuda.memory_reserved(device) - before
+        self.capture_bytes = max(0, torch.cuda.memory_reserved(device) - before)
         free, total = torch.cuda.mem_get_info(device)
         _log.info(
             "cuda_graphs_ready",
@@ -218,7 +231,7 @@ class StaticDecode:
         t0 = time.perf_counter()
         blank = self._blank(bucket, variant)
         static.words.copy_(torch.from_numpy(blank.host.buffer))
-        stream = torch.cuda.Stream()
+        stream = _warmup_stream(self.runner.model.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: kernels compiled and autotuned outside the capture
