@@ -75,7 +75,7 @@ def test_the_kv_registered_for_peers_is_let_go_before_the_next_runner_is_built(
         pulls = KVPulls("reset-test", host.total_loops, fetch, CollectorRegistry(), _Log())
         await pulls.start()
         try:
-            host.release_kv = pulls.release_arena
+            host.before_replace = pulls.retire
             host.make_runner(16, 4, "shared")
             pulls.before_batch(host.runner, "epoch-1", "shared", [])  # offered to peers
             info = await pulls.source_info()

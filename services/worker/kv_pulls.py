@@ -187,19 +187,6 @@ class KVPulls:
             self._sources[pull.worker_id] = info
             future.set_result(info)
 
-    def release_arena(self, timeout_s: float = 10.0) -> None:
-        """Blocking, on the compute thread before a new runner is built: the registered
-        runner is dropped and its arenas deregistered (the pulls landing there end), so its
-        KV can be freed before the new one is allocated."""
-        self._registered = None
-        if not self._started:
-            return
-        done = self.queue.call(lambda agent: agent.deregister(), resets=True)
-        try:
-            done.result(timeout_s)
-        except Exception as exc:  # the old KV may stay held: the new one may not fit
-            self.log.warning("KV arenas not deregistered", error=repr(exc)[:200])
-
     def before_batch(self, runner: Any, epoch: str, kv_layout: str, pulls: list[KVPull]) -> None:
         """On the compute thread (or the loop) just before a batch runs: (re)registers the
         runner's arenas, then hands the batch's pulls to the transfer thread."""

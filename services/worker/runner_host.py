@@ -66,9 +66,6 @@ class RunnerHost:
         self._sim_config: OuroConfig | None = None
         # device memory the CUDA graphs of a runner take (measured at load), kept out of KV
         self.graph_reserve_bytes = 0
-        # called when a runner is dropped, before the next is built: whoever else holds its
-        # KV (the KV transfer agent offering it to peers) lets it go
-        self.release_kv: Callable[[], None] | None = None
 
     def load(self) -> None:
         """Blocking (reads the checkpoint): the service runs it on a thread."""
@@ -149,8 +146,6 @@ class RunnerHost:
         if self.runner is not None and self.before_replace is not None:
             self.before_replace()
         self.runner = None  # free the old KV before allocating the new one
-        if self.release_kv is not None:
-            self.release_kv()
         # a runner and its static decode passes refer to each other: only the cyclic
         # collector frees them, and it would not run before the new KV is allocated
         gc.collect()

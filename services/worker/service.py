@@ -120,7 +120,6 @@ class WorkerService(Service):
             self.log,
             shard=self.shard_id,
         )
-        host.release_kv = self.kv.release_arena
         if self.kv_transfer:
             try:
                 await self.kv.start()
