@@ -12,10 +12,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from messages.batch import SparsePrefill
 from messages.errors import RequestError
 from messages.prefix import encode_extra_keys
-from messages.sampling import SamplingParams, check_retention
+from messages.sampling import PrefillSetting, SamplingParams, SparsePrefill, check_retention
 
 # FlashLoop's LoopFreeze defaults for Ouro's four loops: two dense loops, then a quarter
 # and a tenth of the tokens
@@ -116,8 +115,13 @@ def resolve_sparse_prefill(
     total_ut_steps: int,
     *,
     split_prefill: bool,
+    carried: PrefillSetting | None = None,
 ) -> SparseSchedule | None:
-    """The schedule a request runs under (None: dense), or RequestError naming why not."""
+    """The schedule a request runs under (None: dense), or RequestError naming why not.
+    ``carried``: the setting the shard that first ran it resolved (a resumed request keeps
+    it; this shard's defaults do not apply)."""
+    if carried is not None:
+        return _carried_schedule(carried, total_ut_steps, split_prefill=split_prefill)
     wanted = params.wants_sparse_prefill
     if wanted is None:
         # the server's default does not apply where it cannot: prompt logprobs need every
@@ -139,3 +143,30 @@ def resolve_sparse_prefill(
             "loops (one entry per loop)"
         )
     return SparseSchedule.of(defaults.window, retention)
+
+
+def prefill_setting(schedule: SparseSchedule | None) -> PrefillSetting:
+    """What a request carries to the next shard it runs on."""
+    return PrefillSetting(sparse_prefill=None if schedule is None else schedule.to_wire())
+
+
+def _carried_schedule(
+    carried: PrefillSetting, total_ut_steps: int, *, split_prefill: bool
+) -> SparseSchedule | None:
+    sparse = carried.sparse_prefill
+    if sparse is None:
+        return None
+    if not split_prefill:
+        raise RequestError(
+            "the request runs token-sparse prefill (the shard that started it resolved so), "
+            "which needs split or wavefront prefill; this engine runs atomic prefill"
+        )
+    if isinstance(sparse.window, bool) or sparse.window < 1:
+        raise RequestError(f"sparse prefill window must be >= 1, got {sparse.window!r}")
+    check_retention(list(sparse.retention), "prefill_retention")
+    if len(sparse.retention) != total_ut_steps:
+        raise RequestError(
+            f"the request's prefill_retention has {len(sparse.retention)} entries; this "
+            f"model runs {total_ut_steps} loops"
+        )
+    return SparseSchedule.from_wire(sparse)

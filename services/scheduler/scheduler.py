@@ -24,7 +24,7 @@ from messages.batch import BatchKind, BatchResult
 from messages.errors import ErrorCode, RequestError
 from messages.kv_transfer import KVBlockFormat, KVHandoff
 from messages.prefix import PrefixEventBatch, prompt_block_hashes
-from messages.sampling import SamplingParams
+from messages.sampling import PrefillSetting, SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.fit import check_request_fits
 from services.common.sparse_prefill import resolve_sparse_prefill
@@ -121,6 +121,7 @@ class Scheduler:
         *,
         hand_off: bool = False,
         kv_source: KVHandoff | None = None,
+        prefill_setting: PrefillSetting | None = None,
     ) -> Request:
         """Validates and queues a request; raises RequestError and changes nothing on failure.
 
@@ -131,7 +132,9 @@ class Scheduler:
 
         Disaggregation: ``hand_off`` stops it after its first token, for a decode shard
         (``Handoffs``); ``kv_source`` (with its first token known) pulls its prompt's KV
-        from a prefill worker instead of computing it (``Pulls``), if the blocks fit here."""
+        from a prefill worker instead of computing it (``Pulls``), if the blocks fit here.
+        ``prefill_setting`` (or the handoff's): how the shard that first ran it prefilled
+        its prompt, which a resumed request keeps (token-sparse prefill)."""
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id must be a non-empty string")
         if request_id in self._state.requests:
@@ -146,11 +149,14 @@ class Scheduler:
         )
         known = known_outputs or KnownOutputs([], [])
         validate_known_outputs(known, resolved, self.limits)
+        if prefill_setting is None and kv_source is not None:
+            prefill_setting = kv_source.prefill_setting
         sparse = resolve_sparse_prefill(
             resolved,
             self.config.sparse_defaults(),
             self.total_ut_steps,
             split_prefill=bool(self.config.split_prefill),
+            carried=prefill_setting,
         )
         seed = resolved.seed if resolved.seed is not None else self._rng.getrandbits(63)
         request = Request(
