@@ -8,7 +8,7 @@ import msgspec
 from messages.api import FinishedEvent, StreamEvent
 from messages.batch import Batch, BatchResult
 from messages.kv_transfer import KVBlockFormat, KVHandoff
-from messages.sampling import PrefillSetting, SamplingParams
+from messages.sampling import PrefillSetting, SamplingParams, SparsePrefill
 
 
 class AdmittedRequest(msgspec.Struct, kw_only=True):
@@ -117,6 +117,12 @@ class ShardAnnounce(msgspec.Struct, kw_only=True):
     # (prefill and decode shards must agree, or the shard is refused by name)
     role: str = "both"
     block_format: KVBlockFormat | None = None
+    # token-sparse prefill: what a request asking for it without a retention runs under here
+    # (window, this model's retention; None: this shard cannot run it, or did not say), and
+    # whether a request that does not choose gets it. A sparse request's block hashes
+    # include its setting: admission keys its prefix lookups the way this shard keys blocks
+    sparse_prefill: SparsePrefill | None = None
+    sparse_prefill_default: bool = False
 
 
 class RelayedEvent(msgspec.Struct, kw_only=True, omit_defaults=True):

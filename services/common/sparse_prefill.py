@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from messages.errors import RequestError
-from messages.prefix import encode_extra_keys
+from messages.prefix import encode_extra_keys, prompt_block_hashes
 from messages.sampling import PrefillSetting, SamplingParams, SparsePrefill, check_retention
 
 # FlashLoop's LoopFreeze defaults for Ouro's four loops: two dense loops, then a quarter
@@ -91,12 +91,38 @@ class SparseSchedule:
         prompt (its windows are whole and hold no forced last token), KV from it on cannot."""
         return self.window_bounds(prompt_len - 1, prompt_len)[0] if prompt_len else 0
 
+    def whole_window_blocks(self, blocks: int, block_size: int) -> int:
+        """A run of ``blocks`` cached leading blocks, cut to what a request may claim: a hit
+        must end where both a block and a window end (a window's active tokens are chosen
+        from all of it)."""
+        step = math.lcm(self.window, block_size) // block_size
+        return blocks - blocks % step
+
     def cache_key(self) -> bytes:
         """What a prefix block's hash must include: KV made under another window or
         retention is other KV."""
         return encode_extra_keys(
             "sparse-prefill", str(self.window), ",".join(repr(r) for r in self.retention)
         )
+
+
+def prefix_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    schedule: SparseSchedule | None,
+    salt: bytes = b"",
+) -> list[int]:
+    """The prompt's block hashes as a scheduler publishes and claims them, and as admission
+    must ask the prefix index for them. Under token-sparse prefill a block's KV depends on
+    the window and retention (they go into its hash) and on whether its window holds the
+    prompt's last token (always kept): only blocks before the last window are another
+    prompt's."""
+    if schedule is None:
+        return prompt_block_hashes(token_ids, block_size, salt)
+    reusable = schedule.last_reusable_position(len(token_ids)) // block_size
+    return prompt_block_hashes(
+        token_ids, block_size, salt + schedule.cache_key(), max_blocks=reusable
+    )
 
 
 @dataclass(frozen=True)
@@ -107,6 +133,18 @@ class SparseDefaults:
     enabled: bool = False
     retention: tuple[float, ...] | None = None  # None: default_retention(total_ut_steps)
     window: int = DEFAULT_SPARSE_WINDOW
+
+    def offer(self, total_ut_steps: int) -> SparsePrefill:
+        """What a request that asks for the option without its own retention runs under
+        (a shard announces it: admission keys its prefix lookups the way the shard keys its
+        blocks)."""
+        retention = self.retention or default_retention(total_ut_steps)
+        return SparsePrefill(window=self.window, retention=tuple(retention))
+
+    @classmethod
+    def offered(cls, offer: SparsePrefill, enabled: bool) -> SparseDefaults:
+        """A shard's defaults from its announcement (``offer``'s inverse)."""
+        return cls(enabled=enabled, retention=tuple(offer.retention), window=offer.window)
 
 
 def resolve_sparse_prefill(

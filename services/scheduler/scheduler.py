@@ -23,11 +23,11 @@ from messages.api import StreamEvent
 from messages.batch import BatchKind, BatchResult
 from messages.errors import ErrorCode, RequestError
 from messages.kv_transfer import KVBlockFormat, KVHandoff
-from messages.prefix import PrefixEventBatch, prompt_block_hashes
-from messages.sampling import PrefillSetting, SamplingParams
+from messages.prefix import PrefixEventBatch
+from messages.sampling import PrefillSetting, SamplingParams, SparsePrefill
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.fit import check_request_fits
-from services.common.sparse_prefill import resolve_sparse_prefill
+from services.common.sparse_prefill import prefix_block_hashes, resolve_sparse_prefill
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.batch_builder import build_batch
 from services.scheduler.depth_budget import BudgetChange, DepthBudget
@@ -186,21 +186,18 @@ class Scheduler:
         heapq.heappush(self._state.waiting, (request.priority_key, request))
         return request
 
+    def sparse_prefill_offer(self) -> SparsePrefill | None:
+        """What a request that asks for token-sparse prefill without a retention runs under
+        here (None: this engine runs atomic prefill, which cannot)."""
+        if not self.config.split_prefill:
+            return None
+        return self.config.sparse_defaults().offer(self.total_ut_steps)
+
     def _block_hashes(self, request: Request) -> list[int]:
-        """The prompt blocks the request may publish and claim. Under token-sparse prefill
-        a block's KV depends on the window and retention (they go into its hash) and on
-        whether its window holds the prompt's last token (always kept): only blocks before
-        the last window are another prompt's."""
-        bs = self.config.block_size
-        sparse = request.sparse
-        if sparse is None:
-            return prompt_block_hashes(request.prompt_token_ids, bs, self.cache_salt)
-        reusable = sparse.last_reusable_position(request.num_prompt_tokens) // bs
-        return prompt_block_hashes(
-            request.prompt_token_ids,
-            bs,
-            self.cache_salt + sparse.cache_key(),
-            max_blocks=reusable,
+        """The prompt blocks the request may publish and claim (under token-sparse prefill,
+        keyed by its setting and only before its last window: ``prefix_block_hashes``)."""
+        return prefix_block_hashes(
+            request.prompt_token_ids, self.config.block_size, request.sparse, self.cache_salt
         )
 
     def finish_if_complete(self, request_id: str) -> list[StreamEvent]:
