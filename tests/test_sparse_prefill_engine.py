@@ -161,3 +161,63 @@ def test_worker_loss_mid_window_recomputes_the_same_active_sets(toy_model, crash
     engine.core.executor = InProcessExecutor(engine.runner)
     events += engine.run_until_done()
     assert finished(events) == expected
+
+
+def test_a_window_whose_state_a_failed_batch_lost_fails_its_row_not_the_batch(
+    toy_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With async scheduling a window's next loop may already be in flight when the batch
+    that should have chosen its active tokens fails: the worker then has no active set for
+    it. Only that request's row fails (the scheduler has ended the request already); the
+    other requests of the batch run as usual."""
+    config = SchedulerConfig(
+        block_size=4, num_blocks=256, max_num_batched_tokens=64, prefill_chunk_size=8,
+        sparse_window=8, async_scheduling=False,
+    )  # fmt: skip
+    sparse = SamplingParams(
+        max_tokens=2, temperature=0.0, ignore_eos=True, token_sparse_prefill=True
+    )
+    dense = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    wires = []
+    engine = LLMEngine(toy_model, config, on_batch=lambda b: wires.append(b.wire))
+    engine.add_request("a", LONG[0][:24], sparse)
+    engine.add_request("b", LONG[1], dense)
+    engine.run_until_done()
+
+    def fragment_of_a(wire, depth: int) -> bool:
+        return any(
+            r.request_id == "a" and r.fragment is not None and r.depth == depth
+            and r.token_start == 0 and r.fragment.active_start == 0
+            for r in wire.rows
+        )  # fmt: skip
+
+    # replay the batches on a new worker; the one that opens window 0's loop 2 fails
+    runner = ModelRunner(toy_model, config.num_blocks, config.block_size, config.kv_layout)
+    opened = runner.sparse._open_windows
+
+    def fail_once(opening, requests):  # type: ignore[no-untyped-def]
+        if any(live.row.request_id == "a" and live.row.depth == 2 for live in opening):
+            raise RuntimeError("the device failed")
+        return opened(opening, requests)
+
+    monkeypatch.setattr(runner.sparse, "_open_windows", fail_once)
+    failed = after = None
+    for wire in wires:
+        if fragment_of_a(wire, 2):
+            with pytest.raises(RuntimeError):
+                runner.execute(wire)
+            failed = wire.seq
+            monkeypatch.setattr(runner.sparse, "_open_windows", opened)
+            continue
+        result = runner.execute(wire)
+        if failed is not None and fragment_of_a(wire, 3):
+            after = result
+            for row, res in zip(wire.rows, result.rows, strict=True):
+                lost = row.request_id == "a" and row.depth == 3 and row.token_start == 0
+                if lost:
+                    assert res.error is not None and "no active tokens of loop 2" in res.error
+                else:
+                    assert res.error is None and not res.skipped
+            assert any(row.request_id == "b" for row in wire.rows)
+            break
+    assert failed is not None and after is not None
