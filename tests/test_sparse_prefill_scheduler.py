@@ -164,6 +164,20 @@ def test_prefix_hits_stop_at_window_boundaries_and_never_cross_settings() -> Non
     assert cached == {"reader": 16, "dense": 0, "other": 0}
 
 
+def test_a_prompts_last_window_is_never_published() -> None:
+    """The last window's active tokens include the prompt's last token, which a longer
+    prompt sharing it would not force: even a whole last window (the prompt ends on a window
+    and block boundary) is not another prompt's to claim."""
+    s = Scheduler(config(enable_prefix_caching=True), LIMITS)
+    writer = list(range(1, 17))  # windows [0, 8) and [8, 16), the last one whole
+    s.add_request("writer", writer, SPARSE)
+    run(s)
+    s.add_request("reader", [*writer, 30, 31, 32, 33, 34], SPARSE)
+    assert s.schedule() is not None
+    assert s.requests["reader"].num_cached_tokens == 8
+    s.abort_request("reader")
+
+
 def test_options_refused_where_they_cannot_run() -> None:
     atomic = Scheduler(config(split_prefill=False, wavefront_chunked_prefill=False), LIMITS)
     with pytest.raises(RequestError, match="atomic prefill"):
