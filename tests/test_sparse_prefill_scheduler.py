@@ -17,6 +17,7 @@ from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.sparse_prefill import FLASHLOOP_RETENTION, SparseSchedule
 from services.scheduler.batch import ScheduledBatch
+from services.scheduler.running import preempt
 from services.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit
@@ -140,6 +141,31 @@ def test_frontier_moves_with_the_last_fragment_only() -> None:
 
     run(s, check)
     assert seen == [(0, 0), (1, 0)]  # the second fragment still saw the frontier at 0
+
+
+def test_a_window_preempted_between_its_fragments_starts_over_at_rank_0() -> None:
+    """The worker's window state goes with the incarnation: after a preemption the window's
+    loop is chosen again, so its first fragment must be at rank 0, not where the old
+    incarnation stopped."""
+    s = Scheduler(config(max_num_batched_tokens=1), LIMITS)
+    s.add_request("a", list(range(1, 9)), SPARSE)  # loop 2 keeps 2 tokens: 2 fragments
+    request = s.requests["a"]
+    for _ in range(1000):
+        if request.sparse_rows_done and request.sparse_rows_done[2]:
+            break
+        batch = s.schedule()
+        assert batch is not None
+        s.update_after_submission(batch)
+        s.update_from_output(batch, fake_result(batch))
+    assert request.sparse_rows_done[2] == 1  # mid-window
+    preempt(s._state, request)
+    after = []
+
+    def check(s: Scheduler, batch: ScheduledBatch, before: dict[str, list[int]]) -> None:
+        after.extend((t.depth, t.active_start) for t in batch.tasks if t.is_fragment)
+
+    run(s, check)
+    assert after[:2] == [(2, 0), (2, 1)]
 
 
 def test_prefix_hits_stop_at_window_boundaries_and_never_cross_settings() -> None:
