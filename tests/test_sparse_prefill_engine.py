@@ -9,13 +9,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from messages.api import FinishedEvent
-from messages.sampling import SamplingParams
+from messages.sampling import SamplingParams, StructuredOutput
 from services.common.config import KVAdmission, SchedulerConfig
 from services.common.sparse_prefill import FLASHLOOP_RETENTION
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
+from services.oracle.near_tie import compare_with_oracle
 from services.worker.runner import ModelRunner
-from tests.engine_harness import Arrival, assert_matches_oracle, oracle_result, run_workload
+from tests.engine_harness import (
+    Arrival,
+    assert_matches_oracle,
+    oracle_result,
+    run_workload,
+    sparse_setting,
+)
 from tests.engine_strategies import VOCAB_TRAINED, D, max_kv_blocks
 
 pytestmark = pytest.mark.oracle
@@ -221,3 +228,40 @@ def test_a_window_whose_state_a_failed_batch_lost_fails_its_row_not_the_batch(
             assert any(row.request_id == "b" for row in wire.rows)
             break
     assert failed is not None and after is not None
+
+
+def test_structured_outputs_under_sparse_prefill_equal_the_oracle(toy_model, oracle, codec) -> None:
+    """The prompt's first token is sampled at its last window's last active row, under the
+    format's mask, as any coda row: every format's output equals the oracle's (the same
+    mask, the same sparse prefill) beside a dense request with a format."""
+    from services.worker.grammar import GrammarBook
+    from tests.helpers import FORMATS, MaskedSampler
+
+    config = SchedulerConfig(
+        block_size=4, num_blocks=512, prefill_chunk_size=8, max_num_batched_tokens=12,
+        sparse_window=8,
+    )  # fmt: skip
+    book = GrammarBook(codec, toy_model.cfg.vocab_size, toy_model.cfg.stop_token_ids)
+    engine = LLMEngine(toy_model, config, codec=codec)
+    requests = {}
+    for i, (kind, spec) in enumerate(FORMATS.values()):
+        params = SamplingParams(
+            max_tokens=48, temperature=0.0, exit_threshold=0.7,
+            structured_output=StructuredOutput(kind=kind, spec=spec),
+            token_sparse_prefill=i != 3,
+        )  # fmt: skip
+        prompt = LONG[i % 3][: 20 + 7 * i]
+        requests[f"s{i}"] = (prompt, params)
+        engine.add_request(f"s{i}", prompt, params)
+    finished = {e.request_id: e for e in engine.run_until_done() if isinstance(e, FinishedEvent)}
+    for rid, (prompt, params) in requests.items():
+        assert params.structured_output is not None
+        sampler = MaskedSampler(book.compile(params.structured_output).result(), 512, params)
+        want = oracle.generate(
+            prompt, max_tokens=48, exit_threshold=0.7, sampler=sampler,
+            sparse_prefill=sparse_setting(params, config, oracle.total_ut_steps),
+        )  # fmt: skip
+        comparison = compare_with_oracle(finished[rid], want, sampler.gaps)
+        assert comparison.mismatch is None and comparison.compared > 0, (rid, comparison)
+        sparse = params.token_sparse_prefill
+        assert (finished[rid].prefill_rows < 4 * len(prompt)) == sparse, rid
