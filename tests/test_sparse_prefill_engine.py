@@ -84,11 +84,21 @@ def sparse_configs(draw: st.DrawFn, arrivals: list[Arrival]) -> SchedulerConfig:
     )
 
 
-def check(toy_model, oracle, arrivals: list[Arrival], config: SchedulerConfig) -> int:
-    record = run_workload(toy_model, config, arrivals)
+def check(
+    toy_model,
+    oracle,
+    arrivals: list[Arrival],
+    config: SchedulerConfig,
+    aborts: dict[str, int] | None = None,
+) -> int:
+    """Runs the workload (``aborts``: request id -> the step that aborts it) and compares
+    every request that was not aborted with the oracle; the harness checks the KV is back."""
+    record = run_workload(toy_model, config, arrivals, aborts=aborts)
     compared = 0
     for a in arrivals:
         finished = record.finished[a.request_id]
+        if finished.finish_reason == "abort":
+            continue
         streamed = record.tokens.get(a.request_id, [])
         assert [t.token_id for t in streamed] == finished.token_ids
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
@@ -103,7 +113,10 @@ def check(toy_model, oracle, arrivals: list[Arrival], config: SchedulerConfig) -
 def test_sparse_engine_equals_oracle(toy_model, oracle, data) -> None:
     arrivals = data.draw(sparse_workloads())
     config = data.draw(sparse_configs(arrivals))
-    check(toy_model, oracle, arrivals, config)
+    # sometimes one request is aborted mid-run (often mid-window): the others are unchanged
+    victim = data.draw(st.sampled_from([None, *arrivals]))
+    aborts = None if victim is None else {victim.request_id: data.draw(st.integers(1, 12))}
+    check(toy_model, oracle, arrivals, config, aborts)
 
 
 LONG = [
