@@ -12,7 +12,7 @@ from typing import Annotated
 import msgspec
 
 from messages.kv_transfer import KVPull
-from messages.sampling import StructuredOutput
+from messages.sampling import SparsePrefill, StructuredOutput
 
 
 class BatchKind(StrEnum):
@@ -54,18 +54,6 @@ class WorkerSampling(msgspec.Struct, gc=False, kw_only=True):
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0)] | None = None
     # the format every sampled token must keep the output in (the worker masks the logits)
     structured_output: StructuredOutput | None = None
-
-
-class SparsePrefill(msgspec.Struct, frozen=True, gc=False, kw_only=True):
-    """Token-sparse prefill of one request (docs/sparse_prefill.md). The prompt is cut into
-    windows of ``window`` tokens anchored at positions 0, W, 2W, ... (the last may be
-    short). Loop l of a window keeps ``min(max(1, ceil(len * retention[l])), kept at
-    l - 1)`` of its tokens active, nested in loop l - 1's; the loops before the first
-    retention below 1 are dense. Which tokens is the worker's to choose (it holds the
-    hidden states); how many is this arithmetic, which the scheduler charges."""
-
-    window: int
-    retention: tuple[float, ...]
 
 
 class SparseFragment(msgspec.Struct, frozen=True, gc=False, array_like=True):

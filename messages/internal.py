@@ -8,7 +8,7 @@ import msgspec
 from messages.api import FinishedEvent, StreamEvent
 from messages.batch import Batch, BatchResult
 from messages.kv_transfer import KVBlockFormat, KVHandoff
-from messages.sampling import SamplingParams
+from messages.sampling import PrefillSetting, SamplingParams, SparsePrefill
 
 
 class AdmittedRequest(msgspec.Struct, kw_only=True):
@@ -44,6 +44,9 @@ class AdmittedRequest(msgspec.Struct, kw_only=True):
     # the prompt's KV from the prefill worker instead of computing it
     hand_off: bool = False
     kv_source: KVHandoff | None = None
+    # how the shard that first ran it prefilled its prompt (None: this shard's defaults
+    # decide): a moved request runs under the same setting
+    prefill_setting: PrefillSetting | None = None
 
 
 class AbortForward(msgspec.Struct, kw_only=True):
@@ -114,6 +117,12 @@ class ShardAnnounce(msgspec.Struct, kw_only=True):
     # (prefill and decode shards must agree, or the shard is refused by name)
     role: str = "both"
     block_format: KVBlockFormat | None = None
+    # token-sparse prefill: what a request asking for it without a retention runs under here
+    # (window, this model's retention; None: this shard cannot run it, or did not say), and
+    # whether a request that does not choose gets it. A sparse request's block hashes
+    # include its setting: admission keys its prefix lookups the way this shard keys blocks
+    sparse_prefill: SparsePrefill | None = None
+    sparse_prefill_default: bool = False
 
 
 class RelayedEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -200,6 +209,9 @@ class RequestNotice(msgspec.Struct, kw_only=True):
     # a copy of a finished event for admission's retry record; schedulers now relay every
     # terminal event (admission keeps its record from that), so they leave it out
     finished: FinishedEvent | None = None
+    # "accepted": how this shard prefills the prompt (admission keeps it, so a move to
+    # another shard prefills it the same way); None: not said
+    prefill_setting: PrefillSetting | None = None
 
 
 class FenceQuery(msgspec.Struct, kw_only=True):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import msgspec
 
+from messages.sampling import PrefillSetting
+
 
 class _Comparable(msgspec.Struct, frozen=True, kw_only=True):
     def mismatch(self, other: _Comparable) -> str | None:
@@ -67,6 +69,9 @@ class KVHandoff(msgspec.Struct, kw_only=True):
     plane_blocks: list[list[int]]
     hold_s: float = 30.0  # the prefill side frees them after this without a release
     traceparent: str = ""  # the prefill scheduler's span of the request
+    # how the prefill shard prefilled the prompt (None: not said, as by an older scheduler):
+    # the decode shard keys, claims and, if the pull fails, recomputes the prompt under it
+    prefill_setting: PrefillSetting | None = None
 
 
 class KVPull(msgspec.Struct, kw_only=True):

@@ -277,6 +277,27 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         return list(json.loads(self.spec))
 
 
+class SparsePrefill(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """Token-sparse prefill of one request (docs/sparse_prefill.md). The prompt is cut into
+    windows of ``window`` tokens anchored at positions 0, W, 2W, ... (the last may be
+    short). Loop l of a window keeps ``min(max(1, ceil(len * retention[l])), kept at
+    l - 1)`` of its tokens active, nested in loop l - 1's; the loops before the first
+    retention below 1 are dense. Which tokens is the worker's to choose (it holds the
+    hidden states); how many is this arithmetic, which the scheduler charges."""
+
+    window: int
+    retention: tuple[float, ...]
+
+
+class PrefillSetting(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """How a request's prompt is prefilled, as the shard that first ran it resolved it
+    against its server defaults. A request resumed on another shard (a handoff to a decode
+    shard, a move after a shard loss) carries it, so its prompt's KV, prefix keys and tokens
+    are the same there whatever that shard's own defaults."""
+
+    sparse_prefill: SparsePrefill | None = None  # None: every loop runs every prompt token
+
+
 # a retention list has one entry per loop: bounded like any other list a client sends
 MAX_RETENTION_LOOPS = 64
 

@@ -21,6 +21,7 @@ from services.common.config import KVLayout, SchedulerConfig
 from services.common.sparse_prefill import resolve_sparse_prefill
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
+from services.oracle import SparseSetting
 from services.scheduler.intake import KnownOutputs
 from services.scheduler.request import RequestState
 from services.worker.kv_pulls import arena_of, num_planes
@@ -88,8 +89,11 @@ class Pair:
     unused: int = 0  # handoffs the decode side released without reading them
 
     @classmethod
-    def build(cls, model, config: SchedulerConfig) -> Pair:
-        prefill, decode = LLMEngine(model, config), LLMEngine(model, config)
+    def build(
+        cls, model, config: SchedulerConfig, decode_config: SchedulerConfig | None = None
+    ) -> Pair:
+        """``decode_config``: the decode engine's, when its server defaults differ."""
+        prefill, decode = LLMEngine(model, config), LLMEngine(model, decode_config or config)
         planes = num_planes(str(config.kv_layout), model.cfg.total_ut_steps)
         agents = []
         for engine in (prefill, decode):
@@ -461,3 +465,66 @@ def test_a_pull_never_settled_prefills_past_its_deadline(toy_model, lost):
     kept = blocks if lost == "result" else 0
     assert pulls.num_quarantined_blocks == kept
     assert pair.decode.scheduler.kv.num_free_blocks == config.num_blocks - kept
+
+
+# ------------------------------------------------------------------ token-sparse prefill
+# The prefill shard's setting travels with the handoff, whatever the decode shard's own
+# defaults: its decode-side prefix hits and published blocks are keyed by it, and a prefill
+# there after a failed pull runs under it, so the tokens equal the oracle's.
+SPARSE_WINDOW = 8
+SPARSE_SHARED = [(7 * i + 3) % 400 + 1 for i in range(24)]
+SPARSE_PREFILL = SchedulerConfig(
+    block_size=4, num_blocks=200, max_num_batched_tokens=8, prefill_chunk_size=4,
+    enable_prefix_caching=True, token_sparse_prefill=True, sparse_window=SPARSE_WINDOW,
+)  # fmt: skip
+# the decode shard was started without the option: its own default is dense
+DENSE_DECODE = SchedulerConfig(
+    block_size=4, num_blocks=200, max_num_batched_tokens=8, prefill_chunk_size=4,
+    enable_prefix_caching=True, sparse_window=2 * SPARSE_WINDOW,
+)  # fmt: skip
+SPARSE_DEFAULT = SamplingParams(max_tokens=6, temperature=0.0, exit_threshold=0.7, ignore_eos=True)
+DENSE_ASKED = SamplingParams(
+    max_tokens=6, temperature=0.0, exit_threshold=0.7, ignore_eos=True, token_sparse_prefill=False
+)
+SPARSE_SETTING = SparseSetting(SPARSE_WINDOW, (1.0, 1.0, 0.25, 0.1))
+
+
+def _check_oracle(pair: Pair, oracle, rid: str, prompt: list[int], sparse: SparseSetting | None):
+    want = oracle.generate(
+        prompt, max_tokens=6, exit_threshold=0.7, ignore_eos=True, sparse_prefill=sparse
+    )
+    assert assert_matches_oracle(pair.finished()[rid], want, rid) == 6
+
+
+def test_a_failed_pull_prefills_under_the_prefill_shards_setting(toy_model, oracle) -> None:
+    pair = Pair.build(toy_model, SPARSE_PREFILL, DENSE_DECODE)
+    pair.executor.fail = True
+    prompt = [*SPARSE_SHARED, 50, 51, 52, 53, 54, 55, 56]
+    pair.add("a", prompt, SPARSE_DEFAULT)
+    pair.run()
+    assert pair.handed_off == 1 and pair.pulled == 0
+    _check_oracle(pair, oracle, "a", prompt, SPARSE_SETTING)
+    pair.check_no_leaks(SPARSE_PREFILL)
+
+
+def test_decode_side_prefix_blocks_are_keyed_by_the_carried_setting(toy_model, oracle) -> None:
+    """A sparse request's pulled blocks are published on the decode shard under its sparse
+    key: a dense request sharing the prefix finds none of them there (it pulls all of its
+    own), a sparse one finds the whole windows."""
+    pair = Pair.build(toy_model, SPARSE_PREFILL, DENSE_DECODE)
+    first = [*SPARSE_SHARED, 60, 61, 62, 63, 64, 65]
+    pair.add("sparse", first, SPARSE_DEFAULT)
+    pair.run()
+    dense = [*SPARSE_SHARED, 70, 71, 72, 73, 74]
+    pair.add("dense", dense, DENSE_ASKED)
+    pair.run()
+    again = [*SPARSE_SHARED, 80, 81, 82, 83]
+    pair.add("again", again, SPARSE_DEFAULT)
+    pair.run()
+    assert pair.pulled == 3
+    _check_oracle(pair, oracle, "sparse", first, SPARSE_SETTING)
+    _check_oracle(pair, oracle, "dense", dense, None)
+    _check_oracle(pair, oracle, "again", again, SPARSE_SETTING)
+    cached = {rid: e.num_cached_tokens for rid, e in pair.finished().items()}
+    assert cached["dense"] == 0 and cached["again"] == 24
+    pair.check_no_leaks(SPARSE_PREFILL)

@@ -17,7 +17,7 @@ import structlog
 from messages.api import FinishedEvent, TokenEvent
 from messages.internal import AdmittedRequest, RelayBatch, RelayedEvent
 from messages.kv_transfer import KVBlockFormat, KVHandoff, KVRelease
-from messages.sampling import SamplingParams
+from messages.sampling import PrefillSetting, SamplingParams, SparsePrefill
 from services.admission.relay import Relay
 from services.admission.shard_moves import ShardMoves
 from services.admission.tables import FenceLog, FinishedRecord, OpenRequests
@@ -166,6 +166,28 @@ async def test_an_abort_that_went_to_the_prefill_shard_ends_the_request_at_its_h
     assert len(finals) == 1 and finals[0]["finish_reason"] == "abort"
     assert finals[0]["token_ids"] == [42]
     assert _released(actor) == ["sched-p.1"]
+
+
+async def test_the_prefill_shards_setting_goes_with_the_request_wherever_it_runs() -> None:
+    """The handoff says how the prefill shard prefilled the prompt (token-sparse prefill):
+    the resumed request carries it, to a decode shard or to a shard that computes the
+    prompt again, and so does any later move of the request."""
+    setting = PrefillSetting(sparse_prefill=SparsePrefill(window=8, retention=(1, 1, 0.25, 0.1)))
+    for decode in (True, False):
+        routing = _Routing(decode=decode)
+        relay, table, _ = _setup(routing)
+        batch = _first_token_and_handoff()
+        handoff = msgspec.structs.replace(_handoff(), prefill_setting=setting)
+        await relay.relay(
+            msgspec.structs.replace(
+                batch, events=[*batch.events[:1], RelayedEvent(seq=1, handoff=handoff)]
+            )
+        )
+        (resumed,) = routing.submitted
+        assert resumed.prefill_setting == setting
+        entry = table.find("r")
+        assert entry is not None and entry.admitted is not None
+        assert entry.resumed(entry.admitted, 9, "2").prefill_setting == setting
 
 
 async def test_a_handoff_nobody_reads_is_released_at_once() -> None:

@@ -145,6 +145,11 @@ def test_server_flags_round_trip_and_read_the_environment(monkeypatch: pytest.Mo
     )
     off = scheduler_config_from_args(parser.parse_args(["--no-token-sparse-prefill"]))
     assert not off.token_sparse_prefill
+    # a service started with a config (rlt up's children) inherits this environment: its
+    # flags say the config's setting, whatever the environment would default to
+    plain = SchedulerConfig()
+    back = scheduler_config_from_args(parser.parse_args(engine_args(plain)))
+    assert (back.token_sparse_prefill, back.prefill_retention) == (False, None)
 
 
 def test_http_extra_body_fields_reach_the_nats_api() -> None:

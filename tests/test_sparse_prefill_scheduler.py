@@ -17,6 +17,7 @@ from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.sparse_prefill import FLASHLOOP_RETENTION, SparseSchedule
 from services.scheduler.batch import ScheduledBatch
+from services.scheduler.running import preempt
 from services.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit
@@ -142,6 +143,31 @@ def test_frontier_moves_with_the_last_fragment_only() -> None:
     assert seen == [(0, 0), (1, 0)]  # the second fragment still saw the frontier at 0
 
 
+def test_a_window_preempted_between_its_fragments_starts_over_at_rank_0() -> None:
+    """The worker's window state goes with the incarnation: after a preemption the window's
+    loop is chosen again, so its first fragment must be at rank 0, not where the old
+    incarnation stopped."""
+    s = Scheduler(config(max_num_batched_tokens=1), LIMITS)
+    s.add_request("a", list(range(1, 9)), SPARSE)  # loop 2 keeps 2 tokens: 2 fragments
+    request = s.requests["a"]
+    for _ in range(1000):
+        if request.sparse_rows_done and request.sparse_rows_done[2]:
+            break
+        batch = s.schedule()
+        assert batch is not None
+        s.update_after_submission(batch)
+        s.update_from_output(batch, fake_result(batch))
+    assert request.sparse_rows_done[2] == 1  # mid-window
+    preempt(s._state, request)
+    after = []
+
+    def check(s: Scheduler, batch: ScheduledBatch, before: dict[str, list[int]]) -> None:
+        after.extend((t.depth, t.active_start) for t in batch.tasks if t.is_fragment)
+
+    run(s, check)
+    assert after[:2] == [(2, 0), (2, 1)]
+
+
 def test_prefix_hits_stop_at_window_boundaries_and_never_cross_settings() -> None:
     s = Scheduler(config(enable_prefix_caching=True), LIMITS)
     shared = list(range(1, 21))
@@ -162,6 +188,20 @@ def test_prefix_hits_stop_at_window_boundaries_and_never_cross_settings() -> Non
         cached[rid] = s.requests[rid].num_cached_tokens
         s.abort_request(rid)
     assert cached == {"reader": 16, "dense": 0, "other": 0}
+
+
+def test_a_prompts_last_window_is_never_published() -> None:
+    """The last window's active tokens include the prompt's last token, which a longer
+    prompt sharing it would not force: even a whole last window (the prompt ends on a window
+    and block boundary) is not another prompt's to claim."""
+    s = Scheduler(config(enable_prefix_caching=True), LIMITS)
+    writer = list(range(1, 17))  # windows [0, 8) and [8, 16), the last one whole
+    s.add_request("writer", writer, SPARSE)
+    run(s)
+    s.add_request("reader", [*writer, 30, 31, 32, 33, 34], SPARSE)
+    assert s.schedule() is not None
+    assert s.requests["reader"].num_cached_tokens == 8
+    s.abort_request("reader")
 
 
 def test_options_refused_where_they_cannot_run() -> None:

@@ -1,18 +1,23 @@
 """Token-sparse prefill over NATS: ``token_sparse_prefill`` and ``prefill_retention`` travel
 through admission to the scheduler and worker services, every finished event equals the
 serial oracle's and reports the prompt rows computed, and a bad retention is refused by
-admission with a reason."""
+admission with a reason. Over HTTP the fields are honoured (``usage.prefill_rows``) and
+what cannot run is a 400 that says why."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest
 from services.common.config import SchedulerConfig
+from services.gateway.service import GatewayService
 from services.launcher import NatsServer
 from services.oracle import SerialOracle, SparseSetting
 
@@ -20,6 +25,7 @@ pytest.register_assert_rewrite("tests.conftest_nats")
 
 from tests.conftest_nats import Client, check_stream, services_up  # noqa: E402
 from tests.engine_harness import assert_matches_oracle  # noqa: E402
+from tests.service_procs import wait_for  # noqa: E402
 
 pytest_plugins = ["tests.conftest_nats"]
 pytestmark = [pytest.mark.services, pytest.mark.usefixtures("torch_single_thread")]
@@ -89,3 +95,48 @@ async def test_sparse_requests_over_nats_match_the_oracle(
             sparse_prefill=setting,
         )
         assert assert_matches_oracle(finished, expected, label=req.request_id or "") == 6
+
+
+@contextlib.asynccontextmanager
+async def _gateway(nats_url: str, checkpoint: Path) -> AsyncIterator[httpx.AsyncClient]:
+    gateway = GatewayService(nats_url, checkpoint, port=0, served_model_name="toy")
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{gateway.port}", timeout=60
+        ) as http:
+            yield http
+    finally:
+        await gateway.stop(drain_timeout=5.0)
+
+
+async def test_over_http_sparse_fields_work_and_what_cannot_run_is_a_400(
+    nats_server: NatsServer, toy_checkpoint: Path
+) -> None:
+    config = SchedulerConfig(block_size=4, num_blocks=256, sparse_window=WINDOW)
+    prompt = [(11 * i) % 400 + 1 for i in range(24)]
+    base = {"prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+    async with (
+        services_up(nats_server.url, toy_checkpoint, config) as _,
+        _gateway(nats_server.url, toy_checkpoint) as http,
+    ):
+
+        async def ready() -> bool:
+            return (await http.get("/health")).status_code == 200
+
+        await wait_for(ready, 10, "/health ready")
+        ok = await http.post("/v1/completions", json={**base, "token_sparse_prefill": True})
+        assert ok.status_code == 200, ok.text
+        # 2 dense loops of 24 tokens, then ceil(16/4) + ceil(8/4), ceil(16/10) + ceil(8/10)
+        assert ok.json()["usage"]["prefill_rows"] == 48 + 6 + 3
+        refused = {
+            "prompt_logprobs": {"token_sparse_prefill": True, "prompt_logprobs": 1},
+            "echo": {"prefill_retention": [1, 1, 0.5, 0.1], "echo": True, "logprobs": 1},
+            "3 entries": {"prefill_retention": [1, 1, 0.5]},
+            "(0, 1]": {"prefill_retention": [1, 1, 2, 0.1]},
+        }
+        for words, fields in refused.items():
+            r = await http.post("/v1/completions", json={**base, **fields})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
+            assert words in err["message"], err

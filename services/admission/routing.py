@@ -20,15 +20,11 @@ from nats.errors import Error as NatsError
 
 from messages.errors import ErrorCode
 from messages.internal import AdmittedRequest
-from messages.prefix import (
-    PrefixLookup,
-    PrefixLookupReply,
-    cacheable_prefix_blocks,
-    prompt_block_hashes,
-)
+from messages.prefix import PrefixLookup, PrefixLookupReply
 from services.admission.config import AdmissionConfig
 from services.admission.errors import AdmissionError
 from services.admission.membership import ShardMembership
+from services.admission.prefix_keys import PrefixKeys
 from services.admission.router import IndexGate, RecentRoutes, Router
 from services.admission.shards import Shard, ShardLoad
 from services.admission.validation import Prepared
@@ -116,18 +112,23 @@ class Routing:
             least = min(loads, key=lambda s: (s.num_waiting, s.waiting_tokens))
             why = over_limit(least.num_waiting, least.waiting_tokens, len(prompt))
             raise AdmissionError(rid, ErrorCode.OVERLOADED, f"server overloaded: {why}")
-        hashes: list[int] = []
+        keys: PrefixKeys | None = None
         overlaps: dict[str, int] | None = None
         caching = any(s.prefix_caching for s in candidates)
         # a request scoring its prompt computes all of it: no shard's cache helps it
         scores_prompt = prepared.params.prompt_logprobs is not None
         if self.router.uses_overlap and caching and len(open_loads) > 1 and not scores_prompt:
-            bs = self.shards.block_size
-            hashes = prompt_block_hashes(prompt, bs)[: cacheable_prefix_blocks(len(prompt), bs)]
-            if hashes:
-                overlaps = await self._overlaps(hashes, open_loads, prepared)
+            open_ids = {load.shard_id for load in open_loads}
+            keys = PrefixKeys.of(
+                prompt,
+                self.shards.block_size,
+                prepared.params,
+                None,
+                (s for s in candidates if s.shard_id in open_ids),
+            )
+            overlaps = await self._overlaps(keys, open_loads, rid, prepared.trace_id)
         choice = self.router.choose(open_loads, len(prompt), overlaps)
-        if hashes:
+        if keys is not None and (hashes := keys.of_shard(choice.shard_id)):
             self.recent.record(hashes, choice.shard_id, now)
         return choice.shard_id, choice.overlap_blocks
 
@@ -153,10 +154,10 @@ class Routing:
         prompt = admitted.prompt_token_ids
         overlaps = None
         if self.router.uses_overlap and len(loads) > 1 and any(s.prefix_caching for s in targets):
-            bs = self.shards.block_size
-            hashes = prompt_block_hashes(prompt, bs)[: cacheable_prefix_blocks(len(prompt), bs)]
-            if hashes:
-                overlaps = await self._lookup(hashes, loads, admitted.request_id, admitted.trace_id)
+            keys = PrefixKeys.of(
+                prompt, self.shards.block_size, admitted.params, admitted.prefill_setting, targets
+            )
+            overlaps = await self._overlaps(keys, loads, admitted.request_id, admitted.trace_id)
         choice = self.router.choose(loads, len(prompt), overlaps)
         return choice.shard_id, choice.overlap_blocks
 
@@ -185,9 +186,22 @@ class Routing:
         self.recent.forget_shard(shard_id)
 
     async def _overlaps(
-        self, hashes: list[int], loads: list[ShardLoad], prepared: Prepared
+        self, keys: PrefixKeys, loads: list[ShardLoad], request_id: str, trace_id: str
     ) -> dict[str, int] | None:
-        return await self._lookup(hashes, loads, prepared.request_id, prepared.trace_id)
+        """{shard: the cached leading blocks its scheduler would claim}, one index lookup
+        per way the shards key the prompt (one when their flags agree); None (load only)
+        when there is nothing to look up or the index cannot answer."""
+        out: dict[str, int] | None = None
+        for hashes, shard_ids in keys.groups():
+            group = [load for load in loads if load.shard_id in shard_ids]
+            found = await self._lookup(hashes, group, request_id, trace_id)
+            if found is None:
+                return None
+            out = out or {}
+            for shard_id, blocks in found.items():
+                if shard_id in shard_ids:
+                    out[shard_id] = keys.claimable(shard_id, blocks)
+        return out
 
     async def _lookup(
         self, hashes: list[int], loads: list[ShardLoad], request_id: str, trace_id: str

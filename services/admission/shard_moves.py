@@ -153,6 +153,12 @@ class ShardMoves:
         if admitted is None or not self._open.is_open(entry, seen_seq):
             await self._release(handoff)
             return None
+        if handoff.prefill_setting is not None:
+            # wherever it runs from now on (a decode shard, or any shard after a loss), its
+            # prompt is prefilled as the prefill shard did (token-sparse prefill)
+            admitted = entry.admitted = msgspec.structs.replace(
+                admitted, prefill_setting=handoff.prefill_setting
+            )
         now = time.monotonic()
         old_shard = entry.shard
         chosen = None

@@ -24,6 +24,7 @@ from typing import Any
 
 from messages.internal import SchedulerLoad, ShardAnnounce
 from messages.kv_transfer import KVBlockFormat
+from services.common.sparse_prefill import SparseDefaults
 from services.runtime import subjects
 
 
@@ -74,6 +75,9 @@ class Shard:
     # disaggregation: "prefill", "decode" or "both"; its block format (roles must agree)
     role: str = "both"
     block_format: KVBlockFormat | None = None
+    # its token-sparse prefill defaults (None: it cannot run it, or did not say): how it
+    # keys a request's prompt blocks (``prefix_keys.py``)
+    sparse_defaults: SparseDefaults | None = None
 
     def fresh(self, now: float, fresh_s: float) -> bool:
         return now - self.report_at <= fresh_s
@@ -147,6 +151,7 @@ class ShardTable:
         if current is not None and current.scheduler_id == a.scheduler_id:
             current.producer_id = a.producer_id or current.producer_id
             current.role, current.block_format = a.role, a.block_format
+            current.sparse_defaults = _sparse_defaults(a)
             return None, None
         replaced = current.scheduler_id if current is not None else None
         self.shards[a.shard_id] = Shard(
@@ -158,6 +163,7 @@ class ShardTable:
             prefix_caching=a.enable_prefix_caching,
             role=a.role,
             block_format=a.block_format,
+            sparse_defaults=_sparse_defaults(a),
         )
         return None, replaced
 
@@ -311,3 +317,9 @@ class ShardTable:
             "report_age_s": round(now - shard.report_at, 3) if shard.report else None,
             "role": shard.role,
         }
+
+
+def _sparse_defaults(a: ShardAnnounce) -> SparseDefaults | None:
+    if a.sparse_prefill is None:
+        return None
+    return SparseDefaults.offered(a.sparse_prefill, a.sparse_prefill_default)

@@ -205,6 +205,12 @@ class OpenRequests:
             return self._pop(seq)
         if notice.state == "accepted":
             entry.owner = notice.scheduler_id
+            admitted = entry.admitted
+            if admitted is not None and admitted.prefill_setting is None:
+                # a move to another shard prefills its prompt as this one does
+                entry.admitted = msgspec.structs.replace(
+                    admitted, prefill_setting=notice.prefill_setting
+                )
         return None
 
     def unanswered(self, seq: int) -> OpenRequest | None:

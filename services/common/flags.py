@@ -220,8 +220,9 @@ def add_sparse_prefill_flags(g: argparse.ArgumentParser | argparse._ArgumentGrou
 
 
 def parse_retention(text: str | None) -> tuple[float, ...] | None:
-    """``--prefill-retention``'s value as numbers (checked by ``SchedulerConfig``)."""
-    if text is None:
+    """``--prefill-retention``'s value as numbers (checked by ``SchedulerConfig``); empty:
+    the model's default."""
+    if not text or not text.strip():
         return None
     try:
         return tuple(float(x) for x in text.replace(" ", "").split(",") if x)
@@ -475,8 +476,13 @@ def engine_args(config: SchedulerConfig) -> list[str]:
         f"--structured-outputs-backend={config.structured_outputs_backend.value}",
         f"--sparse-window={config.sparse_window}",
     ]
-    if config.prefill_retention is not None:
-        args += ["--prefill-retention=" + ",".join(repr(r) for r in config.prefill_retention)]
+    # explicit either way: a child service reads the environment for what it is not told
+    # (an empty retention is the model's default)
+    retention = config.prefill_retention or ()
+    args += ["--prefill-retention=" + ",".join(repr(r) for r in retention)]
+    args += [
+        "--token-sparse-prefill" if config.token_sparse_prefill else "--no-token-sparse-prefill"
+    ]
     mode = prefill_mode(config)
     args += [f"--prefill={mode}"]
     args += ["--async-scheduling" if config.async_scheduling else "--no-async-scheduling"]
@@ -484,7 +490,6 @@ def engine_args(config: SchedulerConfig) -> list[str]:
         "--no-refill": not config.refill,
         "--enable-prefix-caching": config.enable_prefix_caching,
         "--no-share-inflight-prefill": not config.share_inflight_prefill,
-        "--token-sparse-prefill": config.token_sparse_prefill,
     }
     return args + [flag for flag, on in switches.items() if on]
 

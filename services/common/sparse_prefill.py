@@ -12,10 +12,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from messages.batch import SparsePrefill
 from messages.errors import RequestError
-from messages.prefix import encode_extra_keys
-from messages.sampling import SamplingParams, check_retention
+from messages.prefix import encode_extra_keys, prompt_block_hashes
+from messages.sampling import PrefillSetting, SamplingParams, SparsePrefill, check_retention
 
 # FlashLoop's LoopFreeze defaults for Ouro's four loops: two dense loops, then a quarter
 # and a tenth of the tokens
@@ -92,12 +91,38 @@ class SparseSchedule:
         prompt (its windows are whole and hold no forced last token), KV from it on cannot."""
         return self.window_bounds(prompt_len - 1, prompt_len)[0] if prompt_len else 0
 
+    def whole_window_blocks(self, blocks: int, block_size: int) -> int:
+        """A run of ``blocks`` cached leading blocks, cut to what a request may claim: a hit
+        must end where both a block and a window end (a window's active tokens are chosen
+        from all of it)."""
+        step = math.lcm(self.window, block_size) // block_size
+        return blocks - blocks % step
+
     def cache_key(self) -> bytes:
         """What a prefix block's hash must include: KV made under another window or
         retention is other KV."""
         return encode_extra_keys(
             "sparse-prefill", str(self.window), ",".join(repr(r) for r in self.retention)
         )
+
+
+def prefix_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    schedule: SparseSchedule | None,
+    salt: bytes = b"",
+) -> list[int]:
+    """The prompt's block hashes as a scheduler publishes and claims them, and as admission
+    must ask the prefix index for them. Under token-sparse prefill a block's KV depends on
+    the window and retention (they go into its hash) and on whether its window holds the
+    prompt's last token (always kept): only blocks before the last window are another
+    prompt's."""
+    if schedule is None:
+        return prompt_block_hashes(token_ids, block_size, salt)
+    reusable = schedule.last_reusable_position(len(token_ids)) // block_size
+    return prompt_block_hashes(
+        token_ids, block_size, salt + schedule.cache_key(), max_blocks=reusable
+    )
 
 
 @dataclass(frozen=True)
@@ -109,6 +134,18 @@ class SparseDefaults:
     retention: tuple[float, ...] | None = None  # None: default_retention(total_ut_steps)
     window: int = DEFAULT_SPARSE_WINDOW
 
+    def offer(self, total_ut_steps: int) -> SparsePrefill:
+        """What a request that asks for the option without its own retention runs under
+        (a shard announces it: admission keys its prefix lookups the way the shard keys its
+        blocks)."""
+        retention = self.retention or default_retention(total_ut_steps)
+        return SparsePrefill(window=self.window, retention=tuple(retention))
+
+    @classmethod
+    def offered(cls, offer: SparsePrefill, enabled: bool) -> SparseDefaults:
+        """A shard's defaults from its announcement (``offer``'s inverse)."""
+        return cls(enabled=enabled, retention=tuple(offer.retention), window=offer.window)
+
 
 def resolve_sparse_prefill(
     params: SamplingParams,
@@ -116,8 +153,13 @@ def resolve_sparse_prefill(
     total_ut_steps: int,
     *,
     split_prefill: bool,
+    carried: PrefillSetting | None = None,
 ) -> SparseSchedule | None:
-    """The schedule a request runs under (None: dense), or RequestError naming why not."""
+    """The schedule a request runs under (None: dense), or RequestError naming why not.
+    ``carried``: the setting the shard that first ran it resolved (a resumed request keeps
+    it; this shard's defaults do not apply)."""
+    if carried is not None:
+        return _carried_schedule(carried, total_ut_steps, split_prefill=split_prefill)
     wanted = params.wants_sparse_prefill
     if wanted is None:
         # the server's default does not apply where it cannot: prompt logprobs need every
@@ -139,3 +181,30 @@ def resolve_sparse_prefill(
             "loops (one entry per loop)"
         )
     return SparseSchedule.of(defaults.window, retention)
+
+
+def prefill_setting(schedule: SparseSchedule | None) -> PrefillSetting:
+    """What a request carries to the next shard it runs on."""
+    return PrefillSetting(sparse_prefill=None if schedule is None else schedule.to_wire())
+
+
+def _carried_schedule(
+    carried: PrefillSetting, total_ut_steps: int, *, split_prefill: bool
+) -> SparseSchedule | None:
+    sparse = carried.sparse_prefill
+    if sparse is None:
+        return None
+    if not split_prefill:
+        raise RequestError(
+            "the request runs token-sparse prefill (the shard that started it resolved so), "
+            "which needs split or wavefront prefill; this engine runs atomic prefill"
+        )
+    if isinstance(sparse.window, bool) or sparse.window < 1:
+        raise RequestError(f"sparse prefill window must be >= 1, got {sparse.window!r}")
+    check_retention(list(sparse.retention), "prefill_retention")
+    if len(sparse.retention) != total_ut_steps:
+        raise RequestError(
+            f"the request's prefill_retention has {len(sparse.retention)} entries; this "
+            f"model runs {total_ut_steps} loops"
+        )
+    return SparseSchedule.from_wire(sparse)

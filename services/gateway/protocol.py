@@ -208,8 +208,22 @@ def parse_completion(body: bytes) -> CompletionRequest:
     _check_common(req)
     _refuse_unsupported(req, _UNSUPPORTED_COMPLETION)
     _check_logprobs(req.logprobs, "logprobs")
+    if req.echo and req.logprobs is not None and _asks_sparse_prefill(req):
+        # an echo with logprobs scores the prompt (the NATS API's prompt_logprobs)
+        raise ApiError(
+            "token_sparse_prefill cannot be combined with echo and logprobs: frozen prompt "
+            "tokens never run their late loops, so the prompt cannot be scored",
+            param="echo",
+        )
     prompt_fields(req.prompt)  # shape check now, before anything is sent
     return req
+
+
+def _asks_sparse_prefill(req: _Common) -> bool:
+    """The request itself turns token-sparse prefill on (a retention alone does)."""
+    return bool(req.token_sparse_prefill) or (
+        req.token_sparse_prefill is None and req.prefill_retention is not None
+    )
 
 
 def parse_chat(body: bytes) -> ChatRequest:

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from messages.kv_transfer import KVBlockFormat, KVHandoff, KVPull, KVPullResult
+from services.common.sparse_prefill import prefill_setting
 from services.scheduler.request import PREFILL_STATES, Request, RequestState
 from services.scheduler.running import detach
 from services.scheduler.state import SchedulerState
@@ -113,6 +114,7 @@ class Handoffs:
             num_tokens=request.num_prompt_tokens,
             plane_blocks=[list(t[:blocks]) for t in tables],
             hold_s=self.hold_s,
+            prefill_setting=prefill_setting(request.sparse),
         )
 
     def release(self, handoff_id: str) -> bool:

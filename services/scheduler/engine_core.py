@@ -29,7 +29,7 @@ from messages.api import StreamEvent
 from messages.batch import BatchResult
 from messages.errors import ErrorCode
 from messages.kv_transfer import KVHandoff
-from messages.sampling import SamplingParams
+from messages.sampling import PrefillSetting, SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.tokenizer import TextCodec
 from services.runtime.logging import BATCH_SEQ, get_logger
@@ -85,12 +85,14 @@ class EngineCore:
         *,
         hand_off: bool = False,
         kv_source: KVHandoff | None = None,
+        prefill_setting: PrefillSetting | None = None,
     ) -> list[StreamEvent]:
         """Queues a request; raises ``RequestError`` (and changes nothing) if it is refused.
         ``known_outputs`` (token ids, exit loops, depth budgets) resumes a request from
         another shard: they are replayed, not streamed, and the stream's text goes on from
         them. Returns the events of a resumed request that its known outputs already
-        finish. ``hand_off`` / ``kv_source``: disaggregation (``Scheduler.add_request``)."""
+        finish. ``hand_off`` / ``kv_source``: disaggregation; ``prefill_setting``: the one a
+        resumed request keeps (``Scheduler.add_request``)."""
         self.scheduler.add_request(
             request_id,
             prompt_token_ids,
@@ -99,6 +101,7 @@ class EngineCore:
             known_outputs=known_outputs,
             hand_off=hand_off,
             kv_source=kv_source,
+            prefill_setting=prefill_setting,
         )
         if not known_outputs or not known_outputs.token_ids:
             return []

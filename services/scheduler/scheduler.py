@@ -23,11 +23,11 @@ from messages.api import StreamEvent
 from messages.batch import BatchKind, BatchResult
 from messages.errors import ErrorCode, RequestError
 from messages.kv_transfer import KVBlockFormat, KVHandoff
-from messages.prefix import PrefixEventBatch, prompt_block_hashes
-from messages.sampling import SamplingParams
+from messages.prefix import PrefixEventBatch
+from messages.sampling import PrefillSetting, SamplingParams, SparsePrefill
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.fit import check_request_fits
-from services.common.sparse_prefill import resolve_sparse_prefill
+from services.common.sparse_prefill import prefix_block_hashes, resolve_sparse_prefill
 from services.scheduler.batch import ScheduledBatch
 from services.scheduler.batch_builder import build_batch
 from services.scheduler.depth_budget import BudgetChange, DepthBudget
@@ -127,6 +127,7 @@ class Scheduler:
         *,
         hand_off: bool = False,
         kv_source: KVHandoff | None = None,
+        prefill_setting: PrefillSetting | None = None,
     ) -> Request:
         """Validates and queues a request; raises RequestError and changes nothing on failure.
 
@@ -137,7 +138,9 @@ class Scheduler:
 
         Disaggregation: ``hand_off`` stops it after its first token, for a decode shard
         (``Handoffs``); ``kv_source`` (with its first token known) pulls its prompt's KV
-        from a prefill worker instead of computing it (``Pulls``), if the blocks fit here."""
+        from a prefill worker instead of computing it (``Pulls``), if the blocks fit here.
+        ``prefill_setting`` (or the handoff's): how the shard that first ran it prefilled
+        its prompt, which a resumed request keeps (token-sparse prefill)."""
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id must be a non-empty string")
         if request_id in self._state.requests:
@@ -152,11 +155,14 @@ class Scheduler:
         )
         known = known_outputs or KnownOutputs([], [])
         validate_known_outputs(known, resolved, self.limits)
+        if prefill_setting is None and kv_source is not None:
+            prefill_setting = kv_source.prefill_setting
         sparse = resolve_sparse_prefill(
             resolved,
             self.config.sparse_defaults(),
             self.total_ut_steps,
             split_prefill=bool(self.config.split_prefill),
+            carried=prefill_setting,
         )
         seed = resolved.seed if resolved.seed is not None else self._rng.getrandbits(63)
         request = Request(
@@ -186,21 +192,18 @@ class Scheduler:
         heapq.heappush(self._state.waiting, (request.priority_key, request))
         return request
 
+    def sparse_prefill_offer(self) -> SparsePrefill | None:
+        """What a request that asks for token-sparse prefill without a retention runs under
+        here (None: this engine runs atomic prefill, which cannot)."""
+        if not self.config.split_prefill:
+            return None
+        return self.config.sparse_defaults().offer(self.total_ut_steps)
+
     def _block_hashes(self, request: Request) -> list[int]:
-        """The prompt blocks the request may publish and claim. Under token-sparse prefill
-        a block's KV depends on the window and retention (they go into its hash) and on
-        whether its window holds the prompt's last token (always kept): only blocks before
-        the last window are another prompt's."""
-        bs = self.config.block_size
-        sparse = request.sparse
-        if sparse is None:
-            return prompt_block_hashes(request.prompt_token_ids, bs, self.cache_salt)
-        reusable = sparse.last_reusable_position(request.num_prompt_tokens) // bs
-        return prompt_block_hashes(
-            request.prompt_token_ids,
-            bs,
-            self.cache_salt + sparse.cache_key(),
-            max_blocks=reusable,
+        """The prompt blocks the request may publish and claim (under token-sparse prefill,
+        keyed by its setting and only before its last window: ``prefix_block_hashes``)."""
+        return prefix_block_hashes(
+            request.prompt_token_ids, self.config.block_size, request.sparse, self.cache_salt
         )
 
     def finish_if_complete(self, request_id: str) -> list[StreamEvent]:

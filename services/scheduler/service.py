@@ -303,6 +303,8 @@ class SchedulerService(Service):
             time=time.time(),
             role=self.options.role,
             block_format=self.driver.scheduler.block_format if self.driver else None,
+            sparse_prefill=self.driver.scheduler.sparse_prefill_offer() if self.driver else None,
+            sparse_prefill_default=cfg.token_sparse_prefill,
         )
         try:
             await self.nc.publish(subjects.SHARD_ANNOUNCE, encode_msgpack(announce))

@@ -15,6 +15,7 @@ from typing import Any
 from messages.api import StreamEvent
 from messages.errors import ErrorCode, RequestError
 from messages.internal import AdmittedRequest, RelayedEvent, RequestNotice
+from services.common.sparse_prefill import prefill_setting
 from services.runtime import subjects
 from services.runtime.logging import log_content_enabled, request_fields
 from services.scheduler.engine_core import EngineCore
@@ -94,6 +95,7 @@ class Submissions:
                 known_outputs=known,
                 hand_off=req.hand_off,
                 kv_source=req.kv_source,
+                prefill_setting=req.prefill_setting,
             )
         except RequestError as exc:
             self.log.info("request refused", code=str(exc.code), reason=exc.message[:200], **fields)
@@ -216,6 +218,9 @@ class Submissions:
     def _notice(self, track: str, request_id: str, state: str) -> None:
         if track:
             notice = RequestNotice(request_id=request_id, scheduler_id=self.instance, state=state)
+            request = self.core.scheduler.requests.get(request_id)
+            if state == "accepted" and request is not None:
+                notice.prefill_setting = prefill_setting(request.sparse)
             self._out.notices.append((track, notice))
 
     def _relay(self, stream: Stream, event: StreamEvent) -> None:

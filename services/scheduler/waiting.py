@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -372,10 +371,8 @@ class Admission:
         if sparse is None or not hashes:
             return hashes
         state = self._state
-        block_size = state.config.block_size
-        step = math.lcm(sparse.window, block_size) // block_size  # blocks per aligned hit
         hits = state.kv.lookup_prefix(hashes, before_batch_seq=state.next_seq)
-        return hashes[: hits - hits % step]
+        return hashes[: sparse.whole_window_blocks(hits, state.config.block_size)]
 
     def _claim_cached_prefix(self, request: Request) -> int:
         """Attaches the longest cached prefix (never the last prompt token) and returns the

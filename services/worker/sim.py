@@ -25,9 +25,10 @@ Cost model (``SimCostModel``), calibrated for Ouro-1.4B in bfloat16 on one H200:
 It is an optimistic roofline (no kernel launch gaps, perfect overlap), which makes the
 control plane's share look larger than on real hardware, not smaller. A token-sparse prefill
 fragment (``BatchRow.fragment``) costs its active rows and reads its window's context once,
-as a dense chunk does (the worker runs its runs of active tokens as separate segments, which
-a real kernel serves from cache when they share a context; this model does not charge the
-re-reads).
+as a dense chunk does. rlt's GPU attention kernel runs each active token as its own segment,
+each reading its context; whether those reads come from cache is not known without a GPU.
+``reads_per_active_token`` charges every active token a read of the window's context
+instead: the bound for a kernel whose re-reads all go to HBM.
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ class SimRunner:
         self.simulated_s = 0.0  # device time the cost model charged, before dilation
         # host K/V arenas that KV pulls write (disaggregation benches); no pass reads them
         self.kv_arena: KVArena | None = None
+        # a token-sparse fragment's context read once per active token, not once (a bound)
+        self.reads_per_active_token = False
 
     # ------------------------------------------------------------------ the functions
     def token_at(self, seed: int, position: int) -> int:
@@ -217,7 +220,8 @@ class SimRunner:
                 end = r.row.token_start + r.row.token_count
                 queries = r.row.num_rows  # a token-sparse fragment: its active tokens only
                 num_rows += queries
-                context += end
+                per_token = self.reads_per_active_token and r.row.fragment is not None
+                context += queries * end if per_token else end
                 pairs += queries * end
             seconds += self.cost.core_pass_s(num_rows, context, pairs)
             self.stats.record_pass(num_rows)

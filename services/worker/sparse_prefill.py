@@ -57,6 +57,12 @@ class SparseRequest(Protocol):
     sparse: SparseWindows | None
 
 
+class WindowStateError(ValueError):
+    """A fragment the worker has no window state for: the batch that should have chosen its
+    active tokens failed (with async scheduling, later fragments were already sent), or the
+    request is not token-sparse here. Only that request's row fails."""
+
+
 def choose_active(candidates: np.ndarray, scores: np.ndarray, count: int, last: int) -> np.ndarray:
     """The ``count`` active positions among ``candidates`` (ascending): ``last`` (the prompt's
     last position) if it is one of them, then the highest scores, equal scores to the lower
@@ -97,20 +103,22 @@ class SparseFragments:
             for live in rows
             if live.row.fragment is not None and live.row.fragment.active_start == 0
         ]
-        if opening:
-            self._open_windows(opening, requests)
+        failed = self._open_windows(opening, requests) if opening else set()
         out: list[LiveRow] = []
         for live in rows:
             if live.row.fragment is None:
                 out.append(live)
-            else:
-                out += self._fragment_rows(live, self._windows(requests, live.row))
+            elif live.index not in failed:
+                try:
+                    out += self._fragment_rows(live, self._windows(requests, live.row))
+                except WindowStateError as exc:
+                    live.result.error = str(exc)  # its request ends, the others go on
         return out
 
     def _windows(self, requests: Mapping[str, SparseRequest], row: BatchRow) -> SparseWindows:
         windows = requests[row.request_id].sparse
         if windows is None:
-            raise ValueError(f"{row.request_id}: a sparse fragment for a dense request")
+            raise WindowStateError(f"{row.request_id}: a sparse fragment for a dense request")
         return windows
 
     def _candidates(self, windows: SparseWindows, row: BatchRow) -> np.ndarray:
@@ -120,19 +128,36 @@ class SparseFragments:
             return np.arange(start, start + row.token_count)
         previous = windows.active.get(start)
         if previous is None or previous[0] != loop - 1:
-            raise ValueError(
+            raise WindowStateError(
                 f"{row.request_id}: window {start} has no active tokens of loop {loop - 1}"
             )
         return previous[1]
 
-    def _open_windows(self, opening: list[LiveRow], requests: Mapping[str, SparseRequest]) -> None:
+    def _open_windows(
+        self, opening: list[LiveRow], requests: Mapping[str, SparseRequest]
+    ) -> set[int]:
         """Chooses each opening window's active tokens (one read of their candidates'
-        scores) and copies every frozen token's K/V up one plane (one op)."""
+        scores) and copies every frozen token's K/V up one plane (one op). Returns the
+        batch indices of the fragments that failed (``WindowStateError``), which do not run."""
         chosen: list[tuple[BatchRow, SparseWindows, np.ndarray]] = []
+        failed: set[int] = set()
         for live in opening:
             row = live.row
-            windows = self._windows(requests, row)
-            chosen.append((row, windows, self._candidates(windows, row)))
+            try:
+                windows = self._windows(requests, row)
+                count = windows.schedule.active_count(row.depth, row.token_count)
+                if row.fragment is None or count != row.fragment.window_active:
+                    raise WindowStateError(
+                        f"{row.request_id}: window {row.token_start} keeps {count} tokens at "
+                        f"loop {row.depth}, the scheduler counted "
+                        f"{None if row.fragment is None else row.fragment.window_active}"
+                    )
+                chosen.append((row, windows, self._candidates(windows, row)))
+            except WindowStateError as exc:
+                live.result.error = str(exc)
+                failed.add(live.index)
+        if not chosen:
+            return failed
         total = sum(c.size for _, _, c in chosen)
         words = self.transfer.host_words(total)
         words[:] = np.concatenate([c for _, _, c in chosen])
@@ -145,13 +170,7 @@ class SparseFragments:
         pairs: list[np.ndarray] = []
         at = 0
         for row, windows, candidates in chosen:
-            assert row.fragment is not None
             count = windows.schedule.active_count(row.depth, row.token_count)
-            if count != row.fragment.window_active:
-                raise ValueError(
-                    f"{row.request_id}: window {row.token_start} keeps {count} tokens at loop "
-                    f"{row.depth}, the scheduler counted {row.fragment.window_active}"
-                )
             active = choose_active(
                 candidates, scores[at : at + candidates.size], count, windows.prompt_len - 1
             )
@@ -159,6 +178,7 @@ class SparseFragments:
             windows.active[row.token_start] = (row.depth, active)
             pairs.append(self._frozen_pairs(requests[row.request_id], row, active))
         self._copy_up(np.concatenate(pairs, axis=1))
+        return failed
 
     def _frozen_pairs(self, req: SparseRequest, row: BatchRow, active: np.ndarray) -> np.ndarray:
         """[2, F] (plane l-1 slot, plane l slot) of the window's frozen tokens."""
@@ -190,7 +210,7 @@ class SparseFragments:
         assert fragment is not None
         chosen = windows.active.get(row.token_start)
         if chosen is None or chosen[0] != row.depth:
-            raise ValueError(
+            raise WindowStateError(
                 f"{row.request_id}: window {row.token_start} has no active tokens of loop "
                 f"{row.depth}"
             )
