@@ -33,10 +33,6 @@ class KVBlockFormat(_Comparable, frozen=True, kw_only=True):
     kv_layout: str
     block_size: int
     num_planes: int
-    # the token-sparse prefill defaults (on or off, window, retention): a prompt's KV and
-    # its blocks' hashes depend on them, so a decode shard must resolve them as its prefill
-    # shard does
-    sparse_prefill: str = ""
 
 
 class KVLayoutInfo(_Comparable, frozen=True, kw_only=True):

@@ -67,33 +67,6 @@ def test_a_shard_with_another_block_format_is_refused_by_name() -> None:
 
 
 @pytest.mark.unit
-def test_shards_whose_sparse_prefill_settings_differ_are_refused_by_name() -> None:
-    """A block's KV depends on the token-sparse settings it was computed under (its hash
-    includes them): a decode shard of other settings would cache pulled KV under hashes
-    of KV it never computed, and prefill again other tokens than the prefill shard's."""
-    from services.common.config import ModelLimits, SchedulerConfig
-    from services.scheduler.scheduler import Scheduler
-
-    limits = ModelLimits(
-        total_ut_steps=4, vocab_size=100, max_position_embeddings=4096, eos_token_ids=(0,)
-    )
-    dense = Scheduler(SchedulerConfig(block_size=16), limits).block_format
-    same = Scheduler(SchedulerConfig(block_size=16), limits).block_format
-    window = Scheduler(SchedulerConfig(block_size=16, sparse_window=8), limits).block_format
-    on = Scheduler(SchedulerConfig(block_size=16, token_sparse_prefill=True), limits).block_format
-    assert dense.mismatch(same) is None
-    assert dense.mismatch(window) is not None and dense.mismatch(on) is not None
-    table = ShardTable("adm", block_size=16)
-    first = ShardAnnounce(shard_id="0", scheduler_id="s0", block_size=16, role="prefill",
-                          block_format=dense)  # fmt: skip
-    assert table.announce(first, 0.0) == (None, None)
-    bad = ShardAnnounce(shard_id="1", scheduler_id="s1", block_size=16, role="decode",
-                        block_format=window)  # fmt: skip
-    why, _ = table.announce(bad, 0.0)
-    assert why is not None and "sparse_prefill:" in why and "--sparse-window" in why
-
-
-@pytest.mark.unit
 @needs_nixl
 def test_reads_are_byte_exact_and_a_layout_mismatch_is_refused() -> None:
     src, dst = _arena(20, True), _arena(30, False)

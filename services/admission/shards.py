@@ -184,8 +184,7 @@ class ShardTable:
                 return (
                     f"KV block format differs from {other.role} shard {other.shard_id}'s "
                     f"({diff}): prefill and decode shards need the same --block-size, "
-                    "--kv-layout, model depth, --token-sparse-prefill, --sparse-window and "
-                    "--prefill-retention"
+                    "--kv-layout and model depth"
                 )
         return None
 

@@ -76,16 +76,10 @@ class Scheduler:
     def block_format(self) -> KVBlockFormat:
         """What a block is here: shards that hand requests over must agree on it."""
         config = self.config
-        sparse = config.sparse_defaults()
-        retention = "model default" if sparse.retention is None else list(sparse.retention)
         return KVBlockFormat(
             kv_layout=str(config.kv_layout),
             block_size=config.block_size,
             num_planes=config.num_planes(self.total_ut_steps),
-            sparse_prefill=(
-                f"{'on' if sparse.enabled else 'off'}, window {sparse.window}, "
-                f"retention {retention}"
-            ),
         )
 
     # the shared state, read by the engine, the driver, telemetry and tests
