@@ -56,6 +56,7 @@ def main() -> int:
     p.add_argument("--engine-requests", type=int, default=0, metavar="N")
     p.add_argument("--max-tokens", type=int, default=384)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write every outcome here")
     args = p.parse_args()
@@ -99,13 +100,17 @@ def main() -> int:
 # ---------------------------------------------------------------------- part 1: tables
 def print_summary(results: dict[StructuredOutputsBackend, list[CaseResult]]) -> None:
     print(
-        "| engine | schemas compiled | refused | valid accepted | over-constraining "
+        "| engine | schemas compiled | refused (their valid / invalid instances, not run) "
+        "| valid accepted | over-constraining "
         "| invalid refused | under-constraining | raw control character accepted "
         "| compile ms p50 / p99 / max | mask us per token p50 / p99 |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for backend, case_results in results.items():
         compiled = [r for r in case_results if r.refusal is None]
+        refused = [r.case for r in case_results if r.refusal is not None]
+        refused_valid = sum(i.valid for case in refused for i in case.instances)
+        refused_invalid = sum(not i.valid for case in refused for i in case.instances)
         valid = [run for r in compiled for run in r.valid]
         invalid = [run for r in compiled for run in r.invalid]
         probes = [run for r in compiled for run in r.probes]
@@ -117,7 +122,7 @@ def print_summary(results: dict[StructuredOutputsBackend, list[CaseResult]]) -> 
         ]
         print(
             f"| {backend} | {len(compiled)} / {len(case_results)} "
-            f"| {len(case_results) - len(compiled)} "
+            f"| {len(refused)} ({refused_valid} / {refused_invalid}) "
             f"| {len(valid) - over} / {len(valid)} | **{over}** ({_pct(over, len(valid))}) "
             f"| {len(invalid) - under} / {len(invalid)} | **{under}** "
             f"| {sum(run.accepted for run in probes)} / {len(probes)} "
@@ -224,14 +229,16 @@ def run_engine(
     model = OuroModel.from_checkpoint(checkpoint)
     print(
         f"End to end: {checkpoint.name}'s random weights, temperature {args.temperature}, "
+        f"top_p {args.top_p}, "
         f"max_tokens {args.max_tokens}, 16 random prompt tokens per request, one request "
         "per schema the engine compiles (seeded shuffle).\n"
     )
     print(
         "| engine | JSON | requests | finished (stop) | finished and valid | cut by max_tokens "
-        "| cut inside a string | median tokens | seconds |"
+        "| cut inside a string | its open string's characters p50 / min "
+        "| median tokens | seconds |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     out: dict[str, object] = {}
     for backend in backends:
         for any_whitespace in (False, True):
@@ -255,6 +262,7 @@ def run_engine(
                     SamplingParams(
                         max_tokens=args.max_tokens,
                         temperature=args.temperature,
+                        top_p=args.top_p,
                         seed=args.seed + len(params),
                         structured_output=constraint,
                     )
@@ -276,7 +284,8 @@ def run_engine(
                 f"| {backend} | {label} | {len(chosen)} | {summary['stop']} "
                 f"| **{summary['valid']}** / {summary['stop']} "
                 f"| {summary['length']} ({_pct(summary['length'], len(chosen))}) "
-                f"| {summary['cut_in_string']} | {summary['median_tokens']} | {seconds:.0f} |"
+                f"| {summary['cut_in_string']} | {summary['open_string_chars']} "
+                f"| {summary['median_tokens']} | {seconds:.0f} |"
             )
     print()
     return out
@@ -284,7 +293,7 @@ def run_engine(
 
 def _engine_summary(codec: TextCodec, cases: list[SchemaCase], finished: list) -> dict:
     counts: collections.Counter[str] = collections.Counter()
-    lengths, invalid = [], []
+    lengths, invalid, open_strings = [], [], []
     for case, event in zip(cases, finished, strict=True):
         if not isinstance(event, FinishedEvent):
             counts["error"] += 1
@@ -294,11 +303,18 @@ def _engine_summary(codec: TextCodec, cases: list[SchemaCase], finished: list) -
         text = codec.decode(event.token_ids)
         counts[event.finish_reason] += 1
         if event.finish_reason == "length":
-            # quotes outside escapes: an odd count leaves the text inside a string
-            counts["cut_in_string"] += re.sub(r"\\.", "", text).count('"') % 2
+            # quotes outside escapes: an odd count leaves the text inside a string, which
+            # has run since the last of them
+            unescaped = re.sub(r"\\.", "__", text)
+            if unescaped.count('"') % 2:
+                counts["cut_in_string"] += 1
+                open_strings.append(len(unescaped) - unescaped.rindex('"') - 1)
             continue
         try:
-            jsonschema.validate(json.loads(text), json.loads(case.schema))
+            schema = json.loads(case.schema)
+            validator = jsonschema.validators.validator_for(schema)
+            # the formats jsonschema can check are checked too (an engine enforces them)
+            validator(schema, format_checker=validator.FORMAT_CHECKER).validate(json.loads(text))
             counts["valid"] += 1
         except (ValueError, jsonschema.ValidationError) as exc:
             invalid.append({"schema": case.name, "text": text, "why": str(exc)[:300]})
@@ -308,6 +324,9 @@ def _engine_summary(codec: TextCodec, cases: list[SchemaCase], finished: list) -
         "length": counts["length"],
         "error": counts["error"],
         "cut_in_string": counts["cut_in_string"],
+        "open_string_chars": (
+            f"{int(statistics.median(open_strings))} / {min(open_strings)}" if open_strings else "-"
+        ),
         "median_tokens": int(statistics.median(lengths)) if lengths else 0,
         "invalid": invalid,
     }

@@ -253,6 +253,11 @@ def test_a_request_resumed_with_known_tokens_goes_on_in_its_format(toy_model, co
 LL, XG = "llguidance", "xgrammar"
 
 
+def _nested_schema(levels: int) -> str:
+    """An array schema nested ``levels + 1`` JSON levels deep (the innermost, an integer)."""
+    return '{"items": ' * levels + '{"type": "integer"}' + "}" * levels
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(
     ("constraint", "problems"),
@@ -294,6 +299,8 @@ LL, XG = "llguidance", "xgrammar"
             "counts over 1000",
         ),
         (StructuredOutput(kind="grammar", spec='root ::= "a"{0,3000}'), "counts over 1000"),
+        # a schema whose conversion would stall (xgrammar's grows with the cube of the depth)
+        (StructuredOutput(kind="json_schema", spec=_nested_schema(200)), "nested 201 levels"),
     ],
 )
 @pytest.mark.parametrize("backend", [LL, XG])
@@ -334,6 +341,17 @@ def test_a_grammar_that_never_compiles_fails_its_request_not_the_pass(
     assert not grammar.fill_mask(out)
     assert grammar.error is not None and "did not compile within" in grammar.error
     assert grammar.accept(5, 0) == grammar.error
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("backend", [LL, XG])
+def test_a_schema_nested_up_to_the_limit_compiles_with_either_engine(backend: str) -> None:
+    """The depth bound is rlt's, below both engines' own: a schema's validity does not
+    depend on the server's engine."""
+    from services.common.grammar import MAX_SCHEMA_DEPTH
+
+    spec = _nested_schema(MAX_SCHEMA_DEPTH - 1)
+    check_structured_output(StructuredOutput(kind="json_schema", spec=spec, backend=backend))
 
 
 @pytest.mark.unit

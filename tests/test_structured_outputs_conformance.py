@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from messages.errors import RequestError
 from messages.sampling import (
     DEFAULT_STRUCTURED_OUTPUTS_BACKEND,
     StructuredOutput,
@@ -19,6 +20,7 @@ from messages.sampling import (
 )
 from services.bench.conformance import ConformanceRun, load_cases, serialise
 from services.common.config import SchedulerConfig
+from services.common.grammar import check_structured_output
 from services.common.tokenizer import TextCodec
 
 pytestmark = pytest.mark.unit
@@ -148,3 +150,38 @@ def test_an_output_may_end_only_where_its_format_does(
     assert short.refused_at == short.num_tokens == 1
     assert run.feed(compiled, "50").accepted
     run.close()
+
+
+@pytest.fixture
+def fresh_xgrammar_caches():
+    from services.common import grammar_xgrammar
+
+    def clear() -> None:
+        grammar_xgrammar._parse.cache_clear()
+        grammar_xgrammar.json_strings_problem.cache_clear()
+
+    clear()
+    yield grammar_xgrammar
+    clear()
+
+
+def test_an_xgrammar_that_admits_raw_control_characters_is_refused(
+    fresh_xgrammar_caches, monkeypatch
+) -> None:
+    """The rewrite depends on how xgrammar writes its grammar; the layer checks what the
+    result accepts, once per process, and refuses JSON with xgrammar (a 400 naming the
+    gap) when a string still takes a raw control character, rather than emit JSON no strict
+    parser reads. Here the rewrite is turned off, as a version that writes the class
+    differently would."""
+    xg = fresh_xgrammar_caches
+    assert xg.json_strings_problem() is None
+    xg.json_strings_problem.cache_clear()
+    monkeypatch.setattr(xg, "_json_string_classes", lambda ebnf: ebnf)
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}})
+    for kind, spec in (("json_schema", schema), ("json_object", "")):
+        with pytest.raises(RequestError) as err:
+            check_structured_output(StructuredOutput(kind=kind, spec=spec, backend="xgrammar"))
+        assert "raw control character" in err.value.message, err.value.message
+        assert "maxLength" in err.value.message
+    # the other kinds have no JSON strings to speak of
+    check_structured_output(StructuredOutput(kind="regex", spec="a+", backend="xgrammar"))

@@ -200,6 +200,8 @@ def test_a_format_that_does_not_compile_is_a_400_naming_the_problem(up: Up) -> N
         ({"type": "strin"}, "Invalid type: strin"),
         # a keyword the engine does not enforce is refused by name, never ignored
         ({"type": "array", "uniqueItems": True}, 'Unimplemented keys: ["uniqueItems"]'),
+        # nested past what an engine converts in bounded time
+        (json.loads('{"items": ' * 150 + "{}" + "}" * 150), "nested 151 levels"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:
             oai.chat.completions.create(

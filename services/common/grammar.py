@@ -38,6 +38,10 @@ from services.common.grammar_engine import GrammarEngine
 # one rule for both engines, so a format's validity does not depend on the server
 MAX_REPEAT_COUNT = 1000
 _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+# a JSON schema may nest its objects and arrays at most this deep: xgrammar's conversion
+# grows with the cube of the depth (7 s at 600 levels, on the worker's one compile thread),
+# llguidance refuses past about 124; real schemas nest under 20
+MAX_SCHEMA_DEPTH = 100
 
 
 def engine(backend: StructuredOutputsBackend) -> GrammarEngine:
@@ -72,15 +76,24 @@ def check_structured_output(constraint: StructuredOutput) -> None:
     """Raises ``RequestError`` naming the problem when ``constraint`` does not compile with
     its engine."""
     constraint.validate()
-    check_repeats(constraint)
+    check_bounds(constraint)
     engine(backend_of(constraint)).check(constraint)
 
 
-def check_repeats(constraint: StructuredOutput) -> None:
-    """Counted repetitions are checked before an engine spends its time on them."""
+def check_bounds(constraint: StructuredOutput) -> None:
+    """What would stall an engine is refused before either spends its time on it: a counted
+    repetition over ``MAX_REPEAT_COUNT``, a schema nested over ``MAX_SCHEMA_DEPTH``. One
+    rule for both engines, so a format's validity does not depend on the server."""
     kind = StructuredOutputKind(constraint.kind)
     if kind == StructuredOutputKind.JSON_SCHEMA:
-        texts = _schema_texts(constraint.spec)
+        schema = _schema(constraint.spec)
+        depth = _depth(schema)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise RequestError(
+                f"structured_output (json_schema): the schema is nested {depth} levels deep, "
+                f"at most {MAX_SCHEMA_DEPTH} are allowed"
+            )
+        texts = list(_schema_patterns(schema))
     elif kind in (StructuredOutputKind.REGEX, StructuredOutputKind.GRAMMAR):
         texts = [constraint.spec]
     else:
@@ -95,13 +108,24 @@ def check_repeats(constraint: StructuredOutput) -> None:
                 )
 
 
-def _schema_texts(spec: str) -> list[str]:
-    """The regular expressions of a JSON schema spec; none if it is not JSON (the engine
-    names that)."""
+def _schema(spec: str) -> object:
+    """A JSON schema spec parsed; None if it is not JSON (the engine names that)."""
     try:
-        return list(_schema_patterns(json.loads(spec)))
+        return json.loads(spec)
     except (ValueError, RecursionError):
-        return []
+        return None
+
+
+def _depth(node: object) -> int:
+    """How deep ``node``'s objects and arrays nest (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _schema_patterns(node: object) -> Iterator[str]:

@@ -1,17 +1,21 @@
 """xgrammar as a grammar engine: formats as xgrammar ``Grammar``s, compiled per vocabulary
 into grammars whose token masks are precomputed per state.
 
-One gap of xgrammar's JSON schema converter (0.2.9) is closed here: a string bounded by
+One gap of xgrammar's JSON schema converter (0.2.x) is closed here: a string bounded by
 ``minLength``/``maxLength`` compiles to a character class that admits raw control
 characters (U+0000-U+001F but CR and LF) and no escapes, where JSON needs every control
 character escaped; such an output fails a strict JSON parser. The converted grammar's text
 is rewritten so that class is a JSON string character or escape
-(``_json_string_classes``), and compiled from that text.
+(``_json_string_classes``), and compiled from that text. The rewrite matches the text
+xgrammar writes, so what the result accepts is checked once per process
+(``json_strings_problem``): an xgrammar whose JSON strings still take a raw control
+character, whatever the reason, gets JSON formats refused rather than served.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import re
 from typing import TYPE_CHECKING, Any
@@ -76,19 +80,10 @@ def _parse(kind: StructuredOutputKind, spec: str, any_whitespace: bool) -> xgram
     import xgrammar as xgr
 
     if kind in (StructuredOutputKind.JSON_SCHEMA, StructuredOutputKind.JSON_OBJECT):
-        whitespace: dict[str, Any] = (
-            {"any_whitespace": True, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
-            if any_whitespace
-            else {"any_whitespace": False, "separators": (",", ":")}
-        )
-        if kind == StructuredOutputKind.JSON_OBJECT:
-            # any object: properties beyond those named are allowed (not strict)
-            grammar = xgr.Grammar.from_json_schema(
-                '{"type": "object"}', strict_mode=False, **whitespace
-            )
-        else:
-            grammar = xgr.Grammar.from_json_schema(spec, **whitespace)
-        return xgr.Grammar.from_ebnf(_json_string_classes(str(grammar)))
+        problem = json_strings_problem()
+        if problem is not None:
+            raise RequestError(f"structured_output ({kind}) is not served: {problem}")
+        return _json_grammar(kind, spec, any_whitespace)
     if kind == StructuredOutputKind.REGEX:
         return xgr.Grammar.from_regex(spec)
     if kind == StructuredOutputKind.CHOICE:
@@ -96,6 +91,61 @@ def _parse(kind: StructuredOutputKind, spec: str, any_whitespace: bool) -> xgram
     if kind == StructuredOutputKind.GRAMMAR:
         return xgr.Grammar.from_ebnf(spec)
     raise RequestError(f"structured_output kind {kind!r} is not supported")
+
+
+def _json_grammar(kind: StructuredOutputKind, spec: str, any_whitespace: bool) -> xgrammar.Grammar:
+    import xgrammar as xgr
+
+    whitespace: dict[str, Any] = (
+        {"any_whitespace": True, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
+        if any_whitespace
+        else {"any_whitespace": False, "separators": (",", ":")}
+    )
+    if kind == StructuredOutputKind.JSON_OBJECT:
+        # any object: properties beyond those named are allowed (not strict)
+        grammar = xgr.Grammar.from_json_schema(
+            '{"type": "object"}', strict_mode=False, **whitespace
+        )
+    else:
+        grammar = xgr.Grammar.from_json_schema(spec, **whitespace)
+    return xgr.Grammar.from_ebnf(_json_string_classes(str(grammar)))
+
+
+# where a JSON string may start, as each kind of string xgrammar compiles: each prefix,
+# followed by a raw control character, must be refused
+_STRING_PROBES = (
+    ("a length-bounded string (maxLength)", '{"type": "string", "maxLength": 4}', '"a'),
+    ("a string", '{"type": "string"}', '"a'),
+    (
+        "a patternProperties key",
+        '{"type": "object", "patternProperties": {".*": {"type": "string"}}}',
+        '{"a',
+    ),
+    ("a string with a pattern", '{"type": "string", "pattern": "^.+$"}', '"a'),
+)
+
+
+@functools.cache
+def json_strings_problem() -> str | None:
+    """Why this xgrammar's JSON grammars (rewritten as above) are not served, or None: each
+    probe is fed byte by byte through a matcher over a one-byte-per-token vocabulary, and a
+    raw U+0016 after its prefix must be refused."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo(
+        [bytes([b]) for b in range(256)], xgr.VocabType.RAW, vocab_size=257, stop_token_ids=[256]
+    )
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    for what, schema, prefix in _STRING_PROBES:
+        grammar = _json_grammar(StructuredOutputKind.JSON_SCHEMA, schema, False)
+        matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
+        if all(matcher.accept_token(byte) for byte in (prefix + "\x16").encode()):
+            return (
+                f"xgrammar {importlib.metadata.version('xgrammar')} lets a raw control "
+                f"character into {what}, which no strict JSON parser reads; rlt needs "
+                "xgrammar >= 0.2.6 (or --structured-outputs-backend llguidance)"
+            )
+    return None
 
 
 def _json_string_classes(ebnf: str) -> str:

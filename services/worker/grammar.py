@@ -28,7 +28,7 @@ import torch
 
 from messages.errors import RequestError
 from messages.sampling import StructuredOutput, StructuredOutputsBackend
-from services.common.grammar import backend_of, check_repeats, engine
+from services.common.grammar import backend_of, check_bounds, engine
 from services.common.grammar_engine import (
     CompiledGrammar,
     GrammarCompiler,
@@ -146,7 +146,7 @@ class GrammarBook:
 
     def _compile(self, constraint: StructuredOutput) -> CompiledGrammar:
         constraint.validate()
-        check_repeats(constraint)
+        check_bounds(constraint)
         backend = backend_of(constraint)
         compiler = self._compilers.get(backend)
         if compiler is None:
