@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import functools
 import gc
 import os
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -321,6 +323,20 @@ def model_info(model: OuroModel, checkpoint: Path, size: str | None) -> dict[str
 
 
 # comparisons with their own runner (not ``Comparison``s)
+def _standalone(
+    name: str, title: str, run: Callable[[], dict[str, Any]], kind: str | None = None
+) -> dict[str, Any]:
+    """A comparison run by its own module; one that breaks reports its error, as a broken
+    comparison of the table does, so the others still report."""
+    try:
+        return run()
+    except Exception as exc:
+        failed: dict[str, Any] = {"name": name, "title": title, "question": "", "notes": []}
+        if kind is not None:
+            failed["kind"] = kind
+        return {**failed, "error": f"{type(exc).__name__}: {exc}", "runs": [], "ratios": []}
+
+
 STANDALONE = ("scheduler", "overload", "sparse_prefill", "disaggregation")
 
 
@@ -376,58 +392,40 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 results.append(run_comparison(bench, c, args.repeats, progress))
             except Exception as exc:  # one broken comparison must not discard the others
                 results.append(failed_comparison(c, exc))
-        if "overload" in args.only:
-            try:
-                results.append(
-                    overload.run_comparison(
-                        bench.model,
-                        settings.vocab,
-                        repeats=args.repeats,
-                        seed=args.seed,
-                        quick=args.quick,
-                        model_label=f"{settings.model_size or 'checkpoint'} model, {args.device}",
-                        progress=progress,
-                    )
+        model_label = f"{settings.model_size or 'checkpoint'} model, {args.device}"
+        # the comparisons on this machine's model (and the simulated device), by module
+        for module, name, title in (
+            (overload, "overload", "Overload"),
+            (sparse_prefill, "sparse_prefill", "Token-sparse prefill"),
+        ):
+            if name in args.only:
+                run = functools.partial(
+                    module.run_comparison,
+                    bench.model,
+                    settings.vocab,
+                    repeats=args.repeats,
+                    seed=args.seed,
+                    quick=args.quick,
+                    model_label=model_label,
+                    progress=progress,
                 )
-            except Exception as exc:  # as a broken comparison above: the others still report
-                results.append(
-                    {"name": "overload", "title": "Overload", "question": "",
-                     "error": f"{type(exc).__name__}: {exc}", "runs": [], "ratios": []}
-                )  # fmt: skip
-        if "sparse_prefill" in args.only:
-            try:
-                results.append(
-                    sparse_prefill.run_comparison(
-                        bench.model,
-                        settings.vocab,
-                        repeats=args.repeats,
-                        seed=args.seed,
-                        quick=args.quick,
-                        model_label=f"{settings.model_size or 'checkpoint'} model, {args.device}",
-                        progress=progress,
-                    )
-                )
-            except Exception as exc:  # as a broken comparison above: the others still report
-                results.append(
-                    {"name": "sparse_prefill", "title": "Token-sparse prefill", "question": "",
-                     "error": f"{type(exc).__name__}: {exc}", "runs": [], "ratios": []}
-                )  # fmt: skip
+                results.append(_standalone(name, title, run))
         if "scheduler" in args.only:
             steps = 200 if args.quick else 2000
             results.append(scheduler_step.run_comparison(args.repeats, steps=steps))
         if "disaggregation" in args.only:
             from services.bench import disaggregation  # NIXL and processes: only when asked
 
-            try:
-                results.append(
-                    disaggregation.run_comparison(args.repeats, seed=args.seed, quick=args.quick)
+            results.append(
+                _standalone(
+                    "disaggregation",
+                    "Prefill/decode disaggregation",
+                    lambda: disaggregation.run_comparison(
+                        args.repeats, seed=args.seed, quick=args.quick
+                    ),
+                    kind="disaggregation",
                 )
-            except Exception as exc:  # as a broken comparison above: the others still report
-                results.append(
-                    {"name": "disaggregation", "kind": "disaggregation", "title":
-                     "Prefill/decode disaggregation", "question": "", "notes": [],
-                     "error": f"{type(exc).__name__}: {exc}", "runs": [], "ratios": []}
-                )  # fmt: skip
+            )
     finally:
         progress.close()
         bench.close()
