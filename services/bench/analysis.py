@@ -63,6 +63,40 @@ def ratio_result(spec: RatioSpec, runs: Sequence[Run], repeats: int) -> dict[str
     return out
 
 
+def per_repeat_result(
+    workload: str,
+    metric: str,
+    label: str,
+    kind: str,
+    values: list[Any],
+    target: tuple[str, float | None, float | None] | None,
+) -> dict[str, Any]:
+    """One reported figure of a comparison run by its own module: its per-repeat values, their
+    spread, and whether the median reaches ``target`` (text, low bound, high bound)."""
+    known = [v for v in values if v is not None]
+    spread = _spread(known)
+    out: dict[str, Any] = {
+        "workload": workload,
+        "metric": metric,
+        "label": label,
+        "kind": kind,
+        "per_repeat": values,
+        **spread,
+        "target": None,
+        "reached": None,
+    }
+    if target is not None:
+        text, low, high = target
+        median = spread["median"]
+        out["target"] = {"text": text, "low": low, "high": high}
+        out["reached"] = (
+            median is not None
+            and (low is None or median >= low)
+            and (high is None or median <= high)
+        )
+    return out
+
+
 def arm_summary(
     comparison: Comparison, runs: Sequence[Run], metrics: Sequence[str]
 ) -> list[dict[str, Any]]:

@@ -38,6 +38,7 @@ from typing import Any
 
 from messages.api import ErrorEvent, FinishedEvent, TokenEvent
 from messages.sampling import SamplingParams
+from services.bench.analysis import per_repeat_result
 from services.bench.metrics import percentile
 from services.bench.progress import Progress
 from services.bench.workloads import LengthMix, RequestSpec, TokenRange, poisson_arrivals
@@ -431,29 +432,7 @@ def _ratio(
     values: list[Any],
     target: tuple[str, float | None, float | None] | None = None,
 ) -> dict[str, Any]:
-    known = [v for v in values if v is not None]
-    median = statistics.median(known) if known else None
-    out: dict[str, Any] = {
-        "workload": f"{device} x{load:g}",
-        "metric": metric,
-        "label": label,
-        "kind": "value",
-        "per_repeat": values,
-        "min": min(known) if known else None,
-        "median": median,
-        "max": max(known) if known else None,
-        "target": None,
-        "reached": None,
-    }
-    if target is not None:
-        text, low, high = target
-        out["target"] = {"text": text, "low": low, "high": high}
-        out["reached"] = (
-            median is not None
-            and (low is None or median >= low)
-            and (high is None or median <= high)
-        )
-    return out
+    return per_repeat_result(f"{device} x{load:g}", metric, label, "value", values, target)
 
 
 def ratios(runs: list[dict[str, Any]], repeats: int, names: list[str]) -> list[dict[str, Any]]:

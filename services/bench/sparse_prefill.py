@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.bench.analysis import per_repeat_result
 from services.bench.metrics import percentile
 from services.bench.overload import Outcome, VirtualClock, drive
 from services.bench.progress import Progress
@@ -325,29 +326,7 @@ def _entry(
     values: list[Any],
     target: tuple[str, float | None, float | None] | None,
 ) -> dict[str, Any]:
-    known = [v for v in values if v is not None]
-    median = statistics.median(known) if known else None
-    out: dict[str, Any] = {
-        "workload": where,
-        "metric": metric,
-        "label": label,
-        "kind": "ratio",
-        "per_repeat": values,
-        "min": min(known) if known else None,
-        "median": median,
-        "max": max(known) if known else None,
-        "target": None,
-        "reached": None,
-    }
-    if target is not None:
-        text, low, high = target
-        out["target"] = {"text": text, "low": low, "high": high}
-        out["reached"] = (
-            median is not None
-            and (low is None or median >= low)
-            and (high is None or median <= high)
-        )
-    return out
+    return per_repeat_result(where, metric, label, "ratio", values, target)
 
 
 def ratios(runs: list[dict[str, Any]], repeats: int, names: list[str]) -> list[dict[str, Any]]:
