@@ -1,7 +1,7 @@
-"""The CPU attention reference on the rows a token-sparse loop runs: one-token segments of
-one request at scattered positions, over one block table, are attended as one group (its
-context gathered once) and give every query exactly its causal attention, beside dense
-chunks and decode rows of other requests."""
+"""Attention of the rows a token-sparse loop runs: the active tokens of one request at
+scattered positions, as ONE segment with ``query_pos`` (its context read once), give every
+query exactly its causal attention, as the same rows would as one-token segments each,
+beside dense chunks and decode rows of other requests."""
 
 from __future__ import annotations
 
@@ -66,15 +66,44 @@ def _expected(args, segments, block_size: int) -> torch.Tensor:
     return out
 
 
+def _grouped(args, segments, block_size: int):
+    """The same rows with each run of one-token rows of the sparse table as one segment:
+    query_pos holds every row's position, context_lens its run's largest."""
+    q, k_cache, v_cache, _, _, _, scale, _ = args
+    merged: list[tuple[list[int], list[int]]] = []  # (table, positions) per segment
+    previous = None
+    for table, ctx, n in segments:
+        positions = list(range(ctx - n, ctx))
+        if n == 1 and previous is table and merged[-1][1][-1] < ctx - 1:
+            merged[-1][1].append(ctx - 1)
+        else:
+            merged.append((table, positions))
+        previous = table if n == 1 else None
+    width = args[3].shape[1]
+    tables = torch.zeros(len(merged), width, dtype=torch.int32)
+    for s, (table, positions) in enumerate(merged):
+        used = -(-(positions[-1] + 1) // block_size)
+        tables[s, :used] = torch.tensor(table[:used])
+    ctx = torch.tensor([p[-1] + 1 for _, p in merged], dtype=torch.int32)
+    starts = [0]
+    for _, p in merged:
+        starts.append(starts[-1] + len(p))
+    query_pos = torch.tensor([x for _, p in merged for x in p], dtype=torch.int32)
+    longest = max(len(p) for _, p in merged)
+    grouped = (q, k_cache, v_cache, tables, ctx, torch.tensor(starts, dtype=torch.int32))
+    return (*grouped, scale, longest, query_pos), len(merged)
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("seed", range(3))
-def test_one_token_rows_of_one_table_are_grouped_and_exact(seed: int, block_size: int) -> None:
+def test_active_rows_as_one_segment_are_exact(seed: int, block_size: int) -> None:
     args, segments, bs = _case(seed, block_size)
-    runs = attention._one_table_runs(
-        [n for _, _, n in segments], [c for _, c, _ in segments], args[3], bs
-    )
-    assert runs == [[1, 2, 3, 4, 5], [7, 8, 9, 10]]
+    grouped, num_segments = _grouped(args, segments, bs)
+    assert num_segments == 4  # decode row, 5 active rows, chunk, 4 active rows
     want = _expected(args, segments, bs)
     for split in (True, False):
+        out = attention.paged_attention_reference(*grouped, split_decode=split)
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+        # the one-token layout gives the same
         out = attention.paged_attention_reference(*args, split_decode=split)
         torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
