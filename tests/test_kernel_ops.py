@@ -159,7 +159,7 @@ def make_attention_case(
     positions = []
     for s, (n, ctx) in enumerate(zip(rows, ctxs, strict=True)):
         if s in gathered and n > 0:
-            positions.append(sorted(rng.sample(range(ctx - 1), n - 1)) + [ctx - 1])
+            positions.append([*sorted(rng.sample(range(ctx - 1), n - 1)), ctx - 1])
         else:
             positions.append(list(range(ctx - n, ctx)))
     query_pos = None
@@ -1021,6 +1021,10 @@ def _ouro_shaped_launches() -> None:
         attention.paged_attention_triton(*case.args())
         if max_q == 1:
             attention.paged_attention_triton(*case.args(), num_splits=1)
+    # gathered rows (query_pos), per-query and tiled
+    case = make_attention_case(0, [(3, 9), (20, 30)], bs, nh, 1, hd, dtype, gathered=frozenset({1}))
+    for tiled in (False, True):
+        attention.paged_attention_triton(*case.args(), tiled=tiled)
     importlib.import_module("kernels.ops.exit_rule").exit_rule_triton(
         torch.randn(3), torch.rand(3), *(torch.ones(3, dtype=torch.int32),) * 3,
         torch.rand(3), torch.zeros(3, dtype=torch.int32),

@@ -273,7 +273,7 @@ def _attn_query_kernel(
     ctx = tl.load(ctx_ptr + seg)
     # This query sees positions 0 .. its own (query_pos, or ctx - n + j); none when the
     # segment has no row j.
-    if HAS_QPOS:
+    if HAS_QPOS:  # noqa: SIM108 - a constexpr branch: the kernel without it loads nothing
         pos = tl.load(qpos_ptr + row0 + j, mask=j < n, other=-1)
     else:
         pos = ctx - n + j
