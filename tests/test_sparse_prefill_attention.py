@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from kernels.ops import attention
+from messages.batch import BatchRow, RowKind, WorkerSampling
+from services.worker.rows import LiveRow
 
 pytestmark = pytest.mark.unit
 
@@ -107,3 +110,56 @@ def test_active_rows_as_one_segment_are_exact(seed: int, block_size: int) -> Non
         # the one-token layout gives the same
         out = attention.paged_attention_reference(*args, split_decode=split)
         torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+
+
+def _planned(rows: list[LiveRow]):
+    from services.worker.pass_plan import PassPlanner, RequestView
+
+    sampling = WorkerSampling(
+        temperature=0.0, top_p=1.0, top_k=0, seed=0, min_loops=4, max_loops=4, exit_threshold=1.0
+    )
+    tables = [[5, 9, 2, 7, 11, 3], [1, 4, 6, 8, 10, 12]]
+    requests = {
+        name: RequestView(list(range(24)), sampling, [t, t], pool_slot=0)
+        for name, t in zip("ab", tables, strict=True)
+    }
+    planner = PassPlanner(4, 4, False, 0, 0, host_words=lambda n: np.zeros(n, dtype=np.int32))
+    return planner.plan(rows, requests, first_pass=False), tables
+
+
+def _row(request: str, kind: RowKind, start: int, count: int, joins: bool = False) -> LiveRow:
+    row = BatchRow(request_id=request, kind=kind, token_start=start, token_count=count, depth=2)
+    return LiveRow(0, row, 2, 1, joins_segment=joins)
+
+
+def test_a_fragments_rows_are_one_segment_at_their_own_positions() -> None:
+    """The planner makes a fragment's active rows one attention segment (its context the
+    last row's, the rows' positions in token.position, which the pass passes as query_pos),
+    beside another request's decode row and chunk."""
+    active = [3, 7, 8, 20]
+    rows = [_row("b", RowKind.DECODE, 10, 1)]
+    rows += [_row("a", RowKind.PREFILL, p, 1, joins=i > 0) for i, p in enumerate(active)]
+    rows += [_row("b", RowKind.PREFILL, 11, 5)]
+    plan, tables = _planned(rows)
+    h = plan.host
+    assert plan.gathered and plan.shape.num_segments == 3 and plan.max_query_len == 5
+    assert h["segment.query_start"].tolist() == [0, 1, 5, 10]
+    assert h["segment.context_len"].tolist() == [11, 21, 16]
+    assert h["segment.table"][1].tolist() == tables[0]
+    assert h["token.position"].tolist() == [10, *active, 11, 12, 13, 14, 15]
+    # without a joining row, every row is its own segment and query_pos is not needed
+    plan, _ = _planned([_row("a", RowKind.PREFILL, p, 1) for p in active])
+    assert not plan.gathered and plan.shape.num_segments == 4 and plan.max_query_len == 1
+
+
+@pytest.mark.parametrize(
+    "previous",
+    [
+        _row("b", RowKind.PREFILL, 3, 1),  # another request
+        _row("a", RowKind.PREFILL, 9, 1),  # a later position
+        _row("a", RowKind.DECODE, 3, 1),  # a decode row
+    ],
+)
+def test_a_row_joins_only_an_earlier_row_of_its_request(previous: LiveRow) -> None:
+    with pytest.raises(ValueError, match="cannot join"):
+        _planned([previous, _row("a", RowKind.PREFILL, 8, 1, joins=True)])
