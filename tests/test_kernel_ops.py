@@ -740,6 +740,12 @@ def _check_attention_query_pos(failures: list[str]) -> None:
             _close(
                 f"{tag} vs dense", got, dense_attention(case).to(dtype), TOLERANCE[dtype], failures
             )
+    # the default kernel choice for a few gathered rows (the tiled one)
+    case = make_attention_case(
+        22, [(3, 9), (1, 5), (2, 0)], 4, 2, 2, head_dim=32, gathered=frozenset({0})
+    )
+    got = attention.paged_attention_triton(*case.args())
+    _close("query_pos default kernel", got, dense_attention(case).float(), 1e-5, failures)
     case = make_attention_case(
         21, [(1, 9), (0, 4), (1, 30), (1, 0)], 4, 2, 2, head_dim=32, gathered=frozenset({0, 2})
     )

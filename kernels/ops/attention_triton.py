@@ -8,7 +8,7 @@ layout of ``kernels.ops.attention``:
   tiles with K and V loaded together; then one combine step per (segment, head). With one
   split the first kernel writes the output itself;
 * per query (grid S x nh x max_query_len): scores by elementwise multiply and sum, no tl.dot,
-  so any head dim works; short chunks use it;
+  so any head dim works; short chunks without gathered rows use it;
 * query tiles of 16-64 rows (grid S x nh x tiles): scores and P @ V through tl.dot.
 
 With ``query_pos`` (a segment of gathered rows: a token-sparse loop's active tokens) the two
@@ -484,7 +484,10 @@ def paged_attention(
         return out.zero_()
     block_d = next_power_of_2(head_dim)
     if tiled is None:
-        tiled = max_query_len >= MIN_DOT_TILE
+        # gathered rows take the tiled kernel from 2 rows on: one program per query tile, so
+        # one read of their context per tile, where the per-query kernel reads it per row
+        gathered = query_pos is not None and max_query_len > 1 and block_d >= MIN_DOT_TILE
+        tiled = max_query_len >= MIN_DOT_TILE or gathered
     if tiled and block_d < MIN_DOT_TILE:
         raise ValueError(f"the tl.dot kernel needs head_dim >= {MIN_DOT_TILE}, got {head_dim}")
     if block_tables.stride(1) != 1:
