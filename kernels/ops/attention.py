@@ -273,10 +273,10 @@ def paged_attention_triton(
     """The Triton kernels on any device Triton drives (CPU tensors under TRITON_INTERPRET=1).
 
     ``tiled`` picks the tl.dot kernel (query tiles of >= 16) over the per-query one; by default
-    it is used from ``max_query_len >= 16`` on, and from 2 on with ``query_pos``. Decode (``max_query_len == 1``, not tiled)
-    splits each context ``num_splits`` ways (default: from the grid's size and the device's
-    SMs), each split's key range a multiple of ``split_align`` positions (default: the key
-    tile).
+    it is used from ``max_query_len >= 16`` on, and from 2 on with ``query_pos``. Decode
+    (``max_query_len == 1``, not tiled) splits each context ``num_splits`` ways (default:
+    from the grid's size and the device's SMs), each split's key range a multiple of
+    ``split_align`` positions (default: the key tile).
     """
     from kernels.ops import attention_triton
 
