@@ -61,6 +61,9 @@ class AttnCase:
     layout: list[tuple[int, int]]  # (rows, context length) per segment
     keys: list[torch.Tensor]  # per segment [context, nkv, hd], as stored in the cache
     vals: list[torch.Tensor]
+    # each row's own position (the op's query_pos), when some segment's rows have gaps
+    query_pos: torch.Tensor | None = None
+    positions: list[list[int]] | None = None  # per segment, its rows' positions
 
     @property
     def k_cache(self) -> torch.Tensor:
@@ -80,11 +83,15 @@ class AttnCase:
             self.query_start,
             self.scale,
             self.max_query_len,
+            *(() if self.query_pos is None else (self.query_pos,)),
         )
 
     def to(self, device: str) -> AttnCase:
         names = ("q", "k_pool", "v_pool", "block_tables", "context_lens", "query_start")
-        return replace(self, **{name: getattr(self, name).to(device) for name in names})
+        moved = {name: getattr(self, name).to(device) for name in names}
+        if self.query_pos is not None:
+            moved["query_pos"] = self.query_pos.to(device)
+        return replace(self, **moved)
 
 
 def random_layout(rng: random.Random, kind: str) -> list[tuple[int, int]]:
@@ -106,10 +113,15 @@ def make_attention_case(
     head_dim: int = 16,
     dtype: torch.dtype = torch.float32,
     pad_rows: int = 0,
+    gathered: frozenset[int] = frozenset(),
 ) -> AttnCase:
     """Shuffled block tables, a NaN-filled pool with only each segment's context written, and
     NaN query rows past the segments. Unused table entries name spare all-NaN blocks, so a
-    read past a context shows up as NaN in the output."""
+    read past a context shows up as NaN in the output.
+
+    Segments named in ``gathered`` hold their rows at ascending positions with random gaps
+    (the last at the context's end), as a token-sparse loop's active tokens: the case then
+    carries ``query_pos`` for every row (contiguous for the other segments)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     ctxs = [n + past for n, past in layout]
@@ -144,6 +156,16 @@ def make_attention_case(
     starts = [0]
     for n in rows:
         starts.append(starts[-1] + n)
+    positions = []
+    for s, (n, ctx) in enumerate(zip(rows, ctxs, strict=True)):
+        if s in gathered and n > 0:
+            positions.append([*sorted(rng.sample(range(ctx - 1), n - 1)), ctx - 1])
+        else:
+            positions.append(list(range(ctx - n, ctx)))
+    query_pos = None
+    if gathered:
+        flat = [p for seg in positions for p in seg] + [0] * pad_rows
+        query_pos = torch.tensor(flat, dtype=torch.int32)
     return AttnCase(
         q=q,
         k_pool=k_pool,
@@ -156,6 +178,8 @@ def make_attention_case(
         layout=[(n, c) for n, c in zip(rows, ctxs, strict=True)],
         keys=keys,
         vals=vals,
+        query_pos=query_pos,
+        positions=positions if gathered else None,
     )
 
 
@@ -165,9 +189,9 @@ def dense_attention(case: AttnCase) -> torch.Tensor:
     out = torch.zeros_like(q)
     group = q.shape[1] // case.k_cache.shape[2]
     row = 0
-    for (n, ctx), keys, vals in zip(case.layout, case.keys, case.vals, strict=True):
+    for s, ((n, ctx), keys, vals) in enumerate(zip(case.layout, case.keys, case.vals, strict=True)):
         for i in range(n):
-            visible = ctx - n + i + 1
+            visible = (ctx - n + i if case.positions is None else case.positions[s][i]) + 1
             for h in range(q.shape[1]):
                 k = keys[:visible, h // group].double()
                 v = vals[:visible, h // group].double()
@@ -311,6 +335,42 @@ def test_paged_attention_reference_matches_dense(
         assert out.dtype == case.q.dtype and out.shape == case.q.shape
         tol = 1e-10 if case.q.dtype == torch.float64 else 1e-5
         torch.testing.assert_close(out.double(), dense_attention(case), rtol=tol, atol=tol)
+
+
+def gathered_layout(rng: random.Random) -> tuple[list[tuple[int, int]], frozenset[int]]:
+    """A mixed layout (decode rows, prompt chunks, zero-row segments) with one or more
+    segments of gathered rows (a token-sparse loop's active tokens), and which they are."""
+    layout = random_layout(rng, "mixed")
+    spots = sorted(rng.sample(range(len(layout) + 2), 2))
+    for at in spots:
+        layout.insert(at, (rng.choice([2, 3, 7, 18]), rng.randint(1, 60)))
+    return layout, frozenset(spots)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("split_decode", [True, False], ids=["cpu-split", "one-grid"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_paged_attention_reference_with_query_pos(block_size: int, split_decode: bool) -> None:
+    """With query_pos each row sees keys up to its own position: segments of rows at
+    ascending positions with gaps, beside ordinary chunks and decode rows."""
+    rng = random.Random(f"qpos-{block_size}")
+    for trial in range(6):
+        kv_heads, group = HEADS[trial % len(HEADS)]
+        layout, gathered = gathered_layout(rng)
+        case = make_attention_case(
+            rng.randrange(2**31),
+            layout,
+            block_size,
+            kv_heads,
+            group,
+            dtype=torch.float64,
+            pad_rows=rng.choice([0, 3]),
+            gathered=gathered,
+        )
+        out = attention.paged_attention_reference(*case.args(), split_decode=split_decode)
+        torch.testing.assert_close(out, dense_attention(case), rtol=1e-10, atol=1e-10)
+        # through the op, as the model calls it
+        torch.testing.assert_close(ops.paged_attention(*case.args()), out, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.unit
@@ -649,6 +709,51 @@ def _check_attention(failures: list[str]) -> None:
     _close("paged_attention default bs=256", got, want, TOLERANCE[torch.float32], failures)
 
 
+def _check_attention_query_pos(failures: list[str]) -> None:
+    """Both prompt kernels with query_pos: gathered rows with gaps (more than one query tile
+    of them too) mixed with prompt chunks, decode rows and zero-row segments, against the
+    reference and the float64 dense formula; and one-row segments (the decode kernel)."""
+    rng = random.Random(11)
+    runs = [(torch.float32, False), (torch.float32, True), (torch.float16, True)]
+    for dtype, tiled in runs:
+        for block_size in (1, 4, 16):
+            kv_heads, group = rng.choice(HEADS)
+            layout, gathered = gathered_layout(rng)
+            if tiled and block_size == 4:  # a segment of more than one 64-row query tile
+                layout.append((70, 90))
+                gathered |= {len(layout) - 1}
+            case = make_attention_case(
+                rng.randrange(2**31),
+                layout,
+                block_size,
+                kv_heads,
+                group,
+                head_dim=rng.choice([16, 32]),
+                dtype=dtype,
+                pad_rows=rng.choice([0, 2]),
+                gathered=gathered,
+            )
+            tag = f"query_pos {dtype} tiled={tiled} bs={block_size} layout={case.layout}"
+            got = attention.paged_attention_triton(*case.args(), tiled=tiled)
+            want = attention.paged_attention_reference(*case.args())
+            _close(tag, got, want, TOLERANCE[dtype], failures)
+            _close(
+                f"{tag} vs dense", got, dense_attention(case).to(dtype), TOLERANCE[dtype], failures
+            )
+    # the default kernel choice for a few gathered rows (the tiled one)
+    case = make_attention_case(
+        22, [(3, 9), (1, 5), (2, 0)], 4, 2, 2, head_dim=32, gathered=frozenset({0})
+    )
+    got = attention.paged_attention_triton(*case.args())
+    _close("query_pos default kernel", got, dense_attention(case).float(), 1e-5, failures)
+    case = make_attention_case(
+        21, [(1, 9), (0, 4), (1, 30), (1, 0)], 4, 2, 2, head_dim=32, gathered=frozenset({0, 2})
+    )
+    case = replace(case, max_query_len=1)
+    got = attention.paged_attention_triton(*case.args())
+    _close("query_pos one-row segments", got, dense_attention(case).float(), 1e-5, failures)
+
+
 # (layout, block size, splits, split alignment): contexts of 1, splits left empty by short
 # contexts, split boundaries inside a block (alignments that do not divide the block size),
 # zero-row segments, and one split (the kernel writes the output itself)
@@ -815,6 +920,7 @@ INTERPRETER_CHECKS: dict[str, Callable[[list[str]], None]] = {
     "rope": _check_rope,
     "attention": _check_attention,
     "attention_decode": _check_attention_decode,
+    "attention_query_pos": _check_attention_query_pos,
     "sample": _check_sample,
 }
 
@@ -921,6 +1027,10 @@ def _ouro_shaped_launches() -> None:
         attention.paged_attention_triton(*case.args())
         if max_q == 1:
             attention.paged_attention_triton(*case.args(), num_splits=1)
+    # gathered rows (query_pos), per-query and tiled
+    case = make_attention_case(0, [(3, 9), (20, 30)], bs, nh, 1, hd, dtype, gathered=frozenset({1}))
+    for tiled in (False, True):
+        attention.paged_attention_triton(*case.args(), tiled=tiled)
     importlib.import_module("kernels.ops.exit_rule").exit_rule_triton(
         torch.randn(3), torch.rand(3), *(torch.ones(3, dtype=torch.int32),) * 3,
         torch.rand(3), torch.zeros(3, dtype=torch.int32),

@@ -1,8 +1,11 @@
 """``rlt::paged_attention``: causal attention of packed query rows over paged K/V.
 
 Layout: segment s owns query rows ``query_start[s] .. query_start[s+1] - 1`` (n_s rows, maybe
-none) at positions ``context_lens[s] - n_s + j``; each query sees positions ``0 .. its own`` of
-its segment, whose K/V sit at slot ``block_tables[s, pos // bs] * bs + pos % bs``. Query head h
+none) at positions ``context_lens[s] - n_s + j``, or, given ``query_pos``, at ``query_pos[r]``
+for row r (ascending or not, gaps allowed: the active tokens of a token-sparse loop, one
+segment so the kernels read their context once per query tile; ``context_lens[s]`` is then
+the largest ``query_pos + 1`` of its rows). Each query sees positions ``0 .. its own`` of its
+segment, whose K/V sit at slot ``block_tables[s, pos // bs] * bs + pos % bs``. Query head h
 reads kv head ``h // (nh // nkv)``. Rows past ``query_start[S]`` are padding and come out zero.
 Block table entries past a segment's context and cache memory there (maybe NaN) are never used.
 
@@ -20,7 +23,8 @@ from kernels.ops._triton import triton_available
 _lib = torch.library.Library("rlt", "FRAGMENT")
 _lib.define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-    "Tensor context_lens, Tensor query_start, float scale, int max_query_len) -> Tensor"
+    "Tensor context_lens, Tensor query_start, float scale, int max_query_len, "
+    "Tensor? query_pos=None) -> Tensor"
 )
 
 
@@ -40,15 +44,19 @@ class _Grid:
         c_max: int,
         q_pos: torch.Tensor | None = None,
     ) -> None:
-        """``q_pos`` [S, Q]: each query's own position, when a segment is a group of
-        one-row segments (``_one_table_runs``); else a segment's queries are its last rows."""
+        """``q_pos`` [T]: each packed row's own position (``query_pos``); without it a
+        segment's queries are the last rows of its context."""
         dev = tables.device
         num_segs = tables.shape[0]
         self.q_max, self.c_max, self.num_segs = q_max, c_max, num_segs
         j = torch.arange(q_max, device=dev)
         q_ok = j < seg_rows[:, None]  # [S, Q]
+        rows = seg_start[:, None] + j
+        self.query_rows = rows.clamp(0, num_rows - 1).flatten()
         if q_pos is None:
             q_pos = ctx[:, None] - seg_rows[:, None] + j
+        else:
+            q_pos = q_pos.long().index_select(0, self.query_rows).view(num_segs, q_max)
         c = torch.arange(c_max, device=dev)
         self.c_ok = c < ctx[:, None]  # [S, C]
         # which positions each query sees, [S, 1, Q, C] (one mask for every head)
@@ -61,8 +69,6 @@ class _Grid:
         self.blocks = torch.where(self.c_ok, tables[:, c // block_size], tables[:, :1])
         self.offsets = torch.where(self.c_ok, c % block_size, 0)
         self.slots = (self.blocks * block_size + self.offsets).flatten()
-        rows = seg_start[:, None] + j
-        self.query_rows = rows.clamp(0, num_rows - 1).flatten()
         self.out_rows = torch.where(q_ok, rows, num_rows).flatten()
         # every packed row once, in order (a decode-only pass): no scatter needed
         self.in_order = (
@@ -135,13 +141,13 @@ def _grids(
     block_size: int,
     max_query_len: int,
     split_decode: bool,
+    query_pos: torch.Tensor | None,
 ) -> list[_Grid]:
     global _last
+    meta = (block_tables, context_lens, query_start) + (() if query_pos is None else (query_pos,))
     key = (
-        block_tables,
-        context_lens,
-        query_start,
-        tuple(_version(t) for t in (block_tables, context_lens, query_start)),
+        *meta,
+        tuple(_version(t) for t in meta),
         num_rows,
         block_size,
         max_query_len,
@@ -159,22 +165,11 @@ def _grids(
     starts = query_start.long()
     seg_start, seg_rows = starts[:-1], starts[1:] - starts[:-1]
     ctx = context_lens.long()
-    runs: list[list[int]] = []
     if not split_decode:
         c_max = block_tables.shape[1] * block_size
         parts = [(None, max_query_len, c_max)]
     else:
-        rows, lens = seg_rows.tolist(), ctx.tolist()
-        runs = _one_table_runs(rows, lens, block_tables, block_size)
-        grouped = {i for run in runs for i in run}
-        rest = [i for i in range(len(rows)) if i not in grouped]
-        parts = _split([rows[i] for i in rest], [lens[i] for i in rest])
-        if runs:  # the remaining segments by their own indices
-            parts = [
-                (torch.tensor(rest) if idx is None else torch.tensor(rest)[idx], q, c)
-                for idx, q, c in parts
-                if rest
-            ]
+        parts = _split(seg_rows.tolist(), ctx.tolist())
     grids = [
         _Grid(
             block_tables if idx is None else block_tables[idx],
@@ -185,12 +180,11 @@ def _grids(
             block_size,
             q_max,
             c_max,
+            query_pos,
         )
         for idx, q_max, c_max in parts
         if q_max > 0 and c_max > 0
     ]
-    if runs:
-        grids.append(_run_grid(runs, block_tables, ctx, seg_start, num_rows, block_size))
     _last = (key, grids)
     return grids
 
@@ -218,66 +212,6 @@ def _split(rows: list[int], ctx: list[int]) -> list[tuple[torch.Tensor | None, i
     return parts
 
 
-def _one_table_runs(
-    rows: list[int], ctx: list[int], block_tables: torch.Tensor, block_size: int
-) -> list[list[int]]:
-    """Runs of two or more consecutive one-row segments that read one block table (the
-    one-token rows a token-sparse prefill loop runs over one prompt): one grid segment each,
-    so their context is gathered once, not once per query. Consecutive rows of one request
-    share the blocks of the shorter context (entries past a context are never read)."""
-    num = len(rows)
-    if num < 2 or sum(1 for n in rows if n == 1) < 2:
-        return []
-    width = block_tables.shape[1]
-    needed = torch.tensor([-(-c // block_size) for c in ctx])
-    shorter = torch.minimum(needed[1:], needed[:-1])
-    same = block_tables[1:] == block_tables[:-1]
-    same |= torch.arange(width)[None, :] >= shorter[:, None]
-    linked = same.all(dim=1).tolist()
-    runs: list[list[int]] = []
-    current: list[int] = []
-    for i in range(num):
-        if rows[i] == 1 and current and linked[i - 1]:
-            current.append(i)
-            continue
-        if len(current) > 1:
-            runs.append(current)
-        current = [i] if rows[i] == 1 else []
-    if len(current) > 1:
-        runs.append(current)
-    return runs
-
-
-def _run_grid(
-    runs: list[list[int]],
-    block_tables: torch.Tensor,
-    ctx: torch.Tensor,
-    seg_start: torch.Tensor,
-    num_rows: int,
-    block_size: int,
-) -> _Grid:
-    """One grid of ``_one_table_runs``: a segment per run, its queries at their own
-    positions, its context the longest of its rows', read through that row's table."""
-    longest = [max(run, key=lambda i: int(ctx[i])) for run in runs]
-    q_max = max(len(run) for run in runs)
-    q_pos = torch.zeros((len(runs), q_max), dtype=torch.long)
-    for r, run in enumerate(runs):
-        q_pos[r, : len(run)] = ctx[run] - 1
-    pick = torch.tensor(longest)
-    firsts = torch.tensor([run[0] for run in runs])
-    return _Grid(
-        block_tables[pick],
-        ctx[pick],
-        seg_start[firsts],
-        torch.tensor([len(run) for run in runs]),
-        num_rows,
-        block_size,
-        q_max,
-        int(ctx[pick].max()),
-        q_pos=q_pos,
-    )
-
-
 def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -287,6 +221,7 @@ def paged_attention_reference(
     query_start: torch.Tensor,
     scale: float,
     max_query_len: int,
+    query_pos: torch.Tensor | None = None,
     split_decode: bool | None = None,
 ) -> torch.Tensor:
     """Batched torch version: queries padded per segment, positions padded per segment.
@@ -310,6 +245,7 @@ def paged_attention_reference(
         k_cache.shape[1],
         max_query_len,
         split_decode,
+        query_pos,
     )
     if len(grids) == 1 and grids[0].in_order:
         return _attend_grid(q, k_cache, v_cache, grids[0], scale).to(q.dtype).contiguous()
@@ -329,6 +265,7 @@ def paged_attention_triton(
     query_start: torch.Tensor,
     scale: float,
     max_query_len: int,
+    query_pos: torch.Tensor | None = None,
     tiled: bool | None = None,
     num_splits: int | None = None,
     split_align: int | None = None,
@@ -336,10 +273,10 @@ def paged_attention_triton(
     """The Triton kernels on any device Triton drives (CPU tensors under TRITON_INTERPRET=1).
 
     ``tiled`` picks the tl.dot kernel (query tiles of >= 16) over the per-query one; by default
-    it is used from ``max_query_len >= 16`` on. Decode (``max_query_len == 1``, not tiled)
-    splits each context ``num_splits`` ways (default: from the grid's size and the device's
-    SMs), each split's key range a multiple of ``split_align`` positions (default: the key
-    tile).
+    it is used from ``max_query_len >= 16`` on, and from 2 on with ``query_pos``. Decode
+    (``max_query_len == 1``, not tiled) splits each context ``num_splits`` ways (default:
+    from the grid's size and the device's SMs), each split's key range a multiple of
+    ``split_align`` positions (default: the key tile).
     """
     from kernels.ops import attention_triton
 
@@ -352,6 +289,7 @@ def paged_attention_triton(
         query_start,
         scale,
         max_query_len,
+        query_pos,
         tiled=tiled,
         num_splits=num_splits,
         **({} if split_align is None else {"split_align": split_align}),
@@ -377,16 +315,16 @@ def _paged_attention_cuda(
     query_start: torch.Tensor,
     scale: float,
     max_query_len: int,
+    query_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if max_query_len == 1 and q.dtype == _cuda_decode["flash"]:
+    args = (q, k_cache, v_cache, block_tables, context_lens, query_start, scale, max_query_len)
+    if max_query_len == 1 and query_pos is None and q.dtype == _cuda_decode["flash"]:
         from kernels.ops import attention_flash
 
-        impl = attention_flash.paged_decode
-    elif triton_available():
-        impl = paged_attention_triton
-    else:
-        impl = paged_attention_reference
-    return impl(q, k_cache, v_cache, block_tables, context_lens, query_start, scale, max_query_len)
+        return attention_flash.paged_decode(*args)
+    if triton_available():
+        return paged_attention_triton(*args, query_pos)
+    return paged_attention_reference(*args, query_pos)
 
 
 def _paged_attention_fake(
@@ -398,6 +336,7 @@ def _paged_attention_fake(
     query_start: torch.Tensor,
     scale: float,
     max_query_len: int,
+    query_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
 
@@ -418,10 +357,20 @@ def paged_attention(
     query_start: torch.Tensor,
     scale: float,
     max_query_len: int,
+    query_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, nh, hd] over one layer's caches [num_blocks, bs, nkv, hd] -> [T, nh, hd] in
     q's dtype. block_tables [S, maxB], context_lens [S] and query_start [S + 1] are int32;
-    max_query_len bounds every segment's row count (one ``rlt::paged_attention`` call)."""
+    max_query_len bounds every segment's row count (one ``rlt::paged_attention`` call).
+    query_pos [T] int32, optional: each row's own position (see the module docstring)."""
     return _paged_attention_op(
-        q, k_cache, v_cache, block_tables, context_lens, query_start, scale, max_query_len
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start,
+        scale,
+        max_query_len,
+        query_pos,
     )

@@ -8,8 +8,13 @@ layout of ``kernels.ops.attention``:
   tiles with K and V loaded together; then one combine step per (segment, head). With one
   split the first kernel writes the output itself;
 * per query (grid S x nh x max_query_len): scores by elementwise multiply and sum, no tl.dot,
-  so any head dim works; short chunks use it;
+  so any head dim works; short chunks without gathered rows use it;
 * query tiles of 16-64 rows (grid S x nh x tiles): scores and P @ V through tl.dot.
+
+With ``query_pos`` (a segment of gathered rows: a token-sparse loop's active tokens) the two
+prompt kernels load each row's own position; a program's key loop runs to the largest of its
+rows', so a tile of active tokens reads their shared context once. One-row segments take the
+decode kernel either way (their row sits at context_lens - 1).
 
 The context loop bound comes from context_lens inside the kernel, so the grid depends only on
 (S, nh, max_query_len, splits): a decode step can be captured in a CUDA graph and replayed as
@@ -233,6 +238,7 @@ def _attn_query_kernel(
     tables_ptr,
     ctx_ptr,
     starts_ptr,
+    qpos_ptr,
     out_ptr,
     q_s0,
     q_s1,
@@ -257,6 +263,7 @@ def _attn_query_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_QPOS: tl.constexpr,
 ):
     seg = tl.program_id(0)
     head = tl.program_id(1)
@@ -264,8 +271,13 @@ def _attn_query_kernel(
     row0 = tl.load(starts_ptr + seg)
     n = tl.load(starts_ptr + seg + 1) - row0
     ctx = tl.load(ctx_ptr + seg)
-    # This query sees positions 0 .. ctx - n + j; none when the segment has no row j.
-    kv_end = tl.where(j < n, ctx - n + j + 1, 0)
+    # This query sees positions 0 .. its own (query_pos, or ctx - n + j); none when the
+    # segment has no row j.
+    if HAS_QPOS:  # noqa: SIM108 - a constexpr branch: the kernel without it loads nothing
+        pos = tl.load(qpos_ptr + row0 + j, mask=j < n, other=-1)
+    else:
+        pos = ctx - n + j
+    kv_end = tl.where(j < n, pos + 1, 0)
     row = (row0 + j).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < tl.where(j < n, HEAD_DIM, 0)
@@ -322,6 +334,7 @@ def _attn_tile_kernel(
     tables_ptr,
     ctx_ptr,
     starts_ptr,
+    qpos_ptr,
     out_ptr,
     q_s0,
     q_s1,
@@ -347,6 +360,7 @@ def _attn_tile_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_QPOS: tl.constexpr,
 ):
     seg = tl.program_id(0)
     head = tl.program_id(1)
@@ -356,9 +370,15 @@ def _attn_tile_kernel(
     ctx = tl.load(ctx_ptr + seg)
     j = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     q_ok = j < n
-    pos = ctx - n + j
-    # Keys up to the tile's last real query; none when the tile is past the segment's rows.
-    kv_end = tl.where(tile * BLOCK_M < n, ctx - n + tl.minimum(n, (tile + 1) * BLOCK_M), 0)
+    if HAS_QPOS:
+        # each row's own position; the tile's keys run to the largest of its rows' (-1 for
+        # padding rows: they see nothing), so one read of the context serves the tile
+        pos = tl.load(qpos_ptr + row0 + j, mask=q_ok, other=-1)
+        kv_end = tl.max(pos, axis=0) + 1
+    else:
+        pos = ctx - n + j
+        # Keys up to the tile's last real query; none when the tile is past the segment's rows.
+        kv_end = tl.where(tile * BLOCK_M < n, ctx - n + tl.minimum(n, (tile + 1) * BLOCK_M), 0)
     rows = (row0 + j).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -446,11 +466,14 @@ def paged_attention(
     query_start: torch.Tensor,
     scale: float,
     max_query_len: int,
+    query_pos: torch.Tensor | None = None,
     tiled: bool | None = None,
     num_splits: int | None = None,
     split_align: int = DECODE_BLOCK_N,
 ) -> torch.Tensor:
     _check(q, k_cache, v_cache, block_tables, context_lens, query_start)
+    if query_pos is not None and query_pos.shape != (q.shape[0],):
+        raise ValueError(f"query_pos {tuple(query_pos.shape)} for {q.shape[0]} query rows")
     num_rows, num_heads, head_dim = q.shape
     num_segs = block_tables.shape[0]
     # No memset: the kernels store every element, zeros where no segment covers a row.
@@ -461,7 +484,10 @@ def paged_attention(
         return out.zero_()
     block_d = next_power_of_2(head_dim)
     if tiled is None:
-        tiled = max_query_len >= MIN_DOT_TILE
+        # gathered rows take the tiled kernel from 2 rows on: one program per query tile, so
+        # one read of their context per tile, where the per-query kernel reads it per row
+        gathered = query_pos is not None and max_query_len > 1 and block_d >= MIN_DOT_TILE
+        tiled = max_query_len >= MIN_DOT_TILE or gathered
     if tiled and block_d < MIN_DOT_TILE:
         raise ValueError(f"the tl.dot kernel needs head_dim >= {MIN_DOT_TILE}, got {head_dim}")
     if block_tables.stride(1) != 1:
@@ -473,6 +499,8 @@ def paged_attention(
         block_tables.stride(0),
         *out.stride(),
     )
+    # One-row segments take the decode kernel even with query_pos: a segment's context is its
+    # largest row's visible length, so its one row sits at context_lens - 1 either way.
     if max_query_len == 1 and not tiled:
         splits = num_splits or decode_splits(num_segs, num_heads, num_sms(q.device))
         _decode(
@@ -496,6 +524,7 @@ def paged_attention(
         block_tables,
         context_lens,
         query_start,
+        query_start if query_pos is None else query_pos,  # never read without HAS_QPOS
         out,
         *strides,
         scale,
@@ -504,6 +533,7 @@ def paged_attention(
         num_segs,
         num_rows,
     )
+    has_qpos = query_pos is not None
     if tiled:
         block_m = min(64, max(MIN_DOT_TILE, next_power_of_2(max_query_len)))
         grid = (num_segs, num_heads, triton.cdiv(max_query_len, block_m))
@@ -513,6 +543,7 @@ def paged_attention(
             BLOCK_D=block_d,
             BLOCK_M=block_m,
             BLOCK_N=64 if block_d <= 64 else 32,
+            HAS_QPOS=has_qpos,
             num_warps=4,
             num_stages=2,
         )
@@ -523,6 +554,7 @@ def paged_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_N=max(16, min(64, 4096 // block_d)),
+            HAS_QPOS=has_qpos,
             num_warps=4 if block_d >= 64 else 2,
         )
     return out

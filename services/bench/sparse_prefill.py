@@ -17,10 +17,9 @@ Arms: ``dense`` (the engine's default), ``sparse`` (the server default on:
 ``token_sparse_prefill=True``, FlashLoop's retention, windows of ``WINDOW`` tokens) and
 ``off`` (a retention and window configured, the option off: its tokens and prompt rows must
 be the dense arm's). Every request is greedy at fixed depth (``ignore_eos``), so only the
-prefill differs between the arms. On the simulated device a fourth arm, ``sparse_reads``,
-is ``sparse`` with every active token charged its own read of the window's context (as
-rlt's GPU kernel issues them, none served from cache): the bound the simulated numbers carry
-(reported, not judged).
+prefill differs between the arms. The simulated device charges a sparse fragment one read of
+its window's context per query tile of the attention kernel (its active tokens are one
+segment; see ``services.worker.sim``).
 
 Times are read from ``overload.VirtualClock`` (this process's CPU seconds plus the simulated
 device's), so other jobs on the shared cores do not move them. Prompt rows per prompt token
@@ -54,8 +53,6 @@ ARMS: dict[str, dict[str, Any]] = {
     "sparse": {"token_sparse_prefill": True, "prefill_retention": FLASHLOOP_RETENTION},
     "off": {"prefill_retention": FLASHLOOP_RETENTION, "sparse_window": 512},
 }
-# the simulated device only: the sparse arm with each active token's context read charged
-SIM_ARMS = {**ARMS, "sparse_reads": ARMS["sparse"]}
 # the simulated device's passes take this many times an H200's (as overload's): its device
 # time, not this machine's scheduling CPU, is then what a run's clock mostly counts
 SIM_DILATION = 10.0
@@ -154,7 +151,7 @@ class SparsePrefillBench:
             max_num_seqs=seats,
             block_size=self.block_size,
             num_blocks=blocks,
-            **({"sparse_window": WINDOW} | SIM_ARMS[arm]),
+            **({"sparse_window": WINDOW} | ARMS[arm]),
         )
 
     def run(
@@ -164,7 +161,6 @@ class SparsePrefillBench:
         if device.simulated:
             sim = SimRunner.h200(self.model.cfg, dilation=SIM_DILATION)
             sim.sleep = False  # the clock adds the device time the cost model charged
-            sim.reads_per_active_token = arm == "sparse_reads"
             model: Any = _SimModel(self.model, 4096 + 64)
             engine = LLMEngine(model, config, simulated=sim)
             clock = VirtualClock(sim)
@@ -241,7 +237,7 @@ def run_comparison(
         }
         for repeat in range(repeats):
             for workload, requests in specs.items():
-                for arm in arms_of(device):
+                for arm in ARMS:
                     progress.describe(
                         f"sparse_prefill r{repeat + 1}/{repeats} {device.name} {workload} {arm}"
                     )
@@ -273,12 +269,8 @@ def run_comparison(
     }
 
 
-def arms_of(device: Device) -> dict[str, dict[str, Any]]:
-    return SIM_ARMS if device.simulated else ARMS
-
-
 def num_runs(repeats: int, quick: bool) -> int:
-    return sum(repeats * len(WORKLOADS) * len(arms_of(d)) for d in devices(quick, "", 4096))
+    return sum(repeats * len(WORKLOADS) * len(ARMS) for d in devices(quick, "", 4096))
 
 
 def notes() -> list[str]:
@@ -295,11 +287,10 @@ def notes() -> list[str]:
         "thread), plus the simulated device's seconds on the sim device.",
         "The sim device runs no model: a pass costs what services/worker/sim.py's roofline "
         f"gives Ouro-1.4B on an H200, x{SIM_DILATION:g}. Its numbers are SIMULATED. It "
-        "charges a sparse fragment its active rows and ONE read of its window's context, as "
-        "it charges a dense chunk. rlt's GPU attention kernel does not do that: it runs "
-        "each active token as its own segment, each reading its whole context. The "
-        "sparse_reads arm charges every one of those reads (none served from cache), the "
-        "other bound; no GPU measured which is nearer.",
+        "charges a sparse fragment its active rows and one read of its window's context per "
+        "query tile of the GPU attention kernel (64 rows): a fragment's active tokens are one "
+        "attention segment, each tile of them reads the context once. A dense chunk is "
+        "charged one read of its context.",
         "off: a retention and another window configured with the option off; its tokens, "
         "exit depths and prompt rows must equal the dense arm's.",
     ]
@@ -366,26 +357,6 @@ def ratios(runs: list[dict[str, Any]], repeats: int, names: list[str]) -> list[d
                 (f"mixed output tokens/s >= 1.3x dense{sim}", 1.3, None),
             )
         )
-        if device == "sim":
-            out.append(
-                _entry(
-                    "TTFT p50 of prompts >= 1k tokens, sparse_reads (every active token's "
-                    "context read charged) / dense",
-                    f"{device} long",
-                    "ttft_ms_p50_long",
-                    ratio("long", "ttft_ms_p50_long", "sparse_reads", "dense"),
-                    None,
-                )
-            )
-            out.append(
-                _entry(
-                    "output tokens/s of the mix, sparse_reads / dense",
-                    f"{device} mixed",
-                    "output_tokens_per_s",
-                    ratio("mixed", "output_tokens_per_s", "sparse_reads", "dense"),
-                    None,
-                )
-            )
         out.append(
             _entry(
                 "TTFT p50 of the long prompts in the mix, sparse / dense",

@@ -50,6 +50,9 @@ class PassPlan:
     filters: bool = False  # some coda row uses top-k or top-p
     logprobs_top: int = -1  # most alternatives a coda row asked for; -1: none asked
     padded: bool = False  # static shapes: padding rows up to the shape's sizes
+    # some segment holds several live rows (``LiveRow.joins_segment``): attention reads each
+    # row's position, as its rows are not the last ones of their context
+    gathered: bool = False
 
     @property
     def decode_only(self) -> bool:
@@ -138,6 +141,7 @@ class PassPlanner:
             for p in self._pairs(rows[i], reqs[i])
         ]
         num_tokens = sum(live.row.token_count for live in rows)
+        segment_rows = _segment_rows(rows)
         widths = [
             -(-(live.row.token_start + live.row.token_count) // self.block_size) for live in rows
         ]
@@ -158,7 +162,7 @@ class PassPlanner:
         else:
             shape = PassShape(
                 num_tokens,
-                len(rows),
+                len(segment_rows),
                 max(widths, default=1) or 1,
                 len(decode),
                 len(pairs),
@@ -169,12 +173,13 @@ class PassPlanner:
             rows=rows,
             shape=shape,
             host=host,
-            max_query_len=1 if pad_to is not None else max(live.row.token_count for live in rows),
+            max_query_len=1 if pad_to is not None else max(segment_rows),
             decode=[rows[i] for i in decode],
             coda=[rows[i] for i in coda_index],
             decode_loops=[rows[i].loops_run for i in decode],
             coda_wanted=[rows[i].reaches_coda(self.total_loops) for i in coda_index],
             padded=pad_to is not None,
+            gathered=len(segment_rows) < len(rows),
         )
         self._fill_rows(plan, reqs, first_pass)
         self._fill_decode(plan, decode, reqs, pairs)
@@ -190,8 +195,8 @@ class PassPlanner:
             h["segment.context_len"],
             h["segment.query_start"],
         )
-        at = 0
-        for s, (live, req) in enumerate(zip(plan.rows, reqs, strict=True)):
+        at, s = 0, -1
+        for i, (live, req) in enumerate(zip(plan.rows, reqs, strict=True)):
             r = live.row
             count, start = r.token_count, r.token_start
             blocks = req.tables[self.plane(live.depth)]
@@ -202,9 +207,14 @@ class PassPlanner:
                     f"block table of {len(blocks)} blocks does not cover position "
                     f"{start + count - 1} (block_size {self.block_size})"
                 )
+            if live.joins_segment and i > 0:
+                _check_joins(plan.rows[i - 1], live)
+            else:
+                s += 1
+                query_start[s] = at
+            # a joining row is the segment's latest: its context, its table's longest prefix
             table[s, :needed] = blocks[:needed]
             context_len[s] = start + count
-            query_start[s] = at
             if live.is_decode:
                 position[at] = start
                 slot[at] = self.slot(blocks, start)
@@ -232,7 +242,7 @@ class PassPlanner:
             slot[rows_end:] = -1
             embed[rows_end:] = 1
             pool_slot[rows_end:] = self.scratch_pool_slot
-        query_start[len(plan.rows) :] = rows_end
+        query_start[s + 1 :] = rows_end
 
     def _fill_decode(
         self,
@@ -293,3 +303,31 @@ class PassPlanner:
             n = len(coda_index)
             row[n:] = np.arange(n, plan.shape.num_coda)
             top_p[n:] = 1.0
+
+
+def _segment_rows(rows: list[LiveRow]) -> list[int]:
+    """Token rows of each attention segment: a live row's own, with those joining it."""
+    counts: list[int] = []
+    for i, live in enumerate(rows):
+        if live.joins_segment and i > 0:
+            counts[-1] += live.row.token_count
+        else:
+            counts.append(live.row.token_count)
+    return counts
+
+
+def _check_joins(previous: LiveRow, live: LiveRow) -> None:
+    """A row joins a segment only after a row of the same request and loop at an earlier
+    position: the segment's rows share one block table and ascend."""
+    a, b = previous.row, live.row
+    if (
+        a.request_id != b.request_id
+        or previous.depth != live.depth
+        or previous.is_decode
+        or live.is_decode
+        or b.token_start < a.token_start + a.token_count
+    ):
+        raise ValueError(
+            f"row {b.request_id}@{b.token_start} (loop {live.depth}) cannot join the segment "
+            f"of {a.request_id}@{a.token_start} (loop {previous.depth})"
+        )

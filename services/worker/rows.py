@@ -63,6 +63,9 @@ class LiveRow:
     result: RowResult = field(init=False)
 
     is_decode: bool = field(init=False)
+    # its tokens join the previous live row's attention segment: the next active token of one
+    # token-sparse fragment (same request, loop and block table, a later position)
+    joins_segment: bool = False
 
     def __post_init__(self) -> None:
         self.result = RowResult(row_index=self.index)

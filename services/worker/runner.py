@@ -357,6 +357,7 @@ class ModelRunner:
             device["segment.context_len"],
             device["segment.query_start"],
             plan.max_query_len,
+            device["token.position"] if plan.gathered else None,
         )
         out, gates = model.core_loop(
             hidden, model.rope(device["token.position"]), self.k_cache, self.v_cache, attn

@@ -23,12 +23,11 @@ Cost model (``SimCostModel``), calibrated for Ouro-1.4B in bfloat16 on one H200:
   to device time the bench reports.
 
 It is an optimistic roofline (no kernel launch gaps, perfect overlap), which makes the
-control plane's share look larger than on real hardware, not smaller. A token-sparse prefill
-fragment (``BatchRow.fragment``) costs its active rows and reads its window's context once,
-as a dense chunk does. rlt's GPU attention kernel runs each active token as its own segment,
-each reading its context; whether those reads come from cache is not known without a GPU.
-``reads_per_active_token`` charges every active token a read of the window's context
-instead: the bound for a kernel whose re-reads all go to HBM.
+control plane's share look larger than on real hardware, not smaller. A prompt chunk reads
+its context once. A token-sparse prefill fragment (``BatchRow.fragment``) costs its active
+rows and one read of its window's context per query tile of the attention kernel
+(``KERNEL_QUERY_TILE`` rows): its active tokens are one segment, each tile of them reads
+the context once.
 """
 
 from __future__ import annotations
@@ -55,6 +54,9 @@ from services.worker.rows import (
 H200_HBM_BYTES_PER_S = 4.8e12
 H200_BF16_FLOPS_PER_S = 989e12
 _MASK64 = (1 << 64) - 1
+# rows per query tile of the tiled attention kernel at its largest (kernels/ops/
+# attention_triton.py): a fragment of n active rows reads its context ceil(n / this) times
+KERNEL_QUERY_TILE = 64
 
 
 @dataclass(frozen=True)
@@ -157,8 +159,6 @@ class SimRunner:
         self.simulated_s = 0.0  # device time the cost model charged, before dilation
         # host K/V arenas that KV pulls write (disaggregation benches); no pass reads them
         self.kv_arena: KVArena | None = None
-        # a token-sparse fragment's context read once per active token, not once (a bound)
-        self.reads_per_active_token = False
 
     # ------------------------------------------------------------------ the functions
     def token_at(self, seed: int, position: int) -> int:
@@ -220,8 +220,8 @@ class SimRunner:
                 end = r.row.token_start + r.row.token_count
                 queries = r.row.num_rows  # a token-sparse fragment: its active tokens only
                 num_rows += queries
-                per_token = self.reads_per_active_token and r.row.fragment is not None
-                context += queries * end if per_token else end
+                tiles = -(-queries // KERNEL_QUERY_TILE) if r.row.fragment is not None else 1
+                context += tiles * end
                 pairs += queries * end
             seconds += self.cost.core_pass_s(num_rows, context, pairs)
             self.stats.record_pass(num_rows)

@@ -5,8 +5,10 @@ chooses by.
 The scheduler sends each sparse loop of a window as fragments of its active rows by rank
 (``BatchRow.fragment``); it knows how many tokens are active, never which. The worker
 chooses them when the window's first fragment arrives, from the scores its earlier loops
-left, and runs only them: each fragment becomes ordinary one-token prompt rows, through the
-same fused ops as any prompt row. A frozen token
+left, and runs only them: each fragment becomes one-token prompt rows, through the same fused
+ops as any prompt row, that form ONE attention segment (``LiveRow.joins_segment``): the
+attention kernels see each row's own position and read the fragment's context once per query
+tile, not once per active token. A frozen token
 is not touched: its hidden row already holds its last loop's state, and its K/V at the
 loop's plane is copied from the plane below (the copy the LAST_EXITED layout makes for a
 decode token that exits early).
@@ -201,10 +203,10 @@ class SparseFragments:
         copy_kv_slots_masked(self.k_cache, self.v_cache, slots[:count], slots[count:], keep)
 
     def _fragment_rows(self, live: LiveRow, windows: SparseWindows) -> list[LiveRow]:
-        """The fragment's active tokens as one-token prompt rows (each its own attention
-        segment, as a decode row is: no query of one pads another's); they share the
-        fragment's result. The prompt's last position (the last row of its last fragment)
-        keeps the fragment's coda."""
+        """The fragment's active tokens as one-token prompt rows, ascending, of one attention
+        segment (each row sees keys up to its own position); they share the fragment's
+        result. The prompt's last position (the last row of its last fragment) keeps the
+        fragment's coda."""
         row = live.row
         fragment = row.fragment
         assert fragment is not None
@@ -230,7 +232,7 @@ class SparseFragments:
                 compute_logits=row.compute_logits and position == last,
                 output_index=row.output_index,
             )
-            piece = LiveRow(live.index, part, row.depth, 1)
+            piece = LiveRow(live.index, part, row.depth, 1, joins_segment=bool(out))
             piece.result = live.result
             out.append(piece)
         return out

@@ -30,6 +30,9 @@ class PassAttention(NamedTuple):
     context_lens: torch.Tensor  # [S] positions a segment's last row sees (its own included)
     query_start: torch.Tensor  # [S + 1] first row of each segment
     max_query_len: int
+    # [T] each row's position, when some segment holds rows at gathered positions (a
+    # token-sparse loop's active tokens); None: a segment's rows end its context
+    query_pos: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,7 @@ class OuroModel:
                 attn.query_start,
                 self.scale,
                 attn.max_query_len,
+                attn.query_pos,
             )
             a = F.linear(a.view(t, nh * hd), layer.o)
             h, x = add_rms_norm(h, a, layer.ln_in_2, layer.ln_post, self.eps)
