@@ -1,6 +1,6 @@
-"""Helpers for the gateway tests: a request body, scraping /metrics into sums, reading a
-completion's tokens back as a FinishedEvent (for the oracle comparison), and a scripted
-backend the HTTP app runs over without NATS."""
+"""Helpers for the gateway tests: a request body, a real gateway service on a NATS server,
+scraping /metrics into sums, reading a completion's tokens back as a FinishedEvent (for the
+oracle comparison), and a scripted backend the HTTP app runs over without NATS."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from messages.api import FinishedEvent, GenerateRequest, StreamEvent, TokenEvent
@@ -18,6 +20,7 @@ from services.gateway.auth import ApiKeys
 from services.gateway.edge import HttpLimits, http_server
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.process import bind_http
+from services.gateway.service import GatewayService
 from services.runtime.logging import get_logger
 from services.runtime.tracing import Tracer
 
@@ -199,3 +202,18 @@ async def http_served(
         server.should_exit = True
         await asyncio.wait_for(task, 10)
         sock.close()
+
+
+@contextlib.asynccontextmanager
+async def gateway_up(
+    nats_url: str, checkpoint: Path, **options: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    gateway = GatewayService(nats_url, checkpoint, port=0, served_model_name="toy", **options)
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{gateway.port}", timeout=60
+        ) as http:
+            yield http
+    finally:
+        await gateway.stop(drain_timeout=5.0)

@@ -14,14 +14,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import itertools
 import json
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 import nats
@@ -45,7 +43,12 @@ pytest.register_assert_rewrite("tests.conftest_nats")
 
 from tests.conftest_nats import services_up  # noqa: E402
 from tests.engine_harness import assert_matches_oracle, oracle_result  # noqa: E402
-from tests.gateway_helpers import REQUIRED_METRICS, as_finished, metric_sums  # noqa: E402
+from tests.gateway_helpers import (  # noqa: E402
+    REQUIRED_METRICS,
+    as_finished,
+    gateway_up,
+    metric_sums,
+)
 from tests.service_procs import wait_for  # noqa: E402
 
 pytest_plugins = ["tests.conftest_nats"]
@@ -57,21 +60,6 @@ TOTAL_UT_STEPS = 4  # the toy checkpoint's
 @pytest.fixture()
 def fast_metrics(monkeypatch: pytest.MonkeyPatch, run_dir: Path) -> None:
     monkeypatch.setenv("RLT_METRICS_INTERVAL_S", "0.1")
-
-
-@contextlib.asynccontextmanager
-async def gateway_up(
-    nats_url: str, checkpoint: Path, **options: Any
-) -> AsyncIterator[httpx.AsyncClient]:
-    gateway = GatewayService(nats_url, checkpoint, port=0, served_model_name="toy", **options)
-    await gateway.start()
-    try:
-        async with httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{gateway.port}", timeout=60
-        ) as http:
-            yield http
-    finally:
-        await gateway.stop(drain_timeout=5.0)
 
 
 async def _scrape(http: httpx.AsyncClient) -> dict[str, float]:

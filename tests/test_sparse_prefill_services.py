@@ -7,17 +7,13 @@ what cannot run is a 400 that says why."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from messages.api import ErrorEvent, FinishedEvent, GenerateRequest
 from services.common.config import SchedulerConfig
-from services.gateway.service import GatewayService
 from services.launcher import NatsServer
 from services.oracle import SerialOracle, SparseSetting
 
@@ -25,6 +21,7 @@ pytest.register_assert_rewrite("tests.conftest_nats")
 
 from tests.conftest_nats import Client, check_stream, services_up  # noqa: E402
 from tests.engine_harness import assert_matches_oracle  # noqa: E402
+from tests.gateway_helpers import gateway_up  # noqa: E402
 from tests.service_procs import wait_for  # noqa: E402
 
 pytest_plugins = ["tests.conftest_nats"]
@@ -97,19 +94,6 @@ async def test_sparse_requests_over_nats_match_the_oracle(
         assert assert_matches_oracle(finished, expected, label=req.request_id or "") == 6
 
 
-@contextlib.asynccontextmanager
-async def _gateway(nats_url: str, checkpoint: Path) -> AsyncIterator[httpx.AsyncClient]:
-    gateway = GatewayService(nats_url, checkpoint, port=0, served_model_name="toy")
-    await gateway.start()
-    try:
-        async with httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{gateway.port}", timeout=60
-        ) as http:
-            yield http
-    finally:
-        await gateway.stop(drain_timeout=5.0)
-
-
 async def test_over_http_sparse_fields_work_and_what_cannot_run_is_a_400(
     nats_server: NatsServer, toy_checkpoint: Path
 ) -> None:
@@ -118,7 +102,7 @@ async def test_over_http_sparse_fields_work_and_what_cannot_run_is_a_400(
     base = {"prompt": prompt, "max_tokens": 2, "temperature": 0.0}
     async with (
         services_up(nats_server.url, toy_checkpoint, config) as _,
-        _gateway(nats_server.url, toy_checkpoint) as http,
+        gateway_up(nats_server.url, toy_checkpoint) as http,
     ):
 
         async def ready() -> bool:
