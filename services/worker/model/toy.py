@@ -206,11 +206,21 @@ def write_toy_checkpoint(
     tok = train_toy_tokenizer(cfg.vocab_size)
     if tok.get_vocab_size() > cfg.vocab_size or tok.token_to_id(EOS_TOKEN) != cfg.eos_token_ids[0]:
         raise RuntimeError("toy tokenizer does not fit the toy config")  # a bug, not user input
+    weights = random_weights(cfg, seed, dtype, num_trained_tokens(tok), gen_device)
+    save_weights(weights, out, shard_bytes)
+    write_tokenizer_files(out, tok, cfg)
+    # config.json last: callers that cache checkpoints treat it as "the write finished"
+    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    return out
+
+
+def write_tokenizer_files(
+    out: Path, tok: Tokenizer, cfg: OuroConfig, chat_template: str = CHAT_TEMPLATE
+) -> None:
+    """tokenizer.json, tokenizer_config.json (ChatML template) and generation_config.json
+    (config.json's EOS and the chat turn's end), as Ouro's checkpoints carry them."""
     tok.save(str(out / "tokenizer.json"))
     im_end = tok.token_to_id(IM_END)
-
-    weights = random_weights(cfg, seed, dtype, num_trained_tokens(tok), gen_device)
-    _save_weights(weights, out, shard_bytes)
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -223,7 +233,7 @@ def write_toy_checkpoint(
                 "model_max_length": cfg.max_position_embeddings,
                 "add_bos_token": False,
                 "clean_up_tokenization_spaces": False,
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat_template,
             },
             indent=2,
         )
@@ -239,12 +249,9 @@ def write_toy_checkpoint(
         )
         + "\n"
     )
-    # config.json last: callers that cache checkpoints treat it as "the write finished"
-    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
-    return out
 
 
-def _save_weights(weights: Iterator[tuple[str, torch.Tensor]], out: Path, shard_bytes: int) -> None:
+def save_weights(weights: Iterator[tuple[str, torch.Tensor]], out: Path, shard_bytes: int) -> None:
     """One safetensors file, or shards named model-0000i-of-0000n with an index.
 
     Shards are written as they fill, so at most one shard is held in memory; their final
