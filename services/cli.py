@@ -60,6 +60,12 @@ def cmd_service(args: argparse.Namespace) -> int:
     return main_service(args)
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from services.train.command import run_train
+
+    return run_train(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from services.bench.runner import main_bench
 
@@ -168,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("train", help="train a small looped model on the stdlib corpus")
+    from services.train.command import add_train_arguments
+
+    add_train_arguments(p)
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("service", help="run one service (for compose)")
     p.add_argument("name", choices=["admission", "scheduler", "worker", "prefix-cache", "gateway"])
