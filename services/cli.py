@@ -66,6 +66,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return run_train(args)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from services.evaluation.command import run_eval
+
+    return run_eval(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from services.bench.runner import main_bench
 
@@ -180,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="what depth buys a trained checkpoint (loss, exits, sparse)")
+    from services.evaluation.command import add_eval_arguments
+
+    add_eval_arguments(p)
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("service", help="run one service (for compose)")
     p.add_argument("name", choices=["admission", "scheduler", "worker", "prefix-cache", "gateway"])
