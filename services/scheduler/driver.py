@@ -37,7 +37,7 @@ from services.scheduler.liveness import LossDetector
 from services.scheduler.load_report import LoadReport, scheduler_health
 from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.step_output import StepOutput, StreamKey
+from services.scheduler.step_output import Relay, StepOutput, StreamKey
 from services.scheduler.streams import Streams, error_event
 from services.scheduler.submissions import Submissions
 from services.scheduler.telemetry import SchedulerTelemetry
@@ -135,6 +135,12 @@ class SchedulerDriver(Submissions):
     @property
     def idle(self) -> bool:
         return not self.streams and not self.core.inflight
+
+    def forget_outputs(self, request_id: str) -> None:
+        self.core.outputs.forget(request_id)
+
+    def relay(self, relay: Relay) -> None:
+        self._out.relays.append(relay)
 
     # ------------------------------------------------------------------ workers
     def bind(self, worker_id: str) -> None:
