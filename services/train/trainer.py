@@ -165,7 +165,7 @@ class Trainer:
         if not path.exists():
             return
         state = torch.load(path, weights_only=False)
-        if state["settings"] != asdict(self.settings):
+        if not _same_settings(state["settings"], self.settings):
             raise SystemExit(
                 f"{path} was written with other settings; use another --work-dir or the same flags"
             )
@@ -306,6 +306,12 @@ class Trainer:
         bar.close()
         self.save()
         return self.model
+
+
+def _same_settings(saved: dict, settings: TrainSettings) -> bool:
+    """The saved fields equal, and fields newer than the state at their defaults."""
+    ours, default = asdict(settings), asdict(TrainSettings())
+    return all(saved.get(k, default[k]) == v for k, v in ours.items())
 
 
 class _progress:
