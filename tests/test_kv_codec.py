@@ -339,6 +339,24 @@ def test_triton_fp8_kernels_match_references_under_interpreter() -> None:
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
 
 
+@pytest.mark.unit
+def test_codec_ops_pass_opcheck() -> None:
+    """Schemas, fake impls and dispatch agree with the real kernels."""
+    x = _kv(9, (4, 2, 16))
+    codes, scale = kv_fp8.fp8_quantize(x)
+    stored = torch.ones(1, 4, dtype=torch.bool)
+    args, scales, _, _ = _fp8_case(10, [(1, 9), (3, 4)], 4)
+    calls = [
+        (torch.ops.rlt.fp8_quantize.default, (x,)),
+        (torch.ops.rlt.fp8_dequantize.default, (codes, scale, torch.float32)),
+        (torch.ops.rlt.int4_encode.default, (x[None], None, stored, True, 16)),
+        (torch.ops.rlt.int4_encode.default, (x[None], x[None] * 0.5, stored, False, 16)),
+        (torch.ops.rlt.paged_attention.default, (*args, None, *scales)),
+    ]
+    for op, op_args in calls:
+        torch.library.opcheck(op, op_args)
+
+
 # --- the oracle with each codec -------------------------------------------------------------
 
 
