@@ -22,6 +22,9 @@ contexts grow. Loads past the context use ``other=0`` and scores there are -inf 
 softmax, so stale or NaN cache memory and unused block table entries never reach the output.
 Every output element is stored by a kernel (rows no segment covers get zeros from program
 (0, head)), so the output needs no memset.
+
+With ``FP8`` the caches hold e4m3 codes and ``ks_ptr`` / ``vs_ptr`` one float32 scale per slot
+and kv head: each tile is dequantised in registers as it is loaded.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.ops._triton import decode_splits, next_power_of_2, num_sms
+from kernels.ops.kv_fp8_triton import e4m3_decode
 
 # Smallest query tile for tl.dot (its M, N and K must all be >= 16).
 MIN_DOT_TILE = 16
@@ -38,6 +42,22 @@ MIN_DOT_TILE = 16
 
 # Keys per tile of the decode kernel: K and V tiles of this many positions are loaded together.
 DECODE_BLOCK_N = 64
+
+
+@triton.jit
+def _fp8_rows(ptrs, mask, scale_ptrs, row_ok):
+    """A [N, D] tile of e4m3 codes -> float32 values, one scale per row (position)."""
+    codes = tl.load(ptrs, mask=mask, other=0)
+    scales = tl.load(scale_ptrs, mask=row_ok, other=0.0)
+    return e4m3_decode(codes) * scales[:, None]
+
+
+@triton.jit
+def _fp8_cols(ptrs, mask, scale_ptrs, col_ok):
+    """A [D, N] (transposed) tile of e4m3 codes -> float32 values, one scale per column."""
+    codes = tl.load(ptrs, mask=mask, other=0)
+    scales = tl.load(scale_ptrs, mask=col_ok, other=0.0)
+    return e4m3_decode(codes) * scales[None, :]
 
 
 @triton.jit
@@ -71,6 +91,8 @@ def _attn_decode_split_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    ks_ptr,
+    vs_ptr,
     tables_ptr,
     ctx_ptr,
     starts_ptr,
@@ -88,6 +110,9 @@ def _attn_decode_split_kernel(
     v_s1,
     v_s2,
     v_s3,
+    sc_s0,
+    sc_s1,
+    sc_s2,
     tables_s0,
     out_s0,
     out_s1,
@@ -103,6 +128,7 @@ def _attn_decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seg = tl.program_id(0)
     head = tl.program_id(1)
@@ -138,8 +164,17 @@ def _attn_decode_split_kernel(
         # K and V of the tile are loaded together, before the math that needs them
         k_rows = blk * k_s0 + off * k_s1 + kv_head * k_s2
         v_rows = blk * v_s0 + off * v_s1 + kv_head * v_s2
-        k = tl.load(k_ptr + k_rows[:, None] + d[None, :] * k_s3, mask=kv_ok, other=0.0)
-        v = tl.load(v_ptr + v_rows[:, None] + d[None, :] * v_s3, mask=kv_ok, other=0.0)
+        if FP8:
+            sc_rows = blk * sc_s0 + off * sc_s1 + kv_head * sc_s2
+            k = _fp8_rows(
+                k_ptr + k_rows[:, None] + d[None, :] * k_s3, kv_ok, ks_ptr + sc_rows, c_ok
+            )
+            v = _fp8_rows(
+                v_ptr + v_rows[:, None] + d[None, :] * v_s3, kv_ok, vs_ptr + sc_rows, c_ok
+            )
+        else:
+            k = tl.load(k_ptr + k_rows[:, None] + d[None, :] * k_s3, mask=kv_ok, other=0.0)
+            v = tl.load(v_ptr + v_rows[:, None] + d[None, :] * v_s3, mask=kv_ok, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale
         s = tl.where(c_ok, s, float("-inf"))
         # position `start` is inside the split, so m_new is finite from the first tile on
@@ -235,6 +270,8 @@ def _attn_query_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    ks_ptr,
+    vs_ptr,
     tables_ptr,
     ctx_ptr,
     starts_ptr,
@@ -251,6 +288,9 @@ def _attn_query_kernel(
     v_s1,
     v_s2,
     v_s3,
+    sc_s0,
+    sc_s1,
+    sc_s2,
     tables_s0,
     out_s0,
     out_s1,
@@ -264,6 +304,7 @@ def _attn_query_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_QPOS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seg = tl.program_id(0)
     head = tl.program_id(1)
@@ -296,7 +337,13 @@ def _attn_query_kernel(
         off = c % block_size
         kv_ok = c_ok[:, None] & d_ok[None, :]
         k_rows = blk * k_s0 + off * k_s1 + kv_head * k_s2
-        k = tl.load(k_ptr + k_rows[:, None] + d[None, :] * k_s3, mask=kv_ok, other=0.0)
+        sc_rows = blk * sc_s0 + off * sc_s1 + kv_head * sc_s2
+        if FP8:
+            k = _fp8_rows(
+                k_ptr + k_rows[:, None] + d[None, :] * k_s3, kv_ok, ks_ptr + sc_rows, c_ok
+            )
+        else:
+            k = tl.load(k_ptr + k_rows[:, None] + d[None, :] * k_s3, mask=kv_ok, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale
         s = tl.where(c_ok, s, float("-inf"))
         # Position `start` is always visible, so m_new is finite from the first tile on.
@@ -305,7 +352,12 @@ def _attn_query_kernel(
         p = tl.exp(s - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         v_rows = blk * v_s0 + off * v_s1 + kv_head * v_s2
-        v = tl.load(v_ptr + v_rows[:, None] + d[None, :] * v_s3, mask=kv_ok, other=0.0)
+        if FP8:
+            v = _fp8_rows(
+                v_ptr + v_rows[:, None] + d[None, :] * v_s3, kv_ok, vs_ptr + sc_rows, c_ok
+            )
+        else:
+            v = tl.load(v_ptr + v_rows[:, None] + d[None, :] * v_s3, mask=kv_ok, other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)
@@ -331,6 +383,8 @@ def _attn_tile_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    ks_ptr,
+    vs_ptr,
     tables_ptr,
     ctx_ptr,
     starts_ptr,
@@ -347,6 +401,9 @@ def _attn_tile_kernel(
     v_s1,
     v_s2,
     v_s3,
+    sc_s0,
+    sc_s1,
+    sc_s2,
     tables_s0,
     out_s0,
     out_s1,
@@ -361,6 +418,7 @@ def _attn_tile_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_QPOS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seg = tl.program_id(0)
     head = tl.program_id(1)
@@ -396,12 +454,14 @@ def _attn_tile_kernel(
         blk = tl.load(table + c // block_size, mask=c_ok, other=0).to(tl.int64)
         off = c % block_size
         k_cols = blk * k_s0 + off * k_s1 + kv_head * k_s2
+        sc_rows = blk * sc_s0 + off * sc_s1 + kv_head * sc_s2
         # K loaded transposed, [BLOCK_D, BLOCK_N], so the scores are a plain q @ kT.
-        kt = tl.load(
-            k_ptr + k_cols[None, :] + d[:, None] * k_s3,
-            mask=d_ok[:, None] & c_ok[None, :],
-            other=0.0,
-        )
+        kt_ptrs = k_ptr + k_cols[None, :] + d[:, None] * k_s3
+        kt_ok = d_ok[:, None] & c_ok[None, :]
+        if FP8:  # dequantised in float32, then in q's dtype for tl.dot
+            kt = _fp8_cols(kt_ptrs, kt_ok, ks_ptr + sc_rows, c_ok).to(q.dtype)
+        else:
+            kt = tl.load(kt_ptrs, mask=kt_ok, other=0.0)
         s = tl.dot(q, kt, input_precision="ieee") * scale
         visible = (c[None, :] <= pos[:, None]) & c_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -412,11 +472,12 @@ def _attn_tile_kernel(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = blk * v_s0 + off * v_s1 + kv_head * v_s2
-        v = tl.load(
-            v_ptr + v_rows[:, None] + d[None, :] * v_s3,
-            mask=c_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        v_ptrs = v_ptr + v_rows[:, None] + d[None, :] * v_s3
+        v_ok = c_ok[:, None] & d_ok[None, :]
+        if FP8:
+            v = _fp8_rows(v_ptrs, v_ok, vs_ptr + sc_rows, c_ok).to(q.dtype)
+        else:
+            v = tl.load(v_ptrs, mask=v_ok, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -467,11 +528,20 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     query_pos: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     tiled: bool | None = None,
     num_splits: int | None = None,
     split_align: int = DECODE_BLOCK_N,
 ) -> torch.Tensor:
     _check(q, k_cache, v_cache, block_tables, context_lens, query_start)
+    fp8 = k_scale is not None
+    if fp8 and (v_scale is None or k_scale.shape != k_cache.shape[:3]):
+        raise ValueError(
+            f"fp8 caches {tuple(k_cache.shape)} need k_scale and v_scale [NB, bs, nkv]"
+        )
+    if fp8 and k_scale.stride() != v_scale.stride():
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
     if query_pos is not None and query_pos.shape != (q.shape[0],):
         raise ValueError(f"query_pos {tuple(query_pos.shape)} for {q.shape[0]} query rows")
     num_rows, num_heads, head_dim = q.shape
@@ -492,10 +562,13 @@ def paged_attention(
         raise ValueError(f"the tl.dot kernel needs head_dim >= {MIN_DOT_TILE}, got {head_dim}")
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
+    # without fp8 the scale pointers are never read: the caches stand in
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     strides = (
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
+        *(ks.stride() if fp8 else (0, 0, 0)),
         block_tables.stride(0),
         *out.stride(),
     )
@@ -507,6 +580,9 @@ def paged_attention(
             q,
             k_cache,
             v_cache,
+            ks,
+            vs,
+            fp8,
             block_tables,
             context_lens,
             query_start,
@@ -521,6 +597,8 @@ def paged_attention(
         q,
         k_cache,
         v_cache,
+        ks,
+        vs,
         block_tables,
         context_lens,
         query_start,
@@ -544,6 +622,7 @@ def paged_attention(
             BLOCK_M=block_m,
             BLOCK_N=64 if block_d <= 64 else 32,
             HAS_QPOS=has_qpos,
+            FP8=fp8,
             num_warps=4,
             num_stages=2,
         )
@@ -555,6 +634,7 @@ def paged_attention(
             BLOCK_D=block_d,
             BLOCK_N=max(16, min(64, 4096 // block_d)),
             HAS_QPOS=has_qpos,
+            FP8=fp8,
             num_warps=4 if block_d >= 64 else 2,
         )
     return out
@@ -564,6 +644,9 @@ def _decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    fp8: bool,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     query_start: torch.Tensor,
@@ -590,6 +673,8 @@ def _decode(
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         block_tables,
         context_lens,
         query_start,
@@ -608,6 +693,7 @@ def _decode(
         BLOCK_D=block_d,
         BLOCK_N=tile,
         NUM_SPLITS=splits,
+        FP8=fp8,
         num_warps=8 if tile * block_d >= 8192 else 4,
     )
     if splits > 1:
