@@ -26,7 +26,7 @@ from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.gateway.structured import FormatError, structured_output
 from services.oracle.near_tie import compare_with_oracle
-from services.scheduler.intake import KnownOutputs
+from services.scheduler.core.intake import KnownOutputs
 from services.worker.grammar import GrammarBook, PassMasks
 from services.worker.model.toy import toy_config
 from services.worker.runner import ModelRunner

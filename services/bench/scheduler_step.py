@@ -17,8 +17,8 @@ from messages.api import FinishedEvent
 from messages.batch import BatchResult, RowKind, RowResult
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
-from services.scheduler.batch import ScheduledBatch
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.scheduler import Scheduler
 
 D = 4
 LIMITS = ModelLimits(

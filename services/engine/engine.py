@@ -19,9 +19,9 @@ from services.common.config import ModelLimits, SchedulerConfig
 from services.common.grammar import check_structured_output, with_backend
 from services.common.tokenizer import TextCodec
 from services.engine.executor import InProcessExecutor
-from services.scheduler.batch import ScheduledBatch
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.engine_core import EngineCore
-from services.scheduler.scheduler import Scheduler
 from services.worker.grammar import GrammarBook
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner

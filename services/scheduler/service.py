@@ -52,13 +52,13 @@ from services.runtime.bus import (
 from services.runtime.logging import request_fields
 from services.runtime.service import Endpoint, Service
 from services.runtime.tracing import TRACEPARENT
-from services.scheduler.driver import SchedulerDriver
+from services.scheduler.driver.driver import SchedulerDriver
+from services.scheduler.driver.step_output import StepOutput, StreamKey
+from services.scheduler.driver.worker_binding import WorkerBinding
 from services.scheduler.fencing import Fence
 from services.scheduler.options import SchedulerOptions
 from services.scheduler.output_publisher import OutputPublisher, StepTimings
 from services.scheduler.prefix_publisher import PrefixPublisher
-from services.scheduler.step_output import StepOutput, StreamKey
-from services.scheduler.worker_binding import WorkerBinding
 
 # load reports go out on every change, but at most one per this gap (plus the periodic ones)
 _LOAD_MIN_GAP_S = 0.02

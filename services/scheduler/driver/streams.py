@@ -13,7 +13,7 @@ from messages.api import ErrorEvent, FinishedEvent, StreamEvent
 from messages.errors import ErrorCode
 from messages.internal import AdmittedRequest, RelayedEvent
 from services.runtime.logging import log_content_enabled, request_fields
-from services.scheduler.step_output import Relay, StepOutput, StreamKey
+from services.scheduler.driver.step_output import Relay, StepOutput, StreamKey
 
 # streams remembered after they ended (what a late abort or a held event belongs to)
 _MAX_ENDED = 10_000

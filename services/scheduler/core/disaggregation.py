@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from messages.kv_transfer import KVBlockFormat, KVHandoff, KVPull, KVPullResult
 from services.common.sparse_prefill import prefill_setting
-from services.scheduler.request import PREFILL_STATES, Request, RequestState
-from services.scheduler.running import detach
-from services.scheduler.state import SchedulerState
+from services.scheduler.core.request import PREFILL_STATES, Request, RequestState
+from services.scheduler.core.running import detach
+from services.scheduler.core.state import SchedulerState
 
 _DEFAULT_HOLD_S = 30.0
 _DEFAULT_PULL_TIMEOUT_S = 10.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from messages.api import TokenLogprobs, TopLogprob
 from messages.batch import PromptLogprobs, RowResult
-from services.scheduler.request import Request
+from services.scheduler.core.request import Request
 
 
 def token_logprobs(row: RowResult, token_id: int) -> TokenLogprobs:

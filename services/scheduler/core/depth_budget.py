@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import OverloadPolicy
-from services.scheduler.request import Request
-from services.scheduler.state import SchedulerState
+from services.scheduler.core.request import Request
+from services.scheduler.core.state import SchedulerState
 
 # Steps a condition must hold before the budget moves one loop. Shedding reacts within a
 # few tokens' worth of passes; restoring waits about a request's lifetime (of the bench's

@@ -12,9 +12,9 @@ from messages.batch import (
     SparseFragment,
     WorkerSampling,
 )
-from services.scheduler.batch import ScheduledBatch, ScheduledTask
-from services.scheduler.request import Request
-from services.scheduler.state import SchedulerState
+from services.scheduler.core.batch import ScheduledBatch, ScheduledTask
+from services.scheduler.core.request import Request
+from services.scheduler.core.state import SchedulerState
 
 # per-row comparisons by identity against module globals (see selection.py)
 _DECODE, _FOLLOW_ON = RowKind.DECODE, RowKind.FOLLOW_ON

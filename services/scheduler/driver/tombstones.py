@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from services.scheduler.step_output import StreamKey
+from services.scheduler.driver.step_output import StreamKey
 
 # a try of seq 0: an abort that ends whichever try arrives
 ANY: StreamKey = ("", 0)

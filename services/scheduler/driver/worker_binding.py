@@ -10,8 +10,8 @@ from typing import Any
 
 from messages.internal import WorkerHeartbeat, WorkerResult
 from services.runtime import subjects
-from services.scheduler.driver import SchedulerDriver
-from services.scheduler.liveness import LossDetector, WorkerTracker
+from services.scheduler.driver.driver import SchedulerDriver
+from services.scheduler.driver.liveness import LossDetector, WorkerTracker
 
 # a worker that refused our batches (it serves another live scheduler) is left alone this long
 _TAKEN_S = 2.0

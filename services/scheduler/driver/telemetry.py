@@ -59,8 +59,8 @@ from services.runtime.tracing import (
     Tracer,
     parse_traceparent,
 )
-from services.scheduler.batch import ScheduledBatch
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.scheduler import Scheduler
 
 # seconds; fine at the low end, where a CPU toy model and a GPU decode step both live
 LATENCY_BUCKETS = (

@@ -18,7 +18,7 @@ from typing import Any
 from messages.internal import RelayedEvent
 from messages.kv_transfer import KVHandoff, KVPullResult
 from services.runtime.logging import request_fields
-from services.scheduler.step_output import Relay
+from services.scheduler.driver.step_output import Relay
 
 
 class Handover:

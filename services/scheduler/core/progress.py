@@ -11,11 +11,11 @@ from __future__ import annotations
 from messages.api import ErrorEvent, StreamEvent, TokenEvent
 from messages.batch import BatchResult, RowKind, RowResult
 from messages.errors import ErrorCode
-from services.scheduler.batch import ScheduledBatch, ScheduledTask
-from services.scheduler.logprobs import fill_prompt_logprobs, prompt_entries, token_logprobs
-from services.scheduler.request import Request, RequestState
-from services.scheduler.running import finish, preempt
-from services.scheduler.state import SchedulerState
+from services.scheduler.core.batch import ScheduledBatch, ScheduledTask
+from services.scheduler.core.logprobs import fill_prompt_logprobs, prompt_entries, token_logprobs
+from services.scheduler.core.request import Request, RequestState
+from services.scheduler.core.running import finish, preempt
+from services.scheduler.core.state import SchedulerState
 
 # per-row comparisons by identity against module globals (see selection.py)
 _DECODE, _FOLLOW_ON, _PRELUDE = RowKind.DECODE, RowKind.FOLLOW_ON, RowKind.PRELUDE

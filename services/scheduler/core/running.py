@@ -13,10 +13,10 @@ import heapq
 
 from messages.api import FinishedEvent, StreamEvent
 from services.common.config import KVAdmission
-from services.scheduler.kv_admission import Commitment, Preemption
-from services.scheduler.kv_manager import KVManager
-from services.scheduler.request import Request, RequestState
-from services.scheduler.state import SchedulerState
+from services.scheduler.core.kv.kv_admission import Commitment, Preemption
+from services.scheduler.core.kv.kv_manager import KVManager
+from services.scheduler.core.request import Request, RequestState
+from services.scheduler.core.state import SchedulerState
 
 
 def _priority_key(request: Request) -> tuple[int, int]:

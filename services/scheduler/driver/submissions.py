@@ -18,13 +18,13 @@ from messages.internal import AdmittedRequest, RelayedEvent, RequestNotice
 from services.common.sparse_prefill import prefill_setting
 from services.runtime import subjects
 from services.runtime.logging import log_content_enabled, request_fields
+from services.scheduler.core.intake import KnownOutputs
+from services.scheduler.driver.load_report import LoadReport
+from services.scheduler.driver.step_output import Relay, StepOutput
+from services.scheduler.driver.streams import Stream, Streams, aborted, error_event
+from services.scheduler.driver.telemetry import SchedulerTelemetry
+from services.scheduler.driver.tombstones import ANY, AbortTombstones
 from services.scheduler.engine_core import EngineCore
-from services.scheduler.intake import KnownOutputs
-from services.scheduler.load_report import LoadReport
-from services.scheduler.step_output import Relay, StepOutput
-from services.scheduler.streams import Stream, Streams, aborted, error_event
-from services.scheduler.telemetry import SchedulerTelemetry
-from services.scheduler.tombstones import ANY, AbortTombstones
 
 
 class Submissions:

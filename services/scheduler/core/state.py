@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 from messages.kv_transfer import KVHandoff, KVPull
 from services.common.config import ModelLimits, SchedulerConfig
-from services.scheduler.inflight_prefix import QueueEntry
-from services.scheduler.kv_admission import Commitment, Preemption
-from services.scheduler.kv_manager import KVManager
-from services.scheduler.request import Request
+from services.scheduler.core.kv.inflight_prefix import QueueEntry
+from services.scheduler.core.kv.kv_admission import Commitment, Preemption
+from services.scheduler.core.kv.kv_manager import KVManager
+from services.scheduler.core.request import Request
 
 
 @dataclass

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
-from services.scheduler.kv_admission import Commitment
-from services.scheduler.request import Request
+from services.scheduler.core.kv.kv_admission import Commitment
+from services.scheduler.core.request import Request
 
 
 def steps_left(request: Request, chunk_size: int) -> int:

@@ -30,18 +30,18 @@ from services.common.config import ModelLimits, SchedulerConfig
 from services.common.tokenizer import TextCodec
 from services.runtime import subjects
 from services.runtime.logging import get_logger, request_fields
-from services.scheduler.batch import ScheduledBatch
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.driver.handover import Handover
+from services.scheduler.driver.liveness import LossDetector
+from services.scheduler.driver.load_report import LoadReport, scheduler_health
+from services.scheduler.driver.nats_executor import NatsExecutor
+from services.scheduler.driver.step_output import StepOutput, StreamKey
+from services.scheduler.driver.streams import Streams, error_event
+from services.scheduler.driver.submissions import Submissions
+from services.scheduler.driver.telemetry import SchedulerTelemetry
+from services.scheduler.driver.tombstones import AbortTombstones
 from services.scheduler.engine_core import EngineCore
-from services.scheduler.handover import Handover
-from services.scheduler.liveness import LossDetector
-from services.scheduler.load_report import LoadReport, scheduler_health
-from services.scheduler.nats_executor import NatsExecutor
-from services.scheduler.scheduler import Scheduler
-from services.scheduler.step_output import StepOutput, StreamKey
-from services.scheduler.streams import Streams, error_event
-from services.scheduler.submissions import Submissions
-from services.scheduler.telemetry import SchedulerTelemetry
-from services.scheduler.tombstones import AbortTombstones
 
 
 class SchedulerDriver(Submissions):

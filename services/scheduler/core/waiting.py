@@ -14,23 +14,23 @@ from dataclasses import dataclass, field
 
 from messages.prefix import cacheable_prefix_blocks
 from services.common.config import KVAdmission
-from services.scheduler.inflight_prefix import (
+from services.scheduler.core.kv.inflight_prefix import (
     ParkedReaders,
     QueueEntry,
     add_writer,
     prefix_writers,
 )
-from services.scheduler.kv_admission import Commitment, admits
-from services.scheduler.request import Request, RequestState
-from services.scheduler.reservation import reserved_start, steps_left
-from services.scheduler.running import (
+from services.scheduler.core.kv.kv_admission import Commitment, admits
+from services.scheduler.core.kv.reservation import reserved_start, steps_left
+from services.scheduler.core.request import Request, RequestState
+from services.scheduler.core.running import (
     committed,
     footprint,
     insert_running,
     preempt,
     unallocated,
 )
-from services.scheduler.state import SchedulerState
+from services.scheduler.core.state import SchedulerState
 
 # How many requests refused for KV admission sets aside in one scan, looking for one behind
 # them that fits: each costs a heap pop and push (and a KV test) per step while KV is short

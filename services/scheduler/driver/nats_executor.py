@@ -15,7 +15,7 @@ import time
 from messages.batch import BatchResult
 from messages.internal import WorkerBatch, WorkerResult
 from services.common.config import SchedulerConfig
-from services.scheduler.batch import ScheduledBatch
+from services.scheduler.core.batch import ScheduledBatch
 
 
 class NatsExecutor:

@@ -8,8 +8,8 @@ from typing import Any
 
 from messages.internal import SchedulerLoad
 from messages.prefix import blocks_digest
-from services.scheduler.request import RequestState
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.core.request import RequestState
+from services.scheduler.core.scheduler import Scheduler
 
 # recent batch round trips (submit -> result) weigh this much in the load report's step time
 _STEP_TIME_WEIGHT = 0.2

@@ -11,12 +11,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from messages.batch import BatchKind, RowKind
-from services.scheduler.batch import ScheduledTask
-from services.scheduler.depth_budget import token_budget
-from services.scheduler.progress import SchedulerInvariantError
-from services.scheduler.request import PREFILL_STATES, Request, RequestState
-from services.scheduler.running import preempt
-from services.scheduler.state import SchedulerState
+from services.scheduler.core.batch import ScheduledTask
+from services.scheduler.core.depth_budget import token_budget
+from services.scheduler.core.progress import SchedulerInvariantError
+from services.scheduler.core.request import PREFILL_STATES, Request, RequestState
+from services.scheduler.core.running import preempt
+from services.scheduler.core.state import SchedulerState
 
 # The per-row loops compare enum members by identity against module globals: on Python 3.11
 # an Enum class attribute (RowKind.DECODE) costs ~75 ns a lookup, a module global ~10.

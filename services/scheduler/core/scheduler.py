@@ -28,20 +28,20 @@ from messages.sampling import PrefillSetting, SamplingParams, SparsePrefill
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.fit import check_request_fits
 from services.common.sparse_prefill import prefix_block_hashes, resolve_sparse_prefill
-from services.scheduler.batch import ScheduledBatch
-from services.scheduler.batch_builder import build_batch
-from services.scheduler.depth_budget import BudgetChange, DepthBudget
-from services.scheduler.disaggregation import Handoffs, Pulls
-from services.scheduler.intake import KnownOutputs, validate_known_outputs, validate_prompt
-from services.scheduler.kv_admission import Commitment
-from services.scheduler.kv_manager import KVManager
-from services.scheduler.prefix_events import PrefixEventLog
-from services.scheduler.progress import Progress, SchedulerInvariantError
-from services.scheduler.request import Request
-from services.scheduler.running import finish, preempt
-from services.scheduler.selection import Selector
-from services.scheduler.state import SchedulerState, SchedulerStats, new_kv
-from services.scheduler.waiting import Admission
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.batch_builder import build_batch
+from services.scheduler.core.depth_budget import BudgetChange, DepthBudget
+from services.scheduler.core.disaggregation import Handoffs, Pulls
+from services.scheduler.core.intake import KnownOutputs, validate_known_outputs, validate_prompt
+from services.scheduler.core.kv.kv_admission import Commitment
+from services.scheduler.core.kv.kv_manager import KVManager
+from services.scheduler.core.kv.prefix_events import PrefixEventLog
+from services.scheduler.core.progress import Progress, SchedulerInvariantError
+from services.scheduler.core.request import Request
+from services.scheduler.core.running import finish, preempt
+from services.scheduler.core.selection import Selector
+from services.scheduler.core.state import SchedulerState, SchedulerStats, new_kv
+from services.scheduler.core.waiting import Admission
 
 __all__ = ["Scheduler", "SchedulerInvariantError", "SchedulerStats"]
 

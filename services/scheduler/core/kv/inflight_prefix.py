@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from services.scheduler.request import PREFILL_STATES, Request
+from services.scheduler.core.request import PREFILL_STATES, Request
 
 QueueEntry = tuple[tuple[int, int], Request]  # (priority key, request): the waiting heap's
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from messages.batch import Batch, BatchKind, RowKind
-from services.scheduler.kv_admission import Preemption
-from services.scheduler.request import Request
+from services.scheduler.core.kv.kv_admission import Preemption
+from services.scheduler.core.request import Request
 
 
 class ScheduledTask(msgspec.Struct, gc=False, eq=False):
