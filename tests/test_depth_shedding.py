@@ -33,9 +33,9 @@ from services.scheduler.core.request import Request
 from services.scheduler.core.state import SchedulerState, new_kv
 from services.scheduler.driver.telemetry import SchedulerTelemetry
 from services.worker.model.ouro import OuroModel
-from services.worker.rows import RowCursor, live_rows
+from services.worker.passes.rows import RowCursor, live_rows
+from services.worker.passes.static_decode import DecodeMode
 from services.worker.sim import SimRunner
-from services.worker.static_decode import DecodeMode
 from tests.engine_harness import Arrival, assert_matches_oracle, run_workload
 
 D = 4

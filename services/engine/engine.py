@@ -22,11 +22,11 @@ from services.engine.executor import InProcessExecutor
 from services.scheduler.core.batch import ScheduledBatch
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.engine_core import EngineCore
-from services.worker.grammar import GrammarBook
 from services.worker.model.ouro import OuroModel
+from services.worker.passes.static_decode import DecodeMode
 from services.worker.runner import ModelRunner
+from services.worker.sampling.grammar import GrammarBook
 from services.worker.sim import SimRunner
-from services.worker.static_decode import DecodeMode
 
 
 def model_limits(model: OuroModel) -> ModelLimits:

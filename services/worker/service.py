@@ -45,8 +45,8 @@ from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, pu
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
 from services.worker.batch_queue import BatchQueue, BatchRun
-from services.worker.kv_pulls import KVPulls
-from services.worker.kv_transfer import TransferError
+from services.worker.kv_transfer.agent import TransferError
+from services.worker.kv_transfer.pulls import KVPulls
 from services.worker.runner import ModelRunner
 from services.worker.runner_host import RunnerHost
 from services.worker.sim import SimRunner

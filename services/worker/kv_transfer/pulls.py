@@ -4,7 +4,7 @@ As a source (prefill role) it registers each runner's KV arenas with its NIXL ag
 tells peers where they are (``KVSourceInfo``, on ``rlt.v1.worker.kvmeta.<worker>``). As a
 destination (decode role) it runs the pulls a batch carries: the source's description is
 asked for when the batch arrives (a task of its own: the batch is queued meanwhile), and
-a pull is handed to the transfer thread (``kv_pull_queue.py``) when its batch reaches the
+a pull is handed to the transfer thread (``pull_queue.py``) when its batch reaches the
 front of the queue (every earlier batch has run, so nothing of a block's previous owner
 still writes it); it moves there, interleaved with the other pulls, while later batches
 compute. Each outcome goes back to the scheduler (``KVPullResult``) with the bytes and
@@ -29,9 +29,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from messages.kv_transfer import KVPull, KVPullResult, KVSourceInfo
 from services.common.config import KVLayout
 from services.runtime.tracing import ATTR_REQUEST_ID, ATTR_SHARD, Tracer, parse_traceparent
-from services.worker import kv_transfer as kvt
-from services.worker.kv_pull_queue import PullJob, PullOutcome, PullQueue
-from services.worker.kv_transfer import KVArena, KVTransferAgent, TransferError
+from services.worker.kv_transfer import agent as kvt
+from services.worker.kv_transfer.agent import KVArena, KVTransferAgent, TransferError
+from services.worker.kv_transfer.pull_queue import PullJob, PullOutcome, PullQueue
 
 # a source's description comes over NATS; past this the pull fails (source_lost)
 META_TIMEOUT_S = 2.0

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from messages.batch import WorkerSampling
-from services.worker.pass_inputs import HostPass, PassShape
-from services.worker.rows import LiveRow
+from services.worker.passes.pass_inputs import HostPass, PassShape
+from services.worker.passes.rows import LiveRow
 
 _NEVER = 1 << 30  # a loop count no row reaches: padding rows never exit
 _F32_TINY = float(np.finfo(np.float32).smallest_subnormal)

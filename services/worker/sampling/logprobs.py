@@ -14,9 +14,9 @@ from messages.batch import PromptLogprobs, SampledLogprobs
 
 if TYPE_CHECKING:  # annotations only: the simulated device imports this module, not the model
     from services.worker.model.ouro import OuroModel
-    from services.worker.pass_plan import RequestView
-    from services.worker.rows import LiveRow
-    from services.worker.transfer import Transfer
+    from services.worker.passes.pass_plan import RequestView
+    from services.worker.passes.rows import LiveRow
+    from services.worker.passes.transfer import Transfer
 
 _PROMPT_SLICE = 256  # prompt positions scored at once (the table is positions x vocab)
 

@@ -30,8 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from messages.kv_transfer import KVPull, KVSourceInfo
-from services.worker import kv_transfer as kvt
-from services.worker.kv_transfer import KVArena, KVTransferAgent, ReadPlan, Transfer, TransferError
+from services.worker.kv_transfer import agent as kvt
+from services.worker.kv_transfer.agent import (
+    KVArena,
+    KVTransferAgent,
+    ReadPlan,
+    Transfer,
+    TransferError,
+)
 
 MAX_IN_FLIGHT = 4  # chunks posted and not done, over all pulls
 _IDLE_POLL_S = 0.002  # while pulls wait for a source or a test hold

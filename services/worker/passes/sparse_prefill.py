@@ -26,9 +26,9 @@ import torch
 from kernels.ops import copy_kv_slots_masked
 from messages.batch import BatchRow, RowKind
 from services.common.sparse_prefill import SparseSchedule
-from services.worker.pass_plan import PassPlan, PassPlanner
-from services.worker.rows import LiveRow
-from services.worker.transfer import Transfer
+from services.worker.passes.pass_plan import PassPlan, PassPlanner
+from services.worker.passes.rows import LiveRow
+from services.worker.passes.transfer import Transfer
 
 
 @dataclass

@@ -7,7 +7,7 @@ blocks on both sides is one descriptor per layer and arena); ``KVTransferAgent``
 NIXL agent (UCX backend: host memory between processes, device memory on a GPU), registers
 this worker's arenas, describes them to peers (``KVSourceInfo``) and READs a peer's blocks
 into its own, a pull cut into chunks (``ReadPlan``) that are posted and polled one by one.
-Every call may block: the worker makes them on its transfer thread (``kv_pull_queue.py``),
+Every call may block: the worker makes them on its transfer thread (``pull_queue.py``),
 never on the event loop. NIXL's own errors become ``TransferError`` with a cause
 (``source_lost``, ``timeout``, ``layout_mismatch``, ``error``).
 """
@@ -154,7 +154,7 @@ def descriptors(
 @dataclass
 class ReadPlan:
     """One pull's descriptors cut into chunks of at most ``chunk_bytes``: the unit a pull
-    is posted, timed and interleaved with other pulls by (``kv_pull_queue.py``)."""
+    is posted, timed and interleaved with other pulls by (``pull_queue.py``)."""
 
     agent_name: str  # the source's NIXL agent
     chunks: list[tuple[np.ndarray, np.ndarray]]  # (local rows, remote rows), row i pairs

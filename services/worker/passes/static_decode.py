@@ -28,12 +28,12 @@ from typing import Any, Protocol
 import structlog
 import torch
 
-from services.worker.decode_pool import DecodePool
 from services.worker.model.ouro import OuroModel
-from services.worker.pass_inputs import DevicePass, PassShape
-from services.worker.pass_plan import PassPlan, PassPlanner
-from services.worker.rows import LiveRow
-from services.worker.transfer import Transfer
+from services.worker.passes.decode_pool import DecodePool
+from services.worker.passes.pass_inputs import DevicePass, PassShape
+from services.worker.passes.pass_plan import PassPlan, PassPlanner
+from services.worker.passes.rows import LiveRow
+from services.worker.passes.transfer import Transfer
 
 _log = structlog.get_logger("rlt")
 
