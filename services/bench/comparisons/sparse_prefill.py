@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.analysis import per_repeat_result
+from services.bench.comparisons.overload import Outcome, VirtualClock, drive
 from services.bench.metrics import percentile
-from services.bench.overload import Outcome, VirtualClock, drive
 from services.bench.progress import Progress
 from services.bench.workloads import LengthMix, RequestSpec, TokenRange
 from services.common.config import SchedulerConfig
