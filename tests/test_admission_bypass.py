@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 
 from messages.api import FinishedEvent
 from messages.sampling import SamplingParams
-from services.bench.comparison import bypass_arm_name
+from services.bench.comparisons.admission_bypass import bypass_arm_name
 from services.bench.runner import run_bench
 from services.cli import build_parser
 from services.common.config import KVAdmission, ModelLimits, SchedulerConfig

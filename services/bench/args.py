@@ -6,7 +6,7 @@ import argparse
 
 from services.worker.model.sizes import CHECKPOINT_SIZES
 
-# kept here (not in comparisons/) so building the parser imports nothing heavy
+# kept here (not in comparisons/registry.py) so building the parser imports nothing heavy
 COMPARISON_NAMES = (
     "depth_batching",
     "wcpb",

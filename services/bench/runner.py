@@ -25,15 +25,9 @@ import torch
 
 from services.bench.analysis import arm_summary, ratio_result
 from services.bench.backends import Backend, InProcessBackend
-from services.bench.comparison import (
-    Arm,
-    BackendKind,
-    BenchSettings,
-    Comparison,
-    UnknownArmError,
-    build_comparisons,
-)
+from services.bench.comparison import Arm, BackendKind, BenchSettings, Comparison
 from services.bench.comparisons import overload, scheduler_step, sparse_prefill
+from services.bench.comparisons.registry import UnknownArmError, build_comparisons
 from services.bench.metrics import (
     BREAKDOWN_METRICS,
     CPU_METRICS,

@@ -21,7 +21,7 @@ prefill differs between the arms. The simulated device charges a sparse fragment
 its window's context per query tile of the attention kernel (its active tokens are one
 segment; see ``services.worker.sim``).
 
-Times are read from ``overload.VirtualClock`` (this process's CPU seconds plus the simulated
+Times are read from ``open_loop.VirtualClock`` (this process's CPU seconds plus the simulated
 device's), so other jobs on the shared cores do not move them. Prompt rows per prompt token
 come from the finished events (``prefill_rows``), which are exact.
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.analysis import per_repeat_result
-from services.bench.comparisons.overload import Outcome, VirtualClock, drive
+from services.bench.comparisons.open_loop import Outcome, VirtualClock, drive
 from services.bench.metrics import percentile
 from services.bench.progress import Progress
 from services.bench.workloads import LengthMix, RequestSpec, TokenRange
