@@ -19,8 +19,8 @@ from messages.api import FinishedEvent, TokenEvent
 from messages.errors import RequestError
 from messages.sampling import SamplingParams, StructuredOutput
 from services.common.config import KVAdmission, SchedulerConfig
-from services.common.grammar import check_structured_output
-from services.common.grammar_xgrammar import choice_ebnf
+from services.common.structured.grammar import check_structured_output
+from services.common.structured.grammar_xgrammar import choice_ebnf
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
@@ -348,7 +348,7 @@ def test_a_grammar_that_never_compiles_fails_its_request_not_the_pass(
 def test_a_schema_nested_up_to_the_limit_compiles_with_either_engine(backend: str) -> None:
     """The depth bound is rlt's, below both engines' own: a schema's validity does not
     depend on the server's engine."""
-    from services.common.grammar import MAX_SCHEMA_DEPTH
+    from services.common.structured.grammar import MAX_SCHEMA_DEPTH
 
     spec = _nested_schema(MAX_SCHEMA_DEPTH - 1)
     check_structured_output(StructuredOutput(kind="json_schema", spec=spec, backend=backend))

@@ -16,7 +16,7 @@ from messages.api import FinishedEvent, StreamEvent
 from messages.errors import RequestError
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
-from services.common.grammar import check_structured_output, with_backend
+from services.common.structured.grammar import check_structured_output, with_backend
 from services.common.tokenizer import TextCodec
 from services.engine.executor import InProcessExecutor
 from services.scheduler.core.batch import ScheduledBatch

@@ -1,7 +1,7 @@
 """Structured outputs on the worker: compiled grammars, each constrained request's matcher,
 and the token masks a pass applies to its coda rows' logits before sampling.
 
-A request's matcher (its grammar engine's, ``services/common/grammar.py``) has accepted
+A request's matcher (its grammar engine's, ``services/common/structured/grammar.py``) has accepted
 exactly the tokens the request generated: it is built from the compiled grammar and the
 generated tokens its ``NewRequest`` carries (on admission none; after a preemption, a
 worker loss or a move to another shard all that are known), then advances by each token
@@ -28,8 +28,8 @@ import torch
 
 from messages.errors import RequestError
 from messages.sampling import StructuredOutput, StructuredOutputsBackend
-from services.common.grammar import backend_of, check_bounds, engine
-from services.common.grammar_engine import (
+from services.common.structured.grammar import backend_of, check_bounds, engine
+from services.common.structured.grammar_engine import (
     CompiledGrammar,
     GrammarCompiler,
     TokenMatcher,

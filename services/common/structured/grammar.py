@@ -30,7 +30,7 @@ from messages.sampling import (
     StructuredOutputKind,
     StructuredOutputsBackend,
 )
-from services.common.grammar_engine import GrammarEngine
+from services.common.structured.grammar_engine import GrammarEngine
 
 # a counted repetition ``{m,n}`` in a regular expression (a regex format, a JSON schema's
 # ``pattern``, a grammar) may not go over this: xgrammar's parse grows with the square of
@@ -47,11 +47,11 @@ MAX_SCHEMA_DEPTH = 100
 def engine(backend: StructuredOutputsBackend) -> GrammarEngine:
     """The grammar engine ``backend`` names (imported on first use)."""
     if backend == StructuredOutputsBackend.LLGUIDANCE:
-        from services.common.grammar_llguidance import LLGUIDANCE
+        from services.common.structured.grammar_llguidance import LLGUIDANCE
 
         return LLGUIDANCE
     if backend == StructuredOutputsBackend.XGRAMMAR:
-        from services.common.grammar_xgrammar import XGRAMMAR
+        from services.common.structured.grammar_xgrammar import XGRAMMAR
 
         return XGRAMMAR
     raise RequestError(f"structured_output backend {backend!r} is not supported")

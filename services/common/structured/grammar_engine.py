@@ -1,4 +1,4 @@
-"""What a grammar engine provides (``services/common/grammar.py`` picks one per request):
+"""What a grammar engine provides (``services/common/structured/grammar.py`` picks one per request):
 a check of a format without a vocabulary, and a compiler bound to one checkpoint's
 vocabulary whose compiled grammars start a matcher per request."""
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from messages.errors import RequestError
 from messages.sampling import StructuredOutput, StructuredOutputKind
-from services.common.grammar_engine import (
+from services.common.structured.grammar_engine import (
     JSON_MAX_WHITESPACE,
     PARSE_CACHE_SIZE,
     CompiledGrammar,
