@@ -19,7 +19,7 @@ import torch
 from messages.internal import ShardAnnounce
 from messages.kv_transfer import KVBlockFormat, KVSourceInfo
 from services.admission.shards import ShardTable
-from services.common.flags import shard_roles
+from services.common.service_flags import shard_roles
 from services.worker.kv_transfer import agent as kvt
 from services.worker.kv_transfer.agent import KVArena, KVTransferAgent, TransferError, block_runs
 
