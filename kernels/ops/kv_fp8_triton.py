@@ -103,3 +103,19 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
             codes, scale, out, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim)
         )
     return out
+
+
+@triton.jit
+def fp8_rows(ptrs, mask, scale_ptrs, row_ok):
+    """A [N, D] tile of e4m3 codes -> float32 values, one scale per row (position)."""
+    codes = tl.load(ptrs, mask=mask, other=0)
+    scales = tl.load(scale_ptrs, mask=row_ok, other=0.0)
+    return e4m3_decode(codes) * scales[:, None]
+
+
+@triton.jit
+def fp8_cols(ptrs, mask, scale_ptrs, col_ok):
+    """A [D, N] (transposed) tile of e4m3 codes -> float32 values, one scale per column."""
+    codes = tl.load(ptrs, mask=mask, other=0)
+    scales = tl.load(scale_ptrs, mask=col_ok, other=0.0)
+    return e4m3_decode(codes) * scales[None, :]

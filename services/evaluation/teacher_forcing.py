@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.oracle import SerialOracle
-from services.oracle.serial import SparseSetting
+from services.oracle import SerialOracle, SparseSetting
 
 
 @dataclass(frozen=True)
