@@ -6,14 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from services.common.flags import (
-    add_bus_flags,
-    add_device_flags,
-    add_engine_flags,
-    add_http_flags,
-    add_request_flags,
-    add_shard_flags,
-)
+from services.common.flags import add_device_flags, add_engine_flags, add_request_flags
+from services.common.service_flags import add_bus_flags, add_http_flags, add_shard_flags
 from services.worker.model.sizes import CHECKPOINT_SIZES
 
 

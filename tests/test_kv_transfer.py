@@ -20,9 +20,9 @@ import torch
 from messages.internal import ShardAnnounce
 from messages.kv_transfer import KVBlockFormat, KVSourceInfo
 from services.admission.shards import ShardTable
-from services.common.flags import shard_roles
-from services.worker import kv_transfer as kvt
-from services.worker.kv_transfer import (
+from services.common.service_flags import shard_roles
+from services.worker.kv_transfer import agent as kvt
+from services.worker.kv_transfer.agent import (
     KVArena,
     KVTransferAgent,
     TransferError,
@@ -150,7 +150,7 @@ def test_a_failed_registration_is_reported_to_peers_by_cause() -> None:
 _PEER = textwrap.dedent(
     """
     import sys, time, torch
-    from services.worker.kv_transfer import KVArena, KVTransferAgent
+    from services.worker.kv_transfer.agent import KVArena, KVTransferAgent
     from services.runtime.bus import encode_msgpack
     shape = (3, 64, 16, 8, 64)
     arena = KVArena(torch.ones(shape), torch.ones(shape))

@@ -11,8 +11,8 @@ from services.common.config import KVLayout, SchedulerConfig
 from services.common.sampling import sample_token
 from services.engine.engine import LLMEngine
 from services.oracle.near_tie import compare_with_oracle
-from services.worker.grammar import GrammarBook
-from services.worker.static_decode import DecodeMode, Variant, buckets
+from services.worker.passes.static_decode import DecodeMode, Variant, buckets
+from services.worker.sampling.grammar import GrammarBook
 from tests.helpers import FORMATS, MaskedSampler
 
 PROMPTS = [[5, 17, 42, 99, 3], [250, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [300], [8, 9]]

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from messages.batch import BatchRow, RowKind, WorkerSampling
-from services.worker.pass_plan import PassPlanner, RequestView
-from services.worker.rows import LiveRow
-from services.worker.transfer import Transfer
+from services.worker.passes.pass_plan import PassPlanner, RequestView
+from services.worker.passes.rows import LiveRow
+from services.worker.passes.transfer import Transfer
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,7 @@ class Trainer:
         if not path.exists():
             return
         state = torch.load(path, weights_only=False)
-        if state["settings"] != asdict(self.settings):
+        if not _same_settings(state["settings"], self.settings):
             raise SystemExit(
                 f"{path} was written with other settings; use another --work-dir or the same flags"
             )
@@ -277,7 +277,12 @@ class Trainer:
         start, last_save, last_eval = time.monotonic() - self.elapsed, time.monotonic(), 0.0
         if self.step:
             self.log(
-                {"event": "resumed", "step": self.step, "minutes": round(self.elapsed / 60, 2)}
+                {
+                    "event": "resumed",
+                    "step": self.step,
+                    "minutes": round(self.elapsed / 60, 2),
+                    "budget_minutes": s.minutes,
+                }
             )
         bar = _progress(budget, self.elapsed)
         while self.elapsed < budget and not (s.max_steps and self.step >= s.max_steps):
@@ -306,6 +311,17 @@ class Trainer:
         bar.close()
         self.save()
         return self.model
+
+
+# a resumed run may be given more time: its schedule (learning rate, entropy weight, the
+# gate-only stage) stretches over the new budget from where it stands
+_EXTENDABLE = frozenset({"minutes"})
+
+
+def _same_settings(saved: dict, settings: TrainSettings) -> bool:
+    """The saved fields equal, and fields newer than the state at their defaults."""
+    ours, default = asdict(settings), asdict(TrainSettings())
+    return all(saved.get(k, default[k]) == v for k, v in ours.items() if k not in _EXTENDABLE)
 
 
 class _progress:
