@@ -139,7 +139,7 @@ class RunnerHost:
         runner = self.runner  # once: the compute thread may replace it meanwhile
         if not isinstance(runner, ModelRunner):
             return 0
-        return 2 * runner.k_cache.numel() * runner.k_cache.element_size()
+        return runner.kv.nbytes
 
     def make_runner(self, num_blocks: int, block_size: int, kv_layout: str) -> None:
         # on the compute thread (or at setup): allocating device KV can take a while
@@ -165,9 +165,7 @@ class RunnerHost:
                 free, _total = torch.cuda.mem_get_info(runner.model.device)
                 _log.info(
                     "kv_cache_allocated",
-                    gib=round(
-                        2 * runner.k_cache.numel() * runner.k_cache.element_size() / 2**30, 2
-                    ),
+                    gib=round(runner.kv.nbytes / 2**30, 2),
                     graph_reserve_mib=round(self.graph_reserve_bytes / 2**20, 1),
                     free_gib_after=round(free / 2**30, 2),
                 )
