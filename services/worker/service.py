@@ -80,7 +80,12 @@ class WorkerService(Service):
         self._batches_in = Reassembler()
         self.config = config or SchedulerConfig()
         self.runner_host = RunnerHost(
-            checkpoint, device, dtype, sim_kv=kv_transfer, before_replace=self._retire_kv
+            checkpoint,
+            device,
+            dtype,
+            sim_kv=kv_transfer,
+            before_replace=self._retire_kv,
+            kv_cache_dtype=self.config.kv_cache_dtype,
         )
         self.kv_transfer = kv_transfer
         self.simulated = self.runner_host.simulated
@@ -120,6 +125,12 @@ class WorkerService(Service):
             self.log,
             shard=self.shard_id,
         )
+        if self.kv_transfer and self.config.kv_cache_dtype != "auto":
+            # the transfer registers and pulls K/V only: fp8 scales would stay behind
+            raise ValueError(
+                f"KV transfer (--role prefill|decode) moves --kv-cache-dtype auto only, "
+                f"not {self.config.kv_cache_dtype}: its scale tensors are not registered yet"
+            )
         if self.kv_transfer:
             try:
                 await self.kv.start()
