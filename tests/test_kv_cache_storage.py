@@ -36,7 +36,7 @@ def test_allocated_bytes_are_the_codec_block_bytes(codec: str) -> None:
 
 
 def test_fp8_slot_copy_moves_codes_and_scales() -> None:
-    layers, blocks, bs, nkv, hd = SHAPE
+    layers, blocks, bs = SHAPE[:3]
     kv = PagedKV("fp8", *SHAPE, dtype=torch.float32, device=torch.device("cpu"))
     assert kv.k.dtype == torch.uint8 and kv.k_scale is not None and kv.v_scale is not None
     g = torch.Generator().manual_seed(0)
