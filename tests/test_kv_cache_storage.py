@@ -54,3 +54,32 @@ def test_fp8_slot_copy_moves_codes_and_scales() -> None:
         assert torch.equal(flat_new[:, 13], flat_old[:, 1])
         assert torch.equal(flat_new[:, 2], flat_old[:, 9])
         assert torch.equal(flat_new[:, 17], flat_old[:, 17])  # masked: untouched
+
+
+def test_worker_memory_check_counts_codec_bytes(toy_checkpoint, monkeypatch) -> None:
+    """One KV memory (RLT_WORKER_MAX_KV_BYTES) admits more blocks under fp8 (~1.94x at
+    Ouro's heads of 128; less at the toy's small heads, where scales weigh more): the geometry
+    check counts codes and scales, not the model dtype."""
+    from services.worker.runner_host import RunnerHost
+
+    hosts = {
+        codec: RunnerHost(toy_checkpoint, "cpu", torch.bfloat16, kv_cache_dtype=codec)
+        for codec in ("auto", "fp8")
+    }
+    with pytest.raises(ValueError, match="int4-delta: the codec exists"):
+        RunnerHost(toy_checkpoint, "cpu", torch.bfloat16, kv_cache_dtype="int4-delta")
+    for host in hosts.values():
+        host.load()
+    cfg = hosts["auto"].model.cfg
+    shape = (cfg.num_hidden_layers, 16, cfg.num_key_value_heads, cfg.head_dim, 2)
+    auto_block = bytes_per_block("auto", *shape)
+    memory = 100 * auto_block
+    monkeypatch.setenv("RLT_WORKER_MAX_KV_BYTES", str(memory))
+    hosts["auto"].check_geometry(100, 16, "last_exited")
+    with pytest.raises(MemoryError):
+        hosts["auto"].check_geometry(101, 16, "last_exited")
+    fp8_fits = memory // bytes_per_block("fp8", *shape)
+    assert fp8_fits >= 150
+    hosts["fp8"].check_geometry(fp8_fits, 16, "last_exited")
+    with pytest.raises(MemoryError):
+        hosts["fp8"].check_geometry(fp8_fits + 1, 16, "last_exited")
