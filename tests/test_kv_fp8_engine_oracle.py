@@ -19,24 +19,29 @@ pytestmark = pytest.mark.oracle
 
 @st.composite
 def configs(draw: st.DrawFn, arrivals: list[Arrival]) -> SchedulerConfig:
-    """LAST_EXITED under fp8: every prefill mode, tight KV (preemption), prefix caching,
-    async scheduling, token-sparse prefill where split prefill allows it."""
-    mode = draw(st.sampled_from(["atomic", "split", "wcpb"]))
+    """Either KV layout under fp8. LAST_EXITED: every prefill mode, tight KV (preemption),
+    prefix caching, async scheduling, token-sparse prefill where split prefill allows it;
+    SHARED: atomic prefill with untruncated chunks (its results depend on chunk ends)."""
+    layout = draw(st.sampled_from([KVLayout.LAST_EXITED, KVLayout.SHARED]))
+    shared = layout == KVLayout.SHARED
+    mode = "atomic" if shared else draw(st.sampled_from(["atomic", "split", "wcpb"]))
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     need = max_kv_blocks(arrivals, block_size)
     tight = draw(st.booleans())
+    seqs, chunk = draw(st.integers(1, 4)), draw(st.integers(1, 8))
+    budget = draw(st.integers(1, 24))
     return SchedulerConfig(
-        max_num_seqs=draw(st.integers(1, 4)),
-        max_num_batched_tokens=draw(st.integers(1, 24)),
-        prefill_chunk_size=draw(st.integers(1, 8)),
+        max_num_seqs=seqs,
+        max_num_batched_tokens=max(budget, seqs * chunk) if shared else budget,
+        prefill_chunk_size=chunk,
         split_prefill=mode != "atomic",
         wavefront_chunked_prefill=mode == "wcpb",
         block_size=block_size,
         num_blocks=need + draw(st.integers(0, need)) if tight else need * len(arrivals) + 8,
-        kv_layout=KVLayout.LAST_EXITED,
+        kv_layout=layout,
         kv_cache_dtype="fp8",
         refill=draw(st.booleans()),
-        enable_prefix_caching=draw(st.booleans()),
+        enable_prefix_caching=not shared and draw(st.booleans()),
         async_scheduling=draw(st.booleans()),
         kv_admission=draw(st.sampled_from(list(KVAdmission))),
         token_sparse_prefill=mode != "atomic" and draw(st.booleans()),
