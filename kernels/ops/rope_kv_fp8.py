@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.ops._triton import triton_available
 from kernels.ops.kv_fp8 import fp8_quantize_reference
 from kernels.ops.rope_kv import rope_qkv
 
@@ -37,8 +38,7 @@ def rope_write_kv_fp8_reference(
     q, k, v = rope_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     k_codes, k_s = fp8_quantize_reference(k)
     v_codes, v_s = fp8_quantize_reference(v)
-    # Boolean selection syncs on CUDA: the CUDA path has no Triton kernel yet, so fp8 runs
-    # without CUDA graphs there (services/worker/runner.py).
+    # Boolean selection syncs on CUDA: there the Triton kernel runs unless triton is missing
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
@@ -48,6 +48,44 @@ def rope_write_kv_fp8_reference(
     k_scale[blk, off] = k_s[keep]
     v_scale[blk, off] = v_s[keep]
     return q.contiguous()
+
+
+def rope_write_kv_fp8_triton(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """The Triton kernel on any device Triton drives (CPU tensors under TRITON_INTERPRET=1)."""
+    from kernels.ops import rope_kv_fp8_triton
+
+    return rope_kv_fp8_triton.rope_write_kv_fp8(
+        qkv, cos, sin, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_heads, num_kv_heads
+    )
+
+
+def _rope_write_kv_fp8_cuda(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    impl = rope_write_kv_fp8_triton if triton_available() else rope_write_kv_fp8_reference
+    return impl(
+        qkv, cos, sin, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_heads, num_kv_heads
+    )
 
 
 def _rope_write_kv_fp8_fake(
@@ -66,7 +104,7 @@ def _rope_write_kv_fp8_fake(
 
 
 _lib.impl("rope_write_kv_fp8", rope_write_kv_fp8_reference, "CPU")
-_lib.impl("rope_write_kv_fp8", rope_write_kv_fp8_reference, "CUDA")
+_lib.impl("rope_write_kv_fp8", _rope_write_kv_fp8_cuda, "CUDA")
 torch.library.register_fake("rlt::rope_write_kv_fp8", _rope_write_kv_fp8_fake, lib=_lib)
 
 _op = torch.ops.rlt.rope_write_kv_fp8.default

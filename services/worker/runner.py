@@ -104,7 +104,8 @@ class ModelRunner:
         if mode is DecodeMode.GRAPHS and model.device.type != "cuda":
             mode = DecodeMode.PADDED  # graphs need CUDA: the same static passes, eagerly
         if mode is DecodeMode.GRAPHS and kv_cache_dtype != AUTO:
-            # the fp8 write has no Triton kernel yet and its torch path syncs on CUDA
+            # fp8's ops are sync-free with Triton (checked under the interpreter), but no GPU
+            # run has captured them yet: the same static passes, eagerly, until one does
             mode = DecodeMode.PADDED
         # Captured graphs read the pool's rows where they are: a pool with a row per KV block
         # never has to grow (each live request holds a block of its own), so nothing is
