@@ -83,3 +83,13 @@ def test_worker_memory_check_counts_codec_bytes(toy_checkpoint, monkeypatch) -> 
     hosts["fp8"].check_geometry(fp8_fits, 16, "last_exited")
     with pytest.raises(MemoryError):
         hosts["fp8"].check_geometry(fp8_fits + 1, 16, "last_exited")
+
+
+def test_pd_refuses_a_codec_it_cannot_move(toy_checkpoint) -> None:
+    from services.worker.service import WorkerService
+
+    fp8 = SchedulerConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="moves --kv-cache-dtype auto only"):
+        WorkerService("nats://127.0.0.1:1", toy_checkpoint, fp8, kv_transfer=True)
+    # without P/D the same worker builds
+    WorkerService("nats://127.0.0.1:1", toy_checkpoint, fp8, kv_transfer=False)

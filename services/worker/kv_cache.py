@@ -72,6 +72,17 @@ class PagedKV:
             copy_kv_slots_masked(ks, vs, src, dst, mask)
 
 
+def check_transferable(codec: str, kv_transfer: bool) -> None:
+    """Raises ValueError, at start, for P/D (``--role prefill|decode``) under a codec other
+    than ``auto``: the transfer registers and pulls K/V only, so fp8's scales would stay
+    behind on the prefill worker."""
+    if kv_transfer and codec != AUTO:
+        raise ValueError(
+            f"KV transfer (--role prefill|decode) moves --kv-cache-dtype auto only, not "
+            f"{codec}: its scale tensors are not registered for transfer yet"
+        )
+
+
 def bytes_per_block(
     codec: str, layers: int, block_size: int, kv_heads: int, head_dim: int, model_bytes: int
 ) -> int:

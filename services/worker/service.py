@@ -45,6 +45,7 @@ from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, pu
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
 from services.worker.batch_queue import BatchQueue, BatchRun
+from services.worker.kv_cache import check_transferable
 from services.worker.kv_transfer.agent import TransferError
 from services.worker.kv_transfer.pulls import KVPulls
 from services.worker.runner import ModelRunner
@@ -79,6 +80,7 @@ class WorkerService(Service):
         self.heartbeat_interval_s = heartbeat_interval_s
         self._batches_in = Reassembler()
         self.config = config or SchedulerConfig()
+        check_transferable(self.config.kv_cache_dtype, kv_transfer)
         self.runner_host = RunnerHost(
             checkpoint,
             device,
@@ -125,12 +127,6 @@ class WorkerService(Service):
             self.log,
             shard=self.shard_id,
         )
-        if self.kv_transfer and self.config.kv_cache_dtype != "auto":
-            # the transfer registers and pulls K/V only: fp8 scales would stay behind
-            raise ValueError(
-                f"KV transfer (--role prefill|decode) moves --kv-cache-dtype auto only, "
-                f"not {self.config.kv_cache_dtype}: its scale tensors are not registered yet"
-            )
         if self.kv_transfer:
             try:
                 await self.kv.start()
