@@ -4,6 +4,7 @@ scheduler's fit rule, and a simulated device that charges KV bytes by codec."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kernels.kv_codec import block_bytes
 from services.bench.comparisons import kv_codec
@@ -54,3 +55,15 @@ def test_targets_are_judged_from_the_figures() -> None:
     fp8_bytes = judged["fp8 KV bytes per token <= 0.55x auto"]
     assert fp8_bytes["median"] == pytest.approx(405_504 / 786_432)
     assert all(t["reached"] == (t["median"] <= 0.55) for t in [fp8_bytes])
+
+
+def test_a_simulated_worker_reads_kv_at_its_codec_bytes(toy_checkpoint) -> None:
+    from services.worker.runner_host import RunnerHost
+
+    costs = {}
+    for codec in ("auto", "fp8"):
+        host = RunnerHost(toy_checkpoint, "sim", torch.float32, kv_cache_dtype=codec)
+        host.load()
+        host.make_runner(64, 16, "last_exited")
+        costs[codec] = host.runner.cost.kv_bytes_per_token
+    assert costs["fp8"] == costs["auto"] * 264 / 512

@@ -166,7 +166,9 @@ class RunnerHost:
         if self.simulated:
             assert self._sim_config is not None
             dilation = float(os.environ.get("RLT_SIM_DILATION", "1"))
-            self.runner = SimRunner.h200(self._sim_config, dilation=dilation)
+            self.runner = SimRunner.h200(
+                self._sim_config, dilation=dilation, kv_cache_dtype=self.kv_cache_dtype
+            )
             if self.sim_kv:
                 self.runner.kv_arena = sim_arena(num_blocks, block_size)
         else:

@@ -150,12 +150,17 @@ class SimRunner:
     simulated = True
 
     @classmethod
-    def h200(cls, cfg: OuroConfig, *, dilation: float = 1.0) -> SimRunner:
+    def h200(
+        cls, cfg: OuroConfig, *, dilation: float = 1.0, kv_cache_dtype: str = AUTO
+    ) -> SimRunner:
         """Passes timed as Ouro-1.4B's on an H200, whatever checkpoint ``cfg`` comes from
-        (it supplies the vocabulary, depths and EOS ids)."""
+        (it supplies the vocabulary, depths and EOS ids); KV read at the codec's bytes."""
         from services.worker.model.toy import toy_config
 
-        return cls(cfg, SimCostModel.for_model(toy_config("1.4b"), dilation=dilation))
+        cost = SimCostModel.for_model(
+            toy_config("1.4b"), dilation=dilation, kv_cache_dtype=kv_cache_dtype
+        )
+        return cls(cfg, cost)
 
     def __init__(
         self,
