@@ -149,6 +149,8 @@ def oracle_result(
         kv_layout=config.kv_layout.value,
         prefill_chunk_size=config.prefill_chunk_size if shared else None,
         sparse_prefill=sparse_setting(params, config, oracle.total_ut_steps),
+        kv_cache_dtype=config.kv_cache_dtype,
+        kv_block_size=config.block_size,
     )
 
 

@@ -26,12 +26,15 @@ BYPASS_COMPARISON_NAMES = ("admission_bypass",)
 # H200 (services/bench/comparisons/sparse_prefill.py, ~10 min on small): only when asked
 # for with --only
 # prefill/decode disaggregation: simulated shards, KV moved with NIXL (~3 min): when asked
+# the KV codecs' bytes, capacity and decode speed (services/bench/comparisons/kv_codec.py,
+# ~1 min): when asked
 OPT_IN_COMPARISON_NAMES = (
     *SHARD_COMPARISON_NAMES,
     *BYPASS_COMPARISON_NAMES,
     "overload",
     "sparse_prefill",
     "disaggregation",
+    "kv_codec",
 )
 
 

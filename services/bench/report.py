@@ -202,6 +202,10 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
 
         lines = overload.markdown(c)
         return [*lines, f"![{c['name']}]({plot})", ""] if plot else lines
+    if c.get("kind") == "kv_codec":
+        from services.bench.comparisons import kv_codec
+
+        return kv_codec.markdown(c)
     if c.get("kind") == "sparse_prefill":
         from services.bench.comparisons import sparse_prefill
 
@@ -421,7 +425,7 @@ def write_report(results: dict[str, Any], out_dir: Path, plots: bool = True) -> 
     plot_names: dict[str, str] = {}
     if plots:
         for c in results["comparisons"]:
-            if c.get("error") or c.get("kind") in ("microbench", "disaggregation"):
+            if c.get("error") or c.get("kind") in ("microbench", "disaggregation", "kv_codec"):
                 continue
             path = out_dir / f"{c['name']}.png"
             if c.get("kind") == "overload":

@@ -331,7 +331,7 @@ def _standalone(
         return {**failed, "error": f"{type(exc).__name__}: {exc}", "runs": [], "ratios": []}
 
 
-STANDALONE = ("scheduler", "overload", "sparse_prefill", "disaggregation")
+STANDALONE = ("scheduler", "overload", "sparse_prefill", "disaggregation", "kv_codec")
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -404,6 +404,16 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     progress=progress,
                 )
                 results.append(_standalone(name, title, run))
+        if "kv_codec" in args.only:
+            from services.bench.comparisons import kv_codec
+
+            results.append(
+                _standalone(
+                    "kv_codec",
+                    "KV codecs",
+                    lambda: kv_codec.run_comparison(bench.model, quick=args.quick),
+                )
+            )
         if "scheduler" in args.only:
             steps = 200 if args.quick else 2000
             results.append(scheduler_step.run_comparison(args.repeats, steps=steps))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from kernels.kv_codec import CODECS as KV_CACHE_DTYPES
 from messages.errors import RequestError
 from messages.sampling import (
     API_DEFAULTS,
@@ -123,6 +124,9 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int = 4096
     kv_layout: KVLayout = KVLayout.LAST_EXITED
+    # how a KV block stores its tokens (kernels/kv_codec.py): "auto" (the model's dtype,
+    # exact), "fp8" (e4m3 codes + a scale per token and kv head); one per server
+    kv_cache_dtype: str = "auto"
     # continuous depth batching: an exited row starts its next token in the next pass
     refill: bool = True
     enable_prefix_caching: bool = False
@@ -196,6 +200,11 @@ class SchedulerConfig:
                 f"got {self.structured_outputs_backend!r}"
             ) from None
         object.__setattr__(self, "structured_outputs_backend", backend)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if not 0.0 <= self.kv_watermark <= 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1], got {self.kv_watermark}")
         if self.max_admission_bypasses < 0:

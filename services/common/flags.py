@@ -12,7 +12,13 @@ import os
 from typing import TYPE_CHECKING
 
 from messages.sampling import SamplingParams, StructuredOutputsBackend
-from services.common.config import KVAdmission, KVLayout, OverloadPolicy, SchedulerConfig
+from services.common.config import (
+    KV_CACHE_DTYPES,
+    KVAdmission,
+    KVLayout,
+    OverloadPolicy,
+    SchedulerConfig,
+)
 from services.common.sparse_prefill import DEFAULT_SPARSE_WINDOW
 
 if TYPE_CHECKING:
@@ -92,6 +98,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=4096)
     g.add_argument("--kv-layout", choices=[k.value for k in KVLayout], default="last_exited")
+    g.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        default=os.environ.get("RLT_KV_CACHE_DTYPE", "auto"),
+        help="how KV blocks store tokens: auto (the model dtype, exact), fp8 (e4m3 codes and "
+        "a scale per token and kv head: ~0.52x the bytes of bf16); int4-delta is refused "
+        "for now (the oracle and reference kernels have it, the engine does not store it) "
+        "(default: $RLT_KV_CACHE_DTYPE, else auto)",
+    )
     g.add_argument(
         "--no-refill",
         action="store_true",
@@ -266,6 +281,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_layout=KVLayout(args.kv_layout),
+        kv_cache_dtype=args.kv_cache_dtype,
         refill=not args.no_refill,
         enable_prefix_caching=args.enable_prefix_caching,
         share_inflight_prefill=not args.no_share_inflight_prefill,
@@ -294,6 +310,7 @@ def engine_args(config: SchedulerConfig) -> list[str]:
         f"--block-size={config.block_size}",
         f"--num-blocks={config.num_blocks}",
         f"--kv-layout={config.kv_layout.value}",
+        f"--kv-cache-dtype={config.kv_cache_dtype}",
         f"--max-inflight-batches={config.max_inflight_batches}",
         f"--overload-policy={config.overload_policy.value}",
         f"--shed-min-loops={config.shed_min_loops}",

@@ -67,6 +67,7 @@ class LLMEngine:
             config.kv_layout,
             decode_mode=decode_mode,
             grammars=self.grammars,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.core = EngineCore(
             config,

@@ -303,6 +303,7 @@ class SchedulerService(Service, KVHandover):
             block_format=self.driver.scheduler.block_format if self.driver else None,
             sparse_prefill=self.driver.scheduler.sparse_prefill_offer() if self.driver else None,
             sparse_prefill_default=cfg.token_sparse_prefill,
+            kv_cache_dtype=cfg.kv_cache_dtype,
         )
         try:
             await self.nc.publish(subjects.SHARD_ANNOUNCE, encode_msgpack(announce))

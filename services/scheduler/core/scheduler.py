@@ -197,7 +197,11 @@ class Scheduler:
         """The prompt blocks the request may publish and claim (under token-sparse prefill,
         keyed by its setting and only before its last window: ``prefix_block_hashes``)."""
         return prefix_block_hashes(
-            request.prompt_token_ids, self.config.block_size, request.sparse, self.cache_salt
+            request.prompt_token_ids,
+            self.config.block_size,
+            request.sparse,
+            self.cache_salt,
+            self.config.kv_cache_dtype,
         )
 
     def finish_if_complete(self, request_id: str) -> list[StreamEvent]:

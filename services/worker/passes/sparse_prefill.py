@@ -16,14 +16,13 @@ decode token that exits early).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from kernels.ops import copy_kv_slots_masked
 from messages.batch import BatchRow, RowKind
 from services.common.sparse_prefill import SparseSchedule
 from services.worker.passes.pass_plan import PassPlan, PassPlanner
@@ -85,14 +84,13 @@ class SparseFragments:
         self,
         planner: PassPlanner,
         transfer: Transfer,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        copy_slots: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
         total_loops: int,
     ) -> None:
+        """``copy_slots(src, dst, mask)``: the KV storage's slot copy (codes and scales)."""
         self.planner = planner
         self.transfer = transfer
-        self.k_cache = k_cache
-        self.v_cache = v_cache
+        self.copy_slots = copy_slots
         self.total_loops = total_loops
 
     # ------------------------------------------------------------------ before the passes
@@ -200,7 +198,7 @@ class SparseFragments:
         words[:] = pairs.reshape(-1)
         slots = self.transfer.to_device(words)
         keep = torch.ones(count, dtype=torch.bool, device=slots.device)
-        copy_kv_slots_masked(self.k_cache, self.v_cache, slots[:count], slots[count:], keep)
+        self.copy_slots(slots[:count], slots[count:], keep)
 
     def _fragment_rows(self, live: LiveRow, windows: SparseWindows) -> list[LiveRow]:
         """The fragment's active tokens as one-token prompt rows, ascending, of one attention
