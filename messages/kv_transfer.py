@@ -124,6 +124,10 @@ class KVSourceInfo(msgspec.Struct, kw_only=True):
     num_blocks: int  # per layer, the scratch block included
     block_bytes: int
     error: str = ""  # why it cannot serve (no transfer agent, no KV yet)
+    # the arenas' device on the source (a GPU worker need not use device 0)
+    device_id: int = 0
+    # the pull's failure cause when ``error`` is set (``registration_failed``, ``error``)
+    error_cause: str = ""
 
 
 class KVRelease(msgspec.Struct, kw_only=True):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from typing import Any
 
 import jsonschema
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from messages.api import StreamEvent
 from messages.batch import BatchResult, RowKind, RowResult
@@ -140,3 +142,25 @@ def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     ``i // 32``)."""
     bits = (words.long().unsqueeze(-1) >> torch.arange(32)) & 1
     return bits.flatten()[:vocab_size].bool()
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the torch ops that launch work (a view that aliases its input launches
+    nothing and is not counted), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view or not _aliases(out, args[0]):
+            # a "view" that made new memory (``.to(dtype)`` under inference mode) copied
+            self.ops[str(func)] += 1
+        return out
+
+
+def _aliases(out: object, source: object) -> bool:
+    if not isinstance(out, torch.Tensor) or not isinstance(source, torch.Tensor):
+        return False
+    return out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()

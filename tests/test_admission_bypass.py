@@ -186,9 +186,11 @@ def test_admission_order_in_the_engine(toy_model, oracle, bypasses, order) -> No
     stats = record.engine.scheduler.stats
     assert stats.num_admission_bypasses == min(bypasses, 2)
     assert stats.num_preemptions == 0
+    compared = 0
     for a in UPSTREAM:
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
-        assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)
+        compared += assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)
+    assert compared > 0
 
 
 @pytest.mark.unit
@@ -391,9 +393,11 @@ def test_bypassing_requests_equal_the_oracle(toy_model, oracle, policy, prefill)
         ("rlt:admission_backfills_total", stats.num_admission_backfills),
     ):
         assert f"{name} {float(value)}" in text.splitlines()
+    compared = 0
     for a in MIX:
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
-        assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)
+        compared += assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)
+    assert compared > 0
 
 
 SETTINGS = settings(
@@ -407,9 +411,11 @@ SETTINGS = settings(
 def test_random_pressure_with_bypasses_equals_the_oracle(toy_model, oracle, data) -> None:
     config, arrivals = data.draw(pressure())
     record = run(toy_model, config, arrivals)
+    compared = 0
     for a in arrivals:
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
-        assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)
+        compared += assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)
+    assert compared > 0, "every comparison stopped at a near-tie: the run proved nothing"
 
 
 # ---------------------------------------------------------------------- rlt bench

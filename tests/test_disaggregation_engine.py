@@ -17,7 +17,7 @@ from messages.batch import BatchResult
 from messages.kv_transfer import KVPull, KVPullResult
 from messages.prefix import prompt_block_hashes
 from messages.sampling import SamplingParams
-from services.common.config import KVLayout, SchedulerConfig
+from services.common.config import KVAdmission, KVLayout, SchedulerConfig
 from services.common.sparse_prefill import resolve_sparse_prefill
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
@@ -528,3 +528,36 @@ def test_decode_side_prefix_blocks_are_keyed_by_the_carried_setting(toy_model, o
     cached = {rid: e.num_cached_tokens for rid, e in pair.finished().items()}
     assert cached["dense"] == 0 and cached["again"] == 24
     pair.check_no_leaks(SPARSE_PREFILL)
+
+
+def test_small_kv_on_both_sides_waits_for_decode_kv_and_never_falls_back(toy_model, oracle):
+    """Small KV on both shards, more requests than fit: a request whose landing blocks do
+    not fit waits for decode KV (back in the waiting queue, its handoff held) instead of
+    prefilling on the decode shard; decode-side preemption recomputes mid-decode; every
+    token equals a colocated run and the oracle, no fallback is counted, and no block is
+    held on either side after the run."""
+    small = SchedulerConfig(
+        block_size=4, num_blocks=48, max_num_seqs=4, max_num_batched_tokens=8,
+        prefill_chunk_size=4, kv_admission=KVAdmission.INCREMENTAL,
+    )  # fmt: skip
+    params = GREEDY_EXIT
+    requests = [
+        (f"{rid}{k}", [*prompt, k + 1], params) for k in range(2) for rid, prompt in PROMPTS.items()
+    ]
+    expected = colocated(toy_model, small, requests)
+    pair = Pair.build(toy_model, small)
+    for request in requests:
+        pair.add(*request)
+    pair.run()
+    _compare(pair, expected)
+    stats = pair.decode.scheduler.stats
+    assert stats.kv_transfer_fallbacks == {}
+    assert stats.num_kv_waits > 0  # landing blocks really did not fit at times
+    assert stats.num_preemptions > 0  # and decode-side KV pressure preempted mid-decode
+    assert pair.pulled == len(requests)
+    compared = 0
+    for rid, prompt, p in requests:
+        want = oracle_result(oracle, prompt, p.resolve(toy_model.cfg.total_ut_steps, 512), small)
+        compared += assert_matches_oracle(pair.finished()[rid], want, rid)
+    assert compared > 0
+    pair.check_no_leaks(small)

@@ -73,7 +73,7 @@ def test_blocks_of_a_failed_batch_are_withdrawn_before_anyone_claims_them(toy_mo
     b = ended["b"]
     assert isinstance(b, FinishedEvent)
     assert b.num_cached_tokens == 0  # nothing of the failed batch was claimed
-    assert_matches_oracle(b, oracle_result(oracle, PROMPT, PARAMS, cfg), "b")
+    assert assert_matches_oracle(b, oracle_result(oracle, PROMPT, PARAMS, cfg), "b") > 0
     assert engine.scheduler.kv.num_free_blocks == cfg.num_blocks
 
 
@@ -99,7 +99,7 @@ def test_a_request_that_claimed_blocks_of_a_failed_batch_is_recomputed(toy_model
     b = ended["b"]
     assert isinstance(b, FinishedEvent)
     # b was recomputed from token 0 and equals the oracle
-    assert_matches_oracle(b, oracle_result(oracle, PROMPT, PARAMS, cfg), "b")
+    assert assert_matches_oracle(b, oracle_result(oracle, PROMPT, PARAMS, cfg), "b") > 0
     assert engine.scheduler.stats.num_preemptions >= 1
     assert engine.scheduler.kv.num_free_blocks == cfg.num_blocks
     # the withdrawal reached the event plane

@@ -55,6 +55,7 @@ def configs(draw: st.DrawFn, arrivals: list[Arrival], layout: KVLayout) -> Sched
 def check_against_oracle(toy_model, oracle, arrivals, config) -> None:
     record = run_workload(toy_model, config, arrivals)
     assert set(record.finished) == {a.request_id for a in arrivals}
+    compared = 0
     for a in arrivals:
         finished = record.finished[a.request_id]
         # the token stream and the finished event agree
@@ -62,7 +63,8 @@ def check_against_oracle(toy_model, oracle, arrivals, config) -> None:
         assert [t.index for t in streamed] == list(range(len(finished.token_ids)))
         assert [t.token_id for t in streamed] == finished.token_ids
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
-        assert_matches_oracle(finished, expected, f"{a.request_id} {config}")
+        compared += assert_matches_oracle(finished, expected, f"{a.request_id} {config}")
+    assert compared > 0, "every comparison stopped at a near-tie: the run proved nothing"
 
 
 SETTINGS = settings(

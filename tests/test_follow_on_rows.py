@@ -39,6 +39,7 @@ def test_follow_ons_with_stops_aborts_and_tight_kv_equal_oracle(toy_model, oracl
         for a in arrivals
         if data.draw(st.integers(0, 3)) == 0
     }
+    aborts.pop(arrivals[0].request_id, None)  # one request always runs to the end: compared
     block_size = data.draw(st.sampled_from([1, 2, 4]))
     need = max_kv_blocks(arrivals, block_size)
     mode = data.draw(st.sampled_from(["atomic", "split", "wcpb"]))
@@ -57,9 +58,13 @@ def test_follow_ons_with_stops_aborts_and_tight_kv_equal_oracle(toy_model, oracl
 
     finished = run_workload(toy_model, config, arrivals, aborts=aborts).finished  # KV checked
     assert set(finished) == {a.request_id for a in arrivals}
+    compared = 0
     for a in arrivals:
         if finished[a.request_id].finish_reason == "abort":
             assert a.request_id in aborts
             continue
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
-        assert_matches_oracle(finished[a.request_id], expected, f"{a.request_id} {config}")
+        compared += assert_matches_oracle(
+            finished[a.request_id], expected, f"{a.request_id} {config}"
+        )
+    assert compared > 0, "every comparison stopped at a near-tie: the run proved nothing"

@@ -76,10 +76,12 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(
     # without sharing, both arrive before any block is published: both compute the prefix
     assert alone.finished["reader"].num_cached_tokens == 0
     assert _prompt_rows(alone, "reader") == 19
+    compared = 0
     for a in arrivals:
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
-        assert_matches_oracle(shared.finished[a.request_id], expected, f"{mode} {a}")
+        compared += assert_matches_oracle(shared.finished[a.request_id], expected, f"{mode} {a}")
         assert shared.finished[a.request_id].token_ids == alone.finished[a.request_id].token_ids
+    assert compared > 0
 
 
 @pytest.mark.unit
@@ -114,7 +116,7 @@ def test_the_reader_runs_cold_when_the_writer_is_aborted(toy_model, oracle) -> N
     assert record.engine.scheduler.stats.num_prefix_deferrals == 1  # parked before the abort
     assert record.finished["reader"].num_cached_tokens < 16
     expected = oracle_result(oracle, reader.prompt, reader.params.resolve(D, 512), config)
-    assert_matches_oracle(record.finished["reader"], expected, "reader after abort")
+    assert assert_matches_oracle(record.finished["reader"], expected, "reader after abort") > 0
 
 
 @pytest.mark.unit
@@ -232,8 +234,10 @@ def test_a_preempted_writer_hands_its_readers_back(toy_model, oracle) -> None:
     finished = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
     assert finished["reader"].num_cached_tokens == 16
     assert scheduler.stats.num_preemptions == 1
+    compared = 0
     for a in (writer, reader):
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
-        assert_matches_oracle(finished[a.request_id], expected, a.request_id)
+        compared += assert_matches_oracle(finished[a.request_id], expected, a.request_id)
+    assert compared > 0
     scheduler.kv.check_consistency()
     assert scheduler.kv.num_free_blocks == config.num_blocks

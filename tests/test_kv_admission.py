@@ -59,9 +59,11 @@ def preemptions(record: RunRecord) -> list[tuple[str, int, str, int]]:
 
 
 def assert_three_equal_oracle(record: RunRecord, oracle, config: SchedulerConfig) -> None:
+    compared = 0
     for a in THREE:
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
-        assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)
+        compared += assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)
+    assert compared > 0
 
 
 @pytest.mark.oracle

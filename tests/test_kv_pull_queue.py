@@ -19,10 +19,10 @@ from services.worker.kv_transfer import agent as kvt
 from services.worker.kv_transfer.agent import (
     KVArena,
     KVTransferAgent,
+    PostedChunk,
     ReadPlan,
-    Transfer,
     TransferError,
-    split_rows,
+    split_indices,
 )
 from services.worker.kv_transfer.pull_queue import PullJob, PullOutcome, PullQueue
 
@@ -35,21 +35,14 @@ SHAPE = (2, 64, 4, 2, 8)  # layers, blocks, block size, heads, dim: 256-byte blo
 BLOCK_BYTES = 4 * 2 * 8 * 4
 
 
-def test_split_rows_cuts_at_block_boundaries_and_keeps_the_pairs() -> None:
+def test_split_indices_cuts_whole_blocks_and_keeps_the_pairs() -> None:
     b = 100
-    local = np.array([[1000, 5 * b, 0], [9000, 1 * b, 0], [20000, 2 * b, 0]], dtype=np.uint64)
-    remote = np.array([[500, 5 * b, 0], [7000, 1 * b, 0], [40000, 2 * b, 0]], dtype=np.uint64)
-    chunks = split_rows(local, remote, b, 3 * b + 50)  # 3 blocks a chunk
-    sizes = [int(lo[:, 1].sum()) for lo, _ in chunks]
-    assert sizes == [3 * b, 3 * b, 2 * b]
-    assert chunks[0][0].tolist() == [[1000, 3 * b, 0]]
-    assert chunks[1][0].tolist() == [[1300, 2 * b, 0], [9000, b, 0]]
-    assert chunks[1][1].tolist() == [[800, 2 * b, 0], [7000, b, 0]]
-    # every byte once, in order, on both sides
-    flat = [tuple(r) for lo, _ in chunks for r in lo.tolist()]
-    assert sum(n for _, n, _ in flat) == 8 * b
+    local, remote = np.arange(8, dtype=np.int32), np.arange(10, 18, dtype=np.int32)
+    chunks = split_indices(local, remote, b, 3 * b + 50)  # 3 blocks a chunk
+    assert [lo.tolist() for lo, _ in chunks] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [re.tolist() for _, re in chunks] == [[10, 11, 12], [13, 14, 15], [16, 17]]
     # a chunk smaller than a block still moves whole blocks
-    assert [len(lo) for lo, _ in split_rows(local, remote, b, 10)] == [1] * 8
+    assert [len(lo) for lo, _ in split_indices(local, remote, b, 10)] == [1] * 8
 
 
 class Pair:
@@ -150,7 +143,7 @@ class _ArrivalAgent(KVTransferAgent):
 
     on_start: Any = None
 
-    def start(self, plan: ReadPlan, index: int) -> Transfer:
+    def start(self, plan: ReadPlan, index: int) -> PostedChunk:
         if self.on_start is not None:
             self.on_start(plan, index)
         return super().start(plan, index)
@@ -311,23 +304,28 @@ async def test_a_replaced_runner_leaves_nixl_before_its_kv_is_freed(toy_checkpoi
 
 
 class _StuckAgent(KVTransferAgent):
-    """Its posts never finish and it never confirms an abort."""
+    """Its posts never finish and it confirms no abort until ``confirms`` is set."""
 
-    def start(self, plan: ReadPlan, index: int) -> Transfer:
-        return Transfer(handle=object(), done=False)
+    confirms = False
 
-    def finished(self, transfer: Transfer) -> bool:
+    def start(self, plan: ReadPlan, index: int) -> PostedChunk:
+        return PostedChunk(handle=object(), done=False, arena=plan.arena)
+
+    def finished(self, transfer: PostedChunk) -> bool:
         return False
 
-    def abort(self, transfer: Transfer, grace_s: float = 0.0) -> bool:
-        transfer.handle = None
-        return False
+    def abort(self, transfer: PostedChunk, grace_s: float = 0.0) -> bool:
+        return super().abort(transfer, grace_s=0.0)
+
+    def _try_release(self, handle: object) -> bool:
+        return self.confirms
 
 
-def test_an_arena_a_late_write_may_reach_is_never_freed() -> None:
+def test_an_arena_a_late_write_may_reach_is_freed_only_once_nixl_confirms() -> None:
     """A pull whose abort NIXL did not confirm may still write its landing blocks: their
     arena stays allocated even once a new one replaces it (else the write could land in
-    memory the new KV reuses)."""
+    memory the new KV reuses), until a later release of the chunk is confirmed; then it
+    is freed (a GPU worker can rebuild its KV again)."""
     import gc
     import weakref
 
@@ -346,5 +344,14 @@ def test_an_arena_a_late_write_may_reach_is_never_freed() -> None:
         pair.outcomes.clear()
         gc.collect()
         assert old() is not None
+        agent = pair.queue._agent
+        assert agent is not None and agent.num_unconfirmed >= 1  # each chunk in flight
+        type(agent).confirms = True  # NIXL now confirms the abort: nothing can write it
+        deadline = time.monotonic() + 5
+        while agent.num_unconfirmed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        gc.collect()
+        assert agent.num_unconfirmed == 0 and old() is None
     finally:
+        _StuckAgent.confirms = False
         pair.close()

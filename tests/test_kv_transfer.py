@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -21,7 +22,13 @@ from messages.kv_transfer import KVBlockFormat, KVSourceInfo
 from services.admission.shards import ShardTable
 from services.common.service_flags import shard_roles
 from services.worker.kv_transfer import agent as kvt
-from services.worker.kv_transfer.agent import KVArena, KVTransferAgent, TransferError, block_runs
+from services.worker.kv_transfer.agent import (
+    KVArena,
+    KVTransferAgent,
+    TransferError,
+    block_indices,
+    block_table,
+)
 
 needs_nixl = pytest.mark.skipif(not kvt.nixl_available(), reason="NIXL is not installed")
 
@@ -33,11 +40,16 @@ def _arena(blocks: int, fill: bool, layers: int = 3) -> KVArena:
 
 
 @pytest.mark.unit
-def test_block_runs_pair_consecutive_blocks_on_both_sides() -> None:
-    assert block_runs([3, 4, 5, 9, 1], [10, 11, 12, 0, 29]) == [(3, 10, 3), (9, 0, 1), (1, 29, 1)]
-    assert block_runs([1, 2], [5, 7]) == [(1, 5, 1), (2, 7, 1)]
-    with pytest.raises(ValueError):
-        block_runs([1], [])
+def test_prepared_descriptors_index_each_block_of_each_layer_of_each_arena() -> None:
+    """One descriptor per (arena, layer, block), prepared once; a pull's indices into the
+    local and the remote table pair block for block in the same (arena, layer) order."""
+    table = block_table([1000, 90000], num_blocks=5, num_layers=3, block_bytes=10, device_id=2)
+    assert table.shape == (2 * 3 * 5, 3)
+    assert table[(1 * 3 + 2) * 5 + 4].tolist() == [90000 + 2 * 5 * 10 + 4 * 10, 10, 2]
+    local = block_indices([4, 0], num_arenas=2, num_layers=3, num_blocks=5)
+    remote = block_indices([1, 3], num_arenas=2, num_layers=3, num_blocks=7)
+    assert local.tolist() == [4, 0, 9, 5, 14, 10, 19, 15, 24, 20, 29, 25]
+    assert remote.tolist()[:4] == [1, 3, 8, 10] and len(remote) == len(local)
 
 
 @pytest.mark.unit
@@ -85,6 +97,54 @@ def test_reads_are_byte_exact_and_a_layout_mismatch_is_refused() -> None:
     with pytest.raises(TransferError) as err:
         b.read(c.source_info(), [0], [0], 5.0)
     assert err.value.cause == kvt.LAYOUT_MISMATCH and "num_layers: 3 vs 2" in str(err.value)
+
+
+@pytest.mark.unit
+@needs_nixl
+def test_the_sources_device_id_travels_with_it_and_names_its_descriptors() -> None:
+    """A source's arenas need not sit on device 0: its description carries the device and
+    the source's prepared descriptors name it (prepared once per source)."""
+    src, dst = _arena(8, True), _arena(8, False)
+    a, b = KVTransferAgent("unit-dev-a"), KVTransferAgent("unit-dev-b")
+    a.register(src, "e1", src.layout("last_exited", 4))
+    b.register(dst, "e2", dst.layout("last_exited", 4))
+    info = a.source_info()
+    assert info.device_id == src.device_id == 0
+    prepared: list[tuple[str, object]] = []
+    prep = b._agent.prep_xfer_dlist
+
+    def recorded(agent_name, table, mem_type):  # type: ignore[no-untyped-def]
+        prepared.append((agent_name, table))
+        return prep(agent_name, table, mem_type)
+
+    b._agent.prep_xfer_dlist = recorded
+    b.plan(info, [1, 2, 5], [0, 1, 6])
+    b.plan(info, [4], [7])  # prepared once per source
+    ((name, table),) = prepared
+    assert name == "unit-dev-a" and set(table[:, 2].tolist()) == {info.device_id}
+    # a device the source did not register is refused by NIXL, not read from device 0
+    with pytest.raises(TransferError):
+        b.plan(msgspec.structs.replace(info, device_id=3), [1], [0])
+    assert set(prepared[-1][1][:, 2].tolist()) == {3}
+
+
+@pytest.mark.unit
+@needs_nixl
+def test_a_failed_registration_is_reported_to_peers_by_cause() -> None:
+    """NIXL refusing the arena is not dropped: ``register`` raises it by cause, and a peer
+    asking for this worker's KV is told why (its pulls fail as ``registration_failed``)."""
+    agent = KVTransferAgent("unit-reg")
+    arena = _arena(4, False)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("NIXL_ERR_BACKEND")
+
+    agent._agent.register_memory = refuse  # NIXL's own call fails
+    with pytest.raises(TransferError) as err:
+        agent.register(arena, "e1", arena.layout("last_exited", 4))
+    assert err.value.cause == kvt.REGISTRATION_FAILED
+    info = agent.source_info()
+    assert info.error_cause == kvt.REGISTRATION_FAILED and "NIXL_ERR_BACKEND" in info.error
 
 
 _PEER = textwrap.dedent(

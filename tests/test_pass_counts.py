@@ -20,6 +20,7 @@ from services.engine.engine import LLMEngine
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import random_weights, toy_config
 from services.worker.passes.static_decode import DecodeMode
+from tests.helpers import OpCounter
 
 pytestmark = pytest.mark.unit
 
@@ -28,25 +29,6 @@ MAX_OPS_PER_LAYER = 12
 MAX_OPS_OUTSIDE_LAYERS = 30
 # ops that wait for the device (a host read of a device value)
 _SYNC_OPS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default"}
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view or not _aliases(out, args[0]):
-            # a "view" that made new memory (``.to(dtype)`` under inference mode) copied
-            self.ops[str(func)] += 1
-        return out
-
-
-def _aliases(out: object, source: object) -> bool:
-    if not isinstance(out, torch.Tensor) or not isinstance(source, torch.Tensor):
-        return False
-    return out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
 
 
 def _model(layers: int) -> OuroModel:

@@ -114,9 +114,11 @@ def test_sparse_engine_equals_oracle(toy_model, oracle, data) -> None:
     arrivals = data.draw(sparse_workloads())
     config = data.draw(sparse_configs(arrivals))
     # sometimes one request is aborted mid-run (often mid-window): the others are unchanged
-    victim = data.draw(st.sampled_from([None, *arrivals]))
+    # (never the only one: some request always runs to the end and is compared)
+    victim = data.draw(st.sampled_from([None, *arrivals[1:]]))
     aborts = None if victim is None else {victim.request_id: data.draw(st.integers(1, 12))}
-    check(toy_model, oracle, arrivals, config, aborts)
+    compared = check(toy_model, oracle, arrivals, config, aborts)
+    assert compared > 0, "every comparison stopped at a near-tie: the run proved nothing"
 
 
 LONG = [

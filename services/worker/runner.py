@@ -301,15 +301,15 @@ class ModelRunner:
         plan = self.planner.plan(active, self.requests, first_pass)  # type: ignore[arg-type]
         words = self.transfer.to_device(plan.host.buffer)
         device = DevicePass(plan.shape, words)
-        masks = self._token_masks(plan) if self.constrained else None
+        masks = self.token_masks(plan) if self.constrained else None
         hidden = self.pass_inputs(plan, device)
         packed, out = self.run_core(plan, device, hidden, masks)
         if len(plan.decode) < len(plan.rows):  # prompt rows may feed a sparse loop's choice
             self.sparse.record_scores(plan, hidden, out, self.requests)
-        self._store_prompt_rows(plan, out)
+        self._store_prompt_rows(plan, device, out)
         return plan, packed
 
-    def _token_masks(self, plan: PassPlan) -> PassMasks | None:
+    def token_masks(self, plan: PassPlan) -> PassMasks | None:
         """The masks of the pass's coda rows with a structured output, filled on the host
         and sent in one copy; None when it has none."""
         rows = [
@@ -322,30 +322,35 @@ class ModelRunner:
         per_mask = mask_words(self.model.vocab_size)
         host = self.transfer.host_words(len(rows) * (1 + per_mask))
         fill_pass_masks(host, rows, per_mask)
-        every_row = len(rows) == len(plan.coda)  # then row i is coda row i
+        # then row i is coda row i (a padded pass has more coda rows than live ones)
+        every_row = len(rows) == plan.shape.num_coda
         return PassMasks(len(rows), self.transfer.to_device(host), every_row)
 
-    def _store_prompt_rows(self, plan: PassPlan, out: torch.Tensor) -> None:
-        """Prompt rows keep their hidden rows for their next loop (and the coda)."""
-        for offset, live in zip(plan.row_offsets, plan.rows, strict=True):
-            r = live.row
-            if not live.is_decode:
-                self._prefill_buffer(self.requests[r.request_id])[
-                    r.token_start : r.token_start + r.token_count
-                ] = out[offset : offset + r.token_count]
+    def _store_prompt_rows(self, plan: PassPlan, device: DevicePass, out: torch.Tensor) -> None:
+        """Prompt rows keep their hidden rows for their next loop (and the coda): one
+        gather and one scatter per request, whatever the pass's row count."""
+        if not plan.shape.num_stores:
+            return
+        rows, positions = device["store.row"].long(), device["store.position"].long()
+        for group in plan.prompt_groups:
+            a, b = group.stores
+            buffer = self._prefill_buffer(self.requests[group.request_id])
+            buffer.index_copy_(0, positions[a:b], out.index_select(0, rows[a:b]))
 
     def pass_inputs(self, plan: PassPlan, device: DevicePass) -> torch.Tensor:
         """The pass's packed hidden rows [T, H]: decode rows from the prelude (loop 0) or
-        the pool, prompt rows from the prelude (their first pass) or their buffer."""
+        the pool, prompt rows from the prelude (their first pass) or their buffer (one
+        gather per request)."""
         embedded = self.model.prelude(device["token.token_id"])
         pooled = self.pool.rows.index_select(0, device["token.pool_slot"])
         hidden = torch.where(device["token.embed"].bool()[:, None], embedded, pooled)
-        if plan.from_prefill:
-            for offset, live in plan.from_prefill:
-                r = live.row
-                hidden[offset : offset + r.token_count] = self._prefill_buffer(
-                    self.requests[r.request_id]
-                )[r.token_start : r.token_start + r.token_count]
+        if plan.shape.num_loads:
+            rows, positions = device["load.row"].long(), device["load.position"].long()
+            for group in plan.prompt_groups:
+                a, b = group.loads
+                if a < b:
+                    buffer = self._prefill_buffer(self.requests[group.request_id])
+                    hidden.index_copy_(0, rows[a:b], buffer.index_select(0, positions[a:b]))
         return hidden
 
     def run_core(
@@ -358,6 +363,19 @@ class ModelRunner:
         """One core pass and everything after it on the device: the exit rule, the pool
         write, the exit copy, the coda, the structured outputs' token masks and the
         sampler. Returns (packed float32 results, the pass's output rows)."""
+        packed, logits, out = self.core_to_logits(plan, device, hidden)
+        if logits is not None:
+            packed += self.finish_coda(plan, device, logits, masks)
+        if not packed:
+            return out.new_zeros(0, dtype=torch.float32), out
+        return (torch.cat(packed) if len(packed) > 1 else packed[0]), out
+
+    def core_to_logits(
+        self, plan: PassPlan, device: DevicePass, hidden: torch.Tensor
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+        """The part of a pass that a CUDA graph holds whatever its rows ask: the core loop,
+        the exit rule, the pool write, the exit copy and the coda's logits. Returns (the
+        decode rows' packed results, the coda rows' logits or None, the output rows)."""
         model = self.model
         attn = PassAttention(
             device["token.slot"],
@@ -397,16 +415,25 @@ class ModelRunner:
                     exited.index_select(0, device["pair.decode_row"]),
                 )
             packed += [survived, exited.float()]
-        if plan.shape.num_coda:
-            logits = model.coda(out.index_select(0, device["coda.row"]))
-            allowed = logits if masks is None else masks.apply(logits)
-            ids, bad = self._sample(plan, device, allowed)
-            packed += [ids.float(), bad.float()]
-            if plan.logprobs_top >= 0:
-                packed.append(logprob_columns(logits, ids, plan.logprobs_top).flatten())
-        if not packed:
-            return out.new_zeros(0, dtype=torch.float32), out
-        return (torch.cat(packed) if len(packed) > 1 else packed[0]), out
+        if not plan.shape.num_coda:
+            return packed, None, out
+        return packed, model.coda(out.index_select(0, device["coda.row"])), out
+
+    def finish_coda(
+        self,
+        plan: PassPlan,
+        device: DevicePass,
+        logits: torch.Tensor,
+        masks: PassMasks | None,
+    ) -> list[torch.Tensor]:
+        """From the coda rows' logits: the token masks, the sampler and the log-probability
+        columns, packed (token ids, could-not-sample flags, columns), on the device."""
+        allowed = logits if masks is None else masks.apply(logits)
+        ids, bad = self._sample(plan, device, allowed)
+        packed = [ids.float(), bad.float()]
+        if plan.logprobs_top >= 0:
+            packed.append(logprob_columns(logits, ids, plan.logprobs_top).flatten())
+        return packed
 
     def _sample(
         self, plan: PassPlan, device: DevicePass, logits: torch.Tensor

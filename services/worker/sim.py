@@ -23,7 +23,10 @@ Cost model (``SimCostModel``), calibrated for Ouro-1.4B in bfloat16 on one H200:
   to device time the bench reports.
 
 It is an optimistic roofline (no kernel launch gaps, perfect overlap), which makes the
-control plane's share look larger than on real hardware, not smaller. A prompt chunk reads
+control plane's share look larger than on real hardware, not smaller. Beside it, each pass
+is charged the worker's measured host work (``HOST_PASS_S`` per pass, ``HOST_ROW_S`` per
+token-sparse row: ``services/bench/host_cost.py``), overlapped with the previous pass's
+device time as launches are. A prompt chunk reads
 its context once. A token-sparse prefill fragment (``BatchRow.fragment``) costs its active
 rows and one read of its window's context per query tile of the attention kernel
 (``KERNEL_QUERY_TILE`` rows): its active tokens are one segment, each tile of them reads
@@ -59,6 +62,14 @@ _MASK64 = (1 << 64) - 1
 # attention_triton.py): a fragment of n active rows reads its context ceil(n / this) times
 KERNEL_QUERY_TILE = 64
 
+# The worker's host work per pass and per token-sparse row, measured with
+# ``python -c "from services.bench.host_cost import measure_host_cost as m; print(m())"``
+# (best of 5; a fragment of 2,048 active tokens over a 2,048-block table; the project's
+# shared 2-core CPU machine, 2026-12-07, at git 'harden'): 0.14 and 0.17 ms per pass, 10.5 and
+# 11.8 us per row over two runs. Decode rows' host work is not charged (not measured here).
+HOST_PASS_S = 1.5e-4
+HOST_ROW_S = 1.1e-5
+
 
 @dataclass(frozen=True)
 class SimCostModel:
@@ -71,6 +82,8 @@ class SimCostModel:
     bytes_per_s: float = H200_HBM_BYTES_PER_S
     flops_per_s: float = H200_BF16_FLOPS_PER_S
     dilation: float = 1.0
+    host_pass_s: float = HOST_PASS_S
+    host_row_s: float = HOST_ROW_S
 
     @classmethod
     def for_model(
@@ -114,6 +127,11 @@ class SimCostModel:
         read = self.core_weight_bytes + context_tokens * self.kv_bytes_per_token
         flops = 2 * self.core_params * num_rows + self.attn_flops_per_query_key * query_key_pairs
         return max(read / self.bytes_per_s, flops / self.flops_per_s)
+
+    def host_s(self, sparse_rows: int) -> float:
+        """The worker's host work for a pass with ``sparse_rows`` rows of token-sparse
+        fragments (their expansion and plan, one row per active token)."""
+        return self.host_pass_s + self.host_row_s * sparse_rows
 
     def coda_s(self, num_rows: int) -> float:
         flops = 2 * self.coda_params * num_rows
@@ -232,25 +250,34 @@ class SimRunner:
 
     def _run(self, rows: list[LiveRow]) -> float:
         """Runs the rows' loops pass by pass; returns the device seconds they cost."""
-        seconds = 0.0
+        device: list[float] = []
+        host: list[float] = []
         coda_rows = 0
         while True:
             active = [r for r in rows if r.loops_left > 0]
             if not active:
                 break
-            num_rows = context = pairs = 0
+            num_rows = context = pairs = sparse_rows = 0
             for r in active:
                 end = r.row.token_start + r.row.token_count
                 queries = r.row.num_rows  # a token-sparse fragment: its active tokens only
                 num_rows += queries
+                if r.row.fragment is not None:
+                    sparse_rows += queries
                 tiles = -(-queries // KERNEL_QUERY_TILE) if r.row.fragment is not None else 1
                 context += tiles * end
                 pairs += queries * end
-            seconds += self.cost.core_pass_s(num_rows, context, pairs)
+            device.append(self.cost.core_pass_s(num_rows, context, pairs))
+            host.append(self.cost.host_s(sparse_rows))
             self.stats.record_pass(num_rows)
             self.last_batch_passes.append((len(active), num_rows))
             for r in active:
                 coda_rows += self._finish_loop(r)
+        # the host plans pass k + 1 while the device runs pass k (launches do not wait): the
+        # first plan is paid alone, then each pass takes the longer of the two
+        seconds = (host[0] if host else 0.0) + sum(
+            max(d, h) for d, h in zip(device, [*host[1:], 0.0], strict=True)
+        )
         if coda_rows:
             seconds += self.cost.coda_s(coda_rows)
         return seconds

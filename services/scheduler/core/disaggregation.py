@@ -12,11 +12,16 @@ for the rest of its prompt and sends its worker a ``KVPull`` (in the next batch,
 carry nothing else). It runs no rows meanwhile (``RECEIVING_KV``, guarded like a request
 with work in flight, so nothing preempts it while the blocks are written). When the pull
 succeeded and the prefill side confirmed it still held the blocks, they join the request's
-tables, its prompt counts as prefilled and it decodes from the first token on. Any other
-outcome, or no answer, prefills the prompt here instead: its known first token is replayed,
-so the tokens are the same either way. A handoff this shard will not read (the request
-ended before its pull, or prefills here) goes back at once (``unused_handoffs``), so the
-prefill side does not hold its blocks until ``hold_s``.
+tables, its prompt counts as prefilled and it decodes from the first token on. A request
+whose landing blocks do not fit yet goes back to the waiting queue with its handoff (bounded
+like any waiting request: admission sees the queue and refuses past it) and tries again as
+KV frees, rather than prefilling here, which is the interference the split exists to
+remove. Only a pull that cannot work (its source lost or reset, a layout that differs, a
+handoff no longer held, a prompt larger than this shard's KV) prefills the prompt here: its
+known first token is replayed, so the tokens are the same either way, and each such
+fallback is counted by reason (``SchedulerStats.kv_transfer_fallbacks``). A handoff this
+shard will not read (the request ended before its pull, or prefills here) goes back at once
+(``unused_handoffs``), so the prefill side does not hold its blocks until ``hold_s``.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 from messages.kv_transfer import KVBlockFormat, KVHandoff, KVPull, KVPullResult
 from services.common.sparse_prefill import prefill_setting
 from services.scheduler.core.request import PREFILL_STATES, Request, RequestState
-from services.scheduler.core.running import detach
+from services.scheduler.core.running import detach, unadmit
 from services.scheduler.core.state import SchedulerState
 
 _DEFAULT_HOLD_S = 30.0
@@ -36,6 +41,14 @@ _DEFAULT_PULL_TIMEOUT_S = 10.0
 # past its own deadline, a pull's result comes within the worker's abort grace (2 s per
 # chunk in flight) and a message's way: one not come this long past the deadline is lost
 _RESULT_GRACE_S = 10.0
+
+# why a request prefilled on the decode shard after all (the metric's label values)
+FALLBACK_UNUSABLE = "unusable"  # another block format, or a handoff that misses the prompt
+FALLBACK_TOO_LARGE = "too_large"  # its landing blocks exceed this shard's whole KV
+FALLBACK_PULL_FAILED = "pull_failed"  # the worker's pull failed (the result names the cause)
+FALLBACK_NOT_HELD = "not_held"  # the prefill side no longer held the blocks it read
+FALLBACK_NO_RESULT = "no_result"  # no result came long past the pull's deadline
+FALLBACK_WORKER_LOST = "worker_lost"  # this shard's worker was lost mid-pull
 
 
 @dataclass
@@ -150,8 +163,10 @@ class Pulls:
         self.timeout_s = _DEFAULT_PULL_TIMEOUT_S
         self._pulls: dict[str, _Pull] = {}
         self._count = 0
-        # landing blocks of pulls whose abort NIXL could not confirm: never reused (a later
-        # write could land in them) until the worker's KV is reset
+        # landing blocks of pulls that may still be written (no result came, or NIXL could
+        # not confirm an abort), by transfer id: out of use until a result that says the
+        # pull is over arrives late, or the worker's KV is reset
+        self._quarantined: dict[str, str] = {}
         self.num_quarantined_blocks = 0
 
     def __len__(self) -> int:
@@ -173,26 +188,31 @@ class Pulls:
 
     def start_pending(self) -> None:
         """Requests that just started with a ``kv_source``: their landing blocks and pulls
-        (called after admission, before selection). One whose blocks do not fit prefills."""
+        (called after admission, before selection). One whose blocks do not fit yet goes
+        back to the waiting queue, its handoff kept, and is tried again when admitted."""
         state = self._state
-        for request in state.pending_new:
+        for request in list(state.pending_new):
             source = request.kv_source
             if source is None or request.state not in PREFILL_STATES:
                 continue
-            request.kv_source = None  # one try: a later restart prefills
             if self.usable(source, request.num_prompt_tokens) is not None:
-                state.unused_handoffs.append(source)
+                self._prefill_here(request, FALLBACK_UNUSABLE)
                 continue
             bs = state.config.block_size
             origin = request.prefill_window_origin // bs
             total = math.ceil(request.num_prompt_tokens / bs)
-            self._count += 1
-            transfer_id = f"{request.request_id}#{request.incarnation}.{self._count}"
+            if (total - origin) * state.kv.num_planes > state.kv.num_blocks:
+                self._prefill_here(request, FALLBACK_TOO_LARGE)
+                continue
+            transfer_id = f"{request.request_id}#{request.incarnation}.{self._count + 1}"
             holder = f"pull:{transfer_id}"
             landing = state.kv.reserve(holder, total - origin)
-            if landing is None:  # prefills instead (as much KV, only later)
-                state.unused_handoffs.append(source)
+            if landing is None:  # waits for decode KV: nothing ran, the worker never saw it
+                unadmit(state, request)
+                state.stats.num_kv_waits += 1
                 continue
+            self._count += 1
+            request.kv_source = None  # one pull per handoff: a later restart prefills
             self._pulls[transfer_id] = _Pull(request, request.incarnation, holder, source, origin)
             request.state = RequestState.RECEIVING_KV
             request.inflight_batches += 1  # nothing may preempt it while blocks land
@@ -211,14 +231,22 @@ class Pulls:
 
     def pulled(self, result: KVPullResult) -> KVHandoff | None:
         """The worker's word on a pull. A failed one prefills at once; a read one waits for
-        the prefill side's confirmation. Returns the handoff to release (None: unknown)."""
+        the prefill side's confirmation. Returns the handoff to release (None: unknown).
+        A result that comes after its pull was given up frees the landing blocks kept out
+        of use meanwhile: the worker says nothing writes them any more."""
         pull = self._pulls.get(result.transfer_id)
         if pull is None:
+            holder = self._quarantined.get(result.transfer_id)
+            if holder is not None and not result.abort_unconfirmed:
+                del self._quarantined[result.transfer_id]
+                self.num_quarantined_blocks -= self._state.kv.num_held_blocks(holder)
+                self._state.kv.free(holder)
             return None
         if result.ok and self._live(pull):
             pull.pulled = True
         else:
-            self._fall_back(result.transfer_id, landed=not result.abort_unconfirmed)
+            reason = FALLBACK_PULL_FAILED if not result.ok else ""
+            self._fall_back(result.transfer_id, landed=not result.abort_unconfirmed, reason=reason)
         return pull.handoff
 
     def confirmed(self, transfer_id: str, held: bool) -> bool:
@@ -228,7 +256,7 @@ class Pulls:
         if pull is None or not pull.pulled:
             return False
         if not (held and self._live(pull)):
-            self._fall_back(transfer_id)
+            self._fall_back(transfer_id, reason=FALLBACK_NOT_HELD)
             return False
         del self._pulls[transfer_id]
         request = pull.request
@@ -259,7 +287,7 @@ class Pulls:
         for transfer_id in late:
             pull = self._pulls[transfer_id]
             self._state.unused_handoffs.append(pull.handoff)
-            self._fall_back(transfer_id, landed=pull.pulled)
+            self._fall_back(transfer_id, landed=pull.pulled, reason=FALLBACK_NO_RESULT)
             out.append(pull.request.request_id)
         return out
 
@@ -268,7 +296,11 @@ class Pulls:
         stale, the requests were requeued by the worker-loss reset (they prefill here), and
         the handoffs go back."""
         self._state.unused_handoffs += [pull.handoff for pull in self._pulls.values()]
+        for pull in self._pulls.values():
+            if self._live(pull):
+                self._count_fallback(FALLBACK_WORKER_LOST)
         self._pulls.clear()
+        self._quarantined.clear()
         self.num_quarantined_blocks = 0
 
     def _live(self, pull: _Pull) -> bool:
@@ -279,7 +311,18 @@ class Pulls:
             and request.state is RequestState.RECEIVING_KV
         )
 
-    def _fall_back(self, transfer_id: str, *, landed: bool = True) -> None:
+    def _prefill_here(self, request: Request, reason: str) -> None:
+        """A request that will not pull: its handoff goes back and it prefills here."""
+        assert request.kv_source is not None
+        self._state.unused_handoffs.append(request.kv_source)
+        request.kv_source = None
+        self._count_fallback(reason)
+
+    def _count_fallback(self, reason: str) -> None:
+        fallbacks = self._state.stats.kv_transfer_fallbacks
+        fallbacks[reason] = fallbacks.get(reason, 0) + 1
+
+    def _fall_back(self, transfer_id: str, *, landed: bool = True, reason: str = "") -> None:
         """The pull is over without usable KV: its landing blocks go back (unless a write
         may still land in them: ``landed`` False keeps them out of use), and a request
         still waiting for them prefills its prompt here."""
@@ -287,9 +330,12 @@ class Pulls:
         if landed:
             self._state.kv.free(pull.holder)
         else:
+            self._quarantined[transfer_id] = pull.holder
             self.num_quarantined_blocks += self._state.kv.num_held_blocks(pull.holder)
         if not self._live(pull):
             return
+        if reason:
+            self._count_fallback(reason)
         request = pull.request
         request.inflight_batches -= 1
         split = self._state.config.split_prefill

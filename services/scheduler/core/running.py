@@ -65,6 +65,21 @@ def preempt(state: SchedulerState, request: Request, for_request_id: str = "") -
     state.stats.num_preemptions += 1
 
 
+def unadmit(state: SchedulerState, request: Request) -> None:
+    """Back to the waiting queue before any batch carried it (it is still in
+    ``pending_new``: the worker never heard of it, nothing ran): a decode shard's request
+    whose landing blocks do not fit yet. Not a preemption: nothing is recomputed."""
+    state.pending_new.remove(request)
+    state.running_footprints -= footprint(state.kv, request)  # reserved nothing it wasted
+    if state.config.kv_admission is KVAdmission.RESERVE:
+        state.stats.num_reserved_blocks -= state.kv.blocks_for(request.kv_footprint_tokens)
+    state.kv.free(request.request_id)
+    state.running.remove(request)
+    request.state = RequestState.WAITING
+    request.reset_prefill(origin=0)
+    heapq.heappush(state.waiting, (request.priority_key, request))
+
+
 def finish(state: SchedulerState, request: Request, reason: str, events: list[StreamEvent]) -> None:
     """Ends the request (running or waiting) and appends its finished event."""
     request.state = RequestState.FINISHED

@@ -45,6 +45,10 @@ class SchedulerStats:
     # passer was estimated to finish before the refused one could start: not counted)
     num_admission_bypasses: int = 0
     num_admission_backfills: int = 0
+    # disaggregation, decode side: admissions sent back to wait for landing blocks, and
+    # requests prefilled here after all, by reason (``disaggregation.FALLBACK_*``)
+    num_kv_waits: int = 0
+    kv_transfer_fallbacks: dict[str, int] = field(default_factory=dict)
     # prompt core work: hidden-state rows the prompts' loops computed (token x loop), and
     # the rows token-sparse prefill's frozen tokens did not compute
     num_prefill_rows: int = 0

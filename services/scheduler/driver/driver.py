@@ -36,7 +36,7 @@ from services.scheduler.driver.handover import Handover
 from services.scheduler.driver.liveness import LossDetector
 from services.scheduler.driver.load_report import LoadReport, scheduler_health
 from services.scheduler.driver.nats_executor import NatsExecutor
-from services.scheduler.driver.step_output import StepOutput, StreamKey
+from services.scheduler.driver.step_output import Relay, StepOutput, StreamKey
 from services.scheduler.driver.streams import Streams, error_event
 from services.scheduler.driver.submissions import Submissions
 from services.scheduler.driver.telemetry import SchedulerTelemetry
@@ -135,6 +135,12 @@ class SchedulerDriver(Submissions):
     @property
     def idle(self) -> bool:
         return not self.streams and not self.core.inflight
+
+    def forget_outputs(self, request_id: str) -> None:
+        self.core.outputs.forget(request_id)
+
+    def relay(self, relay: Relay) -> None:
+        self._out.relays.append(relay)
 
     # ------------------------------------------------------------------ workers
     def bind(self, worker_id: str) -> None:

@@ -13,18 +13,44 @@ shell sends the releases (request/reply) and feeds the answers back (``confirmed
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from messages.internal import RelayedEvent
 from messages.kv_transfer import KVHandoff, KVPullResult
 from services.runtime.logging import request_fields
+from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.driver.step_output import Relay
+from services.scheduler.driver.streams import Streams
+from services.scheduler.driver.telemetry import SchedulerTelemetry
+
+
+class HandoverHost(Protocol):
+    """What the handover reads and calls of the scheduler driver it is part of."""
+
+    shard_id: str
+    streams: Streams
+    telemetry: SchedulerTelemetry
+    log: Any  # a structlog logger
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def worker_id(self) -> str | None: ...
+
+    @property
+    def epoch(self) -> str: ...
+
+    def forget_outputs(self, request_id: str) -> None:
+        """The request's pending outputs are dropped (it left this shard)."""
+
+    def relay(self, relay: Relay) -> None:
+        """``relay`` goes out with the step's output."""
 
 
 class Handover:
-    def __init__(self, driver: Any) -> None:
-        """``driver``: the ``SchedulerDriver`` this is part of (its scheduler, streams,
-        telemetry, worker binding and output)."""
+    def __init__(self, driver: HandoverHost) -> None:
+        """``driver``: the ``SchedulerDriver`` this is part of."""
         self._driver = driver
         self.num_handed_off = 0
         self.num_pulled = 0
@@ -48,14 +74,14 @@ class Handover:
                 block_format=scheduler.block_format,
                 now=now,
             )
-            d.core.outputs.forget(rid)
+            d.forget_outputs(rid)
             stream = d.streams.end(rid, handed_off=True)
             handoff.traceparent = d.telemetry.handed_off(rid)
             if stream is None:  # nobody to hand it to (fenced meanwhile): let it go
                 scheduler.handoffs.release(handoff.handoff_id)
                 continue
             item = RelayedEvent(seq=stream.admission_seq, handoff=handoff)
-            d._out.relays.append(Relay(stream.relay, stream.admission_id, item))
+            d.relay(Relay(stream.relay, stream.admission_id, item))
             self.num_handed_off += 1
             d.log.info(
                 "request handed off",

@@ -20,6 +20,8 @@ measured here, from the request's arrival at the scheduler:
   prefill was computing (in-flight prefix sharing), once per block waited for;
 - ``rlt:admission_bypasses_total`` / ``rlt:admission_backfills_total``: requests started
   ahead of one the KV policy refused, as counted passes and as backfills.
+- ``rlt:kv_transfer_fallbacks_total{reason}``: decode-shard requests prefilled there after
+  all (``disaggregation.FALLBACK_*``); landing blocks that do not fit yet wait instead.
 
 Looped-model metrics (a loop = one pass of the shared core for one token):
 
@@ -134,12 +136,16 @@ class _LiveState(Collector):
         self._before = dict.fromkeys((f for f, _, _ in self._COUNTERS), 0)
         self._last_stats: object = None
         self._last = dict(self._before)
+        self._fallbacks_before: dict[str, int] = {}
+        self._fallbacks_last: dict[str, int] = {}
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         s = self._scheduler()
         if s.stats is not self._last_stats:
             for name, last in self._last.items():
                 self._before[name] += last
+            for reason, last in self._fallbacks_last.items():
+                self._fallbacks_before[reason] = self._fallbacks_before.get(reason, 0) + last
             self._last_stats = s.stats
         for name in self._last:
             self._last[name] = getattr(s.stats, name)
@@ -164,6 +170,18 @@ class _LiveState(Collector):
         )
         for name, metric, doc in self._COUNTERS:
             yield CounterMetricFamily(metric, doc, value=self._before[name] + self._last[name])
+        self._fallbacks_last = dict(s.stats.kv_transfer_fallbacks)
+        fallbacks = CounterMetricFamily(
+            "rlt:kv_transfer_fallbacks",
+            "Requests a decode shard prefilled after all instead of pulling their prompt's KV, "
+            "by reason (a pull that failed or was given up, a handoff no longer held, a "
+            "prompt larger than this shard's KV, a lost worker); KV pressure alone waits.",
+            labels=["reason"],
+        )
+        for reason in sorted(set(self._fallbacks_before) | set(self._fallbacks_last)):
+            total = self._fallbacks_before.get(reason, 0) + self._fallbacks_last.get(reason, 0)
+            fallbacks.add_metric([reason], total)
+        yield fallbacks
 
 
 class SchedulerTelemetry:

@@ -2,11 +2,13 @@
 
 A worker's KV is two arenas (K and V), each ``[layers, blocks, block_size, kv_heads,
 head_dim]``; planes share the block pool, so a block is the same byte range in every layer
-of both arenas. ``KVArena`` turns block lists into NIXL descriptors (a run of consecutive
-blocks on both sides is one descriptor per layer and arena); ``KVTransferAgent`` owns one
-NIXL agent (UCX backend: host memory between processes, device memory on a GPU), registers
-this worker's arenas, describes them to peers (``KVSourceInfo``) and READs a peer's blocks
-into its own, a pull cut into chunks (``ReadPlan``) that are posted and polled one by one.
+of both arenas. ``KVTransferAgent`` owns one NIXL agent (UCX backend: host memory between
+processes, device memory on a GPU), registers this worker's arenas, describes them to peers
+(``KVSourceInfo``) and READs a peer's blocks into its own. Descriptors are prepared once:
+one per block of each layer of each arena (``block_table``), for our arenas when they are
+registered and for a peer's when it is first read from (NIXL's prepared lists); a pull is
+then a list of indices into both (``block_indices``, array arithmetic), cut into chunks
+(``ReadPlan``) that are posted and polled one by one (NIXL merges consecutive blocks).
 Every call may block: the worker makes them on its transfer thread (``pull_queue.py``),
 never on the event loop. NIXL's own errors become ``TransferError`` with a cause
 (``source_lost``, ``timeout``, ``layout_mismatch``, ``error``).
@@ -34,6 +36,7 @@ LAYOUT_MISMATCH = "layout_mismatch"
 ERROR = "error"
 UNAVAILABLE = "unavailable"  # no NIXL on this worker
 LOCAL_RESET = "local_reset"  # this worker's KV was rebuilt (a new epoch) before it landed
+REGISTRATION_FAILED = "registration_failed"  # the source could not register its KV with NIXL
 
 # a pull moves in chunks of this many bytes at most, so a short pull never waits behind
 # all of a long one (RLT_KV_TRANSFER_CHUNK_BYTES)
@@ -111,44 +114,41 @@ class KVArena:
         )
 
 
-def block_runs(remote: list[int], local: list[int]) -> list[tuple[int, int, int]]:
-    """``(remote start, local start, count)`` runs where both lists go up by one together
-    (a prompt's blocks are often consecutive on both sides: one descriptor per run)."""
-    if len(remote) != len(local):
-        raise ValueError(f"{len(remote)} remote blocks but {len(local)} local ones")
-    runs: list[tuple[int, int, int]] = []
-    for r, m in zip(remote, local, strict=True):
-        if runs:
-            r0, m0, n = runs[-1]
-            if r == r0 + n and m == m0 + n:
-                runs[-1] = (r0, m0, n + 1)
-                continue
-        runs.append((r, m, 1))
-    return runs
-
-
-def descriptors(
-    runs: list[tuple[int, int, int]],
-    addresses: list[int],
-    num_blocks: int,
-    num_layers: int,
-    block_bytes: int,
-    *,
-    remote: bool,
-    device_id: int = 0,
+def block_table(
+    addresses: list[int], num_blocks: int, num_layers: int, block_bytes: int, device_id: int
 ) -> np.ndarray:
-    """An Nx3 ``(address, length, device)`` array over one side's arenas: for each arena, each
-    layer, each run. Both sides list them in the same order, so row i pairs with row i."""
-    rows = np.empty((len(addresses) * num_layers * len(runs), 3), dtype=np.uint64)
-    i = 0
-    for base in addresses:
-        for layer in range(num_layers):
-            layer_base = base + layer * num_blocks * block_bytes
-            for r, m, n in runs:
-                start = r if remote else m
-                rows[i] = (layer_base + start * block_bytes, n * block_bytes, device_id)
-                i += 1
+    """Nx3 ``(address, length, device)``: one descriptor per block of each layer of each
+    arena; block b of layer l of arena a is row ``(a * num_layers + l) * num_blocks + b``."""
+    bases = np.asarray(addresses, dtype=np.uint64)[:, None, None]
+    layers = np.arange(num_layers, dtype=np.uint64)[None, :, None] * np.uint64(
+        num_blocks * block_bytes
+    )
+    blocks = np.arange(num_blocks, dtype=np.uint64)[None, None, :] * np.uint64(block_bytes)
+    starts = (bases + layers + blocks).reshape(-1)
+    rows = np.empty((starts.size, 3), dtype=np.uint64)
+    rows[:, 0], rows[:, 1], rows[:, 2] = starts, block_bytes, device_id
     return rows
+
+
+def block_indices(
+    blocks: list[int], num_arenas: int, num_layers: int, num_blocks: int
+) -> np.ndarray:
+    """Rows of ``block_table`` for ``blocks`` in every layer of every arena, arena-major,
+    then layer, then the blocks in order: the same order on both sides, so index i of the
+    local list pairs with index i of the remote one."""
+    lanes = np.arange(num_arenas * num_layers, dtype=np.int64)[:, None] * num_blocks
+    return (lanes + np.asarray(blocks, dtype=np.int64)[None, :]).reshape(-1).astype(np.int32)
+
+
+def split_indices(
+    local: np.ndarray, remote: np.ndarray, block_bytes: int, chunk_bytes: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Paired block indices in chunks of at most ``chunk_bytes`` (at least one block)."""
+    per_chunk = max(1, chunk_bytes // block_bytes)
+    return [
+        (local[i : i + per_chunk], remote[i : i + per_chunk])
+        for i in range(0, local.size, per_chunk)
+    ]
 
 
 @dataclass
@@ -157,9 +157,12 @@ class ReadPlan:
     is posted, timed and interleaved with other pulls by (``pull_queue.py``)."""
 
     agent_name: str  # the source's NIXL agent
-    chunks: list[tuple[np.ndarray, np.ndarray]]  # (local rows, remote rows), row i pairs
+    # (local indices, remote indices) into the prepared lists; index i pairs with index i
+    chunks: list[tuple[np.ndarray, np.ndarray]]
     chunk_bytes: list[int]  # bytes each chunk moves
     arena: KVArena  # the landing arena: kept alive while the plan runs
+    local_list: Any = None  # NIXL's prepared descriptor lists (ours, the source's)
+    remote_list: Any = None
 
     @property
     def num_bytes(self) -> int:
@@ -167,35 +170,12 @@ class ReadPlan:
 
 
 @dataclass
-class Transfer:
-    """One posted chunk."""
+class PostedChunk:
+    """One posted chunk of a pull (NIXL's transfer request)."""
 
     handle: Any
     done: bool  # the post itself finished it (a shared-memory copy does)
-
-
-def split_rows(
-    local: np.ndarray, remote: np.ndarray, block_bytes: int, chunk_bytes: int
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Groups paired descriptor rows into chunks of at most ``chunk_bytes`` (a row longer
-    than that is cut at block boundaries; a chunk holds at least one block)."""
-    cap = max(block_bytes, chunk_bytes // block_bytes * block_bytes)
-    chunks: list[tuple[list[list[int]], list[list[int]]]] = []
-    size = cap  # the current chunk is full: the first piece starts one
-    for (l_addr, length, l_dev), (r_addr, _, r_dev) in zip(
-        local.tolist(), remote.tolist(), strict=True
-    ):
-        offset = 0
-        while offset < length:
-            piece = min(cap, length - offset)
-            if size + piece > cap:
-                chunks.append(([], []))
-                size = 0
-            chunks[-1][0].append([l_addr + offset, piece, l_dev])
-            chunks[-1][1].append([r_addr + offset, piece, r_dev])
-            size += piece
-            offset += piece
-    return [(np.array(lo, dtype=np.uint64), np.array(re, dtype=np.uint64)) for lo, re in chunks]
+    arena: KVArena | None = None  # where it lands: kept while an abort is unconfirmed
 
 
 class KVTransferAgent:
@@ -215,6 +195,13 @@ class KVTransferAgent:
         self._layout: KVLayoutInfo | None = None
         # remote agents loaded, by name: the metadata they were loaded from
         self._remotes: dict[str, bytes] = {}
+        # chunks whose abort NIXL did not confirm, with the arena they land in: that memory
+        # must outlive them (a late write must not land in memory a new arena reuses)
+        self._unconfirmed: list[tuple[Any, KVArena | None]] = []
+        self._local_list: Any = None  # our arenas' prepared descriptors
+        # a peer's prepared descriptors, by agent name: (what they were prepared from, list)
+        self._remote_lists: dict[str, tuple[tuple[Any, ...], Any]] = {}
+        self._registration_error = ""  # why the last registration failed ("" if none)
 
     @property
     def arena(self) -> KVArena | None:
@@ -226,10 +213,24 @@ class KVTransferAgent:
             self._epoch, self._layout = epoch, layout
             return
         self.deregister()
-        self._registered = self._agent.register_memory([arena.k, arena.v])
+        try:
+            self._registered = self._agent.register_memory([arena.k, arena.v])
+            table = block_table(
+                arena.addresses, arena.num_blocks, arena.num_layers, arena.block_bytes,
+                arena.device_id,
+            )  # fmt: skip
+            self._local_list = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, arena.mem_type)
+        except Exception as exc:  # peers are told why (source_info), the worker logs it
+            self._registration_error = f"{type(exc).__name__}: {exc}"[:300]
+            raise TransferError(REGISTRATION_FAILED, self._registration_error) from exc
+        self._registration_error = ""
         self._arena, self._epoch, self._layout = arena, epoch, layout
 
     def deregister(self) -> None:
+        local, self._local_list = self._local_list, None
+        if local is not None:
+            with contextlib.suppress(Exception):
+                self._agent.release_dlist_handle(local)
         if self._registered is not None:
             # nothing left to protect if it fails: the arena is going away
             with contextlib.suppress(Exception):
@@ -245,9 +246,12 @@ class KVTransferAgent:
                 kv_layout="", block_size=0, num_planes=0, num_layers=0,
                 num_kv_heads=0, head_dim=0, dtype="",
             )  # fmt: skip
+            failed = self._registration_error
             return KVSourceInfo(
                 agent_name=self.name, agent_metadata=b"", epoch="", layout=empty,
-                arena_addresses=[], num_blocks=0, block_bytes=0, error="no KV registered yet",
+                arena_addresses=[], num_blocks=0, block_bytes=0,
+                error=f"KV registration failed: {failed}" if failed else "no KV registered yet",
+                error_cause=REGISTRATION_FAILED if failed else ERROR,
             )  # fmt: skip
         return KVSourceInfo(
             agent_name=self.name,
@@ -257,6 +261,7 @@ class KVTransferAgent:
             arena_addresses=arena.addresses,
             num_blocks=arena.num_blocks,
             block_bytes=arena.block_bytes,
+            device_id=arena.device_id,
         )
 
     def plan(
@@ -283,36 +288,60 @@ class KVTransferAgent:
         bad += [b for b in local_blocks if not 0 <= b < arena.num_blocks]
         if bad:
             raise TransferError(ERROR, f"block ids out of range: {bad[:4]}")
-        runs = block_runs(remote_blocks, local_blocks)
-        if not runs:
+        if len(remote_blocks) != len(local_blocks):
+            raise TransferError(
+                ERROR, f"{len(remote_blocks)} remote blocks but {len(local_blocks)} local ones"
+            )
+        if not remote_blocks:
             return ReadPlan(source.agent_name, [], [], arena)
         self._load_remote(source)
-        layers, block_bytes = arena.num_layers, arena.block_bytes
-        local = descriptors(
-            runs, arena.addresses, arena.num_blocks, layers, block_bytes,
-            remote=False, device_id=arena.device_id,
-        )  # fmt: skip
-        remote = descriptors(
-            runs, source.arena_addresses, source.num_blocks, layers, block_bytes, remote=True
-        )
-        chunks = split_rows(local, remote, block_bytes, chunk_bytes)
-        sizes = [int(lo[:, 1].sum()) for lo, _ in chunks]
-        return ReadPlan(source.agent_name, chunks, sizes, arena)
+        remote_list = self._remote_list(source, arena)
+        arenas, layers, block_bytes = len(arena.addresses), arena.num_layers, arena.block_bytes
+        local = block_indices(local_blocks, arenas, layers, arena.num_blocks)
+        remote = block_indices(remote_blocks, arenas, layers, source.num_blocks)
+        chunks = split_indices(local, remote, block_bytes, chunk_bytes)
+        sizes = [lo.size * block_bytes for lo, _ in chunks]
+        return ReadPlan(source.agent_name, chunks, sizes, arena, self._local_list, remote_list)
 
-    def start(self, plan: ReadPlan, index: int) -> Transfer:
+    def _remote_list(self, source: KVSourceInfo, arena: KVArena) -> Any:
+        """The source's prepared descriptors (prepared on its first read, again when its
+        arenas changed)."""
+        key = (
+            source.agent_metadata, tuple(source.arena_addresses), source.num_blocks,
+            source.block_bytes, source.device_id, arena.num_layers,
+        )  # fmt: skip
+        known = self._remote_lists.get(source.agent_name)
+        if known is not None and known[0] == key:
+            return known[1]
+        if known is not None:
+            self._release_remote_list(source.agent_name)
+        table = block_table(
+            source.arena_addresses, source.num_blocks, arena.num_layers, source.block_bytes,
+            source.device_id,
+        )  # fmt: skip
+        try:
+            prepared = self._agent.prep_xfer_dlist(source.agent_name, table, arena.mem_type)
+        except Exception as exc:
+            raise _as_transfer_error(exc) from exc
+        self._remote_lists[source.agent_name] = (key, prepared)
+        return prepared
+
+    def _release_remote_list(self, agent_name: str) -> None:
+        known = self._remote_lists.pop(agent_name, None)
+        if known is not None:
+            with contextlib.suppress(Exception):
+                self._agent.release_dlist_handle(known[1])
+
+    def start(self, plan: ReadPlan, index: int) -> PostedChunk:
         """Posts chunk ``index`` of ``plan``. Raises TransferError."""
         local, remote = plan.chunks[index]
-        mem = plan.arena.mem_type
         try:
-            handle = self._agent.initialize_xfer(
-                "READ",
-                self._agent.get_xfer_descs(local, mem),
-                self._agent.get_xfer_descs(remote, mem),
-                plan.agent_name,
+            handle = self._agent.make_prepped_xfer(
+                "READ", plan.local_list, local, plan.remote_list, remote
             )
         except Exception as exc:
             raise _as_transfer_error(exc) from exc
-        transfer = Transfer(handle, done=False)
+        transfer = PostedChunk(handle, done=False, arena=plan.arena)
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:
@@ -326,7 +355,7 @@ class KVTransferAgent:
             raise TransferError(SOURCE_LOST, f"transfer failed ({state})")
         return transfer
 
-    def finished(self, transfer: Transfer) -> bool:
+    def finished(self, transfer: PostedChunk) -> bool:
         """Whether a posted chunk is done (its handle is released then). Raises
         TransferError if it failed."""
         if transfer.done:
@@ -345,27 +374,46 @@ class KVTransferAgent:
         self._release(transfer)
         return True
 
-    def abort(self, transfer: Transfer, grace_s: float = ABORT_GRACE_S) -> bool:
+    def abort(self, transfer: PostedChunk, grace_s: float = ABORT_GRACE_S) -> bool:
         """Stops a posted chunk: True once NIXL confirms nothing of it lands any more (an
         abort it could not confirm within ``grace_s``: False, the landing blocks may still
-        be written)."""
+        be written; the handle is kept, with its arena, and released again by
+        ``retry_aborts`` until NIXL confirms)."""
         if transfer.handle is None:
             return True
         deadline = time.monotonic() + grace_s
         while True:
-            try:
-                transfer.handle.release()  # aborts one still in progress
+            if self._try_release(transfer.handle):  # aborts one still in progress
                 transfer.handle = None
                 return True
-            except Exception:  # the abort is under way: wait for it, then release again
-                if time.monotonic() > deadline:
-                    # kept from the GC (whose release would fail the same way)
-                    self._agent._leaked_xfer_handles.append(transfer.handle._handle)
-                    transfer.handle = None
-                    return False
-                with contextlib.suppress(Exception):
-                    self._agent.check_xfer_state(transfer.handle)
-                time.sleep(0.005)
+            if time.monotonic() > deadline:
+                self._unconfirmed.append((transfer.handle, transfer.arena))
+                transfer.handle = None
+                return False
+            with contextlib.suppress(Exception):  # the abort is under way: let it move
+                self._agent.check_xfer_state(transfer.handle)
+            time.sleep(0.005)
+
+    def retry_aborts(self) -> int:
+        """Releases again every chunk whose abort was not confirmed; one NIXL now confirms
+        lets go of its arena (no transfer can write it any more). Returns how many remain."""
+        self._unconfirmed = [
+            (handle, arena) for handle, arena in self._unconfirmed if not self._try_release(handle)
+        ]
+        return len(self._unconfirmed)
+
+    @property
+    def num_unconfirmed(self) -> int:
+        return len(self._unconfirmed)
+
+    def _try_release(self, handle: Any) -> bool:
+        """NIXL's public release (it aborts a transfer still in progress): True once done,
+        False while the abort is under way."""
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:
+            return False
+        return True
 
     def read(
         self,
@@ -392,11 +440,12 @@ class KVTransferAgent:
 
     def forget(self, agent_name: str) -> None:
         """Drops a peer (it is gone, or its memory changed)."""
+        self._release_remote_list(agent_name)
         if self._remotes.pop(agent_name, None) is not None:
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(agent_name)
 
-    def _release(self, transfer: Transfer) -> None:
+    def _release(self, transfer: PostedChunk) -> None:
         """Frees a finished chunk's handle."""
         handle, transfer.handle = transfer.handle, None
         if handle is not None:

@@ -31,17 +31,12 @@ from typing import Any
 
 from messages.kv_transfer import KVPull, KVSourceInfo
 from services.worker.kv_transfer import agent as kvt
-from services.worker.kv_transfer.agent import (
-    KVArena,
-    KVTransferAgent,
-    ReadPlan,
-    Transfer,
-    TransferError,
-)
+from services.worker.kv_transfer.agent import KVTransferAgent, PostedChunk, ReadPlan, TransferError
 
 MAX_IN_FLIGHT = 4  # chunks posted and not done, over all pulls
 _IDLE_POLL_S = 0.002  # while pulls wait for a source or a test hold
 _MAX_PAUSE_S = 0.005  # between polls of chunks in flight
+_ABORT_RETRY_S = 0.1  # between releases of chunks whose abort NIXL has not confirmed
 
 
 @dataclass
@@ -75,7 +70,7 @@ class _Active:
     order: int
     plan: ReadPlan | None = None
     next_chunk: int = 0
-    in_flight: list[tuple[Transfer, int, float]] = field(default_factory=list)
+    in_flight: list[tuple[PostedChunk, int, float]] = field(default_factory=list)
     moved: int = 0
     copy_s: float = 0.0
     not_before: float = 0.0  # test hold: no chunk is posted before this
@@ -122,9 +117,9 @@ class PullQueue:
         self._active: list[_Active] = []
         self._order = itertools.count()
         self._agent: KVTransferAgent | None = None
-        # arenas a pull whose abort NIXL did not confirm may still write: never freed (a
-        # late write must not land in memory a new arena reuses); rare, and one entry each
-        self._unsafe_arenas: list[KVArena] = []
+        # an arena a pull whose abort NIXL did not confirm may still write is kept by the
+        # agent with that chunk, released again here until NIXL confirms (then freed)
+        self._next_abort_retry = 0.0
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, name="rlt-kv", daemon=True)
         # read by health from other threads (plain ints: a moment stale at worst)
@@ -166,6 +161,7 @@ class PullQueue:
                 break
             try:
                 self._step(time.monotonic())
+                self._retry_aborts(time.monotonic())
             except Exception as exc:  # a bug here must not strand pulls: they all fail
                 for active in list(self._active):
                     self._fail(active, TransferError(kvt.ERROR, repr(exc)[:300]))
@@ -194,8 +190,9 @@ class PullQueue:
     def _wait(self) -> tuple[bool, float | None]:
         """How long the inbox may be waited on: forever when idle, a moment while pulls
         wait for something, not at all while one can post."""
+        assert self._agent is not None
         if not self._active:
-            return True, None
+            return True, (_ABORT_RETRY_S if self._agent.num_unconfirmed else None)
         now = time.monotonic()
         runnable = any(
             a.in_flight or (a.plan is None and a.job.source.done()) or self._may_post(a, now)
@@ -227,6 +224,12 @@ class PullQueue:
         progressed |= self._post(now)
         if not progressed and any(a.in_flight for a in self._active):
             time.sleep(_MAX_PAUSE_S)
+
+    def _retry_aborts(self, now: float) -> None:
+        assert self._agent is not None
+        if self._agent.num_unconfirmed and now >= self._next_abort_retry:
+            self._next_abort_retry = now + _ABORT_RETRY_S
+            self._agent.retry_aborts()
 
     def _plan(self, active: _Active) -> None:
         """Once its source is described: checks and descriptors (or its failure)."""
@@ -321,10 +324,6 @@ class PullQueue:
         for transfer, _, _ in active.in_flight:
             confirmed &= self._agent.abort(transfer)
         active.in_flight.clear()
-        if not confirmed and active.plan is not None:
-            arena = active.plan.arena
-            if all(kept is not arena for kept in self._unsafe_arenas):
-                self._unsafe_arenas.append(arena)
         if error.cause == kvt.SOURCE_LOST and active.plan is not None:
             self._agent.forget(active.plan.agent_name)
         self._report(active, error, abort_unconfirmed=not confirmed)

@@ -179,7 +179,7 @@ class KVPulls:
             why = f"worker {pull.worker_id} did not describe its KV"
             future.set_exception(TransferError(kvt.SOURCE_LOST, why))
         elif info.error:
-            future.set_exception(TransferError(kvt.ERROR, info.error))
+            future.set_exception(TransferError(info.error_cause or kvt.ERROR, info.error))
         elif info.epoch != pull.worker_epoch:
             why = f"worker {pull.worker_id} is at epoch {info.epoch}, not {pull.worker_epoch}"
             future.set_exception(TransferError(kvt.SOURCE_RESET, why))
@@ -201,13 +201,25 @@ class KVPulls:
             if arena is not None:
                 self._registered = (weakref.ref(runner), epoch)
                 layout = arena.layout(kv_layout, num_planes(kv_layout, self.total_loops))
-                self.queue.call(lambda agent: agent.register(arena, epoch, layout), resets=True)
+                done = self.queue.call(
+                    lambda agent: agent.register(arena, epoch, layout), resets=True
+                )
+                done.add_done_callback(lambda f, e=epoch: self._registered_or_not(f, e))
         for pull in pulls:
             source = self._prepared.pop(pull.transfer_id, None)
             if source is None:  # never prepared (a bug): it fails by name, not silently
                 source = concurrent.futures.Future()
                 source.set_exception(TransferError(kvt.ERROR, "no source was asked for"))
             self.queue.submit(PullJob(epoch, pull, source))
+
+    def _registered_or_not(self, done: concurrent.futures.Future[Any], epoch: str) -> None:
+        """On the transfer thread: a registration NIXL refused is logged and counted; peers
+        asking for our KV get its cause (``KVSourceInfo.error_cause``)."""
+        exc = done.exception()
+        if exc is None:
+            return
+        self.failures[kvt.REGISTRATION_FAILED] += 1
+        self.log.error("KV registration with NIXL failed", epoch=epoch, error=repr(exc)[:300])
 
     def retire(self, timeout: float = RETIRE_TIMEOUT_S) -> None:
         """Blocking, on the compute thread just before the runner is replaced: ends the

@@ -11,7 +11,11 @@ words, so one buffer carries the whole pass. Sections (sizes in ``PassShape``):
   survival so far;
 - per exit-copy pair (M): LAST_EXITED source and destination slots and the decode row whose
   exit makes the copy;
-- per coda row (C): its row and the sampling parameters (seed and token index as int64).
+- per coda row (C): its row and the sampling parameters (seed and token index as int64);
+- per prompt token read from its request's hidden rows (L) and per prompt token written back
+  (W): its row in the pass and its prompt position, grouped by request, so that a pass moves
+  hidden rows with two gathers per request whatever its row count (a token-sparse fragment
+  is one row per active token).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class PassShape:
     num_decode: int  # N
     num_pairs: int  # M
     num_coda: int  # C
+    num_loads: int = 0  # L: prompt tokens that read their hidden row from the prompt's buffer
+    num_stores: int = 0  # W: prompt tokens whose output row goes back to the buffer
 
     def offsets(self) -> dict[str, tuple[int, int]]:
         """(start, length) in int32 words of every field; int64 fields start 8-byte aligned."""
@@ -82,6 +88,9 @@ def _offsets(shape: PassShape) -> dict[str, tuple[int, int]]:
             2 * shape.num_coda if wide else shape.num_coda,
             2 if wide else 1,
         )
+    for section, length in (("load", shape.num_loads), ("store", shape.num_stores)):
+        put(f"{section}.row", length)
+        put(f"{section}.position", length)
     out["_size"] = (0, at + (-at % 2))
     return out
 

@@ -7,6 +7,7 @@ from the device; a decode row costs a few integer writes, never a tensor.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +32,17 @@ class RequestView:
 
 
 @dataclass
+class PromptGroup:
+    """One request's prompt tokens in a pass: ranges of the ``load.*`` and ``store.*``
+    sections (their pass rows and prompt positions), so its hidden rows move in one gather
+    each way."""
+
+    request_id: str
+    loads: tuple[int, int]
+    stores: tuple[int, int]
+
+
+@dataclass
 class PassPlan:
     rows: list[LiveRow]  # the live rows of this pass, in row order
     shape: PassShape
@@ -42,9 +54,8 @@ class PassPlan:
     # row may take a token from this pass (both as planned: the rows move on meanwhile)
     decode_loops: list[int] = field(default_factory=list)
     coda_wanted: list[bool] = field(default_factory=list)
-    # rows that take their hidden state from a prompt's buffer, not the prelude or the pool:
-    # (row offset in the pass, live row)
-    from_prefill: list[tuple[int, LiveRow]] = field(default_factory=list)
+    # per request with prompt rows: where its loads and stores sit in the pass's sections
+    prompt_groups: list[PromptGroup] = field(default_factory=list)
     row_offsets: list[int] = field(default_factory=list)  # first pass row of each live row
     all_greedy: bool = True
     filters: bool = False  # some coda row uses top-k or top-p
@@ -141,6 +152,12 @@ class PassPlanner:
             for p in self._pairs(rows[i], reqs[i])
         ]
         num_tokens = sum(live.row.token_count for live in rows)
+        stores = sum(live.row.token_count for live in rows if not live.is_decode)
+        loads = stores - sum(
+            live.row.token_count
+            for live in rows
+            if not live.is_decode and live.row.embed and first_pass
+        )
         segment_rows = _segment_rows(rows)
         widths = [
             -(-(live.row.token_start + live.row.token_count) // self.block_size) for live in rows
@@ -167,6 +184,8 @@ class PassPlanner:
                 len(decode),
                 len(pairs),
                 len(coda_index),
+                loads,
+                stores,
             )
         host = HostPass(shape, self.host_words(shape.size))
         plan = PassPlan(
@@ -195,8 +214,25 @@ class PassPlanner:
             h["segment.context_len"],
             h["segment.query_start"],
         )
+        # per request: the pass rows of its loads and of its stores
+        moves: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         at, s = 0, -1
+        segment: tuple[int, list[int], int] | None = None  # (index, table, blocks needed)
+        segment_ids = np.zeros(0, dtype=np.int64)  # the open segment's table, as an array
+        joined = _joined_runs(plan.rows)
+        skip_to = 0
         for i, (live, req) in enumerate(zip(plan.rows, reqs, strict=True)):
+            if i < skip_to:
+                continue
+            if (end := joined.get(i)) is not None and not (live.row.embed and first_pass):
+                # a token-sparse fragment's rows, filled with array ops: host work per row
+                # would grow with its active tokens
+                if segment is not None:
+                    _write_table(table, segment)
+                s += 1
+                segment, at = self._fill_joined(plan, i, end, req, s, at, moves)
+                skip_to = end
+                continue
             r = live.row
             count, start = r.token_count, r.token_start
             blocks = req.tables[self.plane(live.depth)]
@@ -210,10 +246,16 @@ class PassPlanner:
             if live.joins_segment and i > 0:
                 _check_joins(plan.rows[i - 1], live)
             else:
+                if segment is not None:
+                    _write_table(table, segment)
                 s += 1
                 query_start[s] = at
+                if not live.is_decode:
+                    segment_ids = np.asarray(blocks, dtype=np.int64)
             # a joining row is the segment's latest: its context, its table's longest prefix
-            table[s, :needed] = blocks[:needed]
+            # (written once, when the segment closes: a sparse fragment is one segment of
+            # many rows, and a table per row would cost rows x blocks)
+            segment = (s, blocks, needed)
             context_len[s] = start + count
             if live.is_decode:
                 position[at] = start
@@ -225,24 +267,106 @@ class PassPlanner:
             else:
                 positions = np.arange(start, start + count)
                 position[at : at + count] = positions
-                ids = np.asarray(blocks[:needed], dtype=np.int64)
                 slot[at : at + count] = (
-                    ids[positions // self.block_size] * self.block_size
+                    segment_ids[positions // self.block_size] * self.block_size
                     + positions % self.block_size
                 )
                 pool_slot[at : at + count] = self.scratch_pool_slot
+                pass_rows = np.arange(at, at + count)
+                load_rows, stores = moves.setdefault(r.request_id, ([], []))
+                stores.append(pass_rows)
                 if r.embed and first_pass:
                     token_id[at : at + count] = req.prompt[start : start + count]
                     embed[at : at + count] = 1
                 else:
-                    plan.from_prefill.append((at, live))
+                    load_rows.append(pass_rows)
             at += count
+        if segment is not None:
+            _write_table(table, segment)
+        if moves:
+            self._fill_moves(plan, moves)
         rows_end = at
         if plan.padded:  # padding rows: no segment, no KV write, a scratch pool row
             slot[rows_end:] = -1
             embed[rows_end:] = 1
             pool_slot[rows_end:] = self.scratch_pool_slot
         query_start[s + 1 :] = rows_end
+
+    def _fill_joined(
+        self,
+        plan: PassPlan,
+        first: int,
+        end: int,
+        req: RequestView,
+        s: int,
+        at: int,
+        moves: dict[str, tuple[list[np.ndarray], list[np.ndarray]]],
+    ) -> tuple[tuple[int, list[int], int], int]:
+        """Rows ``[first, end)``: one segment of prompt rows of one request and loop at
+        ascending positions (``LiveRow.joins_segment``), all read from the prompt's hidden
+        rows. Returns the segment (for its table) and the next pass row."""
+        run = plan.rows[first:end]
+        head = run[0]
+        n = len(run)
+        starts = np.fromiter((live.row.token_start for live in run), np.int64, n)
+        counts = np.fromiter((live.row.token_count for live in run), np.int64, n)
+        if np.any(starts[1:] < starts[:-1] + counts[:-1]) or any(
+            live.is_decode or live.row.request_id != head.row.request_id or live.depth != head.depth
+            for live in run
+        ):
+            for previous, live in itertools.pairwise(run):
+                _check_joins(previous, live)  # names the first row that cannot join
+        blocks = req.tables[self.plane(head.depth)]
+        needed = -(-int(starts[-1] + counts[-1]) // self.block_size)
+        if needed > len(blocks) or needed > plan.shape.table_width:
+            raise ValueError(
+                f"block table of {len(blocks)} blocks does not cover position "
+                f"{int(starts[-1] + counts[-1]) - 1} (block_size {self.block_size})"
+            )
+        within = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        plan.row_offsets.extend((at + within).tolist())
+        total = int(counts.sum())
+        positions = np.repeat(starts - within, counts) + np.arange(total)
+        h = plan.host
+        h["segment.query_start"][s] = at
+        h["segment.context_len"][s] = int(starts[-1] + counts[-1])
+        h["token.position"][at : at + total] = positions
+        ids = np.asarray(blocks, dtype=np.int64)
+        bs = self.block_size
+        h["token.slot"][at : at + total] = ids[positions // bs] * bs + positions % bs
+        h["token.pool_slot"][at : at + total] = self.scratch_pool_slot
+        pass_rows = np.arange(at, at + total)
+        load_rows, stores = moves.setdefault(head.row.request_id, ([], []))
+        stores.append(pass_rows)
+        load_rows.append(pass_rows)
+        return (s, blocks, needed), at + total
+
+    def _fill_moves(
+        self,
+        plan: PassPlan,
+        moves: dict[str, tuple[list[np.ndarray], list[np.ndarray]]],
+    ) -> None:
+        """The load and store sections, grouped by request (a prompt row's position is its
+        pass row's position: ``token.position``)."""
+        h = plan.host
+        position = h["token.position"]
+        load_row, load_position = h["load.row"], h["load.position"]
+        store_row, store_position = h["store.row"], h["store.position"]
+        loaded = stored = 0
+        for request_id, (load_rows, store_rows) in moves.items():
+            first_load, first_store = loaded, stored
+            if load_rows:
+                rows = np.concatenate(load_rows)
+                load_row[loaded : loaded + rows.size] = rows
+                load_position[loaded : loaded + rows.size] = position[rows]
+                loaded += rows.size
+            rows = np.concatenate(store_rows)
+            store_row[stored : stored + rows.size] = rows
+            store_position[stored : stored + rows.size] = position[rows]
+            stored += rows.size
+            plan.prompt_groups.append(
+                PromptGroup(request_id, (first_load, loaded), (first_store, stored))
+            )
 
     def _fill_decode(
         self,
@@ -303,6 +427,23 @@ class PassPlanner:
             n = len(coda_index)
             row[n:] = np.arange(n, plan.shape.num_coda)
             top_p[n:] = 1.0
+
+
+def _joined_runs(rows: list[LiveRow]) -> dict[int, int]:
+    """first row -> end of each run of two or more rows that form one segment."""
+    runs: dict[int, int] = {}
+    first = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or not rows[i].joins_segment:
+            if i - first > 1:
+                runs[first] = i
+            first = i
+    return runs
+
+
+def _write_table(table: np.ndarray, segment: tuple[int, list[int], int]) -> None:
+    s, blocks, needed = segment
+    table[s, :needed] = blocks[:needed]
 
 
 def _segment_rows(rows: list[LiveRow]) -> list[int]:

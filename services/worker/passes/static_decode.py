@@ -4,12 +4,14 @@ once as a CUDA graph and replayed (one launch instead of hundreds).
 
 Buckets are 1, 2, 4, ... up to ``max_rows``; a decode pass of n rows runs in the smallest
 bucket that holds it, its padding rows masked (no KV write, no exit, a scratch pool row).
-Each bucket has three variants (``Variant``): no coda, for a loop where no row may exit (the
+Each bucket has four variants (``Variant``): no coda, for a loop where no row may exit (the
 host knows each row's min and max loops), which reads no lm_head and copies no KV; a greedy
-coda; and a sampled one. Passes with prompt rows, more rows than the largest bucket,
-log-probabilities asked for or a structured output's rows run eagerly. On a CPU the same
-padded path runs eagerly under ``DecodeMode.PADDED``, so the oracle tests cover what a graph
-replays.
+coda; a sampled one; and one that stops at the coda's logits, for a pass where some row has a
+structured output or asks for log-probabilities: its token masks (filled on the host each
+pass), the sampler and the log-probabilities run after the replay, so such a row never takes
+its neighbours off the graph. Passes with prompt rows or more rows than the largest bucket
+run eagerly. On a CPU the same padded path runs eagerly under ``DecodeMode.PADDED``, so the
+oracle tests cover what a graph replays.
 
 On CUDA every variant of every bucket is captured at start (``capture_all``, logged with its
 time and memory) into one shared memory pool, before the worker serves: nothing is captured
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections import Counter
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -67,6 +70,12 @@ def buckets(max_rows: int) -> list[int]:
     return out
 
 
+class TokenMasks(Protocol):
+    """A pass's structured-output masks (``sampling.grammar.PassMasks``)."""
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+
 class PassRunner(Protocol):
     """What a static pass needs of the runner that owns it."""
 
@@ -79,9 +88,15 @@ class PassRunner(Protocol):
 
     def pass_inputs(self, plan: PassPlan, device: DevicePass) -> torch.Tensor: ...
 
-    def run_core(
+    def core_to_logits(
         self, plan: PassPlan, device: DevicePass, hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]: ...
+
+    def finish_coda(
+        self, plan: PassPlan, device: DevicePass, logits: torch.Tensor, masks: TokenMasks | None
+    ) -> list[torch.Tensor]: ...
+
+    def token_masks(self, plan: PassPlan) -> TokenMasks | None: ...
 
 
 class Variant(StrEnum):
@@ -90,22 +105,30 @@ class Variant(StrEnum):
     NO_CODA = "no_coda"  # no row may exit at this loop: exit rule and pool write only
     GREEDY = "greedy"  # the coda, every wanted row greedy (one argmax)
     SAMPLED = "sampled"  # the coda and the sampler (top-k/top-p where a row asks)
+    # the coda up to its logits: masks, sampler and log-probabilities run after the replay
+    LOGITS = "logits"
 
     @classmethod
-    def of(cls, plan: PassPlan) -> Variant:
+    def of(cls, plan: PassPlan, outside: bool) -> Variant:
+        """``outside``: some row needs a step a graph cannot hold (a token mask filled on
+        the host, log-probabilities of a width only the pass knows)."""
         if not plan.shape.num_coda:
             return cls.NO_CODA
+        if outside:
+            return cls.LOGITS
         return cls.GREEDY if plan.all_greedy else cls.SAMPLED
 
 
 class _Captured:
     """One bucket variant's static buffers (and graph, on CUDA)."""
 
-    def __init__(self, shape: PassShape, device: torch.device) -> None:
+    def __init__(self, shape: PassShape, variant: Variant, device: torch.device) -> None:
         self.shape = shape
+        self.variant = variant
         self.words = torch.zeros(shape.size, dtype=torch.int32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.packed: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None  # the LOGITS variant's second output
         self.pool_version = -1
 
 
@@ -118,6 +141,7 @@ class StaticDecode:
         self.table_width = -(-cfg.max_position_embeddings // runner.block_size)
         self._static: dict[tuple[int, Variant], _Captured] = {}
         self.replays = 0  # passes that ran through a static bucket
+        self.replays_by_variant: Counter[Variant] = Counter()
         self.captures = 0  # graphs captured (all at start unless the decode pool grew)
         self.capture_bytes = 0  # device memory the captures reserved (their shared pool)
         self._pool: Any = None  # the graphs' shared memory pool (CUDA)
@@ -163,44 +187,57 @@ class StaticDecode:
             live.is_decode and live.row.token_count == 1 for live in active
         ):
             return None
-        requests = self.runner.requests
-        if any(requests[live.row.request_id].sampling.logprobs is not None for live in active):
-            return None
-        # token masks are filled on the host per pass: a captured graph has no step for them
-        if any(requests[live.row.request_id].sampling.structured_output for live in active):
-            return None
+        runner = self.runner
+        requests = runner.requests
+        outside = any(
+            (s := requests[live.row.request_id].sampling).logprobs is not None
+            or s.structured_output is not None
+            for live in active
+        )
         bucket = next(b for b in self.buckets if b >= n)
-        plan = self.runner.planner.plan(
+        plan = runner.planner.plan(
             active,
             requests,
             False,
             pad_to=bucket,
             table_width=self.table_width,
         )
-        static = self._prepare(bucket, Variant.of(plan))
-        self.runner.transfer.to_device(plan.host.buffer, out=static.words)
+        variant = Variant.of(plan, outside)
+        static = self._prepare(bucket, variant)
+        runner.transfer.to_device(plan.host.buffer, out=static.words)
         if static.graph is not None:
             static.graph.replay()
             assert static.packed is not None
-            packed = static.packed
+            packed, logits = static.packed, static.logits
         else:
-            packed = self._body(plan, static)
+            packed, logits = self._body(plan, static)
+        if variant is Variant.LOGITS:
+            assert logits is not None
+            masks = runner.token_masks(plan)
+            device = DevicePass(static.shape, static.words)
+            packed = torch.cat([packed, *runner.finish_coda(plan, device, logits, masks)])
         self.replays += 1
+        self.replays_by_variant[variant] += 1
         return plan, packed
 
-    def _body(self, plan: PassPlan, static: _Captured) -> torch.Tensor:
+    def _body(self, plan: PassPlan, static: _Captured) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the variant's graph holds: (packed results, the coda's logits for the
+        LOGITS variant, else None)."""
         runner = self.runner
         device = DevicePass(static.shape, static.words)
         hidden = runner.pass_inputs(plan, device)
-        packed, _ = runner.run_core(plan, device, hidden)
-        return packed
+        packed, logits, _ = runner.core_to_logits(plan, device, hidden)
+        if logits is not None and static.variant is not Variant.LOGITS:
+            packed += runner.finish_coda(plan, device, logits, None)
+            logits = None
+        return torch.cat(packed), logits
 
     def _prepare(self, bucket: int, variant: Variant, capture: bool = False) -> _Captured:
         key = (bucket, variant)
         static = self._static.get(key)
         if static is None:
             shape = self._blank(bucket, variant).shape
-            static = self._static[key] = _Captured(shape, self.runner.model.device)
+            static = self._static[key] = _Captured(shape, variant, self.runner.model.device)
         if self.mode is DecodeMode.GRAPHS and (
             static.graph is None or static.pool_version != self.runner.pool.version
         ):
@@ -241,7 +278,7 @@ class StaticDecode:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            static.packed = self._body(blank, static)
+            static.packed, static.logits = self._body(blank, static)
         static.graph = graph
         static.pool_version = self.runner.pool.version
         self.captures += 1
