@@ -166,6 +166,9 @@ class StaticDecode:
         requests = self.runner.requests
         if any(requests[live.row.request_id].sampling.logprobs is not None for live in active):
             return None
+        # a sampled speculative row's logits are read on the host: not from a graph
+        if any(live.keep_logits for live in active):
+            return None
         # token masks are filled on the host per pass: a captured graph has no step for them
         if any(requests[live.row.request_id].sampling.structured_output for live in active):
             return None
