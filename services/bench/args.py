@@ -31,6 +31,9 @@ OPT_IN_COMPARISON_NAMES = (
     "overload",
     "sparse_prefill",
     "disaggregation",
+    # self-speculative decoding beside plain decoding, this machine's model and the
+    # simulated H100 (services/bench/speculative.py): only when asked for with --only
+    "speculative",
 )
 
 

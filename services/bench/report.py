@@ -202,6 +202,10 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
 
         lines = overload.markdown(c)
         return [*lines, f"![{c['name']}]({plot})", ""] if plot else lines
+    if c.get("kind") == "speculative":
+        from services.bench import speculative
+
+        return speculative.markdown(c)
     if c.get("kind") == "sparse_prefill":
         from services.bench import sparse_prefill
 

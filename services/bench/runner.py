@@ -337,7 +337,7 @@ def _standalone(
         return {**failed, "error": f"{type(exc).__name__}: {exc}", "runs": [], "ratios": []}
 
 
-STANDALONE = ("scheduler", "overload", "sparse_prefill", "disaggregation")
+STANDALONE = ("scheduler", "overload", "sparse_prefill", "disaggregation", "speculative")
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -384,6 +384,8 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
         total += overload.num_runs(args.repeats, args.quick)
     if "sparse_prefill" in args.only:
         total += sparse_prefill.num_runs(args.repeats, args.quick)
+    if "speculative" in args.only:
+        total += 2 * 2 * (2 if args.quick else 3) * 10  # speculative.num_runs
     progress = Progress(total, enabled=not args.no_progress)
     results: list[dict[str, Any]] = []
     try:
@@ -410,6 +412,20 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     progress=progress,
                 )
                 results.append(_standalone(name, title, run))
+        if "speculative" in args.only:
+            from services.bench import speculative
+
+            results.append(
+                _standalone(
+                    "speculative",
+                    "Self-speculative decoding",
+                    lambda: speculative.run_comparison(
+                        bench.model, checkpoint, seed=args.seed, quick=args.quick,
+                        model_label=model_label, progress=progress,
+                    ),
+                    kind="speculative",
+                )
+            )  # fmt: skip
         if "scheduler" in args.only:
             steps = 200 if args.quick else 2000
             results.append(scheduler_step.run_comparison(args.repeats, steps=steps))

@@ -110,6 +110,8 @@ class Request:
     speculating: bool = False
     spec_inflight: list[int] = field(default_factory=list)
     spec_open_k: int = -1
+    num_draft_tokens: int = 0  # over its life (preemptions included)
+    num_accepted_draft_tokens: int = 0
 
     # fixed at creation; plain attributes because the selection loop reads them per row
     num_prompt_tokens: int = field(init=False)

@@ -192,19 +192,21 @@ class Speculator:
     ) -> None:
         """A SPECULATIVE row's result: its committed tokens, one by one through ``append``
         (plain decoding's path, which finishes the request on a stop or max_tokens: the
-        tokens after that are dropped), then the cycle's acceptance."""
+        tokens after that are dropped), and the cycle's acceptance."""
         request = task.request
         k = request.spec_inflight.pop(0)
         request.spec_open_k = max(request.spec_open_k, k) if row.cycle_open else -1
+        if not row.cycle_open and row.drafted:  # before the tokens: they may finish it
+            request.num_draft_tokens += row.drafted
+            request.num_accepted_draft_tokens += row.accepted
+            self._state.spec_stats.record_cycle(row.drafted, row.accepted)
+            self.auto.observe_cycle(row.drafted, row.accepted)
         for token, loops in zip(row.token_ids, row.token_exit_loops, strict=True):
             if request.is_finished:
                 break
             request.num_computed_tokens += 1
             self.auto.observe_exit(loops)
             append(request, RowResult(row_index=row.row_index, token_id=token), loops)
-        if not row.cycle_open and row.drafted:
-            self._state.spec_stats.record_cycle(row.drafted, row.accepted)
-            self.auto.observe_cycle(row.drafted, row.accepted)
 
 
 def _row_k(task: ScheduledTask) -> int:

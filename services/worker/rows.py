@@ -40,7 +40,7 @@ class RunnerStats:
         self.execute_s += seconds
         self.batches += 1
         if batch.kind is BatchKind.RECURRENT and any(
-            r.kind is RowKind.DECODE or r.kind is RowKind.FOLLOW_ON for r in batch.rows
+            r.kind in (RowKind.DECODE, RowKind.FOLLOW_ON, RowKind.SPECULATIVE) for r in batch.rows
         ):
             self.decode_batches += 1
 
