@@ -10,7 +10,7 @@ import pytest
 from messages.api import FinishedEvent
 from messages.batch import RowKind
 from messages.sampling import SamplingParams
-from services.common.config import SchedulerConfig
+from services.common.config import KVLayout, SchedulerConfig
 from services.common.flags import add_engine_flags, scheduler_config_from_args
 from services.engine.engine import LLMEngine
 from services.scheduler.batch import ScheduledBatch
@@ -84,6 +84,18 @@ def test_opted_out_and_logprob_requests_decode_plainly_beside_speculating_ones(t
     spec = engine.scheduler.spec_stats
     assert spec.num_draft_tokens == done["spec"].draft_tokens
     assert sum(spec.accepted_per_position) == spec.num_accepted_tokens
+
+
+@pytest.mark.oracle
+def test_the_shared_layout_does_not_speculate(toy_model) -> None:
+    batches: list[ScheduledBatch] = []
+    config = SchedulerConfig(
+        block_size=4, num_blocks=256, kv_layout=KVLayout.SHARED, speculative_tokens=3
+    )
+    engine = LLMEngine(toy_model, config, on_batch=batches.append)
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.run_until_done()
+    assert _spec_rows(batches, "r") == 0
 
 
 @pytest.mark.unit

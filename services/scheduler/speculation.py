@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from messages.batch import RowKind, RowResult
+from services.common.config import KVLayout
 from services.scheduler.batch import ScheduledTask
 from services.scheduler.request import Request, RequestState
 from services.scheduler.state import SchedulerState
@@ -97,7 +98,10 @@ class Speculator:
         config = state.config
         self.max_k = config.speculative_tokens
         self.d = config.draft_loops
-        self.enabled = self.max_k > 0
+        # the shared KV layout keeps one version of a token's K/V, its final one, which a
+        # later position reads: while a cycle drafts and verifies, the version there is not
+        # final yet, so drafts would read what plain decoding never does. Off for it.
+        self.enabled = self.max_k > 0 and config.kv_layout is KVLayout.LAST_EXITED
         if self.enabled and self.d >= state.total_ut_steps:
             raise ValueError(
                 f"draft_loops ({self.d}) must be below the model's total_ut_steps "
@@ -106,6 +110,7 @@ class Speculator:
         self.auto = DraftLength(self.max_k, self.d, state.total_ut_steps)
         self._auto = config.speculative_auto
         self._step_k = self.max_k
+        self._sampled_k = min(self.max_k, config.max_num_batched_tokens - 1)
 
     def start_step(self) -> None:
         """Once per batch: ``auto`` picks this step's K from the decoding batch's size."""
@@ -147,7 +152,10 @@ class Speculator:
     ) -> ScheduledTask | None:
         """The request's SPECULATIVE task, charged the most rows its pass can have, or None
         when the budget or KV cannot take it now."""
-        k = min(self._step_k, budget_left - 1)
+        # a sampled token depends on where cycles start (which positions draft): its K
+        # depends on the request alone, never on the load (auto) or the budget left
+        sampled = bool(request.params.temperature)
+        k = self._sampled_k if sampled else min(self._step_k, budget_left - 1)
         if k < 0:
             return None
         bound = max([k, request.spec_open_k, *request.spec_inflight])
