@@ -9,7 +9,7 @@ import pytest
 
 from messages.api import FinishedEvent
 from messages.batch import RowKind
-from messages.sampling import SamplingParams
+from messages.sampling import SamplingParams, StructuredOutput
 from services.common.config import KVLayout, SchedulerConfig
 from services.common.flags import add_engine_flags, scheduler_config_from_args
 from services.engine.engine import LLMEngine
@@ -84,6 +84,28 @@ def test_opted_out_and_logprob_requests_decode_plainly_beside_speculating_ones(t
     spec = engine.scheduler.spec_stats
     assert spec.num_draft_tokens == done["spec"].draft_tokens
     assert sum(spec.accepted_per_position) == spec.num_accepted_tokens
+
+
+@pytest.mark.oracle
+def test_a_structured_output_decodes_plainly_with_the_same_tokens(toy_model, codec) -> None:
+    fmt = SamplingParams(
+        max_tokens=12, temperature=0.0, structured_output=StructuredOutput(kind="json_object")
+    )
+    done = {}
+    for k in (0, 3):
+        batches: list[ScheduledBatch] = []
+        config = SchedulerConfig(block_size=4, num_blocks=256, speculative_tokens=k)
+        engine = LLMEngine(toy_model, config, codec=codec, on_batch=batches.append)
+        engine.add_request("fmt", [5, 6, 7], fmt)
+        engine.add_request("free", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+        events = engine.run_until_done()
+        done[k] = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
+        assert _spec_rows(batches, "fmt") == 0
+        if k == 0:
+            assert _spec_rows(batches, "free") == 0
+    assert done[3]["fmt"].token_ids == done[0]["fmt"].token_ids
+    assert done[3]["free"].token_ids == done[0]["free"].token_ids
+    assert done[3]["free"].draft_tokens > 0
 
 
 @pytest.mark.oracle

@@ -43,7 +43,7 @@ def test_rejection_rule_draws_follow_the_target(temperature, top_k, top_p) -> No
     target = torch.randn(10, generator=gen) * 1.5
     draft = target + torch.randn(10, generator=gen)  # a draft that is often, not always, right
     p = filtered_probs(target, temperature, top_k, top_p)
-    n = 12_000
+    n = 6_000
     counts: dict[object, int] = {}
     accepted = 0
     for i in range(n):
