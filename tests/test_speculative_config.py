@@ -97,7 +97,8 @@ def test_a_structured_output_decodes_plainly_with_the_same_tokens(toy_model, cod
         config = SchedulerConfig(block_size=4, num_blocks=256, speculative_tokens=k)
         engine = LLMEngine(toy_model, config, codec=codec, on_batch=batches.append)
         engine.add_request("fmt", [5, 6, 7], fmt)
-        engine.add_request("free", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+        free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        engine.add_request("free", [5, 6, 7], free)
         events = engine.run_until_done()
         done[k] = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
         assert _spec_rows(batches, "fmt") == 0
