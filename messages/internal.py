@@ -123,6 +123,9 @@ class ShardAnnounce(msgspec.Struct, kw_only=True):
     # include its setting: admission keys its prefix lookups the way this shard keys blocks
     sparse_prefill: SparsePrefill | None = None
     sparse_prefill_default: bool = False
+    # its KV codec (--kv-cache-dtype): a block's hash includes it (other than "auto"), so
+    # admission keys its prefix lookups for this shard with it
+    kv_cache_dtype: str = "auto"
 
 
 class RelayedEvent(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -199,8 +199,9 @@ class StructuredOutputKind(StrEnum):
 
 
 class StructuredOutputsBackend(StrEnum):
-    """The grammar engine that turns a format into token masks (services/common/grammar.py).
-    The default is chosen by measured conformance (docs/benchmarks/structured_outputs.md)."""
+    """The grammar engine that turns a format into token masks
+    (services/common/structured/grammar.py). The default is chosen by measured conformance
+    (docs/benchmarks/structured_outputs.md)."""
 
     LLGUIDANCE = "llguidance"
     XGRAMMAR = "xgrammar"

@@ -37,7 +37,7 @@ from messages.sampling import SamplingParams, StructuredOutput, StructuredOutput
 from services.bench.conformance import CaseResult, ConformanceRun, SchemaCase, load_cases
 from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
-from services.common.grammar import check_structured_output
+from services.common.structured.grammar import check_structured_output
 from services.common.tokenizer import TextCodec
 from services.worker.model.toy import ensure_checkpoint
 
@@ -228,7 +228,7 @@ def run_engine(
     torch.set_num_threads(1)
     model = OuroModel.from_checkpoint(checkpoint)
     print(
-        f"End to end: {checkpoint.name}'s random weights, temperature {args.temperature}, "
+        f"End to end: {checkpoint.name}'s weights, temperature {args.temperature}, "
         f"top_p {args.top_p}, "
         f"max_tokens {args.max_tokens}, 16 random prompt tokens per request, one request "
         "per schema the engine compiles (seeded shuffle).\n"

@@ -6,14 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from services.common.flags import (
-    add_bus_flags,
-    add_device_flags,
-    add_engine_flags,
-    add_http_flags,
-    add_request_flags,
-    add_shard_flags,
-)
+from services.common.flags import add_device_flags, add_engine_flags, add_request_flags
+from services.common.service_flags import add_bus_flags, add_http_flags, add_shard_flags
 from services.worker.model.sizes import CHECKPOINT_SIZES
 
 
@@ -188,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="what depth buys a trained checkpoint (loss, exits, sparse)")
-    from services.evaluation.command import add_eval_arguments
+    from services.evaluation.args import add_eval_arguments
 
     add_eval_arguments(p)
     p.set_defaults(func=cmd_eval)

@@ -13,8 +13,8 @@ from services.common.sparse_prefill import resolve_sparse_prefill
 from services.engine.engine import LLMEngine
 from services.oracle import SerialOracle, SparseSetting
 from services.oracle.near_tie import compare_with_oracle
-from services.scheduler.batch import ScheduledBatch
-from services.scheduler.kv_admission import Commitment
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.kv.kv_admission import Commitment
 from services.worker.model.ouro import OuroModel
 
 
@@ -149,6 +149,8 @@ def oracle_result(
         kv_layout=config.kv_layout.value,
         prefill_chunk_size=config.prefill_chunk_size if shared else None,
         sparse_prefill=sparse_setting(params, config, oracle.total_ut_steps),
+        kv_cache_dtype=config.kv_cache_dtype,
+        kv_block_size=config.block_size,
     )
 
 

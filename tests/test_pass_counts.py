@@ -19,7 +19,7 @@ from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import random_weights, toy_config
-from services.worker.static_decode import DecodeMode
+from services.worker.passes.static_decode import DecodeMode
 
 pytestmark = pytest.mark.unit
 
@@ -54,9 +54,13 @@ def _model(layers: int) -> OuroModel:
     return OuroModel(cfg, dict(random_weights(cfg)))
 
 
-def _decode_counts(layers: int, mode: DecodeMode) -> tuple[Counter[str], int, int, int]:
+def _decode_counts(
+    layers: int, mode: DecodeMode, kv_cache_dtype: str = "auto"
+) -> tuple[Counter[str], int, int, int]:
     """(ops, passes, copies to the device, copies to the host) over decode-only steps."""
-    config = SchedulerConfig(block_size=4, num_blocks=1024, max_num_seqs=64)
+    config = SchedulerConfig(
+        block_size=4, num_blocks=1024, max_num_seqs=64, kv_cache_dtype=kv_cache_dtype
+    )
     engine = LLMEngine(_model(layers), config, decode_mode=mode)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
     for i in range(NUM_REQUESTS):
@@ -91,6 +95,22 @@ def test_ops_per_layer_and_outside_the_layers_meet_their_bounds(mode: DecodeMode
     assert to_host <= passes2
     assert to_device <= passes2
     assert not _SYNC_OPS & set(ops2), ops2
+
+
+def test_fp8_kv_keeps_the_ops_per_layer_of_auto() -> None:
+    """fp8 quantises inside the fused RoPE + write op: a layer launches what it does under
+    auto; outside the layers only the exit copy's scale copy is added."""
+    per_codec = {}
+    for codec in ("auto", "fp8"):
+        ops2, passes2, *_ = _decode_counts(2, DecodeMode.PADDED, codec)
+        ops4, passes4, *_ = _decode_counts(4, DecodeMode.PADDED, codec)
+        assert passes2 == passes4 > 0
+        per_layer = (sum(ops4.values()) - sum(ops2.values())) / (2 * passes2)
+        per_codec[codec] = (per_layer, ops2)
+    assert per_codec["fp8"][0] == per_codec["auto"][0], per_codec
+    fp8_ops = per_codec["fp8"][1]
+    assert any(name.startswith("rlt.rope_write_kv_fp8") for name in fp8_ops), fp8_ops
+    assert not _SYNC_OPS & set(fp8_ops), fp8_ops
 
 
 def test_padded_decode_pass_runs_through_static_buckets() -> None:

@@ -13,8 +13,8 @@ from messages.sampling import SamplingParams, StructuredOutput
 from services.common.config import KVLayout, SchedulerConfig
 from services.common.flags import add_engine_flags, scheduler_config_from_args
 from services.engine.engine import LLMEngine
-from services.scheduler.batch import ScheduledBatch
-from services.scheduler.speculation import DraftLength
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.speculation import DraftLength
 
 
 def _parse(*argv: str) -> SchedulerConfig:

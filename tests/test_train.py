@@ -15,8 +15,9 @@ from services.train.corpus import build_corpus
 from services.train.export import TRAINING_FILE, export_checkpoint
 from services.train.model import LoopedLM
 from services.train.objective import exit_distribution, stage1_loss, stage2_loss
+from services.train.settings import TrainSettings
 from services.train.tokenizer import train_tokenizer
-from services.train.trainer import TokenizedCorpus, Trainer, TrainSettings
+from services.train.trainer import TokenizedCorpus, Trainer
 
 pytestmark = pytest.mark.unit
 
@@ -142,6 +143,8 @@ def test_resumed_run_equals_an_uninterrupted_one(
         assert torch.equal(value, second.model.state_dict()[name]), name
     with pytest.raises(SystemExit, match="other settings"):
         Trainer(tmp_path / "parts", replace(settings, lr=1.0), tiny_data)
+    # more minutes stretch the schedule of a resumed run; nothing else may change
+    assert Trainer(tmp_path / "parts", replace(settings, minutes=20.0), tiny_data).step == 8
 
 
 def test_training_lowers_held_out_loss_at_every_loop(

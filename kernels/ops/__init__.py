@@ -13,6 +13,7 @@ from kernels.ops.exit_rule import exit_rule
 from kernels.ops.kv_copy import copy_kv_slots_masked
 from kernels.ops.norms import add_rms_norm, rms_norm
 from kernels.ops.rope_kv import rope_write_kv
+from kernels.ops.rope_kv_fp8 import rope_write_kv_fp8
 from kernels.ops.sample import sample
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "rope_write_kv",
+    "rope_write_kv_fp8",
     "sample",
     "silu_mul",
     "triton_available",

@@ -22,6 +22,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope_qkv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rotated q [T, nh, hd], rotated k [T, nkv, hd], v [T, nkv, hd]) of qkv (views)."""
+    num_rows = qkv.shape[0]
+    kv_dim = num_kv_heads * head_dim
+    q_dim = num_heads * head_dim
+    # q and k rotate together: one set of elementwise ops over their heads
+    qk = qkv[:, : q_dim + kv_dim].view(num_rows, num_heads + num_kv_heads, head_dim)
+    c, s = cos[:, None, :], sin[:, None, :]
+    qk = qk * c + _rotate_half(qk) * s
+    v = qkv[:, q_dim + kv_dim :].view(num_rows, num_kv_heads, head_dim)
+    return qk[:, :num_heads], qk[:, num_heads:], v
+
+
 def rope_write_kv_reference(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -32,15 +52,8 @@ def rope_write_kv_reference(
     num_heads: int,
     num_kv_heads: int,
 ) -> torch.Tensor:
-    num_rows, head_dim = qkv.shape[0], k_cache.shape[-1]
-    kv_dim = num_kv_heads * head_dim
-    q_dim = num_heads * head_dim
-    # q and k rotate together: one set of elementwise ops over their heads
-    qk = qkv[:, : q_dim + kv_dim].view(num_rows, num_heads + num_kv_heads, head_dim)
-    c, s = cos[:, None, :], sin[:, None, :]
-    qk = qk * c + _rotate_half(qk) * s
-    q, k = qk[:, :num_heads], qk[:, num_heads:]
-    v = qkv[:, q_dim + kv_dim :].view(num_rows, num_kv_heads, head_dim)
+    head_dim = k_cache.shape[-1]
+    q, k, v = rope_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     if slot_mapping.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous():
         # a host read is free on the CPU: write every row at once unless some are padding
         keep = slot_mapping >= 0

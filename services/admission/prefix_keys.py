@@ -23,6 +23,9 @@ from services.common.sparse_prefill import (
     resolve_sparse_prefill,
 )
 
+# what a shard's prompt block hashes depend on: its sparse setting and its KV codec
+_Key = tuple[SparseSchedule | None, str]
+
 
 def shard_schedule(
     shard: Shard, params: SamplingParams, carried: PrefillSetting | None
@@ -43,12 +46,12 @@ def shard_schedule(
 
 @dataclass
 class PrefixKeys:
-    """``hashes[schedule]``: the prompt's claimable block hashes under that setting;
-    ``schedule_of[shard_id]``: the setting each candidate shard would use."""
+    """``hashes[key]``: the prompt's claimable block hashes under a (sparse setting, KV
+    codec) key; ``schedule_of[shard_id]``: the key each candidate shard would use."""
 
     block_size: int
-    hashes: dict[SparseSchedule | None, list[int]] = field(default_factory=dict)
-    schedule_of: dict[str, SparseSchedule | None] = field(default_factory=dict)
+    hashes: dict[_Key, list[int]] = field(default_factory=dict)
+    schedule_of: dict[str, _Key] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -63,17 +66,20 @@ class PrefixKeys:
         usable = cacheable_prefix_blocks(len(prompt), block_size)
         for shard in shards:
             schedule = shard_schedule(shard, params, carried)
-            keys.schedule_of[shard.shard_id] = schedule
-            if schedule not in keys.hashes:
-                hashes = prefix_block_hashes(prompt, block_size, schedule)
-                keys.hashes[schedule] = hashes[:usable]
+            key = (schedule, shard.kv_cache_dtype)
+            keys.schedule_of[shard.shard_id] = key
+            if key not in keys.hashes:
+                hashes = prefix_block_hashes(
+                    prompt, block_size, schedule, kv_cache_dtype=shard.kv_cache_dtype
+                )
+                keys.hashes[key] = hashes[:usable]
         return keys
 
     def groups(self) -> Iterator[tuple[list[int], set[str]]]:
         """(hashes, the shards that key the prompt so), for every non-empty list."""
-        for schedule, hashes in self.hashes.items():
+        for key, hashes in self.hashes.items():
             if hashes:
-                yield hashes, {s for s, mine in self.schedule_of.items() if mine == schedule}
+                yield hashes, {s for s, mine in self.schedule_of.items() if mine == key}
 
     def of_shard(self, shard_id: str) -> list[int]:
         return self.hashes.get(self.schedule_of.get(shard_id), [])
@@ -81,5 +87,6 @@ class PrefixKeys:
     def claimable(self, shard_id: str, blocks: int) -> int:
         """Of ``blocks`` cached leading blocks, what the shard's scheduler would claim (a
         token-sparse hit ends at a window boundary)."""
-        schedule = self.schedule_of.get(shard_id)
+        key = self.schedule_of.get(shard_id)
+        schedule = None if key is None else key[0]
         return blocks if schedule is None else schedule.whole_window_blocks(blocks, self.block_size)

@@ -78,6 +78,8 @@ class Shard:
     # its token-sparse prefill defaults (None: it cannot run it, or did not say): how it
     # keys a request's prompt blocks (``prefix_keys.py``)
     sparse_defaults: SparseDefaults | None = None
+    # its KV codec: part of its prefix block hashes (``prefix_keys.py``)
+    kv_cache_dtype: str = "auto"
 
     def fresh(self, now: float, fresh_s: float) -> bool:
         return now - self.report_at <= fresh_s
@@ -152,6 +154,7 @@ class ShardTable:
             current.producer_id = a.producer_id or current.producer_id
             current.role, current.block_format = a.role, a.block_format
             current.sparse_defaults = _sparse_defaults(a)
+            current.kv_cache_dtype = a.kv_cache_dtype
             return None, None
         replaced = current.scheduler_id if current is not None else None
         self.shards[a.shard_id] = Shard(
@@ -164,6 +167,7 @@ class ShardTable:
             role=a.role,
             block_format=a.block_format,
             sparse_defaults=_sparse_defaults(a),
+            kv_cache_dtype=a.kv_cache_dtype,
         )
         return None, replaced
 

@@ -23,17 +23,11 @@ from typing import Any
 
 import torch
 
-from services.bench import overload, scheduler_step, sparse_prefill
 from services.bench.analysis import arm_summary, ratio_result
 from services.bench.backends import Backend, InProcessBackend
-from services.bench.comparisons import (
-    Arm,
-    BackendKind,
-    BenchSettings,
-    Comparison,
-    UnknownArmError,
-    build_comparisons,
-)
+from services.bench.comparison import Arm, BackendKind, BenchSettings, Comparison
+from services.bench.comparisons import overload, scheduler_step, sparse_prefill
+from services.bench.comparisons.registry import UnknownArmError, build_comparisons
 from services.bench.metrics import (
     BREAKDOWN_METRICS,
     CPU_METRICS,
@@ -337,7 +331,14 @@ def _standalone(
         return {**failed, "error": f"{type(exc).__name__}: {exc}", "runs": [], "ratios": []}
 
 
-STANDALONE = ("scheduler", "overload", "sparse_prefill", "disaggregation", "speculative")
+STANDALONE = (
+    "scheduler",
+    "overload",
+    "sparse_prefill",
+    "disaggregation",
+    "kv_codec",
+    "speculative",
+)
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -413,7 +414,7 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 results.append(_standalone(name, title, run))
         if "speculative" in args.only:
-            from services.bench import speculative
+            from services.bench.comparisons import speculative
 
             results.append(
                 _standalone(
@@ -426,11 +427,23 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     kind="speculative",
                 )
             )  # fmt: skip
+        if "kv_codec" in args.only:
+            from services.bench.comparisons import kv_codec
+
+            results.append(
+                _standalone(
+                    "kv_codec",
+                    "KV codecs",
+                    lambda: kv_codec.run_comparison(bench.model, quick=args.quick),
+                )
+            )
         if "scheduler" in args.only:
             steps = 200 if args.quick else 2000
             results.append(scheduler_step.run_comparison(args.repeats, steps=steps))
         if "disaggregation" in args.only:
-            from services.bench import disaggregation  # NIXL and processes: only when asked
+            from services.bench.comparisons import (
+                disaggregation,  # NIXL and processes: only when asked
+            )
 
             results.append(
                 _standalone(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from kernels.kv_codec import CODECS as KV_CACHE_DTYPES
 from messages.errors import RequestError
 from messages.sampling import (
     API_DEFAULTS,
@@ -123,6 +124,9 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int = 4096
     kv_layout: KVLayout = KVLayout.LAST_EXITED
+    # how a KV block stores its tokens (kernels/kv_codec.py): "auto" (the model's dtype,
+    # exact), "fp8" (e4m3 codes + a scale per token and kv head); one per server
+    kv_cache_dtype: str = "auto"
     # continuous depth batching: an exited row starts its next token in the next pass
     refill: bool = True
     enable_prefix_caching: bool = False
@@ -144,7 +148,7 @@ class SchedulerConfig:
     # under reserve/watermark: how many times a waiting request the KV policy refuses may
     # be passed by requests of its priority behind it that fit, besides backfills (those
     # estimated to finish before it could start). 0 = strict queue order, no backfill
-    # either (services/scheduler/waiting.py, docs/benchmarks/admission_bypass.md)
+    # either (services/scheduler/core/waiting.py, docs/benchmarks/admission_bypass.md)
     max_admission_bypasses: int = 4
     # the grammar engine of structured outputs: admission (or the in-process engine) writes
     # it into each request, so every worker the request runs on uses the same one; the
@@ -205,6 +209,11 @@ class SchedulerConfig:
                 f"got {self.structured_outputs_backend!r}"
             ) from None
         object.__setattr__(self, "structured_outputs_backend", backend)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if not 0.0 <= self.kv_watermark <= 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1], got {self.kv_watermark}")
         if self.max_admission_bypasses < 0:

@@ -29,6 +29,13 @@ class KVGeometry:
         return blocks_per_plane(num_tokens, self.block_size) * self.num_planes
 
 
+def blocks_in_memory(kv_bytes: int, block_bytes: int) -> int:
+    """Block ids a KV memory of ``kv_bytes`` holds when one block id (one plane's block over
+    every layer, codes and scales included) takes ``block_bytes``: a codec's real bytes, so
+    fp8 holds ~1.94x the blocks of bf16 ``auto`` in the same memory."""
+    return kv_bytes // block_bytes
+
+
 def kv_tokens(num_prompt: int, max_tokens: int) -> int:
     """KV slots a request can ever write: the last sampled token is never fed back."""
     return num_prompt + max_tokens - 1

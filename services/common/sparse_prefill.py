@@ -111,12 +111,17 @@ def prefix_block_hashes(
     block_size: int,
     schedule: SparseSchedule | None,
     salt: bytes = b"",
+    kv_cache_dtype: str = "auto",
 ) -> list[int]:
     """The prompt's block hashes as a scheduler publishes and claims them, and as admission
     must ask the prefix index for them. Under token-sparse prefill a block's KV depends on
     the window and retention (they go into its hash) and on whether its window holds the
     prompt's last token (always kept): only blocks before the last window are another
-    prompt's."""
+    prompt's. A block stored under a KV codec other than ``auto`` is other bytes: the codec
+    goes into its hash, so no block is ever shared across codecs (``auto`` adds nothing,
+    keeping the hashes every existing index holds)."""
+    if kv_cache_dtype != "auto":
+        salt += encode_extra_keys("kv-cache-dtype", kv_cache_dtype)
     if schedule is None:
         return prompt_block_hashes(token_ids, block_size, salt)
     reusable = schedule.last_reusable_position(len(token_ids)) // block_size

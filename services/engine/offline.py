@@ -18,7 +18,7 @@ from services.common.flags import (
 )
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
-from services.scheduler.batch import ScheduledBatch
+from services.scheduler.core.batch import ScheduledBatch
 from services.worker.model.toy import ensure_checkpoint
 
 
@@ -42,14 +42,17 @@ def build_offline_engine(
     codec = TextCodec.from_checkpoint(checkpoint)
     prompts = collect_prompts(args, codec)
     device, dtype = device_from_args(args)
-    engine = LLMEngine.from_checkpoint(
-        checkpoint,
-        scheduler_config_from_args(args),
-        dtype=dtype,
-        device=device,
-        codec=codec,
-        on_batch=on_batch,
-    )
+    try:
+        engine = LLMEngine.from_checkpoint(
+            checkpoint,
+            scheduler_config_from_args(args),
+            dtype=dtype,
+            device=device,
+            codec=codec,
+            on_batch=on_batch,
+        )
+    except ValueError as exc:  # a setting this engine refuses by name (a KV codec)
+        raise SystemExit(f"error: {exc}") from None
     return engine, codec, prompts
 
 

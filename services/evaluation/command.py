@@ -18,6 +18,7 @@ from services.train.model import LoopedLM
 from .depth import fixed_depth_table
 from .exit_sweep import best_saving, exit_sweep
 from .held_out import held_out_stream, windows
+from .kv_codec_cost import kv_codec_cost
 from .report import write_results
 from .sparse_cost import sparse_cost
 
@@ -28,14 +29,6 @@ SPARSE = [
     ((1.0, 1.0, 0.25, 0.1), 256),
     ((1.0, 1.0, 0.5, 0.25), 256),
 ]
-
-
-def add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", type=Path, help="a checkpoint `rlt train` wrote")
-    p.add_argument("--out", type=Path, default=Path("docs/benchmarks/depth_quality"))
-    p.add_argument("--quick", action="store_true", help="a few windows (seconds; for tests)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--no-plots", action="store_true")
 
 
 def evaluate(checkpoint: Path, quick: bool) -> dict[str, Any]:
@@ -64,16 +57,22 @@ def evaluate(checkpoint: Path, quick: bool) -> dict[str, Any]:
         sparse_prompt,
         sparse_settings,
     )
+    codec_prompt, codec_cont = (32, 8) if quick else (256, 64)
+    codecs = kv_codec_cost(
+        oracle, windows(stream, n_sparse, codec_prompt + codec_cont), codec_prompt
+    )
     return {
         "checkpoint": str(checkpoint),
+        "kv_codecs": codecs,
         "held_out": f"{stream.numel()} held-out tokens; {n_depth} windows of 512 for the "
         f"fixed-depth table, {n_sweep} of {prompt} prompt + {continuation} scored tokens for "
-        f"the exit sweep, {n_sparse} of {sparse_prompt} + {sparse_cont} for sparse prefill",
+        f"the exit sweep, {n_sparse} of {sparse_prompt} + {sparse_cont} for sparse prefill, "
+        f"{n_sparse} of {codec_prompt} + {codec_cont} for the KV codecs",
         "oracle_max_abs_diff": oracle_diff,
         "depth": depth,
         "exit_sweeps": sweeps,
         "sparse": sparse,
-        "targets": _targets(depth, sweeps),
+        "targets": _targets(depth, sweeps) + _codec_targets(codecs),
     }
 
 
@@ -104,6 +103,22 @@ def _targets(depth: list, sweeps: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def _codec_targets(rows: list) -> list[dict[str, Any]]:
+    by = {r.codec: r for r in rows}
+    out = []
+    for codec, max_loss, min_agree in (("fp8", 1.002, 0.97), ("int4-delta", 1.01, 0.90)):
+        r = by[codec]
+        out.append(
+            {
+                "target": f"{codec}: held-out loss <= {max_loss:.3f}x auto, greedy == auto on "
+                f">= {min_agree:.0%} of positions",
+                "figure": f"{r.loss_ratio:.4f}x loss, {r.greedy_agreement:.3f} agreement",
+                "met": r.loss_ratio <= max_loss and r.greedy_agreement >= min_agree,
+            }
+        )
+    return out
+
+
 def run_eval(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     results = evaluate(args.checkpoint, args.quick)
@@ -115,6 +130,7 @@ def run_eval(args: argparse.Namespace) -> int:
         for s in results["exit_sweeps"]
     ]
     results["sparse"] = [asdict(r) for r in results["sparse"]]
+    results["kv_codecs"] = [asdict(r) for r in results["kv_codecs"]]
     paths = write_results(results, args.out, plots=not args.no_plots)
     print((args.out / "report.md").read_text())
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)

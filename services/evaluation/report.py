@@ -76,6 +76,18 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {s['continuation_loss']:.4f} | {s['loss_ratio']:.4f}x "
             f"| {s['first_token_agreement']:.3f} |"
         )
+    lines += [
+        "",
+        "### KV codecs' cost (oracle's codecs, teacher-forced continuation)",
+        "",
+        "| kv-cache-dtype | continuation loss | vs auto | greedy == auto |",
+        "|---|---|---|---|",
+    ]
+    for c in r["kv_codecs"]:
+        lines.append(
+            f"| {c['codec']} | {c['loss']:.4f} | {c['loss_ratio']:.4f}x "
+            f"| {c['greedy_agreement']:.3f} |"
+        )
     lines += ["", "### Targets", "", "| target | figure | met |", "|---|---|---|"]
     for t in r["targets"]:
         lines.append(f"| {t['target']} | {t['figure']} | {'yes' if t['met'] else '**no**'} |")

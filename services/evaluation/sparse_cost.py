@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.oracle import SerialOracle
-from services.oracle.serial import SparseSetting
+from services.oracle import SerialOracle, SparseSetting
 
 from .teacher_forcing import score_continuation
 

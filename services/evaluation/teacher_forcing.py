@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.oracle import SerialOracle
-from services.oracle.serial import SparseSetting
+from services.oracle import SerialOracle, SparseSetting
 
 
 @dataclass(frozen=True)
@@ -21,6 +20,7 @@ class ScoredContinuation:
     nll: list[float]  # per continuation token
     exit_depths: list[int]  # per continuation token (the first one comes from the prefill)
     first_greedy: int  # the argmax of the first token's logits
+    greedy: list[int]  # the argmax at every continuation position
 
 
 def score_continuation(
@@ -31,18 +31,18 @@ def score_continuation(
     min_loops: int = 1,
     exit_threshold: float = 1.0,
     sparse: SparseSetting | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> ScoredContinuation:
     tokens = window.tolist()
     prompt, continuation = tokens[:prompt_len], tokens[prompt_len:]
     nll: list[float] = []
-    first: list[int] = []
+    greedy: list[int] = []
 
     def forced(logits: torch.Tensor, index: int) -> int:
         logp = torch.log_softmax(logits.float(), dim=-1)
         target = continuation[index]
         nll.append(-float(logp[target]))
-        if index == 0:
-            first.append(int(logits.argmax()))
+        greedy.append(int(logits.argmax()))
         return target
 
     result = oracle.generate(
@@ -53,5 +53,6 @@ def score_continuation(
         ignore_eos=True,
         sampler=forced,
         sparse_prefill=sparse,
+        kv_cache_dtype=kv_cache_dtype,
     )
-    return ScoredContinuation(nll, result.exit_depths, first[0])
+    return ScoredContinuation(nll, result.exit_depths, greedy[0], greedy)

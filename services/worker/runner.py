@@ -20,25 +20,19 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from kernels.ops import copy_kv_slots_masked, exit_rule
+from kernels.kv_codec import AUTO
+from kernels.ops import exit_rule
 from kernels.ops.backends import select_backends
 from messages.batch import Batch, BatchKind, BatchResult
 from services.common.config import KVLayout
 from services.common.sampling import sample_batch
 from services.common.sparse_prefill import SparseSchedule
-from services.worker.decode_pool import DecodePool
-from services.worker.grammar import (
-    GrammarBook,
-    PassMasks,
-    RequestGrammar,
-    fill_pass_masks,
-    mask_words,
-)
-from services.worker.logprobs import logprob_columns, sampled_logprobs, score_prompts
+from services.worker.kv_cache import PagedKV
 from services.worker.model.ouro import OuroModel, PassAttention
-from services.worker.pass_inputs import DevicePass
-from services.worker.pass_plan import PassPlan, PassPlanner, RequestView
-from services.worker.rows import (
+from services.worker.passes.decode_pool import DecodePool
+from services.worker.passes.pass_inputs import DevicePass
+from services.worker.passes.pass_plan import PassPlan, PassPlanner, RequestView
+from services.worker.passes.rows import (
     LiveRow,
     RowCursor,
     RunnerStats,
@@ -49,10 +43,18 @@ from services.worker.rows import (
     row_failed,
     token_sampled,
 )
-from services.worker.sparse_prefill import SparseFragments, SparseWindows
-from services.worker.speculative import Speculation
-from services.worker.static_decode import DecodeMode, StaticDecode
-from services.worker.transfer import Transfer
+from services.worker.passes.sparse_prefill import SparseFragments, SparseWindows
+from services.worker.passes.speculative import Speculation
+from services.worker.passes.static_decode import DecodeMode, StaticDecode
+from services.worker.passes.transfer import Transfer
+from services.worker.sampling.grammar import (
+    GrammarBook,
+    PassMasks,
+    RequestGrammar,
+    fill_pass_masks,
+    mask_words,
+)
+from services.worker.sampling.logprobs import logprob_columns, sampled_logprobs, score_prompts
 
 NAN_LOGITS = "the model produced NaN logits"
 
@@ -77,9 +79,11 @@ class ModelRunner:
         *,
         decode_mode: DecodeMode | None = None,
         grammars: GrammarBook | None = None,
+        kv_cache_dtype: str = AUTO,
     ) -> None:
         """``grammars``: structured outputs (the checkpoint's tokenizer); without it a
-        request with one fails."""
+        request with one fails. ``kv_cache_dtype``: the KV codec (``services/worker/kv_cache.py``;
+        ValueError for one the worker cannot store)."""
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
@@ -93,13 +97,17 @@ class ModelRunner:
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        # KV dtype follows the model (bf16/fp16 on CUDA): attention kernels read it as is.
-        self.k_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
-        self.v_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        # auto: the model dtype (bf16/fp16 on CUDA), read as is; fp8: codes and scales
+        self.kv = PagedKV(kv_cache_dtype, *shape, dtype=model.dtype, device=model.device)
+        self.k_cache, self.v_cache = self.kv.k, self.kv.v
         self.transfer = Transfer(model.device)
         mode = decode_mode or DecodeMode.default_for(model.device)
         if mode is DecodeMode.GRAPHS and model.device.type != "cuda":
             mode = DecodeMode.PADDED  # graphs need CUDA: the same static passes, eagerly
+        if mode is DecodeMode.GRAPHS and kv_cache_dtype != AUTO:
+            # fp8's ops are sync-free with Triton (checked under the interpreter), but no GPU
+            # run has captured them yet: the same static passes, eagerly, until one does
+            mode = DecodeMode.PADDED
         # Captured graphs read the pool's rows where they are: a pool with a row per KV block
         # never has to grow (each live request holds a block of its own), so nothing is
         # captured again while serving.
@@ -120,7 +128,7 @@ class ModelRunner:
         )
         self.requests: dict[str, _WorkerRequest] = {}
         self.sparse = SparseFragments(
-            self.planner, self.transfer, self.k_cache, self.v_cache, self.total_loops
+            self.planner, self.transfer, self.kv.copy_slots, self.total_loops
         )
         self.grammars = grammars
         # self-speculative cycles (docs/speculative.md): extra hidden rows from the pool
@@ -370,7 +378,13 @@ class ModelRunner:
             device["token.position"] if plan.gathered else None,
         )
         out, gates = model.core_loop(
-            hidden, model.rope(device["token.position"]), self.k_cache, self.v_cache, attn
+            hidden,
+            model.rope(device["token.position"]),
+            self.k_cache,
+            self.v_cache,
+            attn,
+            self.kv.k_scale,
+            self.kv.v_scale,
         )
         packed: list[torch.Tensor] = []
         if plan.shape.num_decode:
@@ -387,9 +401,7 @@ class ModelRunner:
             pool_slots = device["token.pool_slot"].index_select(0, decode_rows)
             self.pool.rows.index_put_((pool_slots,), out.index_select(0, decode_rows))
             if plan.shape.num_pairs:
-                copy_kv_slots_masked(
-                    self.k_cache,
-                    self.v_cache,
+                self.kv.copy_slots(
                     device["pair.src"],
                     device["pair.dst"],
                     exited.index_select(0, device["pair.decode_row"]),

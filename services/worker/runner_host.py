@@ -20,15 +20,17 @@ from pathlib import Path
 import structlog
 import torch
 
+from kernels.kv_codec import AUTO
 from services.common.config import KVLayout
 from services.common.model_config import OuroConfig
 from services.common.tokenizer import TextCodec
-from services.worker.grammar import GrammarBook
-from services.worker.kv_transfer import KVArena
+from services.worker.kv_cache import bytes_per_block, check_storable
+from services.worker.kv_transfer.agent import KVArena
 from services.worker.model.ouro import OuroModel
+from services.worker.passes.static_decode import DecodeMode
 from services.worker.runner import ModelRunner
+from services.worker.sampling.grammar import GrammarBook
 from services.worker.sim import SimRunner
-from services.worker.static_decode import DecodeMode
 
 SIM_DEVICE = "sim"
 # KV block size of the graph-memory probe (the graphs' memory does not depend on it)
@@ -48,11 +50,15 @@ class RunnerHost:
         *,
         sim_kv: bool = False,
         before_replace: Callable[[], None] | None = None,
+        kv_cache_dtype: str = AUTO,
     ) -> None:
         """``sim_kv``: a simulated device gets host KV arenas too (no compute reads them), so
         a disaggregation bench moves real bytes between simulated workers.
         ``before_replace``: called before a runner is dropped for a new one, so that
-        whatever else holds its KV (the KV transfer agent) lets go of it first."""
+        whatever else holds its KV (the KV transfer agent) lets go of it first.
+        ``kv_cache_dtype``: the server's KV codec (every runner it builds stores it)."""
+        check_storable(kv_cache_dtype)  # refused at start, by name
+        self.kv_cache_dtype = kv_cache_dtype
         self.sim_kv = sim_kv
         self.before_replace = before_replace
         self.checkpoint = Path(checkpoint)
@@ -115,8 +121,16 @@ class RunnerHost:
         assert self.model is not None
         cfg = self.model.cfg
         elem = torch.empty((), dtype=self.model.dtype).element_size()
-        per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
-        need = num_blocks * per_block * elem
+        # codes, scales and all: what PagedKV allocates per block id
+        per_block = bytes_per_block(
+            self.kv_cache_dtype,
+            cfg.num_hidden_layers,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            elem,
+        )
+        need = num_blocks * per_block
         runner = self.runner
         # a runner with graphs frees their pool with itself: the next one captures in it
         holds_graphs = isinstance(runner, ModelRunner) and runner.static is not None
@@ -139,7 +153,7 @@ class RunnerHost:
         runner = self.runner  # once: the compute thread may replace it meanwhile
         if not isinstance(runner, ModelRunner):
             return 0
-        return 2 * runner.k_cache.numel() * runner.k_cache.element_size()
+        return runner.kv.nbytes
 
     def make_runner(self, num_blocks: int, block_size: int, kv_layout: str) -> None:
         # on the compute thread (or at setup): allocating device KV can take a while
@@ -152,22 +166,27 @@ class RunnerHost:
         if self.simulated:
             assert self._sim_config is not None
             dilation = float(os.environ.get("RLT_SIM_DILATION", "1"))
-            self.runner = SimRunner.h200(self._sim_config, dilation=dilation)
+            self.runner = SimRunner.h200(
+                self._sim_config, dilation=dilation, kv_cache_dtype=self.kv_cache_dtype
+            )
             if self.sim_kv:
                 self.runner.kv_arena = sim_arena(num_blocks, block_size)
         else:
             assert self.model is not None
             runner = ModelRunner(
-                self.model, num_blocks, block_size, KVLayout(kv_layout), grammars=self.grammars
+                self.model,
+                num_blocks,
+                block_size,
+                KVLayout(kv_layout),
+                grammars=self.grammars,
+                kv_cache_dtype=self.kv_cache_dtype,
             )
             self.runner = runner
             if runner.model.device.type == "cuda":
                 free, _total = torch.cuda.mem_get_info(runner.model.device)
                 _log.info(
                     "kv_cache_allocated",
-                    gib=round(
-                        2 * runner.k_cache.numel() * runner.k_cache.element_size() / 2**30, 2
-                    ),
+                    gib=round(runner.kv.nbytes / 2**30, 2),
                     graph_reserve_mib=round(self.graph_reserve_bytes / 2**20, 1),
                     free_gib_after=round(free / 2**30, 2),
                 )

@@ -35,11 +35,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from kernels.kv_codec import AUTO, bytes_per_token
 from messages.batch import Batch, BatchKind, BatchResult, SampledLogprobs, WorkerSampling
 from services.common.model_config import OuroConfig
-from services.worker.kv_transfer import KVArena
-from services.worker.logprobs import LOGPROB_FLOOR
-from services.worker.rows import (
+from services.worker.kv_transfer.agent import KVArena
+from services.worker.passes.rows import (
     LiveRow,
     RowCursor,
     RunnerStats,
@@ -49,7 +49,8 @@ from services.worker.rows import (
     row_failed,
     token_sampled,
 )
-from services.worker.speculative import Speculation
+from services.worker.passes.speculative import Speculation
+from services.worker.sampling.logprobs import LOGPROB_FLOOR
 
 # NVIDIA H200 SXM: 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16 (published datasheet figures)
 H200_HBM_BYTES_PER_S = 4.8e12
@@ -84,7 +85,12 @@ class SimCostModel:
         dilation: float = 1.0,
         bytes_per_s: float = H200_HBM_BYTES_PER_S,
         flops_per_s: float = H200_BF16_FLOPS_PER_S,
+        kv_cache_dtype: str = AUTO,
+        block_size: int = 16,
     ) -> SimCostModel:
+        """``kv_cache_dtype``: a context token's K/V are charged the codec's bytes (codes,
+        scales and flags of its block, ``kernels/kv_codec.py``; int4-delta's full-precision
+        tail, one block per request and plane, is not charged)."""
         h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
         kv_dim = cfg.num_key_value_heads * cfg.head_dim
         q_dim = cfg.num_attention_heads * cfg.head_dim
@@ -94,7 +100,15 @@ class SimCostModel:
         return cls(
             core_weight_bytes=core * dtype_bytes,
             coda_weight_bytes=coda * dtype_bytes,
-            kv_bytes_per_token=layers * 2 * kv_dim * dtype_bytes,
+            kv_bytes_per_token=bytes_per_token(
+                kv_cache_dtype,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                planes=1,
+                block_size=block_size,
+                model_bytes=dtype_bytes,
+                layers=layers,
+            ),
             core_params=core,
             coda_params=coda,
             attn_flops_per_query_key=4 * layers * q_dim,
@@ -144,12 +158,17 @@ class SimRunner:
     simulated = True
 
     @classmethod
-    def h200(cls, cfg: OuroConfig, *, dilation: float = 1.0) -> SimRunner:
+    def h200(
+        cls, cfg: OuroConfig, *, dilation: float = 1.0, kv_cache_dtype: str = AUTO
+    ) -> SimRunner:
         """Passes timed as Ouro-1.4B's on an H200, whatever checkpoint ``cfg`` comes from
-        (it supplies the vocabulary, depths and EOS ids)."""
+        (it supplies the vocabulary, depths and EOS ids); KV read at the codec's bytes."""
         from services.worker.model.toy import toy_config
 
-        return cls(cfg, SimCostModel.for_model(toy_config("1.4b"), dilation=dilation))
+        cost = SimCostModel.for_model(
+            toy_config("1.4b"), dilation=dilation, kv_cache_dtype=kv_cache_dtype
+        )
+        return cls(cfg, cost)
 
     @classmethod
     def h100(cls, cfg: OuroConfig, *, dilation: float = 1.0) -> SimRunner:

@@ -16,7 +16,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import add_rms_norm, paged_attention, rms_norm, rope_write_kv, silu_mul
+from kernels.ops import (
+    add_rms_norm,
+    paged_attention,
+    rms_norm,
+    rope_write_kv,
+    rope_write_kv_fp8,
+    silu_mul,
+)
 from services.common.model_config import OuroConfig
 
 from .loader import CheckpointError, expected_shapes, load_checkpoint
@@ -169,11 +176,15 @@ class OuroModel:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attn: PassAttention,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One loop of all L layers over packed rows, then the final norm and the exit gate.
 
         ``k_cache`` / ``v_cache``: [L, blocks, block_size, kv_heads, head_dim]; each layer
-        writes its rows' K/V there and attends through the block tables.
+        writes its rows' K/V there and attends through the block tables. With ``k_scale`` /
+        ``v_scale`` [L, blocks, block_size, kv_heads] the caches are the fp8 codec's e4m3 codes:
+        K/V are quantised as they are written and dequantised as attention reads them.
         Returns (normed h [T, H] in the model dtype, gate logits float32 [T]). The normed h is
         both the next loop's input and the coda's input if the row exits here.
         """
@@ -184,7 +195,16 @@ class OuroModel:
         x = rms_norm(h, layers[0].ln_in, self.eps)
         for idx, layer in enumerate(layers):
             qkv = F.linear(x, layer.qkv)
-            q = rope_write_kv(qkv, cos, sin, k_cache[idx], v_cache[idx], attn.slot_mapping, nh, nkv)
+            ks = vs = None
+            if k_scale is None or v_scale is None:
+                q = rope_write_kv(
+                    qkv, cos, sin, k_cache[idx], v_cache[idx], attn.slot_mapping, nh, nkv
+                )
+            else:
+                ks, vs = k_scale[idx], v_scale[idx]
+                q = rope_write_kv_fp8(
+                    qkv, cos, sin, k_cache[idx], v_cache[idx], ks, vs, attn.slot_mapping, nh, nkv
+                )
             a = paged_attention(
                 q,
                 k_cache[idx],
@@ -195,6 +215,8 @@ class OuroModel:
                 self.scale,
                 attn.max_query_len,
                 attn.query_pos,
+                ks,
+                vs,
             )
             a = F.linear(a.view(t, nh * hd), layer.o)
             h, x = add_rms_norm(h, a, layer.ln_in_2, layer.ln_post, self.eps)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -148,6 +148,23 @@ def random_weights(
         yield name, t.to(dtype).cpu().contiguous()
 
 
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE of at most ``vocab_size`` ids trained on ``texts``, <|endoftext|> id 0;
+    as in Ouro's tokenizer, its post-processor adds no special token to an encoded text."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
 def train_toy_tokenizer(vocab_size: int) -> Tokenizer:
     """Byte-level BPE trained in-process on the built-in corpus; EOS is id 0.
 
@@ -157,17 +174,7 @@ def train_toy_tokenizer(vocab_size: int) -> Tokenizer:
     the trained ids and the reserved range are those of the tokenizer without them. As in
     Ouro's tokenizer, the post-processor adds no special token to an encoded text.
     """
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(CHAT_TOKENS),
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok = train_byte_level_bpe(_CORPUS.splitlines(), vocab_size - len(CHAT_TOKENS))
     trained = tok.get_vocab_size()
     reserved = vocab_size - len(CHAT_TOKENS) - trained
     tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(reserved)])

@@ -1,0 +1,7 @@
+"""Structured outputs' grammars, shared by admission, the in-process engine and the worker:
+the one rule for what a format means (``grammar.py``), what a grammar engine provides
+(``grammar_engine.py``) and the two engines (``grammar_llguidance.py``,
+``grammar_xgrammar.py``).
+
+May import ``messages`` and ``services.common``; no service.
+"""

@@ -1,0 +1,69 @@
+"""``rlt bench --only kv_codec``'s arithmetic: capacity by real block bytes under the
+scheduler's fit rule, and a simulated device that charges KV bytes by codec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.kv_codec import block_bytes
+from services.bench.comparisons import kv_codec
+from services.common.fit import KVGeometry, blocks_in_memory, kv_tokens
+from services.worker.model.toy import toy_config
+from services.worker.sim import SimCostModel
+
+pytestmark = pytest.mark.unit
+
+
+def test_fp8_memory_holds_the_blocks_its_bytes_allow() -> None:
+    cfg = toy_config("1.4b")
+    args = (16, cfg.num_key_value_heads, cfg.head_dim, 2)
+    auto = cfg.num_hidden_layers * block_bytes("auto", *args)
+    fp8 = cfg.num_hidden_layers * block_bytes("fp8", *args)
+    memory = 10 << 30
+    ratio = blocks_in_memory(memory, fp8) / blocks_in_memory(memory, auto)
+    assert 1.93 < ratio < 1.95  # 512 / 264 bytes per token and head
+
+
+def test_capacity_is_the_fit_rule_at_real_bytes() -> None:
+    shape = kv_codec._shape(toy_config("1.4b"))
+    memory = 40 << 30
+    cap = kv_codec.capacity(shape, memory)
+    block_id = shape["layers"] * block_bytes("auto", 16, shape["kv_heads"], shape["head_dim"], 2)
+    geometry = KVGeometry(16, blocks_in_memory(memory, block_id), shape["planes"])
+    assert cap["auto"] == geometry.num_blocks // geometry.blocks_for(kv_tokens(2048 - 127, 128))
+    assert cap["auto"] < cap["fp8"] < cap["int4-delta"]
+
+
+def test_simulated_pass_reads_fewer_kv_bytes_under_a_codec() -> None:
+    cfg = toy_config("1.4b")
+    auto = SimCostModel.for_model(cfg)
+    fp8 = SimCostModel.for_model(cfg, kv_cache_dtype="fp8")
+    assert auto.kv_bytes_per_token == 24 * 2 * 16 * 128 * 2  # unchanged for auto
+    assert fp8.kv_bytes_per_token == auto.kv_bytes_per_token * 264 / 512
+    assert fp8.core_pass_s(32, 32 * 2048, 32 * 2048) < auto.core_pass_s(32, 32 * 2048, 32 * 2048)
+
+
+def test_targets_are_judged_from_the_figures() -> None:
+    shapes = {"Ouro-1.4B": kv_codec._shape(toy_config("1.4b"))}
+    c = {
+        "bytes": kv_codec.bytes_table(shapes),
+        "capacity": {"requests": kv_codec.capacity(shapes["Ouro-1.4B"], 40 << 30)},
+        "simulated": kv_codec.simulated_decode(),
+    }
+    judged = {t["target"]["text"]: t for t in kv_codec.targets(c)}
+    fp8_bytes = judged["fp8 KV bytes per token <= 0.55x auto"]
+    assert fp8_bytes["median"] == pytest.approx(405_504 / 786_432)
+    assert all(t["reached"] == (t["median"] <= 0.55) for t in [fp8_bytes])
+
+
+def test_a_simulated_worker_reads_kv_at_its_codec_bytes(toy_checkpoint) -> None:
+    from services.worker.runner_host import RunnerHost
+
+    costs = {}
+    for codec in ("auto", "fp8"):
+        host = RunnerHost(toy_checkpoint, "sim", torch.float32, kv_cache_dtype=codec)
+        host.load()
+        host.make_runner(64, 16, "last_exited")
+        costs[codec] = host.runner.cost.kv_bytes_per_token
+    assert costs["fp8"] == costs["auto"] * 264 / 512
