@@ -110,11 +110,12 @@ def test_a_structured_output_decodes_plainly_with_the_same_tokens(toy_model, cod
 
 
 @pytest.mark.oracle
-def test_the_shared_layout_does_not_speculate(toy_model) -> None:
+@pytest.mark.parametrize(
+    "setting", [{"kv_layout": KVLayout.SHARED}, {"kv_cache_dtype": "fp8"}], ids=["shared", "fp8"]
+)
+def test_the_shared_layout_and_kv_codecs_do_not_speculate(toy_model, setting) -> None:
     batches: list[ScheduledBatch] = []
-    config = SchedulerConfig(
-        block_size=4, num_blocks=256, kv_layout=KVLayout.SHARED, speculative_tokens=3
-    )
+    config = SchedulerConfig(block_size=4, num_blocks=256, speculative_tokens=3, **setting)
     engine = LLMEngine(toy_model, config, on_batch=batches.append)
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
     engine.run_until_done()
