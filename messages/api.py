@@ -95,6 +95,10 @@ class FinishedEvent(msgspec.Struct, gc=False, kw_only=True, tag="finished", tag_
     # loops when every loop ran every token, fewer under token-sparse prefill or a prefix
     # hit, more after a preemption recomputed some)
     prefill_rows: int = 0
+    # self-speculative decoding (docs/speculative.md): tokens the early loops drafted for
+    # this request, and how many of them the deep loops accepted
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 class ErrorEvent(msgspec.Struct, gc=False, kw_only=True, tag="error", tag_field="type"):

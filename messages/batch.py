@@ -35,6 +35,10 @@ class RowKind(StrEnum):
     # a decode row sent before the result of the request's previous row was known (async):
     # the worker, which runs batches in order, resolves its position, depth and input token
     FOLLOW_ON = "follow_on"
+    # the next pass of the request's self-speculative cycle (docs/speculative.md): the worker
+    # resolves it into draft or verify rows; with ``embed`` it carries the position, input
+    # token and output index a new cycle starts from (the scheduler knew them)
+    SPECULATIVE = "speculative"
 
 
 class WorkerSampling(msgspec.Struct, gc=False, kw_only=True):
@@ -54,6 +58,8 @@ class WorkerSampling(msgspec.Struct, gc=False, kw_only=True):
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0)] | None = None
     # the format every sampled token must keep the output in (the worker masks the logits)
     structured_output: StructuredOutput | None = None
+    # the request's max_tokens (0: not sent): a speculative cycle never drafts past it
+    max_tokens: int = 0
 
 
 class SparseFragment(msgspec.Struct, frozen=True, gc=False, array_like=True):
@@ -127,6 +133,9 @@ class BatchRow(msgspec.Struct, gc=False, kw_only=True):
     output_index: int = 0
     max_loops: int | None = None
     fragment: SparseFragment | None = None
+    # SPECULATIVE: the draft tokens (K) and draft loops (d) of a cycle this row starts
+    speculative_tokens: int = 0
+    draft_loops: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -185,6 +194,14 @@ class RowResult(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     # this row alone failed (e.g. its sampling overflowed): its request ends with an error,
     # the other rows of the batch are applied as usual
     error: str | None = None
+    # SPECULATIVE: the tokens this pass committed, in order, and their exit loop counts
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    token_exit_loops: list[int] = msgspec.field(default_factory=list)
+    # a cycle is still open after this pass; a cycle that ended here: its draft tokens and
+    # how many of them were accepted
+    cycle_open: bool = False
+    drafted: int = 0
+    accepted: int = 0
 
 
 class BatchResult(msgspec.Struct, gc=False, kw_only=True):

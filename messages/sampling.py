@@ -74,6 +74,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # with it, each loop's retention (one entry per loop, in (0, 1], the first 1); None: the
     # server's. Given without token_sparse_prefill it turns it on
     prefill_retention: list[float] | None = None
+    # self-speculative decoding where the server runs it (docs/speculative.md); false opts
+    # this request out (its tokens are the same either way)
+    speculative: bool = True
 
     def validate(self) -> None:
         """Model-independent range checks of the fields that are set; raises RequestError."""
@@ -119,6 +122,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
+        if not isinstance(self.speculative, bool):
+            raise RequestError(f"speculative must be true or false, got {self.speculative!r}")
         if not isinstance(self.shed_depth, bool):
             raise RequestError(f"shed_depth must be true or false, got {self.shed_depth!r}")
         self._validate_sparse_prefill()

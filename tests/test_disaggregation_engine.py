@@ -195,6 +195,10 @@ CONFIGS = {
     "shared-layout": SchedulerConfig(
         block_size=4, num_blocks=160, kv_layout=KVLayout.SHARED, prefill_chunk_size=5
     ),
+    # the decode shard speculates (the prefill shard hands off after the first token)
+    "speculative-decode": SchedulerConfig(
+        block_size=4, num_blocks=160, speculative_tokens=3, draft_loops=2
+    ),
 }  # fmt: skip
 
 
@@ -221,6 +225,8 @@ def test_disaggregated_equals_colocated(toy_model, oracle, name, params):
     assert pair.handed_off == len(requests) and pair.pulled == len(requests)
     assert pair.executor.bytes > 0
     pair.check_no_leaks(config)
+    if config.speculative_tokens:  # the decode shard's cycles really ran
+        assert pair.decode.scheduler.spec_stats.num_spec_rows > 0
     if params is GREEDY_EXIT:
         shared = config.kv_layout == KVLayout.SHARED
         for rid, prompt, p in requests:

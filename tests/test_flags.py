@@ -43,6 +43,8 @@ def _configs() -> st.SearchStrategy[SchedulerConfig]:
         kv_watermark=st.floats(0.0, 1.0),
         max_admission_bypasses=st.integers(0, 16),
         structured_outputs_backend=st.sampled_from(list(StructuredOutputsBackend)),
+        speculative_tokens=st.integers(0, 16),
+        draft_loops=st.integers(1, 3),
         kv_cache_dtype=st.sampled_from(["auto", "fp8", "int4-delta"]),
     )
 

@@ -468,6 +468,8 @@ def _fin(n: int, reason: str = "length", text: str = "") -> FinishedEvent:
         num_cached_tokens=4,
         text=text,
         prefill_rows=12,
+        draft_tokens=5,
+        accepted_draft_tokens=3,
     )
 
 
@@ -486,6 +488,11 @@ def test_answer_counts_usage_with_loop_extensions() -> None:
         "core_loops": 9,
         "shed_tokens": 0,
         "prefill_rows": 12,  # the prompt's rows as the engine computed them
+        # drafts of self-speculative decoding, in OpenAI's predicted-output names
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": 3,
+            "rejected_prediction_tokens": 2,
+        },
     }
     body = a.body(chat=True, model="toy", created=1)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "abc"}

@@ -35,6 +35,9 @@ OPT_IN_COMPARISON_NAMES = (
     "sparse_prefill",
     "disaggregation",
     "kv_codec",
+    # self-speculative decoding beside plain decoding, this machine's model and the
+    # simulated H100 (services/bench/comparisons/speculative.py): only when asked for with --only
+    "speculative",
 )
 
 

@@ -40,7 +40,8 @@ class RunnerProbe:
                 c.batches += 1
                 # a follow-on row (async) is a decode row the worker resolves
                 if batch.kind == BatchKind.RECURRENT and any(
-                    r.kind is RowKind.DECODE or r.kind is RowKind.FOLLOW_ON for r in batch.rows
+                    r.kind in (RowKind.DECODE, RowKind.FOLLOW_ON, RowKind.SPECULATIVE)
+                    for r in batch.rows
                 ):
                     c.decode_batches += 1
 

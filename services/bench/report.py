@@ -202,6 +202,10 @@ def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> li
 
         lines = overload.markdown(c)
         return [*lines, f"![{c['name']}]({plot})", ""] if plot else lines
+    if c.get("kind") == "speculative":
+        from services.bench.comparisons import speculative
+
+        return speculative.markdown(c)
     if c.get("kind") == "kv_codec":
         from services.bench.comparisons import kv_codec
 
@@ -425,7 +429,12 @@ def write_report(results: dict[str, Any], out_dir: Path, plots: bool = True) -> 
     plot_names: dict[str, str] = {}
     if plots:
         for c in results["comparisons"]:
-            if c.get("error") or c.get("kind") in ("microbench", "disaggregation", "kv_codec"):
+            if c.get("error") or c.get("kind") in (
+                "microbench",
+                "disaggregation",
+                "kv_codec",
+                "speculative",  # its table is the report
+            ):
                 continue
             path = out_dir / f"{c['name']}.png"
             if c.get("kind") == "overload":

@@ -331,7 +331,14 @@ def _standalone(
         return {**failed, "error": f"{type(exc).__name__}: {exc}", "runs": [], "ratios": []}
 
 
-STANDALONE = ("scheduler", "overload", "sparse_prefill", "disaggregation", "kv_codec")
+STANDALONE = (
+    "scheduler",
+    "overload",
+    "sparse_prefill",
+    "disaggregation",
+    "kv_codec",
+    "speculative",
+)
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -378,6 +385,8 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
         total += overload.num_runs(args.repeats, args.quick)
     if "sparse_prefill" in args.only:
         total += sparse_prefill.num_runs(args.repeats, args.quick)
+    if "speculative" in args.only:
+        total += 2 * 2 * (2 if args.quick else 3) * 10  # speculative.num_runs
     progress = Progress(total, enabled=not args.no_progress)
     results: list[dict[str, Any]] = []
     try:
@@ -404,6 +413,20 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     progress=progress,
                 )
                 results.append(_standalone(name, title, run))
+        if "speculative" in args.only:
+            from services.bench.comparisons import speculative
+
+            results.append(
+                _standalone(
+                    "speculative",
+                    "Self-speculative decoding",
+                    lambda: speculative.run_comparison(
+                        bench.model, checkpoint, seed=args.seed, quick=args.quick,
+                        model_label=model_label, progress=progress,
+                    ),
+                    kind="speculative",
+                )
+            )  # fmt: skip
         if "kv_codec" in args.only:
             from services.bench.comparisons import kv_codec
 

@@ -160,6 +160,12 @@ class SchedulerConfig:
     token_sparse_prefill: bool = False
     prefill_retention: tuple[float, ...] | None = None
     sparse_window: int = DEFAULT_SPARSE_WINDOW
+    # self-speculative decoding (docs/speculative.md): draft up to this many tokens with
+    # the first ``draft_loops`` loops and verify them with the others (0: off); with
+    # ``speculative_auto`` the number is chosen per step, up to it
+    speculative_tokens: int = 0
+    speculative_auto: bool = False
+    draft_loops: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -170,6 +176,7 @@ class SchedulerConfig:
             "num_blocks",
             "max_inflight_batches",
             "sparse_window",
+            "draft_loops",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -180,6 +187,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"overload_policy must be one of {choices}, got {self.overload_policy!r}"
             ) from None
+        if self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
         if self.shed_min_loops < 1:
             raise ValueError(f"shed_min_loops must be >= 1, got {self.shed_min_loops}")
         if not self.shed_queue_high > 0.0:

@@ -194,8 +194,49 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "is chosen by measured conformance (docs/benchmarks/structured_outputs.md) "
         "(default: %(default)s)",
     )
+    add_speculative_flags(g)
     add_sparse_prefill_flags(g)
     add_device_flags(g)
+
+
+def speculative_tokens(text: str) -> str:
+    """``--speculative-tokens``: a count >= 0 or ``auto``."""
+    if text == "auto" or (text.isdigit() and int(text) >= 0):
+        return text
+    raise argparse.ArgumentTypeError(f"expected a count >= 0 or auto, got {text!r}")
+
+
+# what ``--speculative-tokens auto`` chooses up to
+AUTO_MAX_SPECULATIVE_TOKENS = 8
+
+
+def add_speculative_flags(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--speculative-tokens",
+        type=speculative_tokens,
+        default=str(SchedulerConfig.speculative_tokens),
+        metavar="K|auto",
+        help="self-speculative decoding: draft up to K tokens with the first "
+        "--draft-loops loops and verify them with the others in one pass (the same tokens "
+        "as plain decoding; a request may refuse with speculative: false); auto chooses K "
+        f"per step (up to {AUTO_MAX_SPECULATIVE_TOKENS}) from the acceptance rate and the "
+        "batch; 0 = off (default: %(default)s)",
+    )
+    g.add_argument(
+        "--draft-loops",
+        type=int,
+        default=SchedulerConfig.draft_loops,
+        metavar="d",
+        help="self-speculative decoding: loops that draft a token (below the model's "
+        "total_ut_steps) (default: %(default)s)",
+    )
+
+
+def speculative_config(text: str) -> dict[str, object]:
+    """``--speculative-tokens``'s SchedulerConfig fields."""
+    if text == "auto":
+        return {"speculative_tokens": AUTO_MAX_SPECULATIVE_TOKENS, "speculative_auto": True}
+    return {"speculative_tokens": int(text), "speculative_auto": False}
 
 
 def _env_switch(name: str) -> bool:
@@ -296,6 +337,8 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         token_sparse_prefill=args.token_sparse_prefill,
         prefill_retention=parse_retention(args.prefill_retention),
         sparse_window=args.sparse_window,
+        draft_loops=args.draft_loops,
+        **speculative_config(args.speculative_tokens),
         **unset,
     )
 
@@ -320,6 +363,9 @@ def engine_args(config: SchedulerConfig) -> list[str]:
         f"--max-admission-bypasses={config.max_admission_bypasses}",
         f"--structured-outputs-backend={config.structured_outputs_backend.value}",
         f"--sparse-window={config.sparse_window}",
+        "--speculative-tokens="
+        + ("auto" if config.speculative_auto else str(config.speculative_tokens)),
+        f"--draft-loops={config.draft_loops}",
     ]
     # explicit either way: a child service reads the environment for what it is not told
     # (an empty retention is the model's default)

@@ -95,7 +95,7 @@ def wavefront_diagram(
     origin_of: dict[str, int] = {}
     for batch, origins in batches:
         for task, origin in zip(batch.tasks, origins, strict=True):
-            if task.kind is RowKind.DECODE or task.kind is RowKind.FOLLOW_ON:
+            if task.kind in (RowKind.DECODE, RowKind.FOLLOW_ON, RowKind.SPECULATIVE):
                 continue
             rid = task.request.request_id
             origin_of[rid] = origin

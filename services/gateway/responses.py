@@ -23,6 +23,9 @@ class Usage:
     # hidden-state rows the prompts' loops computed (token x loop; fewer under token-sparse
     # prefill), every choice's
     prefill_rows: int = 0
+    # self-speculative decoding: drafted tokens the deep loops accepted and rejected
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
 
     def body(self) -> dict[str, Any]:
         completion, loops = self.completion_tokens, self.core_loops
@@ -37,6 +40,11 @@ class Usage:
             "core_loops": loops,
             "shed_tokens": self.shed_tokens,
             "prefill_rows": self.prefill_rows,
+            # OpenAI's names for predicted tokens; here the early loops predict them
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": self.accepted_draft_tokens,
+                "rejected_prediction_tokens": self.rejected_draft_tokens,
+            },
         }
 
 

@@ -63,6 +63,8 @@ class Answer:
     num_cached_tokens: int = 0
     num_shed_tokens: int = 0
     num_prefill_rows: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
     engine_done: bool = False  # the engine's terminal event arrived
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
     _stops: StopMatcher = field(init=False)
@@ -91,6 +93,8 @@ class Answer:
             self.num_cached_tokens = event.num_cached_tokens
             self.num_shed_tokens = event.shed_tokens
             self.num_prefill_rows = event.prefill_rows
+            self.num_draft_tokens = event.draft_tokens
+            self.num_accepted_draft_tokens = event.accepted_draft_tokens
             if self.finish_reason is not None:  # a stop string ended it already
                 return []
             self.finish_reason = event.finish_reason
@@ -195,6 +199,10 @@ def combined_usage(answers: list[Answer]) -> Usage:
         core_loops=sum(sum(a.exit_depths) for a in answers),
         shed_tokens=sum(a.num_shed_tokens for a in answers),
         prefill_rows=sum(a.num_prefill_rows for a in answers),
+        accepted_draft_tokens=sum(a.num_accepted_draft_tokens for a in answers),
+        rejected_draft_tokens=sum(
+            a.num_draft_tokens - a.num_accepted_draft_tokens for a in answers
+        ),
     )
 
 

@@ -44,6 +44,7 @@ from services.worker.passes.rows import (
     token_sampled,
 )
 from services.worker.passes.sparse_prefill import SparseFragments, SparseWindows
+from services.worker.passes.speculative import Speculation
 from services.worker.passes.static_decode import DecodeMode, StaticDecode
 from services.worker.passes.transfer import Transfer
 from services.worker.sampling.grammar import (
@@ -130,6 +131,8 @@ class ModelRunner:
             self.planner, self.transfer, self.kv.copy_slots, self.total_loops
         )
         self.grammars = grammars
+        # self-speculative cycles (docs/speculative.md): extra hidden rows from the pool
+        self.speculation = Speculation(self.total_loops, self.pool.allocate, self.pool.free)
         # the live requests with a structured output (empty: passes skip every mask step)
         self.constrained: dict[str, RequestGrammar] = {}
         self.last_seq = -1
@@ -154,11 +157,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ state mirroring
     def _apply_deltas(self, batch: Batch) -> None:
         for request_id in batch.finished_request_ids:
+            self.speculation.drop(request_id)
             if (req := self.requests.pop(request_id, None)) is not None:
                 self.pool.free(req.pool_slot)
             self.constrained.pop(request_id, None)
         num_planes = self.total_loops if self.kv_layout == KVLayout.LAST_EXITED else 1
         for new in batch.new_requests:
+            self.speculation.drop(new.request_id)
             old = self.requests.get(new.request_id)
             self.requests[new.request_id] = _WorkerRequest(
                 prompt=list(new.prompt_token_ids),
@@ -207,15 +212,20 @@ class ModelRunner:
         self.last_seq = batch.seq
         self.last_batch_passes = []
         rows = live_rows(batch, self.requests)
+        spec_rows, cycles = self.speculation.resolve(
+            batch, self.requests, lambda rid: self.requests[rid].pool_slot
+        )
         try:
             if batch.kind == BatchKind.PREFILLING_PRELUDE:
                 self._run_prelude(rows)
             else:
-                self._run_recurrent(rows)
+                self._run_recurrent(rows + spec_rows)
         except Exception:
             forget_cursors(batch, self.requests)
+            for row in batch.rows:
+                self.speculation.drop(row.request_id)
             raise
-        return batch_result(batch, rows)
+        return batch_result(batch, rows, self.speculation.settle(cycles, self.requests))
 
     def _run_prelude(self, rows: list[LiveRow]) -> None:
         if not rows:
@@ -430,6 +440,8 @@ class ModelRunner:
         columns, packed (token ids, could-not-sample flags, columns), on the device."""
         allowed = logits if masks is None else masks.apply(logits)
         ids, bad = self._sample(plan, device, allowed)
+        if plan.keep_logits:  # the rejection rule of sampled speculative rows reads them
+            plan.logits = allowed.float().clone()
         packed = [ids.float(), bad.float()]
         if plan.logprobs_top >= 0:
             packed.append(logprob_columns(logits, ids, plan.logprobs_top).flatten())
@@ -453,6 +465,12 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ results
+    def _spec_coda(self, live: LiveRow, plan: PassPlan, j: int, token: float, bad: float) -> None:
+        """A speculative row's coda: a draft token or the target's (the cycle decides)."""
+        logits = plan.logits[j] if live.keep_logits and plan.logits is not None else None
+        error = NAN_LOGITS if bad else None
+        Speculation.coda(live, int(token), logits, error)
+
     def _read_results(self, plans: list[PassPlan], values: list[float]) -> None:
         """Applies every pass's results in order: survival and exits, then tokens."""
         at = 0
@@ -461,8 +479,15 @@ class ModelRunner:
             exited: set[int] = set()
             for j, (live, loops) in enumerate(zip(plan.decode, plan.decode_loops, strict=True)):
                 did_exit = values[at + n + j] != 0.0
-                cursor = self.requests[live.row.request_id]
-                end_loop(live, cursor, loops_run=loops, exited=did_exit, remaining=values[at + j])
+                if live.spec is not None:
+                    Speculation.loop_ended(
+                        live, loops_run=loops, exited=did_exit, remaining=values[at + j]
+                    )
+                else:
+                    cursor = self.requests[live.row.request_id]
+                    end_loop(
+                        live, cursor, loops_run=loops, exited=did_exit, remaining=values[at + j]
+                    )
                 if did_exit:
                     exited.add(id(live))
             at += 2 * n
@@ -474,6 +499,11 @@ class ModelRunner:
             at += c * width
             for j, (live, wanted) in enumerate(zip(plan.coda, plan.coda_wanted, strict=True)):
                 if not wanted:
+                    continue
+                if live.spec is not None:
+                    # (read after the pass: the row's depth is the loops it has run)
+                    if id(live) in exited or live.coda_at == live.depth:
+                        self._spec_coda(live, plan, j, tokens[j], bad[j])
                     continue
                 if live.is_decode and id(live) not in exited:
                     continue

@@ -52,11 +52,15 @@ from services.worker.passes.rows import (
     row_failed,
     token_sampled,
 )
+from services.worker.passes.speculative import Speculation
 from services.worker.sampling.logprobs import LOGPROB_FLOOR
 
 # NVIDIA H200 SXM: 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16 (published datasheet figures)
 H200_HBM_BYTES_PER_S = 4.8e12
 H200_BF16_FLOPS_PER_S = 989e12
+# NVIDIA H100 SXM: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16 (published datasheet figures)
+H100_HBM_BYTES_PER_S = 3.35e12
+H100_BF16_FLOPS_PER_S = 989e12
 _MASK64 = (1 << 64) - 1
 # rows per query tile of the tiled attention kernel at its largest (kernels/ops/
 # attention_triton.py): a fragment of n active rows reads its context ceil(n / this) times
@@ -92,6 +96,8 @@ class SimCostModel:
         *,
         dtype_bytes: int = 2,
         dilation: float = 1.0,
+        bytes_per_s: float = H200_HBM_BYTES_PER_S,
+        flops_per_s: float = H200_BF16_FLOPS_PER_S,
         kv_cache_dtype: str = AUTO,
         block_size: int = 16,
     ) -> SimCostModel:
@@ -119,6 +125,8 @@ class SimCostModel:
             core_params=core,
             coda_params=coda,
             attn_flops_per_query_key=4 * layers * q_dim,
+            bytes_per_s=bytes_per_s,
+            flops_per_s=flops_per_s,
             dilation=dilation,
         )
 
@@ -180,6 +188,19 @@ class SimRunner:
         )
         return cls(cfg, cost)
 
+    @classmethod
+    def h100(cls, cfg: OuroConfig, *, dilation: float = 1.0) -> SimRunner:
+        """``h200``'s passes on an H100 SXM (its HBM3 bandwidth, the same bf16 peak)."""
+        from services.worker.model.toy import toy_config
+
+        cost = SimCostModel.for_model(
+            toy_config("1.4b"),
+            dilation=dilation,
+            bytes_per_s=H100_HBM_BYTES_PER_S,
+            flops_per_s=H100_BF16_FLOPS_PER_S,
+        )
+        return cls(cfg, cost)
+
     def __init__(
         self,
         cfg: OuroConfig,
@@ -192,6 +213,10 @@ class SimRunner:
         self.total_ut_steps = cfg.total_ut_steps
         self.eos = frozenset(cfg.eos_token_ids)
         self.sleep = sleep  # False: only account (tests)
+        # self-speculative cycles: a draft agrees with the target with this probability per
+        # position (a deterministic draw per (seed, position)), as a model measured it
+        self.draft_acceptance = 0.0
+        self.speculation = Speculation(cfg.total_ut_steps, lambda: 0, lambda slot: None)
         self.requests: dict[str, _SimRequest] = {}
         self.last_seq = -1
         self.stats = RunnerStats()
@@ -232,18 +257,22 @@ class SimRunner:
         self.last_seq = batch.seq
         self.last_batch_passes = []
         rows = live_rows(batch, self.requests)
+        spec_rows, cycles = self.speculation.resolve(batch, self.requests, lambda rid: 0)
+        rows += spec_rows
         seconds = 0.0 if batch.kind is BatchKind.PREFILLING_PRELUDE else self._run(rows)
         self.simulated_s += seconds
         wait = seconds * self.cost.dilation
         if self.sleep and wait > 0:
             time.sleep(max(0.0, wait - (time.perf_counter() - t0)))
         self.stats.record_batch(batch, time.perf_counter() - t0)
-        return batch_result(batch, rows)
+        return batch_result(batch, rows, self.speculation.settle(cycles, self.requests))
 
     def _apply_deltas(self, batch: Batch) -> None:
         for request_id in batch.finished_request_ids:
             self.requests.pop(request_id, None)
+            self.speculation.drop(request_id)
         for new in batch.new_requests:
+            self.speculation.drop(new.request_id)
             self.requests[new.request_id] = _SimRequest(
                 num_prompt_tokens=len(new.prompt_token_ids), sampling=new.sampling
             )
@@ -299,10 +328,28 @@ class SimRunner:
             req.sampling, row.token_start, row.max_loops
         )
         exited = loops_run >= exit_at
+        if r.spec is not None:
+            return self._spec_loop(r, req, loops_run, exited)
         end_loop(r, req, loops_run=loops_run, exited=exited, remaining=row.remaining)
         if exited and row.compute_logits:
             return self._sample(r, req, row.token_start)
         return 0
+
+    def _spec_loop(self, r: LiveRow, req: _SimRequest, loops_run: int, exited: bool) -> int:
+        """A speculative row's loop: an exit gives the target's token; a draft's end gives
+        the target's token with probability ``draft_acceptance``, another one otherwise."""
+        assert req.sampling is not None
+        Speculation.loop_ended(r, loops_run=loops_run, exited=exited, remaining=r.row.remaining)
+        if not exited and r.coda_at != loops_run:
+            return 0
+        position = r.row.token_start
+        token = self.token_at(req.sampling.seed, position + 1)
+        if not exited:
+            draw = mix64(req.sampling.seed, position, 3) % 1_000_000
+            if draw >= self.draft_acceptance * 1_000_000:
+                token = (token + 1) % self.cfg.vocab_size
+        Speculation.coda(r, token, None, None)
+        return 1
 
     def _sample(self, r: LiveRow, req: _SimRequest, last_position: int) -> int:
         assert req.sampling is not None

@@ -20,6 +20,7 @@ from services.scheduler.core.state import SchedulerState
 _DECODE, _FOLLOW_ON = RowKind.DECODE, RowKind.FOLLOW_ON
 _PREFILL, _PRELUDE = RowKind.PREFILL, RowKind.PRELUDE
 _DECODE_KINDS = (_DECODE, _FOLLOW_ON)  # rows of the token being generated
+_SPECULATIVE = RowKind.SPECULATIVE
 
 
 def build_batch(
@@ -27,17 +28,18 @@ def build_batch(
 ) -> ScheduledBatch:
     """Numbers the batch and drains what it carries besides its rows."""
     decode = [t for t in tasks if t.kind in _DECODE_KINDS]
-    prompt = [t for t in tasks if t.kind not in _DECODE_KINDS]
+    spec = [t for t in tasks if t.kind is _SPECULATIVE]
+    prompt = [t for t in tasks if t.kind not in _DECODE_KINDS and t.kind is not _SPECULATIVE]
     # execution order only: selection, budget and queue order are already settled
     prompt.sort(key=lambda t: (t.request.priority_key, t.token_start))
-    ordered = decode + prompt
+    ordered = decode + spec + prompt
     seq = state.next_seq
     state.next_seq += 1
     pending_new = state.pending_new
     wire = Batch(
         seq=seq,
         kind=kind,
-        rows=[_wire_row(t) for t in ordered],
+        rows=[_wire_row(t, state.config.draft_loops) for t in ordered],
         new_requests=[_new_request(r) for r in pending_new],
         block_deltas=state.kv.take_deltas(),
         finished_request_ids=state.pending_finished,
@@ -63,7 +65,7 @@ def build_batch(
     )
 
 
-def _wire_row(task: ScheduledTask) -> BatchRow:
+def _wire_row(task: ScheduledTask, draft_loops: int) -> BatchRow:
     request = task.request
     if task.kind is _FOLLOW_ON:  # the worker fills in everything it has and we do not
         return BatchRow(
@@ -73,6 +75,20 @@ def _wire_row(task: ScheduledTask) -> BatchRow:
             token_count=1,
             compute_logits=True,
             max_loops=task.loop_budget,
+        )
+    if task.kind is _SPECULATIVE:
+        # with ``embed`` the scheduler knows where a new cycle starts (nothing in flight)
+        return BatchRow(
+            request_id=request.request_id,
+            kind=_SPECULATIVE,
+            token_start=task.token_start,
+            token_count=1,
+            embed=task.embed,
+            input_token_id=request.token_at(task.token_start) if task.embed else 0,
+            compute_logits=True,
+            output_index=len(request.output_token_ids),
+            speculative_tokens=task.loop_budget or 0,
+            draft_loops=draft_loops,
         )
     if task.kind is _DECODE:
         return BatchRow(
@@ -126,6 +142,7 @@ def _new_request(request: Request) -> NewRequest:
             # None once they went out with the first token (a replay scores them no more)
             prompt_logprobs=None if request.prompt_logprobs is None else p.prompt_logprobs,
             structured_output=p.structured_output,
+            max_tokens=p.max_tokens or 0,
         ),
         # the worker rebuilds the grammar's state from what the request has generated
         generated_token_ids=list(request.output_token_ids) if p.structured_output else [],

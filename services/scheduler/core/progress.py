@@ -15,11 +15,14 @@ from services.scheduler.core.batch import ScheduledBatch, ScheduledTask
 from services.scheduler.core.logprobs import fill_prompt_logprobs, prompt_entries, token_logprobs
 from services.scheduler.core.request import Request, RequestState
 from services.scheduler.core.running import finish, preempt
+from services.scheduler.core.speculation import Speculator
 from services.scheduler.core.state import SchedulerState
 
 # per-row comparisons by identity against module globals (see selection.py)
 _DECODE, _FOLLOW_ON, _PRELUDE = RowKind.DECODE, RowKind.FOLLOW_ON, RowKind.PRELUDE
 _DECODE_KINDS = (_DECODE, _FOLLOW_ON)  # rows of the token being generated
+_SPECULATIVE = RowKind.SPECULATIVE
+_GENERATING = (_DECODE, _FOLLOW_ON, _SPECULATIVE)  # rows that are no prompt work
 _FINISHED = RequestState.FINISHED
 
 
@@ -31,8 +34,9 @@ class Progress:
     """Applies submissions and results to the requests: frontiers, decode cursors, tokens,
     stops and failures. Ends requests through ``running.finish``."""
 
-    def __init__(self, state: SchedulerState) -> None:
+    def __init__(self, state: SchedulerState, speculator: Speculator | None = None) -> None:
         self._state = state
+        self._spec = speculator
         # read per row: plain attributes, not lookups through the config
         self._total_ut_steps = state.total_ut_steps
         self._eos_token_ids = state.limits.eos_token_ids
@@ -53,6 +57,9 @@ class Progress:
             if task.kind in _DECODE_KINDS:
                 request.pending_token_rows += 1
                 request.pending_decode_loops += 1
+            elif task.kind is _SPECULATIVE:
+                assert self._spec is not None
+                self._spec.submitted(task)
             elif task.compute_logits:
                 request.pending_token_rows += 1
         if self._async:
@@ -90,6 +97,16 @@ class Progress:
                 request.pending_token_rows -= 1
                 request.pending_decode_loops -= 1
                 self._apply_decode_output(task, row, events)
+                continue
+            if task.kind is _SPECULATIVE:
+                assert self._spec is not None
+                self._spec.apply(
+                    task,
+                    row,
+                    lambda r, token_row, loops: self._append_token(
+                        r, token_row, loops, None, events
+                    ),
+                )
                 continue
             if row.prompt_logprobs is not None:
                 fill_prompt_logprobs(request, row.prompt_logprobs)
@@ -162,7 +179,7 @@ class Progress:
         batch.progress_applied = True
         groups: dict[tuple[str, RowKind], list[ScheduledTask]] = {}
         for task in batch.tasks:
-            if task.kind in _DECODE_KINDS or _is_stale(task):
+            if task.kind in _GENERATING or _is_stale(task):
                 continue
             groups.setdefault((task.request.request_id, task.kind), []).append(task)
         for (_, kind), tasks in groups.items():

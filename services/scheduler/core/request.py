@@ -103,6 +103,15 @@ class Request:
     pending_token_rows: int = 0
     pending_decode_loops: int = 0
     inflight_batches: int = 0
+    # self-speculative decoding (services/scheduler/core/speculation.py): whether its decode
+    # rows are SPECULATIVE ones (from its first until a preemption), the draft tokens of
+    # each in flight, and the most any row sent since its last cycle ended asked for (the
+    # open cycle's bound; -1: no cycle open as of the last result)
+    speculating: bool = False
+    spec_inflight: list[int] = field(default_factory=list)
+    spec_open_k: int = -1
+    num_draft_tokens: int = 0  # over its life (preemptions included)
+    num_accepted_draft_tokens: int = 0
 
     # fixed at creation; plain attributes because the selection loop reads them per row
     num_prompt_tokens: int = field(init=False)
@@ -189,3 +198,6 @@ class Request:
         self.token_loop_budget = None
         self.pending_token_rows = 0
         self.pending_decode_loops = 0
+        self.speculating = False
+        self.spec_inflight = []
+        self.spec_open_k = -1

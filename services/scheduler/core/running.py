@@ -112,6 +112,8 @@ def finish(state: SchedulerState, request: Request, reason: str, events: list[St
             shed_tokens=shed,
             depth_budgets=budgets,
             prefill_rows=request.num_prefill_rows,
+            draft_tokens=request.num_draft_tokens,
+            accepted_draft_tokens=request.num_accepted_draft_tokens,
         )
     )
 

@@ -40,6 +40,8 @@ from services.scheduler.core.progress import Progress, SchedulerInvariantError
 from services.scheduler.core.request import Request
 from services.scheduler.core.running import finish, preempt
 from services.scheduler.core.selection import Selector
+from services.scheduler.core.spec_stats import SpecStats
+from services.scheduler.core.speculation import Speculator
 from services.scheduler.core.state import SchedulerState, SchedulerStats, new_kv
 from services.scheduler.core.waiting import Admission
 
@@ -65,8 +67,9 @@ class Scheduler:
         self._arrivals = 0
         self._rng = random.Random(seed)
         self._admission = Admission(self._state)
-        self._selector = Selector(self._state)
-        self._progress = Progress(self._state)
+        self.speculator = Speculator(self._state)
+        self._selector = Selector(self._state, self.speculator)
+        self._progress = Progress(self._state, self.speculator)
         self._depth_budget = DepthBudget(self._state)
         # disaggregation: requests handed to decode shards, prompt KV pulled from prefill ones
         self.handoffs = Handoffs(self._state, producer_id)
@@ -99,6 +102,11 @@ class Scheduler:
     @property
     def stats(self) -> SchedulerStats:
         return self._state.stats
+
+    @property
+    def spec_stats(self) -> SpecStats:
+        """What self-speculative decoding did (vLLM's spec_decode_* counters)."""
+        return self._state.spec_stats
 
     @property
     def depth_budget(self) -> int:
@@ -266,6 +274,7 @@ class Scheduler:
         if self._state.pending_new:
             self.pulls.start_pending()
         self._depth_budget.update()
+        self.speculator.start_step()
         selected = self._selector.select()
         if selected is None:
             if not self._state.pending_pulls:

@@ -16,6 +16,7 @@ from services.scheduler.core.depth_budget import token_budget
 from services.scheduler.core.progress import SchedulerInvariantError
 from services.scheduler.core.request import PREFILL_STATES, Request, RequestState
 from services.scheduler.core.running import preempt
+from services.scheduler.core.speculation import Speculator
 from services.scheduler.core.state import SchedulerState
 
 # The per-row loops compare enum members by identity against module globals: on Python 3.11
@@ -42,8 +43,9 @@ class Selector:
     """Builds one batch's task list per ``select()``; remembers only the last batch kind it chose
     (atomic prefill alternates with decode)."""
 
-    def __init__(self, state: SchedulerState) -> None:
+    def __init__(self, state: SchedulerState, speculator: Speculator | None = None) -> None:
         self._state = state
+        self._spec = speculator if speculator is not None and speculator.enabled else None
         config = state.config
         self._total_ut_steps = state.total_ut_steps
         # async refill: a request whose decode row is in flight sends its next loop as a
@@ -93,7 +95,9 @@ class Selector:
         for request in list(running):
             if request.state is not decoding or request.hand_off:
                 continue  # (a request handed off after its first token decodes elsewhere)
-            if request.awaiting_output:
+            if self._spec is not None and self._spec.applies(request):
+                self._accept_speculative(request, sel)
+            elif request.awaiting_output:
                 task = self._follow_on_task(request)
                 if task is not None:
                     self._accept_task(task, sel)
@@ -137,6 +141,23 @@ class Selector:
         sel.tasks.append(task)
         if request.prefill_high_water:  # preempted before: this may rebuild dropped KV
             self._count_recompute(task)
+
+    def _accept_speculative(self, request: Request, sel: Selection) -> None:
+        """A speculating request's one row: the next pass of its cycle (speculation.py)."""
+        assert self._spec is not None
+        rid = request.request_id
+        if sel.budget_left <= 0 or (len(sel.selected) >= sel.max_seqs and rid not in sel.selected):
+            return
+        task = self._spec.task(
+            request,
+            sel.budget_left,
+            lambda r, n: self._ensure_execution_capacity(r, n, sel),
+        )
+        if task is None:
+            return
+        sel.budget_left -= task.token_count
+        sel.selected[rid] = request
+        sel.tasks.append(task)
 
     def _follow_on_task(self, request: Request) -> ScheduledTask | None:
         """The request's next decode loop while its previous row is still in flight.

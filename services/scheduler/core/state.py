@@ -17,6 +17,7 @@ from services.scheduler.core.kv.inflight_prefix import QueueEntry
 from services.scheduler.core.kv.kv_admission import Commitment, Preemption
 from services.scheduler.core.kv.kv_manager import KVManager
 from services.scheduler.core.request import Request
+from services.scheduler.core.spec_stats import SpecStats
 
 
 @dataclass
@@ -80,6 +81,7 @@ class SchedulerState:
     # that admission checks first, so the exact sum is only taken when KV is tight
     running_footprints: Commitment = field(default_factory=Commitment)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
+    spec_stats: SpecStats = field(default_factory=SpecStats)
     # what the next batch carries besides its rows (drained by ``build_batch``)
     next_seq: int = 0
     pending_new: list[Request] = field(default_factory=list)

@@ -63,6 +63,7 @@ from services.runtime.tracing import (
 )
 from services.scheduler.core.batch import ScheduledBatch
 from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.core.spec_stats import SpecStats
 
 # seconds; fine at the low end, where a CPU toy model and a GPU decode step both live
 LATENCY_BUCKETS = (
@@ -182,6 +183,33 @@ class _LiveState(Collector):
             total = self._fallbacks_before.get(reason, 0) + self._fallbacks_last.get(reason, 0)
             fallbacks.add_metric([reason], total)
         yield fallbacks
+        yield from spec_decode_metrics(s.spec_stats)
+
+
+def spec_decode_metrics(spec: SpecStats) -> Iterable[CounterMetricFamily]:
+    """vLLM's speculative decoding counters (docs/speculative.md), of this scheduler."""
+    for metric, doc, value in (
+        ("rlt:spec_decode_num_drafts", "Speculative cycles that ended.", spec.num_drafts),
+        (
+            "rlt:spec_decode_num_draft_tokens",
+            "Tokens the early loops drafted.",
+            spec.num_draft_tokens,
+        ),
+        (
+            "rlt:spec_decode_num_accepted_tokens",
+            "Drafted tokens the deep loops accepted.",
+            spec.num_accepted_tokens,
+        ),
+    ):
+        yield CounterMetricFamily(metric, doc, value=value)
+    per_pos = CounterMetricFamily(
+        "rlt:spec_decode_num_accepted_tokens_per_pos",
+        "Drafted tokens accepted, by draft position (0 first).",
+        labels=["position"],
+    )
+    for position, accepted in enumerate(spec.accepted_per_position):
+        per_pos.add_metric([str(position)], accepted)
+    yield per_pos
 
 
 class SchedulerTelemetry:
@@ -337,14 +365,21 @@ class SchedulerTelemetry:
     def on_events(self, events: Iterable[StreamEvent], inflight: Sequence[ScheduledBatch]) -> None:
         """Events routed to live streams (each exactly once)."""
         now = time.monotonic()
+        events = list(events)
+        # several tokens of one request at once (a speculative cycle): the inter-token
+        # latency counts tokens, so the gap is shared among them
+        burst: dict[str, int] = {}
         for event in events:
             if isinstance(event, TokenEvent):
-                self._on_token(event, now)
+                burst[event.request_id] = burst.get(event.request_id, 0) + 1
+        for event in events:
+            if isinstance(event, TokenEvent):
+                self._on_token(event, now, burst[event.request_id])
             else:
                 self._on_terminal(event, now, inflight)
 
     # ------------------------------------------------------------------ events
-    def _on_token(self, event: TokenEvent, now: float) -> None:
+    def _on_token(self, event: TokenEvent, now: float, burst: int = 1) -> None:
         self.generation_tokens.inc()
         depth = event.exit_depth
         self.exit_depth.observe(depth)
@@ -355,9 +390,13 @@ class SchedulerTelemetry:
             return
         if timing.last_token is None:
             self.ttft.observe(now - timing.arrived)
-        else:
-            self.itl.observe(now - timing.last_token)
-        timing.last_token = now
+            timing.last_token = now
+            return
+        # a burst of n tokens after a gap g: n inter-token latencies of g / n (the first
+        # token of it moves last_token by g / n, and so on)
+        step = (now - timing.last_token) / burst
+        self.itl.observe(step)
+        timing.last_token += step
 
     def _on_terminal(
         self, event: StreamEvent, now: float, inflight: Sequence[ScheduledBatch]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -64,6 +65,10 @@ class PassPlan:
     # some segment holds several live rows (``LiveRow.joins_segment``): attention reads each
     # row's position, as its rows are not the last ones of their context
     gathered: bool = False
+    # some coda row keeps its logits (a sampled speculative row): the runner stores the
+    # pass's coda logits here, float32 [coda rows, V]
+    keep_logits: bool = False
+    logits: Any = None
 
     @property
     def decode_only(self) -> bool:
@@ -105,6 +110,8 @@ class PassPlanner:
     # ------------------------------------------------------------------ what a pass holds
     def _may_exit(self, live: LiveRow, sampling: WorkerSampling) -> bool:
         loops = live.loops_run
+        if live.draft_coda:  # a speculative draft reads its coda at its draft depth
+            return True
         if live.row.forced_exit_loops:
             return loops >= live.row.forced_exit_loops
         # a token's shed depth budget (BatchRow.max_loops) caps the request's own
@@ -196,9 +203,12 @@ class PassPlanner:
             decode=[rows[i] for i in decode],
             coda=[rows[i] for i in coda_index],
             decode_loops=[rows[i].loops_run for i in decode],
-            coda_wanted=[rows[i].reaches_coda(self.total_loops) for i in coda_index],
+            coda_wanted=[
+                rows[i].reaches_coda(self.total_loops) or rows[i].draft_coda for i in coda_index
+            ],
             padded=pad_to is not None,
             gathered=len(segment_rows) < len(rows),
+            keep_logits=any(rows[i].keep_logits for i in coda_index),
         )
         self._fill_rows(plan, reqs, first_pass)
         self._fill_decode(plan, decode, reqs, pairs)
@@ -260,7 +270,7 @@ class PassPlanner:
             if live.is_decode:
                 position[at] = start
                 slot[at] = self.slot(blocks, start)
-                pool_slot[at] = req.pool_slot
+                pool_slot[at] = req.pool_slot if live.pool_slot is None else live.pool_slot
                 if live.depth == 0:
                     token_id[at] = r.input_token_id
                     embed[at] = 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -39,7 +40,7 @@ class RunnerStats:
         self.execute_s += seconds
         self.batches += 1
         if batch.kind is BatchKind.RECURRENT and any(
-            r.kind is RowKind.DECODE or r.kind is RowKind.FOLLOW_ON for r in batch.rows
+            r.kind in (RowKind.DECODE, RowKind.FOLLOW_ON, RowKind.SPECULATIVE) for r in batch.rows
         ):
             self.decode_batches += 1
 
@@ -66,6 +67,14 @@ class LiveRow:
     # its tokens join the previous live row's attention segment: the next active token of one
     # token-sparse fragment (same request, loop and block table, a later position)
     joins_segment: bool = False
+    # a speculative cycle's row (services/worker/passes/speculative.py): the position it runs
+    # (None: a plain row), its own decode-pool row (None: the request's), the loop count
+    # whose coda it reads even without an exit (a draft's end; 0: none), and whether that
+    # coda's logits are kept (sampled rows: the rejection rule reads them)
+    spec: Any = None
+    pool_slot: int | None = None
+    coda_at: int = 0
+    keep_logits: bool = False
 
     def __post_init__(self) -> None:
         self.result = RowResult(row_index=self.index)
@@ -86,12 +95,19 @@ class LiveRow:
             return self.loops_run == total_loops
         return True
 
+    @property
+    def draft_coda(self) -> bool:
+        """This loop ends a draft: the coda runs whether or not the row exits."""
+        return self.coda_at > 0 and self.loops_run == self.coda_at
+
 
 def live_rows(batch: Batch, cursors: Mapping[str, RowCursor]) -> list[LiveRow]:
     """The rows of ``batch`` that run: follow-ons resolved to their request's next decode
     row; one whose predecessor did not run (no cursor) is left out, and reported skipped."""
     rows: list[LiveRow] = []
     for i, row in enumerate(batch.rows):
+        if row.kind is RowKind.SPECULATIVE:
+            continue  # resolved by the request's cycle (services/worker/passes/speculative.py)
         if row.kind is RowKind.FOLLOW_ON:
             cursor = cursors.get(row.request_id)
             if cursor is None or cursor.next_decode is None:
@@ -153,8 +169,13 @@ def row_failed(live: LiveRow, cursor: RowCursor, reason: str) -> None:
     cursor.next_decode = None
 
 
-def batch_result(batch: Batch, rows: list[LiveRow]) -> BatchResult:
-    """The result of ``batch`` from the rows that ran; the others are marked skipped."""
-    ran = {live.index: live.result for live in rows}
+def batch_result(
+    batch: Batch, rows: list[LiveRow], extra: Mapping[int, RowResult] | None = None
+) -> BatchResult:
+    """The result of ``batch`` from the rows that ran (and ``extra``: results by row index,
+    a speculative row's); the others are marked skipped."""
+    ran = {live.index: live.result for live in rows if live.spec is None}
+    if extra:
+        ran.update(extra)
     results = [ran.get(i) or RowResult(row_index=i, skipped=True) for i in range(len(batch.rows))]
     return BatchResult(seq=batch.seq, rows=results)

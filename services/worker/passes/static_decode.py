@@ -189,9 +189,12 @@ class StaticDecode:
             return None
         runner = self.runner
         requests = runner.requests
+        # masks, logprobs and a sampled speculative row's logits (its rejection rule reads
+        # them) apply after the graph: the LOGITS variant returns the coda's logits
         outside = any(
             (s := requests[live.row.request_id].sampling).logprobs is not None
             or s.structured_output is not None
+            or live.keep_logits
             for live in active
         )
         bucket = next(b for b in self.buckets if b >= n)

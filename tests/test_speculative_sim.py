@@ -1,0 +1,63 @@
+"""Speculative cycles on the simulated device: its tokens and exit depths are plain
+decoding's whatever the drafts' acceptance, and fewer passes run per token the more drafts
+are right; the H100 profile is the H200's with HBM3's bandwidth."""
+
+from __future__ import annotations
+
+import pytest
+
+from messages.api import FinishedEvent
+from messages.sampling import SamplingParams
+from services.common.config import SchedulerConfig
+from services.engine.engine import LLMEngine
+from services.worker.model.ouro import OuroModel
+from services.worker.sim import H100_HBM_BYTES_PER_S, SimRunner
+
+pytestmark = pytest.mark.unit
+
+
+def _run(model: OuroModel, acceptance: float, threshold: float, **spec: int):
+    sim = SimRunner.h100(model.cfg)
+    sim.sleep = False
+    sim.draft_acceptance = acceptance
+    config = SchedulerConfig(block_size=4, num_blocks=512, max_num_seqs=4, **spec)
+    engine = LLMEngine(model, config, simulated=sim)
+    params = SamplingParams(
+        max_tokens=24, temperature=0.0, min_loops=1, exit_threshold=threshold, ignore_eos=True
+    )
+    for i in range(4):
+        engine.add_request(f"r{i}", [3 + i, 9, 27, 81], params)
+    done = {e.request_id: e for e in engine.run_until_done() if isinstance(e, FinishedEvent)}
+    tokens = sum(len(e.token_ids) for e in done.values())
+    return done, sim.stats.core_passes / tokens, engine.scheduler.spec_stats
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.5])
+def test_simulated_speculation_gives_plain_tokens_in_fewer_passes(toy_model, threshold) -> None:
+    plain, plain_passes, _ = _run(toy_model, 0.0, threshold)
+    previous = None
+    for acceptance in (0.0, 0.5, 1.0):
+        done, passes, spec = _run(
+            toy_model, acceptance, threshold, speculative_tokens=4, draft_loops=1
+        )
+        for rid, want in plain.items():
+            assert (done[rid].token_ids, done[rid].exit_depths) == (
+                want.token_ids,
+                want.exit_depths,
+            )
+        assert spec.num_draft_tokens > 0
+        if acceptance == 1.0:
+            assert spec.num_accepted_tokens == spec.num_draft_tokens
+            assert passes < (0.6 if threshold == 1.0 else 0.8) * plain_passes
+        if previous is not None:
+            assert passes < previous
+        previous = passes
+
+
+def test_the_h100_profile_reads_at_hbm3_speed(toy_model) -> None:
+    h100, h200 = SimRunner.h100(toy_model.cfg), SimRunner.h200(toy_model.cfg)
+    assert h100.cost.bytes_per_s == H100_HBM_BYTES_PER_S
+    assert h100.cost.flops_per_s == h200.cost.flops_per_s
+    # a one-row decode pass is bound by the weights: slower by the bandwidths' ratio
+    ratio = h100.cost.core_pass_s(1, 100, 100) / h200.cost.core_pass_s(1, 100, 100)
+    assert ratio == pytest.approx(h200.cost.bytes_per_s / h100.cost.bytes_per_s)
