@@ -74,8 +74,10 @@ def check_tools(req: ChatRequest) -> None:
 
 
 def uses_format(req: ChatRequest) -> bool:
-    """The request's tools hold its output to a tool-call format."""
-    return bool(req.tools) and _choice(req.tool_choice, [])[0] != "none"
+    """The request's tools (checked) hold its output to a tool-call format."""
+    if not req.tools or not isinstance(req.tools, list):
+        return False
+    return _choice(req.tool_choice, [t["function"]["name"] for t in req.tools])[0] != "none"
 
 
 def tool_calling(req: ChatRequest, template: TemplateTools | None) -> ToolCalling | None:
