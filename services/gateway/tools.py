@@ -14,7 +14,7 @@ opens a call. Whether each ``parameters`` schema compiles is admission's check, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -32,10 +32,15 @@ from services.common.tool_format import (
 from services.common.tool_template import TemplateTools
 from services.gateway.errors import ApiError
 
-if TYPE_CHECKING:
-    from services.gateway.protocol import ChatRequest
-
 _CHOICES = ("none", "auto", "required")
+
+
+class ChatRequest(Protocol):
+    """The fields of a chat request read here (``protocol.ChatRequest``'s)."""
+
+    tools: Any
+    tool_choice: Any
+    parallel_tool_calls: Any
 
 
 @dataclass(frozen=True)
