@@ -210,6 +210,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--parallel", action="store_true", help="allow several calls an answer")
+    p.add_argument("--limit", type=int, default=None, help="run only the first N tool sets")
     p.add_argument("--speed-rounds", type=int, default=0, metavar="N")
     p.add_argument("--speed-requests", type=int, default=16)
     p.add_argument("--json", type=Path, default=None, help="write every outcome here")
@@ -231,6 +232,7 @@ def main() -> int:
     for key, why in refused.items():
         print(f"  refused {key}: {why}")
     runnable = [(f, fs) for f, fs in sets if all(compiled[f"{f}:{n}"] is None for n, _ in fs)]
+    runnable = runnable[: args.limit]
     model = OuroModel.from_checkpoint(checkpoint)
     config = SchedulerConfig(max_num_seqs=32, num_blocks=16384)
     engine = LLMEngine(model, config, codec=codec)

@@ -486,3 +486,34 @@ def test_token_events_make_the_same_answer_as_the_whole_text() -> None:
     for i, ch in enumerate(text):
         split.on_event(TokenEvent(request_id="r", index=i, token_id=1, exit_depth=1, text=ch))
     assert whole.tool_calls == split.tool_calls and whole.text == split.text == "Hm"
+
+
+def test_jsonschemabench_function_schemas_take_their_valid_calls_only(codec: TextCodec) -> None:
+    """The repository's Glaive and BFCL samples as tools: every schema compiles, and each
+    instance written as a call is taken exactly when it is valid."""
+    data = Path(__file__).parent / "data" / "jsonschemabench"
+    checked = 0
+    for path in sorted(data.glob("*.json")):
+        if not path.name.startswith(("Glaiveai2K---", "BFCL_")):
+            continue
+        raw = json.loads(path.read_text())
+        options = raw["schema"].get("anyOf", [raw["schema"]])
+        if path.name.startswith("BFCL_"):
+            functions = [
+                {"name": n, "parameters": p} for o in options for n, p in o["properties"].items()
+            ]
+        else:
+            functions = [{"name": path.name.split("---")[1][:-14], "parameters": raw["schema"]}]
+        spec = _spec(ToolMode.REQUIRED, True, functions)
+        check_structured_output(spec.constraint())
+        for case in raw["tests"]:
+            name, arguments = (
+                next(iter(case["data"].items()))
+                if path.name.startswith("BFCL_")
+                else (functions[0]["name"], case["data"])
+            )
+            body = json.dumps({"name": name, "arguments": arguments})
+            text = f"<tool_call>\n{body}\n</tool_call>"
+            assert _accepts(codec, spec, text) is case["valid"], (path.name, case["description"])
+            checked += 1
+    assert checked >= 6
