@@ -18,7 +18,7 @@ from messages.sampling import SparsePrefill, StructuredOutput
 class BatchKind(StrEnum):
     """What one batch serves; every batch is one kind, and a row's own part in it is its
     ``RowKind``. A request's place in its life is another enum, the scheduler's
-    ``RequestState`` (services/scheduler/request.py), which never travels."""
+    ``RequestState`` (services/scheduler/core/request.py), which never travels."""
 
     PREFILL = "prefill"  # atomic chunked prefill: PREFILL rows (prelude + every depth of a chunk)
     PREFILLING_PRELUDE = "prefilling_prelude"  # split prefill: PRELUDE rows only (no KV for Ouro)

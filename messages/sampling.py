@@ -191,14 +191,15 @@ class StructuredOutputKind(StrEnum):
     REGEX = "regex"  # the output matches this regular expression
     CHOICE = "choice"  # a JSON array of strings: the output is exactly one of them
     GRAMMAR = "grammar"  # a grammar (GBNF as llama.cpp's, or Lark with llguidance): its root
-    # tool calls (services/common/tool_format.py's ``ToolCallSpec`` as JSON): calls whose
+    # tool calls (services/common/structured/tool_format.py's ``ToolCallSpec`` as JSON): calls whose
     # arguments follow each function's schema, alone or after free text
     TOOL_CALLS = "tool_calls"
 
 
 class StructuredOutputsBackend(StrEnum):
-    """The grammar engine that turns a format into token masks (services/common/grammar.py).
-    The default is chosen by measured conformance (docs/benchmarks/structured_outputs.md)."""
+    """The grammar engine that turns a format into token masks
+    (services/common/structured/grammar.py). The default is chosen by measured conformance
+    (docs/benchmarks/structured_outputs.md)."""
 
     LLGUIDANCE = "llguidance"
     XGRAMMAR = "xgrammar"

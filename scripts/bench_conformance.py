@@ -37,7 +37,7 @@ from messages.sampling import SamplingParams, StructuredOutput, StructuredOutput
 from services.bench.conformance import CaseResult, ConformanceRun, SchemaCase, load_cases
 from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
-from services.common.grammar import check_structured_output
+from services.common.structured.grammar import check_structured_output
 from services.common.tokenizer import TextCodec
 from services.worker.model.toy import ensure_checkpoint
 

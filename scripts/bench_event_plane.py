@@ -32,7 +32,7 @@ from services.launcher import NatsServer, free_port
 from services.prefix_cache.service import PrefixCacheService
 from services.runtime.bus import connect
 from services.runtime.logging import get_logger
-from services.scheduler.prefix_events import PrefixEventLog
+from services.scheduler.core.kv.prefix_events import PrefixEventLog
 from services.scheduler.prefix_publisher import PrefixPublisher
 
 PRODUCERS = 8

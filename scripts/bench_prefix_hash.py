@@ -24,7 +24,7 @@ from messages.prefix import (
     prompt_block_hashes,
 )
 from services.prefix_cache import PrefixIndex
-from services.scheduler.kv_manager import KVManager
+from services.scheduler.core.kv.kv_manager import KVManager
 
 BLOCK_SIZE = 16
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.bench.scheduler_step import measure
+from services.bench.comparisons.scheduler_step import measure
 
 
 def main() -> None:

@@ -38,9 +38,9 @@ from messages.api import FinishedEvent
 from messages.errors import RequestError
 from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
-from services.common.grammar import check_structured_output
+from services.common.structured.grammar import check_structured_output
+from services.common.structured.tool_format import FunctionSpec, ToolCallSpec, ToolMode
 from services.common.tokenizer import TextCodec
-from services.common.tool_format import FunctionSpec, ToolCallSpec, ToolMode
 from services.common.tool_template import chat_for_template, template_tools
 from services.engine.engine import LLMEngine
 from services.gateway.tool_parser import ToolCallParser

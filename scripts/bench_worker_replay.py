@@ -42,7 +42,8 @@ from nats.aio.msg import Msg
 from messages.api import FinishedEvent
 from messages.batch import Batch
 from services.bench.backends import sampling_params
-from services.bench.comparisons import BenchSettings, pipeline
+from services.bench.comparison import BenchSettings
+from services.bench.comparisons.pipeline import pipeline
 from services.bench.workloads import FULL, Workload
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine, model_limits

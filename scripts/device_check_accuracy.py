@@ -36,7 +36,7 @@ def section_oracle(c: Child) -> None:
     from services.oracle.near_tie import compare_with_oracle
     from services.worker.model.ouro import OuroModel
     from services.worker.model.toy import write_toy_checkpoint
-    from services.worker.static_decode import DecodeMode
+    from services.worker.passes.static_decode import DecodeMode
 
     plan = c.plan
     for size in plan.oracle_sizes:
@@ -133,7 +133,7 @@ def section_oracle(c: Child) -> None:
 
 def section_bf16(c: Child) -> None:
     from messages.sampling import SamplingParams
-    from services.worker.static_decode import DecodeMode
+    from services.worker.passes.static_decode import DecodeMode
 
     plan = c.plan
     rng = random.Random(3)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the engine's imports stay lazy: the env row reports what is
     from messages.sampling import SamplingParams
     from services.engine.engine import LLMEngine
     from services.worker.model.ouro import OuroModel
-    from services.worker.static_decode import DecodeMode
+    from services.worker.passes.static_decode import DecodeMode
 
 COLUMNS = ("section", "config", "result", "detail")
 TABLE_HEADER = "| " + " | ".join(COLUMNS) + " |"
@@ -244,7 +244,7 @@ def make_engine(
     room to spare so admission never holds a request back."""
     from services.common.config import SchedulerConfig
     from services.engine.engine import LLMEngine
-    from services.worker.static_decode import DecodeMode
+    from services.worker.passes.static_decode import DecodeMode
 
     block_size = 16
     planes = model.cfg.total_ut_steps  # the default LAST_EXITED layout keeps one per depth

@@ -34,9 +34,9 @@ TARGETS = ((32, 2048, 0.60), (1, 8192, 0.40))
 def section_long_context(c: Child) -> None:
     from services.common.config import KVLayout
     from services.worker.model.toy import toy_config
+    from services.worker.passes.static_decode import DecodeMode
     from services.worker.runner import ModelRunner
     from services.worker.sim import SimCostModel
-    from services.worker.static_decode import DecodeMode
 
     plan = c.plan
     longest = max(plan.contexts)
@@ -138,7 +138,7 @@ def _time_cell(
         RowKind,
         WorkerSampling,
     )
-    from services.worker.static_decode import Variant, buckets
+    from services.worker.passes.static_decode import Variant, buckets
 
     rng = random.Random(rows * 100_003 + context)
     per_row = context // BLOCK_SIZE + 1  # positions 0 .. context (the row's own)

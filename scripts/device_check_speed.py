@@ -130,7 +130,7 @@ def time_decode_passes(engine: LLMEngine, n: int, plan: Plan, device: torch.devi
 
 
 def section_pass_time(c: Child) -> None:
-    from services.worker.static_decode import DecodeMode
+    from services.worker.passes.static_decode import DecodeMode
 
     plan = c.plan
     model = c.load(torch.bfloat16)
@@ -237,7 +237,7 @@ def timed_generation(
 
 def section_decode(c: Child) -> None:
     from messages.sampling import SamplingParams
-    from services.worker.static_decode import DecodeMode, buckets
+    from services.worker.passes.static_decode import DecodeMode, buckets
 
     plan = c.plan
     model = c.load(torch.bfloat16)

@@ -90,8 +90,8 @@ def fuzz_decoders(checkpoint: Path, cases: int, seed: int = 0) -> DecoderReport:
     from services.common.tokenizer import TextCodec
     from services.prefix_cache.core import PrefixIndex
     from services.runtime.bus import HEADER_CHUNK, Reassembler
-    from services.scheduler.driver import SchedulerDriver
-    from services.scheduler.liveness import LossDetector, WorkerTracker
+    from services.scheduler.driver.driver import SchedulerDriver
+    from services.scheduler.driver.liveness import LossDetector, WorkerTracker
 
     limits, codec = load_model_limits(checkpoint), TextCodec.from_checkpoint(checkpoint)
     admission = AdmissionCore(limits, codec, AdmissionConfig(max_payload=1 << 20))

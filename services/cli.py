@@ -6,14 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from services.common.flags import (
-    add_bus_flags,
-    add_device_flags,
-    add_engine_flags,
-    add_http_flags,
-    add_request_flags,
-    add_shard_flags,
-)
+from services.common.flags import add_device_flags, add_engine_flags, add_request_flags
+from services.common.service_flags import add_bus_flags, add_http_flags, add_shard_flags
 from services.worker.model.sizes import CHECKPOINT_SIZES
 
 
@@ -64,6 +58,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from services.train.command import run_train
 
     return run_train(args)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from services.evaluation.command import run_eval
+
+    return run_eval(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -180,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="what depth buys a trained checkpoint (loss, exits, sparse)")
+    from services.evaluation.command import add_eval_arguments
+
+    add_eval_arguments(p)
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("service", help="run one service (for compose)")
     p.add_argument("name", choices=["admission", "scheduler", "worker", "prefix-cache", "gateway"])

@@ -13,8 +13,8 @@ from services.common.sparse_prefill import resolve_sparse_prefill
 from services.engine.engine import LLMEngine
 from services.oracle import SerialOracle, SparseSetting
 from services.oracle.near_tie import compare_with_oracle
-from services.scheduler.batch import ScheduledBatch
-from services.scheduler.kv_admission import Commitment
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.kv.kv_admission import Commitment
 from services.worker.model.ouro import OuroModel
 
 

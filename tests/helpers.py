@@ -15,8 +15,8 @@ from messages.batch import BatchResult, RowKind, RowResult
 from messages.internal import WorkerBatch, WorkerResult
 from messages.sampling import SamplingParams
 from services.common.sampling import gumbel_noise, sample_token
-from services.scheduler.batch import ScheduledBatch
-from services.scheduler.step_output import StepOutput
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.driver.step_output import StepOutput
 from services.worker.runner import ModelRunner
 
 

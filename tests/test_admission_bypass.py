@@ -19,17 +19,17 @@ from prometheus_client import generate_latest
 
 from messages.api import FinishedEvent
 from messages.sampling import SamplingParams
-from services.bench.comparisons import bypass_arm_name
+from services.bench.comparisons.admission_bypass import bypass_arm_name
 from services.bench.runner import run_bench
 from services.cli import build_parser
 from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
 from services.common.flags import add_engine_flags, engine_args, scheduler_config_from_args
-from services.scheduler.kv_admission import admits
-from services.scheduler.request import Request, RequestState
-from services.scheduler.reservation import reserved_start, steps_left
-from services.scheduler.running import committed, unallocated
-from services.scheduler.scheduler import Scheduler
-from services.scheduler.telemetry import SchedulerTelemetry
+from services.scheduler.core.kv.kv_admission import admits
+from services.scheduler.core.kv.reservation import reserved_start, steps_left
+from services.scheduler.core.request import Request, RequestState
+from services.scheduler.core.running import committed, unallocated
+from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.driver.telemetry import SchedulerTelemetry
 from tests.engine_harness import Arrival, RunRecord, assert_matches_oracle, oracle_result
 from tests.engine_harness import run_workload as run
 from tests.helpers import fake_result

@@ -412,7 +412,7 @@ def test_in_process_arms_detokenize_like_the_pipeline(toy_checkpoint: Path) -> N
     from messages.api import TokenEvent
     from messages.sampling import SamplingParams
     from services.bench.backends import InProcessBackend
-    from services.bench.comparisons import BackendKind
+    from services.bench.comparison import BackendKind
     from services.bench.runner import Bench
 
     bench = Bench(toy_checkpoint, "cpu", torch.float32)

@@ -23,19 +23,19 @@ from services.common.config import KVAdmission, KVLayout, ModelLimits, Scheduler
 from services.common.flags import add_engine_flags, engine_args, scheduler_config_from_args
 from services.engine.engine import LLMEngine
 from services.oracle import SerialOracle
-from services.scheduler.depth_budget import (
+from services.scheduler.core.depth_budget import (
     RESTORE_DWELL_STEPS,
     SHED_DWELL_STEPS,
     DepthBudget,
     token_budget,
 )
-from services.scheduler.request import Request
-from services.scheduler.state import SchedulerState, new_kv
-from services.scheduler.telemetry import SchedulerTelemetry
+from services.scheduler.core.request import Request
+from services.scheduler.core.state import SchedulerState, new_kv
+from services.scheduler.driver.telemetry import SchedulerTelemetry
 from services.worker.model.ouro import OuroModel
-from services.worker.rows import RowCursor, live_rows
+from services.worker.passes.rows import RowCursor, live_rows
+from services.worker.passes.static_decode import DecodeMode
 from services.worker.sim import SimRunner
-from services.worker.static_decode import DecodeMode
 from tests.engine_harness import Arrival, assert_matches_oracle, run_workload
 
 D = 4

@@ -22,10 +22,10 @@ from services.common.sparse_prefill import resolve_sparse_prefill
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.oracle import SparseSetting
-from services.scheduler.intake import KnownOutputs
-from services.scheduler.request import RequestState
-from services.worker.kv_pulls import arena_of, num_planes
-from services.worker.kv_transfer import KVTransferAgent, nixl_available
+from services.scheduler.core.intake import KnownOutputs
+from services.scheduler.core.request import RequestState
+from services.worker.kv_transfer.agent import KVTransferAgent, nixl_available
+from services.worker.kv_transfer.pulls import arena_of, num_planes
 from tests.engine_harness import assert_matches_oracle, oracle_result
 
 pytestmark = [

@@ -25,7 +25,7 @@ from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
 from services.runtime import subjects
 from services.runtime.bus import decode_msgpack
-from services.scheduler.driver import SchedulerDriver
+from services.scheduler.driver.driver import SchedulerDriver
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from tests.helpers import relayed_events, run_on

@@ -28,7 +28,7 @@ from messages.api import FinishedEvent, GenerateRequest, TokenEvent
 from messages.sampling import SamplingParams, StructuredOutput
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
-from services.worker.kv_transfer import nixl_available
+from services.worker.kv_transfer.agent import nixl_available
 
 pytest.register_assert_rewrite("tests.conftest_nats")
 

@@ -11,7 +11,7 @@ from messages.api import ErrorEvent, FinishedEvent
 from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.batch import ScheduledBatch
+from services.scheduler.core.batch import ScheduledBatch
 from services.worker.runner import ModelRunner
 from tests.engine_harness import assert_matches_oracle, oracle_result
 

@@ -13,7 +13,7 @@ from messages.sampling import SamplingParams
 from services.admission.core import AdmissionConfig, AdmissionCore, AdmissionError
 from services.common.config import KVLayout, ModelLimits, SchedulerConfig
 from services.common.fit import KVGeometry, check_request_fits
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.core.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,11 @@ import httpx
 import openai
 import pytest
 
-from services.common.flags import add_http_flags, api_keys_from_args, metrics_api_keys_from_args
+from services.common.service_flags import (
+    add_http_flags,
+    api_keys_from_args,
+    metrics_api_keys_from_args,
+)
 from services.gateway.auth import ApiKeys
 from services.gateway.process import GatewayProcess, _answers_http, bind_http
 from services.runtime.logging import configure_logging

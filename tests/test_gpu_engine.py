@@ -20,7 +20,7 @@ from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.oracle import SerialOracle
 from services.worker.model.ouro import OuroModel
-from services.worker.static_decode import DecodeMode
+from services.worker.passes.static_decode import DecodeMode
 from tests.engine_harness import assert_matches_oracle, oracle_result
 
 pytestmark = pytest.mark.gpu
@@ -71,7 +71,7 @@ def test_graphs_are_captured_at_start_in_one_pool_and_never_while_serving(
 ) -> None:
     """Every bucket's three variants are captured when the runner is built; serving greedy,
     sampled and early-exit rows replays them and captures nothing more."""
-    from services.worker.static_decode import Variant, buckets
+    from services.worker.passes.static_decode import Variant, buckets
 
     config = SchedulerConfig(block_size=4, num_blocks=256)
     model = OuroModel.from_checkpoint(toy_checkpoint, device="cuda")

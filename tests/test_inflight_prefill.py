@@ -15,8 +15,8 @@ from messages.batch import RowKind
 from messages.sampling import SamplingParams
 from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.running import preempt
-from services.scheduler.telemetry import SchedulerTelemetry
+from services.scheduler.core.running import preempt
+from services.scheduler.driver.telemetry import SchedulerTelemetry
 from tests.engine_harness import Arrival, assert_matches_oracle, oracle_result, run_workload
 
 D = 4

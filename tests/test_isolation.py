@@ -24,9 +24,9 @@ from services.common.sampling import SamplingError, sample_token
 from services.engine.engine import LLMEngine
 from services.runtime import permissions, subjects
 from services.runtime.bus import HEADER_CHUNK, Reassembler, redact_url, split_credentials
-from services.scheduler.driver import SchedulerDriver
-from services.scheduler.nats_executor import NatsExecutor
-from services.scheduler.tombstones import AbortTombstones
+from services.scheduler.driver.driver import SchedulerDriver
+from services.scheduler.driver.nats_executor import NatsExecutor
+from services.scheduler.driver.tombstones import AbortTombstones
 from tests.helpers import relayed_events
 
 pytestmark = pytest.mark.unit

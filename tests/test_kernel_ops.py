@@ -424,7 +424,7 @@ def test_exit_copy_pairs_move_only_the_exited_tokens_kv(block_size: int, contigu
     (flat slots on a contiguous CPU cache, block/offset indexing otherwise)."""
     from types import SimpleNamespace
 
-    from services.worker.pass_plan import PassPlanner  # msgspec: not on a bare GPU image
+    from services.worker.passes.pass_plan import PassPlanner  # msgspec: not on a bare GPU image
 
     planes, layers, kvh, hd = 4, 3, 2, 8
     planner = PassPlanner(block_size, planes, True, 0, 0, host_words=lambda n: None)

@@ -18,10 +18,10 @@ from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
 from services.common.flags import add_engine_flags, add_request_flags, scheduler_config_from_args
 from services.engine.trace import run_schedule_trace
-from services.scheduler.batch import ScheduledBatch
-from services.scheduler.kv_admission import Commitment, admits
-from services.scheduler.request import RequestState
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.kv.kv_admission import Commitment, admits
+from services.scheduler.core.request import RequestState
+from services.scheduler.core.scheduler import Scheduler
 from tests.engine_harness import Arrival, RunRecord, assert_matches_oracle, oracle_result
 from tests.engine_harness import run_workload as run
 from tests.helpers import fake_result

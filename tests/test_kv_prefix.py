@@ -1,4 +1,4 @@
-"""Prefix caching in the depth-aware KV manager (services/scheduler/kv_manager.py)."""
+"""Prefix caching in the depth-aware KV manager (services/scheduler/core/kv/kv_manager.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from messages.prefix import AllBlocksCleared, BlockRemoved, BlockStored, PrefixEvent
-from services.scheduler.kv_manager import KVManager
+from services.scheduler.core.kv.kv_manager import KVManager
 
 pytestmark = pytest.mark.unit
 

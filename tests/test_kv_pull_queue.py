@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from messages.kv_transfer import KVPull, KVSourceInfo
-from services.worker import kv_transfer as kvt
-from services.worker.kv_pull_queue import PullJob, PullOutcome, PullQueue
-from services.worker.kv_transfer import (
+from services.worker.kv_transfer import agent as kvt
+from services.worker.kv_transfer.agent import (
     KVArena,
     KVTransferAgent,
     ReadPlan,
@@ -25,6 +24,7 @@ from services.worker.kv_transfer import (
     TransferError,
     split_rows,
 )
+from services.worker.kv_transfer.pull_queue import PullJob, PullOutcome, PullQueue
 
 pytestmark = [
     pytest.mark.unit,

@@ -19,9 +19,9 @@ import torch
 from messages.internal import ShardAnnounce
 from messages.kv_transfer import KVBlockFormat, KVSourceInfo
 from services.admission.shards import ShardTable
-from services.common.flags import shard_roles
-from services.worker import kv_transfer as kvt
-from services.worker.kv_transfer import KVArena, KVTransferAgent, TransferError, block_runs
+from services.common.service_flags import shard_roles
+from services.worker.kv_transfer import agent as kvt
+from services.worker.kv_transfer.agent import KVArena, KVTransferAgent, TransferError, block_runs
 
 needs_nixl = pytest.mark.skipif(not kvt.nixl_available(), reason="NIXL is not installed")
 
@@ -90,7 +90,7 @@ def test_reads_are_byte_exact_and_a_layout_mismatch_is_refused() -> None:
 _PEER = textwrap.dedent(
     """
     import sys, time, torch
-    from services.worker.kv_transfer import KVArena, KVTransferAgent
+    from services.worker.kv_transfer.agent import KVArena, KVTransferAgent
     from services.runtime.bus import encode_msgpack
     shape = (3, 64, 16, 8, 64)
     arena = KVArena(torch.ones(shape), torch.ones(shape))

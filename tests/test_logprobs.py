@@ -22,9 +22,9 @@ from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.scheduler.engine_core import EngineCore
-from services.worker import logprobs as logprobs_module
-from services.worker.logprobs import LOGPROB_FLOOR, logprob_columns, read_scored
 from services.worker.model.toy import toy_config
+from services.worker.sampling import logprobs as logprobs_module
+from services.worker.sampling.logprobs import LOGPROB_FLOOR, logprob_columns, read_scored
 from services.worker.sim import SimCostModel, SimRunner
 
 PROMPT = [17, 4, 250, 31, 99, 8, 8, 140]

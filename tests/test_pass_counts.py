@@ -19,7 +19,7 @@ from services.common.config import SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import random_weights, toy_config
-from services.worker.static_decode import DecodeMode
+from services.worker.passes.static_decode import DecodeMode
 
 pytestmark = pytest.mark.unit
 

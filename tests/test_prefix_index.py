@@ -22,7 +22,7 @@ from messages.prefix import (
     blocks_digest,
 )
 from services.prefix_cache import PrefixIndex
-from services.scheduler.prefix_events import PrefixEventLog, new_epoch
+from services.scheduler.core.kv.prefix_events import PrefixEventLog, new_epoch
 from services.scheduler.prefix_publisher import (
     PendingEnvelopes,
     PrefixPublisher,

@@ -11,11 +11,11 @@ from messages.batch import BatchKind, BatchResult, RowKind, RowResult
 from messages.prefix import BlockStored, prompt_block_hashes
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
-from services.scheduler.batch import ScheduledBatch, ScheduledTask
-from services.scheduler.request import RequestState
-from services.scheduler.running import insert_running
-from services.scheduler.scheduler import Scheduler, SchedulerInvariantError
-from services.scheduler.selection import Selection
+from services.scheduler.core.batch import ScheduledBatch, ScheduledTask
+from services.scheduler.core.request import RequestState
+from services.scheduler.core.running import insert_running
+from services.scheduler.core.scheduler import Scheduler, SchedulerInvariantError
+from services.scheduler.core.selection import Selection
 
 pytestmark = pytest.mark.unit
 

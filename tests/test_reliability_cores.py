@@ -33,11 +33,11 @@ from services.engine.engine import LLMEngine
 from services.launcher import NatsServer
 from services.runtime import subjects
 from services.runtime.bus import HEADER_CHUNK, Reassembler, decode_msgpack
-from services.scheduler.driver import SchedulerDriver
+from services.scheduler.driver.driver import SchedulerDriver
+from services.scheduler.driver.liveness import LossDetector, WorkerTracker
+from services.scheduler.driver.step_output import Relay, StepOutput
 from services.scheduler.fencing import Fence
-from services.scheduler.liveness import LossDetector, WorkerTracker
 from services.scheduler.output_publisher import OutputPublisher, StepTimings
-from services.scheduler.step_output import Relay, StepOutput
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from services.worker.service import _is_older_epoch

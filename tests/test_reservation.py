@@ -7,9 +7,9 @@ import math
 import pytest
 
 from messages.sampling import SamplingParams
-from services.scheduler.kv_admission import Commitment
-from services.scheduler.request import Request
-from services.scheduler.reservation import reserved_start, steps_left
+from services.scheduler.core.kv.kv_admission import Commitment
+from services.scheduler.core.kv.reservation import reserved_start, steps_left
+from services.scheduler.core.request import Request
 
 D = 4
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.worker import kv_transfer as kvt
 from services.worker import runner_host
-from services.worker.kv_pulls import KVPulls
+from services.worker.kv_transfer import agent as kvt
+from services.worker.kv_transfer.pulls import KVPulls
 from services.worker.runner_host import RunnerHost
 
 pytestmark = pytest.mark.unit

@@ -23,7 +23,7 @@ from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.launcher import NatsServer
 from services.runtime import subjects
-from services.scheduler.driver import SchedulerDriver
+from services.scheduler.driver.driver import SchedulerDriver
 from services.worker.model.ouro import OuroModel
 from services.worker.runner import ModelRunner
 from tests.helpers import relayed_events, run_on

@@ -23,8 +23,8 @@ from services.common.tokenizer import TextCodec
 from services.engine.executor import InProcessExecutor
 from services.prefix_cache.core import PrefixIndex
 from services.prefix_cache.liveness import ProducerLiveness
+from services.scheduler.core.intake import KnownOutputs
 from services.scheduler.engine_core import EngineCore
-from services.scheduler.intake import KnownOutputs
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import toy_config
 from services.worker.runner import ModelRunner
@@ -420,7 +420,7 @@ def test_sim_outputs_are_a_function_of_seed_and_position_even_under_preemption()
 # ---------------------------------------------------------------------- a shard lost, in pure form
 def _shard(toy_checkpoint: Path, shard: str, model: OuroModel):  # type: ignore[no-untyped-def]
     from services.common.checkpoint import load_model_limits
-    from services.scheduler.driver import SchedulerDriver
+    from services.scheduler.driver.driver import SchedulerDriver
 
     config = SchedulerConfig(
         block_size=4,
@@ -578,8 +578,8 @@ def test_a_scheduler_forgets_admissions_that_stopped_submitting(toy_checkpoint: 
     import msgspec
 
     from services.common.checkpoint import load_model_limits
-    from services.scheduler.driver import SchedulerDriver
-    from services.scheduler.load_report import ADMISSION_FORGET_S
+    from services.scheduler.driver.driver import SchedulerDriver
+    from services.scheduler.driver.load_report import ADMISSION_FORGET_S
 
     driver = SchedulerDriver(SchedulerConfig(), load_model_limits(toy_checkpoint))
     params = msgspec.structs.replace(SamplingParams(max_tokens=2), seed=1)

@@ -13,7 +13,7 @@ import torch
 
 from kernels.ops import attention
 from messages.batch import BatchRow, RowKind, WorkerSampling
-from services.worker.rows import LiveRow
+from services.worker.passes.rows import LiveRow
 
 pytestmark = pytest.mark.unit
 
@@ -113,7 +113,7 @@ def test_active_rows_as_one_segment_are_exact(seed: int, block_size: int) -> Non
 
 
 def _planned(rows: list[LiveRow]):
-    from services.worker.pass_plan import PassPlanner, RequestView
+    from services.worker.passes.pass_plan import PassPlanner, RequestView
 
     sampling = WorkerSampling(
         temperature=0.0, top_p=1.0, top_k=0, seed=0, min_loops=4, max_loops=4, exit_threshold=1.0

@@ -247,7 +247,7 @@ def test_structured_outputs_under_sparse_prefill_equal_the_oracle(toy_model, ora
     """The prompt's first token is sampled at its last window's last active row, under the
     format's mask, as any coda row: every format's output equals the oracle's (the same
     mask, the same sparse prefill) beside a dense request with a format."""
-    from services.worker.grammar import GrammarBook
+    from services.worker.sampling.grammar import GrammarBook
     from tests.helpers import FORMATS, MaskedSampler
 
     config = SchedulerConfig(

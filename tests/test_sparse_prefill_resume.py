@@ -18,7 +18,7 @@ from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
 from services.common.sparse_prefill import FLASHLOOP_RETENTION, SparseSchedule
 from services.runtime import subjects
-from services.scheduler.driver import SchedulerDriver
+from services.scheduler.driver.driver import SchedulerDriver
 
 pytestmark = pytest.mark.unit
 

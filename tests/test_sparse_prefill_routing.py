@@ -27,7 +27,7 @@ from services.common.config import ModelLimits, SchedulerConfig
 from services.common.sparse_prefill import prefill_setting
 from services.prefix_cache.core import PrefixIndex
 from services.runtime.bus import decode_msgpack, encode_msgpack
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.core.scheduler import Scheduler
 from tests.helpers import fake_result
 
 pytestmark = pytest.mark.unit

@@ -16,9 +16,9 @@ from messages.errors import RequestError
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.sparse_prefill import FLASHLOOP_RETENTION, SparseSchedule
-from services.scheduler.batch import ScheduledBatch
-from services.scheduler.running import preempt
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.running import preempt
+from services.scheduler.core.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit
 
@@ -271,7 +271,7 @@ def test_schedule_trace_shows_fragments_with_their_active_rows(
 def test_prompt_rows_are_metrics() -> None:
     from prometheus_client import generate_latest
 
-    from services.scheduler.telemetry import SchedulerTelemetry
+    from services.scheduler.driver.telemetry import SchedulerTelemetry
 
     s = Scheduler(config(), LIMITS)
     s.add_request("a", list(range(1, 21)), SPARSE)

@@ -10,7 +10,7 @@ from messages.sampling import SamplingParams
 from services.common.config import KVLayout, SchedulerConfig
 from services.common.sampling import sample_token
 from services.engine.engine import LLMEngine
-from services.worker.static_decode import DecodeMode, buckets
+from services.worker.passes.static_decode import DecodeMode, buckets
 
 PROMPTS = [[5, 17, 42, 99, 3], [250, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [300], [8, 9]]
 

@@ -19,17 +19,17 @@ from messages.api import FinishedEvent, TokenEvent
 from messages.errors import RequestError
 from messages.sampling import SamplingParams, StructuredOutput
 from services.common.config import KVAdmission, SchedulerConfig
-from services.common.grammar import check_structured_output
-from services.common.grammar_xgrammar import choice_ebnf
+from services.common.structured.grammar import check_structured_output
+from services.common.structured.grammar_xgrammar import choice_ebnf
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.gateway.structured import FormatError, structured_output
 from services.oracle.near_tie import compare_with_oracle
-from services.scheduler.intake import KnownOutputs
-from services.worker.grammar import GrammarBook, PassMasks
+from services.scheduler.core.intake import KnownOutputs
 from services.worker.model.toy import toy_config
 from services.worker.runner import ModelRunner
+from services.worker.sampling.grammar import GrammarBook, PassMasks
 from services.worker.sim import SIM_REFUSES_STRUCTURED_OUTPUT, SimCostModel, SimRunner
 from tests.helpers import FORMATS, MaskedSampler, assert_follows
 
@@ -332,7 +332,7 @@ def test_a_grammar_that_never_compiles_fails_its_request_not_the_pass(
 ) -> None:
     from concurrent.futures import Future
 
-    from services.worker import grammar as worker_grammar
+    from services.worker.sampling import grammar as worker_grammar
 
     monkeypatch.setattr(worker_grammar, "COMPILE_WAIT_S", 0.05)
     stuck: Future[object] = Future()  # a compile that never ends
@@ -348,7 +348,7 @@ def test_a_grammar_that_never_compiles_fails_its_request_not_the_pass(
 def test_a_schema_nested_up_to_the_limit_compiles_with_either_engine(backend: str) -> None:
     """The depth bound is rlt's, below both engines' own: a schema's validity does not
     depend on the server's engine."""
-    from services.common.grammar import MAX_SCHEMA_DEPTH
+    from services.common.structured.grammar import MAX_SCHEMA_DEPTH
 
     spec = _nested_schema(MAX_SCHEMA_DEPTH - 1)
     check_structured_output(StructuredOutput(kind="json_schema", spec=spec, backend=backend))
@@ -378,7 +378,7 @@ def test_compiled_grammars_are_bounded_in_bytes(codec: TextCodec, toy_model) -> 
 
 @pytest.mark.unit
 def test_a_format_with_no_next_token_fails_with_that(book: GrammarBook) -> None:
-    from services.worker.grammar import RequestGrammar
+    from services.worker.sampling.grammar import RequestGrammar
 
     empty = StructuredOutput(kind="regex", spec=r"[^\s\S]")
     grammar = RequestGrammar(book, book.compile(empty), [])

@@ -20,7 +20,7 @@ from messages.sampling import (
 )
 from services.bench.conformance import ConformanceRun, load_cases, serialise
 from services.common.config import SchedulerConfig
-from services.common.grammar import check_structured_output
+from services.common.structured.grammar import check_structured_output
 from services.common.tokenizer import TextCodec
 
 pytestmark = pytest.mark.unit
@@ -154,7 +154,7 @@ def test_an_output_may_end_only_where_its_format_does(
 
 @pytest.fixture
 def fresh_xgrammar_caches():
-    from services.common import grammar_xgrammar
+    from services.common.structured import grammar_xgrammar
 
     def clear() -> None:
         grammar_xgrammar._parse.cache_clear()

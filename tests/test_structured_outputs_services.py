@@ -27,8 +27,8 @@ from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.launcher import NatsServer, free_port
 from services.oracle import SerialOracle
-from services.worker.grammar import GrammarBook
 from services.worker.model.ouro import OuroModel
+from services.worker.sampling.grammar import GrammarBook
 from tests.helpers import (
     CHOICES,
     EMAIL_REGEX,

@@ -20,10 +20,10 @@ from messages.api import FinishedEvent, TokenEvent
 from messages.errors import RequestError
 from messages.sampling import SamplingParams, StructuredOutputsBackend
 from services.common.config import SchedulerConfig
-from services.common.grammar import check_structured_output
-from services.common.grammar_llguidance import grammar_text
+from services.common.structured.grammar import check_structured_output
+from services.common.structured.grammar_llguidance import grammar_text
+from services.common.structured.tool_format import HERMES, FunctionSpec, ToolCallSpec, ToolMode
 from services.common.tokenizer import TextCodec, _compile_template
-from services.common.tool_format import HERMES, FunctionSpec, ToolCallSpec, ToolMode
 from services.common.tool_template import chat_for_template, default_chat, template_tools
 from services.engine.engine import LLMEngine
 from services.gateway.errors import ApiError

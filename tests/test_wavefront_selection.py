@@ -9,9 +9,9 @@ from messages.api import FinishedEvent
 from messages.batch import BatchKind
 from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, ModelLimits, SchedulerConfig
-from services.scheduler.batch import ScheduledBatch
-from services.scheduler.request import RequestState
-from services.scheduler.scheduler import Scheduler, SchedulerInvariantError
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.request import RequestState
+from services.scheduler.core.scheduler import Scheduler, SchedulerInvariantError
 from tests.helpers import fake_result
 
 pytestmark = pytest.mark.unit

@@ -9,6 +9,10 @@ segment, whose K/V sit at slot ``block_tables[s, pos // bs] * bs + pos % bs``. Q
 reads kv head ``h // (nh // nkv)``. Rows past ``query_start[S]`` are padding and come out zero.
 Block table entries past a segment's context and cache memory there (maybe NaN) are never used.
 
+With ``k_scale`` / ``v_scale`` [num_blocks, bs, nkv] (float32) the caches hold the fp8 codec's
+e4m3 codes (uint8, ``kernels/kv_codec.py``): every kernel dequantises K/V as it reads them, so
+no dequantised copy of the context is ever made.
+
 Every tensor shape depends only on (T, S, max_query_len, block table width), never on values, so
 the CUDA path is capturable in a CUDA graph.
 """
@@ -19,12 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.ops._triton import triton_available
+from kernels.ops.kv_fp8 import fp8_decode_reference
 
 _lib = torch.library.Library("rlt", "FRAGMENT")
 _lib.define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
     "Tensor context_lens, Tensor query_start, float scale, int max_query_len, "
-    "Tensor? query_pos=None) -> Tensor"
+    "Tensor? query_pos=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor"
 )
 
 
@@ -84,6 +89,8 @@ def _attend_grid(
     v_cache: torch.Tensor,
     grid: _Grid,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Segments padded to q_max queries over positions 0 .. c_max - 1 of their context.
 
@@ -91,19 +98,11 @@ def _attend_grid(
     ``grid.out_rows[i]`` (T for a padding query).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
-    num_segs, q_max, c_max = grid.num_segs, grid.q_max, grid.c_max
+    num_segs, q_max = grid.num_segs, grid.q_max
     # Float32 at least for scores and softmax; float64 inputs stay float64.
     acc = torch.promote_types(q.dtype, torch.float32)
-    if k_cache.is_contiguous() and v_cache.is_contiguous():
-        # one gather per cache by flat slot (cheaper than indexing by block and offset)
-        keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, grid.slots)
-        vals = v_cache.view(-1, kv_heads, head_dim).index_select(0, grid.slots)
-        keys = keys.view(num_segs, c_max, kv_heads, head_dim).to(acc)
-        vals = vals.view(num_segs, c_max, kv_heads, head_dim).to(acc)
-    else:
-        keys = k_cache[grid.blocks, grid.offsets].to(acc)
-        vals = v_cache[grid.blocks, grid.offsets].to(acc)
+    keys = _gather(k_cache, k_scale, grid, acc)
+    vals = _gather(v_cache, v_scale, grid, acc)
 
     qs = q.index_select(0, grid.query_rows).to(acc)
     qs = qs.view(num_segs, q_max, num_heads, head_dim).transpose(1, 2)  # [S, nh, Q, hd]
@@ -120,6 +119,28 @@ def _attend_grid(
         enable_gqa=True,
     )  # [S, nh, Q, hd]
     return out.transpose(1, 2).reshape(num_segs * q_max, num_heads, head_dim)
+
+
+def _gather(
+    cache: torch.Tensor, scales: torch.Tensor | None, grid: _Grid, acc: torch.dtype
+) -> torch.Tensor:
+    """The grid's K or V [S, c_max, nkv, hd] in ``acc``, dequantised when ``scales`` is given
+    (fp8 codes, one scale per slot and head)."""
+    kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    if cache.is_contiguous():
+        # one gather by flat slot (cheaper than indexing by block and offset)
+        rows = cache.view(-1, kv_heads, head_dim).index_select(0, grid.slots)
+        rows = rows.view(grid.num_segs, grid.c_max, kv_heads, head_dim)
+    else:
+        rows = cache[grid.blocks, grid.offsets]
+    if scales is None:
+        return rows.to(acc)
+    if scales.is_contiguous():
+        factor = scales.view(-1, kv_heads).index_select(0, grid.slots)
+        factor = factor.view(grid.num_segs, grid.c_max, kv_heads)
+    else:
+        factor = scales[grid.blocks, grid.offsets]
+    return (fp8_decode_reference(rows) * factor.unsqueeze(-1)).to(acc)
 
 
 # The grids of the last pass seen, keyed by its metadata tensors themselves: every layer of a
@@ -222,6 +243,8 @@ def paged_attention_reference(
     scale: float,
     max_query_len: int,
     query_pos: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     split_decode: bool | None = None,
 ) -> torch.Tensor:
     """Batched torch version: queries padded per segment, positions padded per segment.
@@ -248,11 +271,13 @@ def paged_attention_reference(
         query_pos,
     )
     if len(grids) == 1 and grids[0].in_order:
-        return _attend_grid(q, k_cache, v_cache, grids[0], scale).to(q.dtype).contiguous()
+        out = _attend_grid(q, k_cache, v_cache, grids[0], scale, k_scale, v_scale)
+        return out.to(q.dtype).contiguous()
     # One spare row takes the padding queries' outputs, dropped at the end.
     out = q.new_zeros((num_rows + 1, num_heads, head_dim))
     for grid in grids:
-        out[grid.out_rows] = _attend_grid(q, k_cache, v_cache, grid, scale).to(q.dtype)
+        part = _attend_grid(q, k_cache, v_cache, grid, scale, k_scale, v_scale)
+        out[grid.out_rows] = part.to(q.dtype)
     return out[:num_rows]
 
 
@@ -266,6 +291,8 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int,
     query_pos: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     tiled: bool | None = None,
     num_splits: int | None = None,
     split_align: int | None = None,
@@ -290,6 +317,8 @@ def paged_attention_triton(
         scale,
         max_query_len,
         query_pos,
+        k_scale,
+        v_scale,
         tiled=tiled,
         num_splits=num_splits,
         **({} if split_align is None else {"split_align": split_align}),
@@ -316,15 +345,18 @@ def _paged_attention_cuda(
     scale: float,
     max_query_len: int,
     query_pos: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     args = (q, k_cache, v_cache, block_tables, context_lens, query_start, scale, max_query_len)
-    if max_query_len == 1 and query_pos is None and q.dtype == _cuda_decode["flash"]:
+    plain = k_scale is None and v_scale is None
+    if max_query_len == 1 and query_pos is None and plain and q.dtype == _cuda_decode["flash"]:
         from kernels.ops import attention_flash
 
         return attention_flash.paged_decode(*args)
     if triton_available():
-        return paged_attention_triton(*args, query_pos)
-    return paged_attention_reference(*args, query_pos)
+        return paged_attention_triton(*args, query_pos, k_scale, v_scale)
+    return paged_attention_reference(*args, query_pos, k_scale, v_scale)
 
 
 def _paged_attention_fake(
@@ -337,6 +369,8 @@ def _paged_attention_fake(
     scale: float,
     max_query_len: int,
     query_pos: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
 
@@ -358,11 +392,14 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     query_pos: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, nh, hd] over one layer's caches [num_blocks, bs, nkv, hd] -> [T, nh, hd] in
     q's dtype. block_tables [S, maxB], context_lens [S] and query_start [S + 1] are int32;
     max_query_len bounds every segment's row count (one ``rlt::paged_attention`` call).
-    query_pos [T] int32, optional: each row's own position (see the module docstring)."""
+    query_pos [T] int32, optional: each row's own position (see the module docstring).
+    k_scale / v_scale [num_blocks, bs, nkv] float32, optional: the caches hold fp8 codes."""
     return _paged_attention_op(
         q,
         k_cache,
@@ -373,4 +410,6 @@ def paged_attention(
         scale,
         max_query_len,
         query_pos,
+        k_scale,
+        v_scale,
     )

@@ -21,7 +21,11 @@ The context loop bound comes from context_lens inside the kernel, so the grid de
 contexts grow. Loads past the context use ``other=0`` and scores there are -inf before the
 softmax, so stale or NaN cache memory and unused block table entries never reach the output.
 Every output element is stored by a kernel (rows no segment covers get zeros from program
-(0, head)), so the output needs no memset.
+(0, head)), so the output needs no memset. The decode kernel, its combine step and their
+launcher are ``attention_decode_triton.py``.
+
+With ``FP8`` the caches hold e4m3 codes and ``ks_ptr`` / ``vs_ptr`` one float32 scale per slot
+and kv head: each tile is dequantised in registers as it is loaded.
 """
 
 from __future__ import annotations
@@ -31,203 +35,11 @@ import triton
 import triton.language as tl
 
 from kernels.ops._triton import decode_splits, next_power_of_2, num_sms
+from kernels.ops.attention_decode_triton import DECODE_BLOCK_N, _decode, _zero_uncovered_rows
+from kernels.ops.kv_fp8_triton import fp8_cols, fp8_rows
 
 # Smallest query tile for tl.dot (its M, N and K must all be >= 16).
 MIN_DOT_TILE = 16
-
-
-# Keys per tile of the decode kernel: K and V tiles of this many positions are loaded together.
-DECODE_BLOCK_N = 64
-
-
-@triton.jit
-def _zero_uncovered_rows(
-    out_ptr,
-    starts_ptr,
-    num_segs,
-    num_rows,
-    head,
-    out_s0,
-    out_s1,
-    out_s2,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Zeros head ``head`` of the rows no segment covers (before query_start[0] and from
-    query_start[S] on), so the output needs no memset before the kernels run."""
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    zeros = tl.zeros([BLOCK_D], out_ptr.dtype.element_ty)
-    first = tl.load(starts_ptr)
-    last = tl.load(starts_ptr + num_segs)
-    for r in range(0, first):
-        tl.store(out_ptr + r * out_s0 + head * out_s1 + d * out_s2, zeros, mask=d_ok)
-    for r in range(last, num_rows):
-        tl.store(out_ptr + r * out_s0 + head * out_s1 + d * out_s2, zeros, mask=d_ok)
-
-
-@triton.jit
-def _attn_decode_split_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    tables_ptr,
-    ctx_ptr,
-    starts_ptr,
-    out_ptr,
-    part_acc_ptr,
-    part_ml_ptr,
-    q_s0,
-    q_s1,
-    q_s2,
-    k_s0,
-    k_s1,
-    k_s2,
-    k_s3,
-    v_s0,
-    v_s1,
-    v_s2,
-    v_s3,
-    tables_s0,
-    out_s0,
-    out_s1,
-    out_s2,
-    scale,
-    block_size,
-    group,
-    num_heads,
-    num_segs,
-    num_rows,
-    split_align,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    seg = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    row0 = tl.load(starts_ptr + seg)
-    n = tl.load(starts_ptr + seg + 1) - row0  # 0 or 1 (max_query_len is 1)
-    ctx = tl.load(ctx_ptr + seg)
-    kv_end = tl.where(n > 0, ctx - n + 1, 0)
-    # This split's keys: an equal share of the context, rounded up to ``split_align``; the
-    # last splits of a short context get none (an empty partial: m = -inf, l = 0).
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), split_align) * split_align
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, kv_end)
-    row = row0.to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    # the row's columns; none for a segment without a row (its row0 may be past the end)
-    row_ok = d < tl.where(n > 0, HEAD_DIM, 0)
-    q = tl.load(q_ptr + row * q_s0 + head * q_s1 + d * q_s2, mask=row_ok, other=0.0)
-    q = q.to(tl.float32)
-    kv_head = head // group
-    table = tables_ptr + seg.to(tl.int64) * tables_s0
-
-    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
-    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        c = start + tl.arange(0, BLOCK_N)
-        c_ok = c < hi
-        blk = tl.load(table + c // block_size, mask=c_ok, other=0).to(tl.int64)
-        off = c % block_size
-        kv_ok = c_ok[:, None] & d_ok[None, :]
-        # K and V of the tile are loaded together, before the math that needs them
-        k_rows = blk * k_s0 + off * k_s1 + kv_head * k_s2
-        v_rows = blk * v_s0 + off * v_s1 + kv_head * v_s2
-        k = tl.load(k_ptr + k_rows[:, None] + d[None, :] * k_s3, mask=kv_ok, other=0.0)
-        v = tl.load(v_ptr + v_rows[:, None] + d[None, :] * v_s3, mask=kv_ok, other=0.0)
-        s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale
-        s = tl.where(c_ok, s, float("-inf"))
-        # position `start` is inside the split, so m_new is finite from the first tile on
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        m_i = m_new
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)
-        dst = out_ptr + row * out_s0 + head * out_s1 + d * out_s2
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok)
-        if seg == 0:
-            _zero_uncovered_rows(
-                out_ptr,
-                starts_ptr,
-                num_segs,
-                num_rows,
-                head,
-                out_s0,
-                out_s1,
-                out_s2,
-                HEAD_DIM,
-                BLOCK_D,
-            )
-    else:
-        part = (seg * num_heads + head) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + part.to(tl.int64) * BLOCK_D + d, acc)
-        tl.store(part_ml_ptr + part * 2, m_i)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i)
-
-
-@triton.jit
-def _attn_decode_combine_kernel(
-    starts_ptr,
-    out_ptr,
-    part_acc_ptr,
-    part_ml_ptr,
-    out_s0,
-    out_s1,
-    out_s2,
-    num_heads,
-    num_segs,
-    num_rows,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
-):
-    seg = tl.program_id(0)
-    head = tl.program_id(1)
-    row0 = tl.load(starts_ptr + seg)
-    n = tl.load(starts_ptr + seg + 1) - row0
-    sp = tl.arange(0, SPLITS_P2)
-    sp_ok = sp < NUM_SPLITS
-    part = (seg * num_heads + head) * NUM_SPLITS + sp
-    m = tl.load(part_ml_ptr + part * 2, mask=sp_ok, other=float("-inf"))
-    l_part = tl.load(part_ml_ptr + part * 2 + 1, mask=sp_ok, other=0.0)
-    d = tl.arange(0, BLOCK_D)
-    acc = tl.load(
-        part_acc_ptr + part.to(tl.int64)[:, None] * BLOCK_D + d[None, :],
-        mask=sp_ok[:, None],
-        other=0.0,
-    )
-    m_all = tl.max(m, axis=0)
-    # empty splits (m = -inf) weigh 0; a row with no key at all comes out 0
-    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.exp(m - m_safe)
-    num = tl.sum(w[:, None] * acc, axis=0)
-    den = tl.sum(w * l_part, axis=0)
-    out = num / tl.where(den > 0, den, 1.0)
-    row_ok = d < tl.where(n > 0, HEAD_DIM, 0)
-    dst = out_ptr + row0.to(tl.int64) * out_s0 + head * out_s1 + d * out_s2
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok)
-    if seg == 0:
-        _zero_uncovered_rows(
-            out_ptr,
-            starts_ptr,
-            num_segs,
-            num_rows,
-            head,
-            out_s0,
-            out_s1,
-            out_s2,
-            HEAD_DIM,
-            BLOCK_D,
-        )
 
 
 @triton.jit
@@ -235,6 +47,8 @@ def _attn_query_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    ks_ptr,
+    vs_ptr,
     tables_ptr,
     ctx_ptr,
     starts_ptr,
@@ -251,6 +65,9 @@ def _attn_query_kernel(
     v_s1,
     v_s2,
     v_s3,
+    sc_s0,
+    sc_s1,
+    sc_s2,
     tables_s0,
     out_s0,
     out_s1,
@@ -264,6 +81,7 @@ def _attn_query_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_QPOS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seg = tl.program_id(0)
     head = tl.program_id(1)
@@ -296,7 +114,11 @@ def _attn_query_kernel(
         off = c % block_size
         kv_ok = c_ok[:, None] & d_ok[None, :]
         k_rows = blk * k_s0 + off * k_s1 + kv_head * k_s2
-        k = tl.load(k_ptr + k_rows[:, None] + d[None, :] * k_s3, mask=kv_ok, other=0.0)
+        sc_rows = blk * sc_s0 + off * sc_s1 + kv_head * sc_s2
+        if FP8:
+            k = fp8_rows(k_ptr + k_rows[:, None] + d[None, :] * k_s3, kv_ok, ks_ptr + sc_rows, c_ok)
+        else:
+            k = tl.load(k_ptr + k_rows[:, None] + d[None, :] * k_s3, mask=kv_ok, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale
         s = tl.where(c_ok, s, float("-inf"))
         # Position `start` is always visible, so m_new is finite from the first tile on.
@@ -305,7 +127,10 @@ def _attn_query_kernel(
         p = tl.exp(s - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         v_rows = blk * v_s0 + off * v_s1 + kv_head * v_s2
-        v = tl.load(v_ptr + v_rows[:, None] + d[None, :] * v_s3, mask=kv_ok, other=0.0)
+        if FP8:
+            v = fp8_rows(v_ptr + v_rows[:, None] + d[None, :] * v_s3, kv_ok, vs_ptr + sc_rows, c_ok)
+        else:
+            v = tl.load(v_ptr + v_rows[:, None] + d[None, :] * v_s3, mask=kv_ok, other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)
@@ -331,6 +156,8 @@ def _attn_tile_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    ks_ptr,
+    vs_ptr,
     tables_ptr,
     ctx_ptr,
     starts_ptr,
@@ -347,6 +174,9 @@ def _attn_tile_kernel(
     v_s1,
     v_s2,
     v_s3,
+    sc_s0,
+    sc_s1,
+    sc_s2,
     tables_s0,
     out_s0,
     out_s1,
@@ -361,6 +191,7 @@ def _attn_tile_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_QPOS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seg = tl.program_id(0)
     head = tl.program_id(1)
@@ -396,12 +227,14 @@ def _attn_tile_kernel(
         blk = tl.load(table + c // block_size, mask=c_ok, other=0).to(tl.int64)
         off = c % block_size
         k_cols = blk * k_s0 + off * k_s1 + kv_head * k_s2
+        sc_rows = blk * sc_s0 + off * sc_s1 + kv_head * sc_s2
         # K loaded transposed, [BLOCK_D, BLOCK_N], so the scores are a plain q @ kT.
-        kt = tl.load(
-            k_ptr + k_cols[None, :] + d[:, None] * k_s3,
-            mask=d_ok[:, None] & c_ok[None, :],
-            other=0.0,
-        )
+        kt_ptrs = k_ptr + k_cols[None, :] + d[:, None] * k_s3
+        kt_ok = d_ok[:, None] & c_ok[None, :]
+        if FP8:  # dequantised in float32, then in q's dtype for tl.dot
+            kt = fp8_cols(kt_ptrs, kt_ok, ks_ptr + sc_rows, c_ok).to(q.dtype)
+        else:
+            kt = tl.load(kt_ptrs, mask=kt_ok, other=0.0)
         s = tl.dot(q, kt, input_precision="ieee") * scale
         visible = (c[None, :] <= pos[:, None]) & c_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -412,11 +245,12 @@ def _attn_tile_kernel(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = blk * v_s0 + off * v_s1 + kv_head * v_s2
-        v = tl.load(
-            v_ptr + v_rows[:, None] + d[None, :] * v_s3,
-            mask=c_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        v_ptrs = v_ptr + v_rows[:, None] + d[None, :] * v_s3
+        v_ok = c_ok[:, None] & d_ok[None, :]
+        if FP8:
+            v = fp8_rows(v_ptrs, v_ok, vs_ptr + sc_rows, c_ok).to(q.dtype)
+        else:
+            v = tl.load(v_ptrs, mask=v_ok, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -467,11 +301,20 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     query_pos: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     tiled: bool | None = None,
     num_splits: int | None = None,
     split_align: int = DECODE_BLOCK_N,
 ) -> torch.Tensor:
     _check(q, k_cache, v_cache, block_tables, context_lens, query_start)
+    fp8 = k_scale is not None
+    if fp8 and (v_scale is None or k_scale.shape != k_cache.shape[:3]):
+        raise ValueError(
+            f"fp8 caches {tuple(k_cache.shape)} need k_scale and v_scale [NB, bs, nkv]"
+        )
+    if fp8 and k_scale.stride() != v_scale.stride():
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
     if query_pos is not None and query_pos.shape != (q.shape[0],):
         raise ValueError(f"query_pos {tuple(query_pos.shape)} for {q.shape[0]} query rows")
     num_rows, num_heads, head_dim = q.shape
@@ -492,10 +335,13 @@ def paged_attention(
         raise ValueError(f"the tl.dot kernel needs head_dim >= {MIN_DOT_TILE}, got {head_dim}")
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
+    # without fp8 the scale pointers are never read: the caches stand in
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     strides = (
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
+        *(ks.stride() if fp8 else (0, 0, 0)),
         block_tables.stride(0),
         *out.stride(),
     )
@@ -507,6 +353,9 @@ def paged_attention(
             q,
             k_cache,
             v_cache,
+            ks,
+            vs,
+            fp8,
             block_tables,
             context_lens,
             query_start,
@@ -521,6 +370,8 @@ def paged_attention(
         q,
         k_cache,
         v_cache,
+        ks,
+        vs,
         block_tables,
         context_lens,
         query_start,
@@ -544,6 +395,7 @@ def paged_attention(
             BLOCK_M=block_m,
             BLOCK_N=64 if block_d <= 64 else 32,
             HAS_QPOS=has_qpos,
+            FP8=fp8,
             num_warps=4,
             num_stages=2,
         )
@@ -555,74 +407,7 @@ def paged_attention(
             BLOCK_D=block_d,
             BLOCK_N=max(16, min(64, 4096 // block_d)),
             HAS_QPOS=has_qpos,
+            FP8=fp8,
             num_warps=4 if block_d >= 64 else 2,
         )
     return out
-
-
-def _decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start: torch.Tensor,
-    out: torch.Tensor,
-    strides: tuple[int, ...],
-    scale: float,
-    splits: int,
-    split_align: int,
-) -> None:
-    """The split decode kernel, then (with more than one split) the combine step."""
-    if splits < 1 or split_align < 1:
-        raise ValueError(f"num_splits {splits} and split_align {split_align} must be >= 1")
-    num_rows, num_heads, head_dim = q.shape
-    num_segs = block_tables.shape[0]
-    block_d = next_power_of_2(head_dim)
-    # float32 partials, [S, nh, splits, BLOCK_D] and (m, l) pairs; with one split the
-    # kernel writes the output itself and never touches them (``out`` stands in)
-    part_acc = part_ml = out
-    if splits > 1:
-        part_acc = q.new_empty((num_segs, num_heads, splits, block_d), dtype=torch.float32)
-        part_ml = q.new_empty((num_segs, num_heads, splits, 2), dtype=torch.float32)
-    tile = DECODE_BLOCK_N
-    _attn_decode_split_kernel[(num_segs, num_heads, splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        query_start,
-        out,
-        part_acc,
-        part_ml,
-        *strides,
-        scale,
-        k_cache.shape[1],
-        num_heads // k_cache.shape[2],
-        num_heads,
-        num_segs,
-        num_rows,
-        split_align,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_N=tile,
-        NUM_SPLITS=splits,
-        num_warps=8 if tile * block_d >= 8192 else 4,
-    )
-    if splits > 1:
-        _attn_decode_combine_kernel[(num_segs, num_heads)](
-            query_start,
-            out,
-            part_acc,
-            part_ml,
-            *out.stride(),
-            num_heads,
-            num_segs,
-            num_rows,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            NUM_SPLITS=splits,
-            SPLITS_P2=next_power_of_2(splits),
-            num_warps=4,
-        )

@@ -24,7 +24,7 @@ from services.admission.config import AdmissionConfig
 from services.admission.errors import AdmissionError
 from services.common.config import ModelLimits
 from services.common.fit import KVGeometry, check_request_fits
-from services.common.grammar import check_structured_output, with_backend
+from services.common.structured.grammar import check_structured_output, with_backend
 from services.common.tokenizer import TextCodec
 from services.common.tool_template import chat_for_template
 from services.runtime import subjects

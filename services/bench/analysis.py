@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from services.bench.comparisons import Comparison, RatioSpec
+from services.bench.comparison import Comparison, RatioSpec
 
 Run = dict[str, Any]  # {"workload", "arm", "repeat", "metrics": {...}}
 

@@ -6,14 +6,14 @@ import argparse
 
 from services.worker.model.sizes import CHECKPOINT_SIZES
 
-# kept here (not in comparisons.py) so building the parser imports nothing heavy
+# kept here (not in comparisons/registry.py) so building the parser imports nothing heavy
 COMPARISON_NAMES = (
     "depth_batching",
     "wcpb",
     "pipeline",
     "prefix_cache",
     "kv_pressure",
-    "scheduler",  # the scheduler step alone (services/bench/scheduler_step.py)
+    "scheduler",  # the scheduler step alone (services/bench/comparisons/scheduler_step.py)
 )
 # many OS processes per run (minutes each): only when asked for with --only
 SHARD_COMPARISON_NAMES = ("routing", "scaling")
@@ -21,9 +21,10 @@ SHARD_COMPARISON_NAMES = ("routing", "scaling")
 # when asked for with --only
 BYPASS_COMPARISON_NAMES = ("admission_bypass",)
 # open-loop overload on this machine's model and the simulated H200 (services/bench/
-# overload.py, ~5 min on two cores): only when asked for with --only
+# comparisons/overload.py, ~5 min on two cores): only when asked for with --only
 # token-sparse prefill against dense on 1-4k prompts, this machine's model and the simulated
-# H200 (services/bench/sparse_prefill.py, ~10 min on small): only when asked for with --only
+# H200 (services/bench/comparisons/sparse_prefill.py, ~10 min on small): only when asked
+# for with --only
 # prefill/decode disaggregation: simulated shards, KV moved with NIXL (~3 min): when asked
 OPT_IN_COMPARISON_NAMES = (
     *SHARD_COMPARISON_NAMES,

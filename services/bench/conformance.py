@@ -26,7 +26,7 @@ import numpy as np
 from messages.errors import RequestError
 from messages.sampling import StructuredOutput, StructuredOutputsBackend
 from services.common.tokenizer import TextCodec
-from services.worker.grammar import BITS, GrammarBook, RequestGrammar
+from services.worker.sampling.grammar import BITS, GrammarBook, RequestGrammar
 
 # the raw control character probes put in a string (its escaped form must not be in the text)
 PROBE_CHARACTER = "\x16"

@@ -25,7 +25,8 @@ from nats.aio.client import Client as NATS
 
 from services.bench.metrics import own_cpu_s
 from services.common.config import SchedulerConfig
-from services.common.flags import dtype_name, service_args
+from services.common.flags import dtype_name
+from services.common.service_flags import service_args
 from services.runtime import subjects
 from services.runtime.child import service_command
 from services.runtime.service import wrote_identity

@@ -187,23 +187,23 @@ def _workload_rows(workloads: list[dict[str, Any]]) -> list[list[str]]:
 
 def comparison_markdown(c: dict[str, Any], repeats: int, plot: str | None) -> list[str]:
     if c.get("kind") == "microbench":
-        from services.bench.scheduler_step import markdown
+        from services.bench.comparisons.scheduler_step import markdown
 
         return markdown(c)
     if c.get("kind") == "disaggregation":
-        from services.bench import disaggregation
+        from services.bench.comparisons import disaggregation
 
         return disaggregation.markdown(c)
     lines = [f"## {c['title']}", "", c["question"], ""]
     if c.get("error"):
         return [*lines, f"**Failed**: `{c['error']}`", ""]
     if c.get("kind") == "overload":
-        from services.bench import overload
+        from services.bench.comparisons import overload
 
         lines = overload.markdown(c)
         return [*lines, f"![{c['name']}]({plot})", ""] if plot else lines
     if c.get("kind") == "sparse_prefill":
-        from services.bench import sparse_prefill
+        from services.bench.comparisons import sparse_prefill
 
         lines = sparse_prefill.markdown(c)
         return [*lines, f"![{c['name']}]({plot})", ""] if plot else lines
@@ -425,9 +425,9 @@ def write_report(results: dict[str, Any], out_dir: Path, plots: bool = True) -> 
                 continue
             path = out_dir / f"{c['name']}.png"
             if c.get("kind") == "overload":
-                from services.bench.overload import plot as draw
+                from services.bench.comparisons.overload import plot as draw
             elif c.get("kind") == "sparse_prefill":
-                from services.bench.sparse_prefill import plot as draw
+                from services.bench.comparisons.sparse_prefill import plot as draw
             else:
                 draw = plot_comparison
             if draw(c, path):

@@ -23,17 +23,11 @@ from typing import Any
 
 import torch
 
-from services.bench import overload, scheduler_step, sparse_prefill
 from services.bench.analysis import arm_summary, ratio_result
 from services.bench.backends import Backend, InProcessBackend
-from services.bench.comparisons import (
-    Arm,
-    BackendKind,
-    BenchSettings,
-    Comparison,
-    UnknownArmError,
-    build_comparisons,
-)
+from services.bench.comparison import Arm, BackendKind, BenchSettings, Comparison
+from services.bench.comparisons import overload, scheduler_step, sparse_prefill
+from services.bench.comparisons.registry import UnknownArmError, build_comparisons
 from services.bench.metrics import (
     BREAKDOWN_METRICS,
     CPU_METRICS,
@@ -414,7 +408,9 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
             steps = 200 if args.quick else 2000
             results.append(scheduler_step.run_comparison(args.repeats, steps=steps))
         if "disaggregation" in args.only:
-            from services.bench import disaggregation  # NIXL and processes: only when asked
+            from services.bench.comparisons import (
+                disaggregation,  # NIXL and processes: only when asked
+            )
 
             results.append(
                 _standalone(

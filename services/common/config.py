@@ -144,7 +144,7 @@ class SchedulerConfig:
     # under reserve/watermark: how many times a waiting request the KV policy refuses may
     # be passed by requests of its priority behind it that fit, besides backfills (those
     # estimated to finish before it could start). 0 = strict queue order, no backfill
-    # either (services/scheduler/waiting.py, docs/benchmarks/admission_bypass.md)
+    # either (services/scheduler/core/waiting.py, docs/benchmarks/admission_bypass.md)
     max_admission_bypasses: int = 4
     # the grammar engine of structured outputs: admission (or the in-process engine) writes
     # it into each request, so every worker the request runs on uses the same one; the

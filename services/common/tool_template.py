@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.structured.tool_format import HERMES, ToolFormat
 from services.common.tokenizer import TextCodec
-from services.common.tool_format import HERMES, ToolFormat
 
 # the default's system text, before the tools (one JSON signature a line) and after them
 TOOLS_INTRO = "# Tools\n\nYou may call these functions (JSON signatures, one a line):\n<tools>\n"

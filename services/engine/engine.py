@@ -16,17 +16,17 @@ from messages.api import FinishedEvent, StreamEvent
 from messages.errors import RequestError
 from messages.sampling import SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
-from services.common.grammar import check_structured_output, with_backend
+from services.common.structured.grammar import check_structured_output, with_backend
 from services.common.tokenizer import TextCodec
 from services.engine.executor import InProcessExecutor
-from services.scheduler.batch import ScheduledBatch
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.engine_core import EngineCore
-from services.scheduler.scheduler import Scheduler
-from services.worker.grammar import GrammarBook
 from services.worker.model.ouro import OuroModel
+from services.worker.passes.static_decode import DecodeMode
 from services.worker.runner import ModelRunner
+from services.worker.sampling.grammar import GrammarBook
 from services.worker.sim import SimRunner
-from services.worker.static_decode import DecodeMode
 
 
 def model_limits(model: OuroModel) -> ModelLimits:

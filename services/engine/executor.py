@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from messages.batch import BatchResult
-from services.scheduler.batch import ScheduledBatch
+from services.scheduler.core.batch import ScheduledBatch
 from services.worker.runner import ModelRunner
 from services.worker.sim import SimRunner
 

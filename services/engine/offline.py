@@ -18,7 +18,7 @@ from services.common.flags import (
 )
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
-from services.scheduler.batch import ScheduledBatch
+from services.scheduler.core.batch import ScheduledBatch
 from services.worker.model.toy import ensure_checkpoint
 
 

@@ -23,7 +23,7 @@ from services.common.config import OverloadPolicy
 from services.common.flags import sampling_params_from_args
 from services.engine.engine import LLMEngine
 from services.engine.offline import build_offline_engine
-from services.scheduler.batch import ScheduledBatch, ScheduledTask
+from services.scheduler.core.batch import ScheduledBatch, ScheduledTask
 
 
 def request_names(n: int) -> list[str]:

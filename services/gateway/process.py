@@ -24,7 +24,7 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.common.flags import API_KEY_ENV, METRICS_API_KEY_ENV
+from services.common.service_flags import API_KEY_ENV, METRICS_API_KEY_ENV
 from services.runtime.child import ChildProcess, service_command
 
 

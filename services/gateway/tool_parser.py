@@ -1,6 +1,6 @@
 """An answer's text read as content and tool calls, as it streams. Pure.
 
-The engine held the output to the tool-call format (``services/common/tool_format.py``):
+The engine held the output to the tool-call format (``services/common/structured/tool_format.py``):
 free text (``auto`` only), then calls, each ``<trigger><begin>{"name": "...",
 "arguments": ...}<end>``. ``ToolCallParser.push`` takes the text as it comes and returns
 what can be shown already: content, and pieces of calls, a call's id and name as soon as
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import Any
 
-from services.common.tool_format import ToolFormat
+from services.common.structured.tool_format import ToolFormat
 
 # the call's JSON up to its arguments, as the grammar writes it (any blanks accepted)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')

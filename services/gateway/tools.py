@@ -5,10 +5,10 @@ Pure: no HTTP, no NATS.
 ``check_tools`` refuses a malformed request by the field's name (``parse_chat``);
 ``tool_calling`` turns a checked one into what the call needs, given what the checkpoint's
 chat template does with tools (``services/common/tool_template.py``): the tools for the
-template, and unless ``tool_choice`` is ``none`` the format (``services/common/tool_format.py``):
-``required`` and a named function allow only calls, ``auto`` free text until the model
-opens a call. Whether each ``parameters`` schema compiles is admission's check, as for
-``response_format``.
+template, and unless ``tool_choice`` is ``none`` the format
+(``services/common/structured/tool_format.py``): ``required`` and a named function allow
+only calls, ``auto`` free text until the model opens a call. Whether each ``parameters``
+schema compiles is admission's check, as for ``response_format``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import msgspec
 
 from messages.errors import RequestError
 from messages.sampling import StructuredOutput
-from services.common.tool_format import (
+from services.common.structured.tool_format import (
     FUNCTION_NAME,
     MAX_FUNCTIONS,
     NO_PARAMETERS,

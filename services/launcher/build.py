@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.common.config import SchedulerConfig
-from services.common.flags import service_args, torch_dtype
+from services.common.flags import torch_dtype
+from services.common.service_flags import service_args
 from services.launcher.settings import HttpSettings
 from services.runtime import subjects
 from services.runtime.child import ServiceProcess

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.config import SchedulerConfig
-from services.common.flags import (
+from services.common.flags import scheduler_config_from_args
+from services.common.service_flags import (
     api_keys_from_args,
     metrics_api_keys_from_args,
-    scheduler_config_from_args,
     shard_roles,
 )
 

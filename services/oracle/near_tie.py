@@ -21,7 +21,8 @@ import torch
 
 from messages.sampling import SamplingParams
 from services.common.sampling import draw_scores, sample_token
-from services.oracle.serial import OracleResult, SerialOracle
+from services.oracle.results import OracleResult
+from services.oracle.serial import SerialOracle
 
 # a choice this close (in logits, draw scores or cdf) may go either way under reordering
 TIE_EPS = 1e-5

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,78 +24,14 @@ from services.oracle.checkpoint import (
     read_tensors,
     take_tensor,
 )
+from services.oracle.dense_kv import DenseKV
 from services.oracle.exit_tracker import ExitTracker
+from services.oracle.results import OracleResult, OracleStep, SparseSetting
 
 KV_LAYOUTS = ("last_exited", "shared")
 TOP_LOGPROBS = 20  # alternatives each OracleStep records (the API's most)
 
 Sampler = Callable[[torch.Tensor, int], int]
-
-
-# --------------------------------------------------------------------------------------------
-# Public result types
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class OracleStep:
-    """Diagnostics for one generated token."""
-
-    token_id: int
-    exit_depth: int
-    # logits[top1] - logits[top2] of the logits this token was chosen from; lets tests tell a
-    # real mismatch from a near-tie that float reordering may legitimately flip.
-    top2_gap: float
-    # min |cdf - threshold| over the loops where the threshold test was evaluated; +inf if
-    # none. Small values flag exits that rounding differences could move.
-    threshold_margin: float
-    # log_softmax of those logits (float32): the token's own, and the 20 most likely
-    # (id, log-probability), most likely first
-    logprob: float = 0.0
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class OracleResult:
-    token_ids: list[int]
-    exit_depths: list[int]
-    finish_reason: str
-    steps: list[OracleStep] = field(default_factory=list)
-    # token-sparse prefill: the smallest score gap between the last token a window kept and
-    # the best one it froze (+inf if none); a tiny gap flags a choice rounding could flip
-    selection_margin: float = math.inf
-
-
-@dataclass(frozen=True)
-class SparseSetting:
-    """Token-sparse prefill for ``SerialOracle.generate``: windows of ``window`` prompt
-    tokens, ``retention`` one share per loop (the first 1)."""
-
-    window: int
-    retention: tuple[float, ...]
-
-
-# --------------------------------------------------------------------------------------------
-# Dense per-depth KV
-# --------------------------------------------------------------------------------------------
-
-
-class _DenseKV:
-    """K/V as plain tensors indexed [plane][layer][position] -> [kv_heads, head_dim]."""
-
-    def __init__(self, planes: int, layers: int, capacity: int, kv_heads: int, hd: int) -> None:
-        def plane() -> list[torch.Tensor]:
-            return [torch.zeros(capacity, kv_heads, hd, dtype=torch.float32) for _ in range(layers)]
-
-        self.k = [plane() for _ in range(planes)]
-        self.v = [plane() for _ in range(planes)]
-
-    def copy_up(self, position: int, src: int) -> None:
-        """LAST_EXITED: propagate one token's KV at plane ``src`` to all higher planes."""
-        for dst in range(src + 1, len(self.k)):
-            for layer in range(len(self.k[src])):
-                self.k[dst][layer][position] = self.k[src][layer][position]
-                self.v[dst][layer][position] = self.v[src][layer][position]
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,7 +108,7 @@ class SerialOracle:
         w: LayerWeights,
         x: torch.Tensor,
         positions: torch.Tensor,
-        kv: _DenseKV,
+        kv: DenseKV,
         plane: int,
     ) -> torch.Tensor:
         """Causal attention for queries at ``positions`` (ascending) against ``plane``.
@@ -189,26 +124,39 @@ class SerialOracle:
         v = F.linear(x, w.wv).view(n, cfg.num_kv_heads, cfg.head_dim)
         q = self._rope(q, positions)
         k = self._rope(k, positions)
-        kv.k[plane][layer][positions] = k
-        kv.v[plane][layer][positions] = v
+        kv.write(plane, layer, positions, k, v)
 
         group = cfg.num_heads // cfg.num_kv_heads
-        # GQA: query head h uses kv head h // group, hence repeat_interleave.
-        keys = kv.k[plane][layer][:end].repeat_interleave(group, dim=1).transpose(0, 1)
-        vals = kv.v[plane][layer][:end].repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = q.transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(cfg.head_dim)
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            # GQA: query head h uses kv head h // group, hence repeat_interleave.
+            return t.repeat_interleave(group, dim=1).transpose(0, 1)
+
+        exact_k, exact_v, read_k, read_v = kv.read(plane, layer, end)
+        keys, vals = heads(exact_k), heads(exact_v)
+        qt = q.transpose(0, 1)
+        scores = qt @ keys.transpose(1, 2) / math.sqrt(cfg.head_dim)
         key_pos = torch.arange(end)
+        # int4-delta: a query reads its own group's keys exactly, earlier groups coded
+        own = key_pos[None, :] // kv.group_size == positions[:, None] // kv.group_size
+        if kv.coded_groups:
+            coded = qt @ heads(read_k).transpose(1, 2) / math.sqrt(cfg.head_dim)
+            scores = torch.where(own[None], scores, coded)
         hidden = key_pos[None, :] > positions[:, None]  # [n, end]: the future
         window = cfg.windows[layer]
         if window is not None:  # HF's sliding window: the last `window` positions only
             hidden |= key_pos[None, :] <= positions[:, None] - window
         scores = scores.masked_fill(hidden[None], float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ vals  # [heads, n, hd]
+        weights = torch.softmax(scores, dim=-1)
+        if kv.coded_groups:
+            out = (weights * own[None]) @ vals + (weights * ~own[None]) @ heads(read_v)
+        else:
+            out = weights @ vals  # [heads, n, hd]
         out = out.transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim)
         return F.linear(out, w.wo)
 
     def _loop(
-        self, h: torch.Tensor, positions: torch.Tensor, kv: _DenseKV, plane: int
+        self, h: torch.Tensor, positions: torch.Tensor, kv: DenseKV, plane: int
     ) -> torch.Tensor:
         """One loop: all L layers, then the final norm (inside the loop)."""
         for i, w in enumerate(self._layers):
@@ -228,7 +176,7 @@ class SerialOracle:
     # ---- phases -----------------------------------------------------------------------------
 
     def _prefill(
-        self, prompt: list[int], kv: _DenseKV, layout: str, chunk_size: int | None
+        self, prompt: list[int], kv: DenseKV, layout: str, chunk_size: int | None
     ) -> torch.Tensor:
         """Run every prompt token through all D loops; return the final normed hidden [P, H].
 
@@ -250,7 +198,7 @@ class SerialOracle:
         return torch.cat(outs, dim=0)
 
     def _prefill_sparse(
-        self, prompt: list[int], kv: _DenseKV, sparse: SparseSetting
+        self, prompt: list[int], kv: DenseKV, sparse: SparseSetting
     ) -> tuple[torch.Tensor, float]:
         """Token-sparse prefill (FlashLoop's LoopFreeze per window), loop by loop over the
         whole prompt; returns the final hidden [P, H] and the selection margin.
@@ -298,6 +246,9 @@ class SerialOracle:
                 kv.k[loop][layer][:num] = kv.k[loop - 1][layer][:num]
                 kv.v[loop][layer][:num] = kv.v[loop - 1][layer][:num]
             active = torch.tensor(sorted(p for group in kept for p in group), dtype=torch.int64)
+            frozen = torch.ones(num, dtype=torch.bool)
+            frozen[active] = False
+            kv.freeze(loop, frozen.nonzero().flatten())
             out = h.clone()
             out[active] = self._loop(h[active], active, kv, loop)
             before, h = h, out
@@ -309,12 +260,14 @@ class SerialOracle:
         *,
         kv_layout: str = "last_exited",
         prefill_chunk_size: int | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_block_size: int = 16,
     ) -> torch.Tensor:
         """Full-depth logits [P, V] for every prompt position (debug/tests)."""
         prompt = self._check_tokens(prompt_token_ids)
         layout = self._check_layout(kv_layout)
         self._check_positions(len(prompt))
-        kv = self._new_kv(layout, len(prompt))
+        kv = self._new_kv(layout, len(prompt), kv_cache_dtype, kv_block_size)
         return self._coda(self._prefill(prompt, kv, layout, prefill_chunk_size))
 
     def generate(
@@ -333,6 +286,8 @@ class SerialOracle:
         forced_exit_depths: Sequence[int] | None = None,
         max_loops_per_token: Sequence[int] | None = None,
         sparse_prefill: SparseSetting | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_block_size: int = 16,
     ) -> OracleResult:
         """Generate up to ``max_tokens`` tokens for one request.
 
@@ -342,7 +297,10 @@ class SerialOracle:
         because the first token always comes from the full-depth prefill.
         ``max_loops_per_token[i]`` (i >= 1) replaces ``max_loops`` for generated token i (a
         depth budget the engine's overload shedding gave it); entry 0 is ignored too.
-        ``sparse_prefill`` runs the prompt token-sparse (``_prefill_sparse``). Unset
+        ``sparse_prefill`` runs the prompt token-sparse (``_prefill_sparse``).
+        ``kv_cache_dtype`` applies a KV codec (``auto``, ``fp8``, ``int4-delta``: see
+        ``services/oracle/dense_kv.py``); int4-delta groups keys by ``kv_block_size``
+        positions, the engine's block size. Unset
         ``max_tokens`` / ``exit_threshold`` take the checkpoint's defaults
         (generation_config.json's max_new_tokens, else 16; config.json's early_exit_threshold).
         """
@@ -371,7 +329,7 @@ class SerialOracle:
         if not ignore_eos:
             stops.update(self.eos_token_ids)
 
-        kv = self._new_kv(layout, len(prompt) + max_tokens)
+        kv = self._new_kv(layout, len(prompt) + max_tokens, kv_cache_dtype, kv_block_size)
         margin = math.inf
         if sparse_prefill is None:
             h_prompt = self._prefill(prompt, kv, layout, prefill_chunk_size)
@@ -432,10 +390,14 @@ class SerialOracle:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _new_kv(self, layout: str, capacity: int) -> _DenseKV:
+    def _new_kv(self, layout: str, capacity: int, codec: str, block_size: int) -> DenseKV:
         planes = self.total_ut_steps if layout == "last_exited" else 1
         cfg = self._cfg
-        return _DenseKV(planes, cfg.num_layers, capacity, cfg.num_kv_heads, cfg.head_dim)
+        if block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {block_size}")
+        return DenseKV(
+            planes, cfg.num_layers, capacity, cfg.num_kv_heads, cfg.head_dim, codec, block_size
+        )
 
     def _check_sparse(self, sparse: SparseSetting, layout: str) -> None:
         if layout != "last_exited":

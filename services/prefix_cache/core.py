@@ -7,7 +7,7 @@ producer's blocks and goes on from the later envelope. What it holds afterwards 
 envelopes it saw, and any removal of such a block comes after them, so a gap costs misses,
 never a wrong hit. Seqs at or below the applied one are duplicates (a re-delivery) and ignored.
 
-Epochs sort in time order (``services.scheduler.prefix_events.new_epoch``): a greater epoch
+Epochs sort in time order (``services.scheduler.core.kv.prefix_events.new_epoch``): a greater epoch
 drops the producer's blocks first; a smaller one is a late envelope of a dead epoch and is
 ignored. ``forget_all`` drops every producer's blocks: for holes in the stream itself (which
 producers they hit is unknown). ``to_snapshot`` / ``from_snapshot`` persist the whole index.

@@ -6,7 +6,7 @@ with async scheduling). Where a batch runs is the executor's business:
 
 - in-process (``services/engine/executor.py``): the model runner in this process, used by
   ``rlt generate --offline``, ``rlt schedule-trace``, the bench and the tests;
-- over NATS (``services/scheduler/nats_executor.py``): the worker service, used by the
+- over NATS (``services/scheduler/driver/nats_executor.py``): the worker service, used by the
   scheduler service.
 
 Failure policy, the same whatever the executor:
@@ -33,10 +33,10 @@ from messages.sampling import PrefillSetting, SamplingParams
 from services.common.config import ModelLimits, SchedulerConfig
 from services.common.tokenizer import TextCodec
 from services.runtime.logging import BATCH_SEQ, get_logger
-from services.scheduler.batch import ScheduledBatch
-from services.scheduler.intake import KnownOutputs
+from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.intake import KnownOutputs
+from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.output import OutputProcessor
-from services.scheduler.scheduler import Scheduler
 
 
 class Executor(Protocol):

@@ -23,7 +23,7 @@ from nats.errors import NoRespondersError
 from messages.internal import FenceQuery, FenceUpdate
 from services.runtime import subjects
 from services.runtime.bus import decode_msgpack, encode_msgpack
-from services.scheduler.step_output import Relay, StreamKey
+from services.scheduler.driver.step_output import Relay, StreamKey
 
 # a gap this long in our own 0.1 s watchdog tick means we were stalled (or starved): what we
 # publish next may come after admission gave up on us, so we check first

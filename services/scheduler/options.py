@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.config import scheduler_lost_s
-from services.common.flags import SHARD_ROLES
+from services.common.service_flags import SHARD_ROLES
 from services.runtime import subjects
 
 

@@ -22,11 +22,11 @@ from messages.kv_transfer import KVHandoff, KVRelease
 from services.runtime import subjects
 from services.runtime.bus import encode_json, encode_msgpack, fits, publish_chunked
 from services.runtime.logging import BATCH_SEQ
-from services.scheduler.driver import SchedulerDriver
+from services.scheduler.driver.driver import SchedulerDriver
+from services.scheduler.driver.step_output import Relay, StepOutput, StreamKey
+from services.scheduler.driver.streams import error_event
 from services.scheduler.fencing import Fence, Held
 from services.scheduler.prefix_publisher import PrefixPublisher
-from services.scheduler.step_output import Relay, StepOutput, StreamKey
-from services.scheduler.streams import error_event
 
 
 @dataclass

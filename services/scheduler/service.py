@@ -37,7 +37,6 @@ from messages.internal import (
     WorkerHeartbeat,
     WorkerResult,
 )
-from messages.kv_transfer import KVHandoff, KVPullResult, KVPullResults, KVRelease, KVReleaseAck
 from services.common.checkpoint import load_model_limits
 from services.common.config import SchedulerConfig
 from services.common.tokenizer import TextCodec
@@ -52,21 +51,20 @@ from services.runtime.bus import (
 from services.runtime.logging import request_fields
 from services.runtime.service import Endpoint, Service
 from services.runtime.tracing import TRACEPARENT
-from services.scheduler.driver import SchedulerDriver
+from services.scheduler.driver.driver import SchedulerDriver
+from services.scheduler.driver.step_output import StepOutput, StreamKey
+from services.scheduler.driver.worker_binding import WorkerBinding
 from services.scheduler.fencing import Fence
+from services.scheduler.kv_handover import KVHandover
 from services.scheduler.options import SchedulerOptions
 from services.scheduler.output_publisher import OutputPublisher, StepTimings
 from services.scheduler.prefix_publisher import PrefixPublisher
-from services.scheduler.step_output import StepOutput, StreamKey
-from services.scheduler.worker_binding import WorkerBinding
 
 # load reports go out on every change, but at most one per this gap (plus the periodic ones)
 _LOAD_MIN_GAP_S = 0.02
-# a prefill scheduler that does not answer a release in this long cannot vouch for its KV
-_RELEASE_TIMEOUT_S = 2.0
 
 
-class SchedulerService(Service):
+class SchedulerService(Service, KVHandover):
     name = "scheduler"
     description = "request state, batch selection, progress and logical KV"
 
@@ -357,61 +355,6 @@ class SchedulerService(Service):
                 self.timings.round_trip_s += took
                 self.timings.worker_s += wr.worker_s
             self._wake.set()
-
-    async def _on_kv_results(self, msg: Msg) -> None:
-        """Our worker's KV pulls: a failed one prefills here now; one that read everything
-        is confirmed with the prefill scheduler that held the blocks (off this handler)."""
-        assert self.driver is not None
-        try:
-            batch = decode_msgpack(msg.data, KVPullResults)
-        except msgspec.DecodeError as exc:
-            self.log.error("undecodable KV pull results", error=str(exc)[:200])
-            return
-        if batch.epoch != self.driver.epoch:
-            return  # pulls of a worker epoch that ended: their requests were requeued
-        for result in batch.results:
-            handoff = self.driver.kv_pulled(result)
-            if handoff is not None:
-                self.spawn(self._release(handoff, result), "kv-release")
-        self._wake.set()
-
-    async def _release(self, handoff: KVHandoff, result: KVPullResult) -> None:
-        """Tells the prefill scheduler we are done with its blocks; for a pull that read
-        them, its answer says whether they were still held (else: prefill here)."""
-        assert self.driver is not None
-        release = KVRelease(handoff_id=handoff.handoff_id, request_id=handoff.request_id)
-        held = False
-        try:
-            reply = await self.nc.request(
-                subjects.sched_kv_release(handoff.scheduler_id),
-                encode_msgpack(release),
-                timeout=_RELEASE_TIMEOUT_S,
-            )
-            held = decode_msgpack(reply.data, KVReleaseAck).held
-        except Exception as exc:  # gone, slow or garbled: the KV cannot be vouched for
-            self.log.warning(
-                "handoff release unanswered", error=repr(exc)[:200], request_id=handoff.request_id
-            )
-        if result.ok:
-            await self._publish(
-                self.driver.kv_confirmed(result.transfer_id, handoff.request_id, held)
-            )
-            self._wake.set()
-
-    async def _on_kv_release(self, msg: Msg) -> None:
-        assert self.driver is not None
-        try:
-            release = decode_msgpack(msg.data, KVRelease)
-        except msgspec.DecodeError as exc:
-            self.log.error("undecodable KV release", error=str(exc)[:200])
-            return
-        held = self.driver.release_handoff(release.handoff_id)
-        if msg.reply:
-            ack = KVReleaseAck(handoff_id=release.handoff_id, held=held)
-            await self.nc.publish(msg.reply, encode_msgpack(ack))
-        self.log.info("handoff released", handoff=release.handoff_id, held=held)
-        self._wake.set()  # its blocks are free again
-        await self._maybe_publish_load()
 
     async def _on_alive(self, msg: Msg) -> None:
         if msg.reply:

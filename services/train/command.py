@@ -18,6 +18,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="data, resumable state and log "
         "(default: OUT.work); a second run with the same flags resumes",
     )
+    p.add_argument(
+        "--export-only",
+        action="store_true",
+        help="export the work dir's latest "
+        "saved state without training (while a run goes on, or after it)",
+    )
     for f in dataclasses.fields(TrainSettings):
         flag = "--" + f.name.replace("_", "-")
         if isinstance(f.default, bool):
@@ -35,7 +41,7 @@ def run_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     work = Path(args.work_dir) if args.work_dir else out.with_name(out.name + ".work")
     trainer = Trainer(work, settings)
-    model = trainer.run()
-    export_checkpoint(model, trainer.data.tokenizer_json, out)
+    model = trainer.model if args.export_only else trainer.run()
+    export_checkpoint(model, trainer.data.tokenizer_json, out, trainer.record())
     print(f"wrote {out} after {trainer.step} steps ({trainer.elapsed / 60:.1f} min)")
     return 0

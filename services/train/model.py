@@ -10,9 +10,11 @@ the serial oracle on an exported checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from services.common.model_config import OuroConfig
@@ -109,6 +111,13 @@ class LoopedLM(nn.Module):
         )
         exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
         self.register_buffer("inv_freq", 1.0 / (cfg.rope_theta**exponents), persistent=False)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Path) -> LoopedLM:
+        """A single-file float32 checkpoint (what ``rlt train`` writes), strictly loaded."""
+        model = cls(OuroConfig.from_checkpoint(checkpoint))
+        model.load_state_dict(load_file(str(Path(checkpoint) / "model.safetensors")), strict=True)
+        return model.eval()
 
     def init_weights(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -19,7 +20,7 @@ import torch
 
 from services.common.model_config import OuroConfig
 
-from .corpus import CorpusSplit, build_corpus
+from .corpus import HELD_OUT_SHARE, CorpusSplit, build_corpus
 from .model import LoopedLM
 from .objective import per_loop_token_loss, stage1_loss, stage2_loss
 from .tokenizer import train_tokenizer
@@ -41,13 +42,18 @@ class TrainSettings:
     lr: float = 3e-3
     warmup_steps: int = 100
     weight_decay: float = 0.05
-    beta: float = 0.05  # stage 1's entropy weight
+    # stage 1's entropy weight, annealed from beta_start to beta (the exit distribution's
+    # optimum is ~exp(-loss/beta): a small beta while deep loops still trail would leave them
+    # without weight, and since loops share weights they would never catch up)
+    beta_start: float = 1.0
+    beta: float = 0.1
     stage2_share: float = 0.1  # the last share of the minutes trains the gate alone
     threads: int = 2
     bf16: bool = True
     save_every_s: float = 180.0
     eval_every_s: float = 240.0
     max_position_embeddings: int = 2048
+    max_steps: int = 0  # stop after this many steps too (0: only minutes bound the run)
 
     def model_config(self) -> OuroConfig:
         return OuroConfig(
@@ -131,12 +137,14 @@ def held_out_loss(model: LoopedLM, batches: list[torch.Tensor]) -> list[float]:
 
 
 class Trainer:
-    def __init__(self, work: Path, settings: TrainSettings) -> None:
+    def __init__(
+        self, work: Path, settings: TrainSettings, data: TokenizedCorpus | None = None
+    ) -> None:
         self.work = work
         self.settings = settings
         work.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(settings.threads)
-        self.data = load_or_build_data(work, settings)
+        self.data = data or load_or_build_data(work, settings)
         self.model = LoopedLM(settings.model_config())
         self.model.init_weights(settings.seed)
         self.opt = torch.optim.AdamW(
@@ -157,7 +165,7 @@ class Trainer:
         if not path.exists():
             return
         state = torch.load(path, weights_only=False)
-        if state["settings"] != asdict(self.settings):
+        if not _same_settings(state["settings"], self.settings):
             raise SystemExit(
                 f"{path} was written with other settings; use another --work-dir or the same flags"
             )
@@ -165,7 +173,6 @@ class Trainer:
         self.opt.load_state_dict(state["opt"])
         self.gate_opt.load_state_dict(state["gate_opt"])
         self.step, self.elapsed = state["step"], state["elapsed"]
-        self.log({"event": "resumed", "step": self.step, "minutes": round(self.elapsed / 60, 2)})
 
     def save(self) -> None:
         tmp = self.work / "state.pt.tmp"
@@ -181,6 +188,35 @@ class Trainer:
             tmp,
         )
         tmp.replace(self.work / "state.pt")
+
+    def record(self) -> dict:
+        """What a checkpoint says of its training: settings, corpus, machine and log."""
+        log_path = self.work / "train_log.jsonl"
+        log = (
+            [json.loads(line) for line in log_path.read_text().splitlines()]
+            if log_path.exists()
+            else []
+        )
+        return {
+            "settings": asdict(self.settings),
+            "steps": self.step,
+            "minutes": round(self.elapsed / 60, 2),
+            "tokens_seen": self.step * self.settings.batch_size * self.settings.seq_len,
+            "corpus": {
+                "source": "the Python standard library of the training interpreter "
+                f"(Python {platform.python_version()}), JSON values and ChatML turns built from it",
+                "held_out_share": HELD_OUT_SHARE,
+                "train_tokens": int(self.data.train.numel()),
+                "held_out_tokens": int(self.data.held_out.numel()),
+                **self.data.summary,
+            },
+            "machine": {
+                "cpu_threads": self.settings.threads,
+                "processor": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+            },
+            "log": log,
+        }
 
     def log(self, record: dict) -> None:
         with (self.work / "train_log.jsonl").open("a") as f:
@@ -213,7 +249,9 @@ class Trainer:
                 out = self.model.loops(batch[:, :-1])
                 logits = [self.model.logits(h) for h in out.hidden]
             loss = per_loop_token_loss(logits, batch[:, 1:])
-            objective = stage1_loss(loss, out.gate_logits, s.beta)
+            stage1 = min(1.0, fraction / (1 - s.stage2_share))
+            beta = s.beta_start + (s.beta - s.beta_start) * stage1
+            objective = stage1_loss(loss, out.gate_logits, beta)
             for group in self.opt.param_groups:
                 group["lr"] = self.lr_at(fraction)
             self.opt.zero_grad(set_to_none=True)
@@ -221,19 +259,41 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.opt.step()
         self.step += 1
-        return ("gate" if stage2 else "joint"), [round(float(x), 4) for x in loss.mean(dim=(1, 2))]
+        return ("gate" if stage2 else "joint"), [
+            round(float(x), 4) for x in loss.detach().mean(dim=(1, 2))
+        ]
 
-    def run(self) -> LoopedLM:
+    def fraction(self, budget: float) -> float:
+        """How far the schedule is: by steps when they bound the run (reproducible), else by
+        time."""
+        s = self.settings
+        return self.step / s.max_steps if s.max_steps else self.elapsed / budget
+
+    def run(self, until_step: int | None = None) -> LoopedLM:
+        """Trains until the budget is spent (or ``until_step``, then saves: a later run with
+        the same settings resumes where this one stopped)."""
         s = self.settings
         budget = s.minutes * 60
         start, last_save, last_eval = time.monotonic() - self.elapsed, time.monotonic(), 0.0
+        if self.step:
+            self.log(
+                {
+                    "event": "resumed",
+                    "step": self.step,
+                    "minutes": round(self.elapsed / 60, 2),
+                    "budget_minutes": s.minutes,
+                }
+            )
         bar = _progress(budget, self.elapsed)
-        while self.elapsed < budget:
-            stage, losses = self.train_step(self.elapsed / budget)
+        while self.elapsed < budget and not (s.max_steps and self.step >= s.max_steps):
+            if until_step is not None and self.step >= until_step:
+                break
+            stage, losses = self.train_step(self.fraction(budget))
             now = time.monotonic()
             bar.advance(now - start - self.elapsed, f"step {self.step} {stage} loss/loop {losses}")
             self.elapsed = now - start
-            if now - last_eval >= s.eval_every_s or self.elapsed >= budget:
+            done = self.elapsed >= budget or self.step in (s.max_steps, until_step)
+            if now - last_eval >= s.eval_every_s or done:
                 last_eval = now
                 self.log(
                     {
@@ -251,6 +311,17 @@ class Trainer:
         bar.close()
         self.save()
         return self.model
+
+
+# a resumed run may be given more time: its schedule (learning rate, entropy weight, the
+# gate-only stage) stretches over the new budget from where it stands
+_EXTENDABLE = frozenset({"minutes"})
+
+
+def _same_settings(saved: dict, settings: TrainSettings) -> bool:
+    """The saved fields equal, and fields newer than the state at their defaults."""
+    ours, default = asdict(settings), asdict(TrainSettings())
+    return all(saved.get(k, default[k]) == v for k, v in ours.items() if k not in _EXTENDABLE)
 
 
 class _progress:

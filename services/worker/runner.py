@@ -26,19 +26,11 @@ from messages.batch import Batch, BatchKind, BatchResult
 from services.common.config import KVLayout
 from services.common.sampling import sample_batch
 from services.common.sparse_prefill import SparseSchedule
-from services.worker.decode_pool import DecodePool
-from services.worker.grammar import (
-    GrammarBook,
-    PassMasks,
-    RequestGrammar,
-    fill_pass_masks,
-    mask_words,
-)
-from services.worker.logprobs import logprob_columns, sampled_logprobs, score_prompts
 from services.worker.model.ouro import OuroModel, PassAttention
-from services.worker.pass_inputs import DevicePass
-from services.worker.pass_plan import PassPlan, PassPlanner, RequestView
-from services.worker.rows import (
+from services.worker.passes.decode_pool import DecodePool
+from services.worker.passes.pass_inputs import DevicePass
+from services.worker.passes.pass_plan import PassPlan, PassPlanner, RequestView
+from services.worker.passes.rows import (
     LiveRow,
     RowCursor,
     RunnerStats,
@@ -49,9 +41,17 @@ from services.worker.rows import (
     row_failed,
     token_sampled,
 )
-from services.worker.sparse_prefill import SparseFragments, SparseWindows
-from services.worker.static_decode import DecodeMode, StaticDecode
-from services.worker.transfer import Transfer
+from services.worker.passes.sparse_prefill import SparseFragments, SparseWindows
+from services.worker.passes.static_decode import DecodeMode, StaticDecode
+from services.worker.passes.transfer import Transfer
+from services.worker.sampling.grammar import (
+    GrammarBook,
+    PassMasks,
+    RequestGrammar,
+    fill_pass_masks,
+    mask_words,
+)
+from services.worker.sampling.logprobs import logprob_columns, sampled_logprobs, score_prompts
 
 NAN_LOGITS = "the model produced NaN logits"
 

@@ -23,12 +23,12 @@ import torch
 from services.common.config import KVLayout
 from services.common.model_config import OuroConfig
 from services.common.tokenizer import TextCodec
-from services.worker.grammar import GrammarBook
-from services.worker.kv_transfer import KVArena
+from services.worker.kv_transfer.agent import KVArena
 from services.worker.model.ouro import OuroModel
+from services.worker.passes.static_decode import DecodeMode
 from services.worker.runner import ModelRunner
+from services.worker.sampling.grammar import GrammarBook
 from services.worker.sim import SimRunner
-from services.worker.static_decode import DecodeMode
 
 SIM_DEVICE = "sim"
 # KV block size of the graph-memory probe (the graphs' memory does not depend on it)

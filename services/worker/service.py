@@ -1,7 +1,7 @@
 """Worker actor: owns the model and a ``ModelRunner``; executes batches strictly in seq order.
 
 Batches arrive on ``rlt.v1.worker.batch.<this instance>`` (msgpack ``WorkerBatch``; a scheduler
-binds to one worker at a time, see ``services/scheduler/liveness.py``); a batch that arrives
+binds to one worker at a time, see ``services/scheduler/driver/liveness.py``); a batch that arrives
 early waits in a buffer until its predecessors are queued (``batch_queue.py``). Batches run
 in seq order on one compute thread (``compute.py``) fed by a queue, so the event loop stays
 free: it receives and decodes the next batches while one computes, publishes results and
@@ -45,8 +45,8 @@ from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, pu
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
 from services.worker.batch_queue import BatchQueue, BatchRun
-from services.worker.kv_pulls import KVPulls
-from services.worker.kv_transfer import TransferError
+from services.worker.kv_transfer.agent import TransferError
+from services.worker.kv_transfer.pulls import KVPulls
 from services.worker.runner import ModelRunner
 from services.worker.runner_host import RunnerHost
 from services.worker.sim import SimRunner

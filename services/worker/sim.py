@@ -37,9 +37,8 @@ from dataclasses import dataclass
 
 from messages.batch import Batch, BatchKind, BatchResult, SampledLogprobs, WorkerSampling
 from services.common.model_config import OuroConfig
-from services.worker.kv_transfer import KVArena
-from services.worker.logprobs import LOGPROB_FLOOR
-from services.worker.rows import (
+from services.worker.kv_transfer.agent import KVArena
+from services.worker.passes.rows import (
     LiveRow,
     RowCursor,
     RunnerStats,
@@ -49,6 +48,7 @@ from services.worker.rows import (
     row_failed,
     token_sampled,
 )
+from services.worker.sampling.logprobs import LOGPROB_FLOOR
 
 # NVIDIA H200 SXM: 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16 (published datasheet figures)
 H200_HBM_BYTES_PER_S = 4.8e12
