@@ -228,7 +228,7 @@ def run_engine(
     torch.set_num_threads(1)
     model = OuroModel.from_checkpoint(checkpoint)
     print(
-        f"End to end: {checkpoint.name}'s random weights, temperature {args.temperature}, "
+        f"End to end: {checkpoint.name}'s weights, temperature {args.temperature}, "
         f"top_p {args.top_p}, "
         f"max_tokens {args.max_tokens}, 16 random prompt tokens per request, one request "
         "per schema the engine compiles (seeded shuffle).\n"

@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="what depth buys a trained checkpoint (loss, exits, sparse)")
-    from services.evaluation.command import add_eval_arguments
+    from services.evaluation.args import add_eval_arguments
 
     add_eval_arguments(p)
     p.set_defaults(func=cmd_eval)

@@ -218,7 +218,10 @@ class HostedOuro(nn.Module):
         weights = load_file(str(checkpoint / "model.safetensors"))
         weights = {k: v.float() for k, v in weights.items()}
         self.model = _Backbone(self.config, weights)
-        self.lm_head = _linear(weights["lm_head.weight"])
+        # HF ties lm_head to the embedding when the config says so (no lm_head.weight saved)
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        head = weights["model.embed_tokens.weight"] if tied else weights["lm_head.weight"]
+        self.lm_head = _linear(head)
 
     @torch.no_grad()
     def greedy(self, prompt: list[int], new_tokens: int) -> tuple[torch.Tensor, list[int]]:

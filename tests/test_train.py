@@ -15,8 +15,9 @@ from services.train.corpus import build_corpus
 from services.train.export import TRAINING_FILE, export_checkpoint
 from services.train.model import LoopedLM
 from services.train.objective import exit_distribution, stage1_loss, stage2_loss
+from services.train.settings import TrainSettings
 from services.train.tokenizer import train_tokenizer
-from services.train.trainer import TokenizedCorpus, Trainer, TrainSettings
+from services.train.trainer import TokenizedCorpus, Trainer
 
 pytestmark = pytest.mark.unit
 

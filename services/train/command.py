@@ -6,8 +6,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from .export import export_checkpoint
-from .trainer import Trainer, TrainSettings
+from .settings import TrainSettings
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +34,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from .export import export_checkpoint  # torch: only when training
+    from .trainer import Trainer
+
     settings = TrainSettings(
         **{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSettings)}
     )
