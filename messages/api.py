@@ -12,13 +12,15 @@ from messages.sampling import SamplingParams
 class GenerateRequest(SamplingParams, kw_only=True, forbid_unknown_fields=True):
     """A client's request: the prompt plus flat sampling fields. The prompt is exactly one
     of ``prompt`` (text), ``prompt_token_ids``, or ``messages`` (a chat, rendered with the
-    checkpoint's chat template; ``chat_template_kwargs`` reach the template)."""
+    checkpoint's chat template; ``chat_template_kwargs`` reach the template, and ``tools``,
+    OpenAI's function entries, as transformers passes them)."""
 
     request_id: str | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(

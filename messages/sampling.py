@@ -196,6 +196,9 @@ class StructuredOutputKind(StrEnum):
     REGEX = "regex"  # the output matches this regular expression
     CHOICE = "choice"  # a JSON array of strings: the output is exactly one of them
     GRAMMAR = "grammar"  # a grammar (GBNF as llama.cpp's, or Lark with llguidance): its root
+    # tool calls (services/common/structured/tool_format.py's ``ToolCallSpec`` as JSON): calls whose
+    # arguments follow each function's schema, alone or after free text
+    TOOL_CALLS = "tool_calls"
 
 
 class StructuredOutputsBackend(StrEnum):
@@ -267,6 +270,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             schema = _json_spec(self.spec, "a JSON schema")
             if not isinstance(schema, dict | bool):
                 raise RequestError("structured_output: a JSON schema must be an object")
+        elif kind == StructuredOutputKind.TOOL_CALLS:
+            if not isinstance(_json_spec(self.spec, "a tool-call spec"), dict):
+                raise RequestError("structured_output: a tool-call spec must be a JSON object")
         elif kind == StructuredOutputKind.CHOICE:
             choices = _json_spec(self.spec, "a JSON array of strings")
             if (

@@ -171,7 +171,8 @@ def test_unsupported_completion_options_are_refused_by_name(
         {"logprobs": True, "top_logprobs": 21},
         {"echo": True},  # vLLM's chat echo
         {"logprobs": False, "top_logprobs": 2},
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"tools": [{"type": "code_interpreter"}]},  # function tools only
+        {"tool_choice": "required"},  # without tools
         {"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"},
         {"response_format": {"type": "structural_tag"}},
         {"messages": []},

@@ -8,6 +8,7 @@ a code from ``messages.errors.ErrorCode`` and a message for the client.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from services.common.config import ModelLimits
 from services.common.fit import KVGeometry, check_request_fits
 from services.common.structured.grammar import check_structured_output, with_backend
 from services.common.tokenizer import TextCodec
+from services.common.tool_template import chat_for_template
 from services.runtime import subjects
 from services.runtime.tracing import new_trace_id
 
@@ -181,7 +183,9 @@ class RequestValidator:
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
         elif request.messages is not None:
-            ids = self._tokenize_chat(request.messages, request.chat_template_kwargs or {})
+            ids = self._tokenize_chat(
+                request.messages, request.chat_template_kwargs or {}, request.tools
+            )
         else:
             ids = self._tokenize(request.prompt or "")
         if not ids:
@@ -208,17 +212,24 @@ class RequestValidator:
         self._check_chars(len(text))
         return codec.encode(text)
 
-    def _tokenize_chat(self, messages: list[dict], template_kwargs: dict) -> list[int]:
+    def _tokenize_chat(
+        self, messages: list[dict], template_kwargs: dict, tools: list[dict] | None = None
+    ) -> list[int]:
         codec = self._codec()
         if codec.chat_template is None:
             raise RequestError("this checkpoint's tokenizer has no chat template; send prompt")
         for message in messages:
             content = message.get("content")
+            if content is None and message.get("tool_calls"):
+                content = ""  # an assistant turn that only called tools
             if not isinstance(message.get("role"), str) or not isinstance(content, str | list):
                 raise RequestError("each message needs a string 'role' and a 'content'")
-        self._check_chars(sum(len(str(m.get("content"))) for m in messages))
+        tool_chars = len(json.dumps(tools)) if tools else 0
+        self._check_chars(sum(len(str(m.get("content"))) for m in messages) + tool_chars)
         try:
-            return codec.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
+            # a template without tools gets rlt's default tool prompt (tool_template.py)
+            messages, tools = chat_for_template(codec, messages, tools)
+            return codec.encode_chat(messages, True, tools, **template_kwargs)
         except jinja2.TemplateError as exc:  # raise_exception() and template errors
             raise RequestError(f"the chat template refused the messages: {exc}") from None
         except Exception as exc:  # the template is checkpoint code run on client data

@@ -123,10 +123,13 @@ class TextCodec:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> str:
         """The rendered chat prompt (a string), as ``apply_chat_template(tokenize=False)``.
-        ``template_kwargs`` reach the template (e.g. ``enable_thinking=True``)."""
+        ``tools`` reach the template as transformers passes a list of JSON schemas (OpenAI's
+        ``{"type": "function", "function": {...}}`` entries, unchanged); ``template_kwargs``
+        too (e.g. ``enable_thinking=True``)."""
         if self.chat_template is None:
             raise ConfigError("this checkpoint's tokenizer has no chat template")
         if self._template is None:
@@ -134,7 +137,7 @@ class TextCodec:
         context = {**self.special_tokens, **template_kwargs}
         return self._template.render(
             messages=[dict(m) for m in messages],
-            tools=None,
+            tools=[dict(t) for t in tools] if tools else None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **context,
@@ -144,11 +147,12 @@ class TextCodec:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of a chat prompt: the rendered template, tokenized without the
         post-processor's specials (the template writes its own), as transformers does."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
         return self._tok.encode(text, add_special_tokens=False).ids
 
     # ------------------------------------------------------------------ facts

@@ -28,6 +28,7 @@ from services.common.tokenizer import (
     TOKENIZER_FILE,
     TextCodec,
 )
+from services.common.tool_template import template_tools
 from services.engine.engine import LLMEngine
 from services.worker.model.loader import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError
 from services.worker.model.ouro import OuroModel
@@ -152,6 +153,9 @@ def _print_tokenizer(codec: TextCodec | None, cfg: OuroConfig, out: TextIO) -> l
     specials = ", ".join(f"{k}={v!r}" for k, v in codec.special_tokens.items()) or "none"
     print(f"tokenizer: encode() adds {codec.added_by_encode()}; {specials}", file=out)
     print(f"chat template: {'yes' if codec.chat_template else 'none'}", file=out)
+    if codec.chat_template:
+        # which tool-call format the API holds calls to (docs/gateway.md, "Tool calling")
+        print(f"tool calls: {template_tools(codec).description}", file=out)
     messages = [{"role": "user", "content": "Hello"}]
     prompt = codec.encode_chat(messages) if codec.chat_template else codec.encode("Hello")
     return prompt or [cfg.bos_token_id or 0]

@@ -22,6 +22,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from messages.errors import ErrorCode
+from services.common.tool_template import template_tools
 from services.gateway.auth import OPEN, ApiKeys, Authorized
 from services.gateway.call import Backend, Call
 from services.gateway.errors import ApiError, error_body
@@ -136,7 +137,10 @@ async def _generate(backend: Backend, request: Request, *, chat: bool) -> Respon
             )
         if backend.draining:
             raise ApiError("the gateway is shutting down", ErrorCode.UNAVAILABLE)
-        opts = options(req, backend.codec.decode if backend.codec else None)
+        codec = backend.codec
+        # what the chat template does with tools, probed once per template
+        template = template_tools(codec) if codec is not None and chat and req.tools else None
+        opts = options(req, codec.decode if codec else None, template)
     except ApiError as exc:
         backend.metrics.count_response(request.scope, route, exc.status)
         return error_response(exc)

@@ -120,7 +120,8 @@ class Call:
         traceparent = request.headers.get(TRACEPARENT)
         self.options = opts
         self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        requests = choice_requests(to_generate(req, self.request_id), req.n or 1)
+        generate = to_generate(req, self.request_id, opts.tools)
+        requests = choice_requests(generate, req.n or 1)
         self.choices = [
             _Choice(i, g, Answer(g.request_id or self.request_id, opts))
             for i, g in enumerate(requests)

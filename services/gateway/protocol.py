@@ -13,6 +13,7 @@ Accepted beyond OpenAI's fields (vLLM's extra body fields, the loop knobs):
 and ``return_token_ids`` (the choice carries ``token_ids`` and, rlt's own, ``exit_depths``).
 Structured outputs: ``response_format`` (json_object, json_schema) and vLLM's
 ``structured_outputs`` (json, regex, choice, grammar, json_object), ``structured.py``.
+Chat's tool calling: ``tools``, ``tool_choice``, ``parallel_tool_calls`` (``tools.py``).
 Unknown fields are ignored, as OpenAI-compatible servers do; every field of OpenAI's schema
 for the two endpoints (and the vLLM fields that would change the answer) that rlt does not
 honour is refused with a 400 that names it (``_UNSUPPORTED``), never silently dropped; the few
@@ -34,6 +35,7 @@ import msgspec
 from messages.sampling import MAX_LOGPROBS, StructuredOutput
 from services.gateway.errors import ApiError
 from services.gateway.structured import FormatError, structured_output
+from services.gateway.tools import check_tools, uses_format
 
 # limits on what a request may ask of the gateway itself
 MAX_STOPS = 64
@@ -75,15 +77,17 @@ class _Common(msgspec.Struct, kw_only=True):
     return_token_ids: bool | None = None
     priority: int | None = None
     prompt_logprobs: int | None = None
+    # chat's tool calling (services/gateway/tools.py); checked by hand, so that each
+    # malformed part is named; completions refuse them
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
     # OpenAI's and vLLM's fields rlt does not implement (``_UNSUPPORTED``): of any type, so
     # that a request setting one is refused by the field's name, never answered as if it
     # were honoured
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     min_p: Any = None
@@ -153,9 +157,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),  # OpenAI refuses it without tools too
     "functions": (None, []),
     "function_call": (None, "none"),
     # vLLM's
@@ -178,6 +179,10 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "return_tokens_as_token_ids": (None, False),
 }
 _UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
+    # tools are chat's (OpenAI's completions take none)
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
     "suffix": (None, ""),
     "prompt_embeds": (None,),
 }
@@ -236,6 +241,14 @@ def parse_chat(body: bytes) -> ChatRequest:
     if not req.messages:
         raise ApiError("'messages' must be a non-empty list", param="messages")
     chat_messages(req.messages)
+    check_tools(req)
+    if uses_format(req) and structured_output_of(req) is not None:
+        param = "response_format" if req.response_format else "structured_outputs"
+        raise ApiError(
+            f"{param} cannot be combined with tools unless tool_choice is none: the tool "
+            "calls are the output's format",
+            param=param,
+        )
     return req
 
 
@@ -355,5 +368,25 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             message = {**message, "content": ""}
         elif not isinstance(content, str):
             raise ApiError("message content must be a string or text parts", param="messages")
+        _check_tool_calls(message.get("tool_calls"))
         out.append(message)
     return out
+
+
+def _check_tool_calls(calls: Any) -> None:
+    """An assistant turn's past calls: OpenAI's shape, the part a template reads."""
+    if calls is None:
+        return
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict)
+        and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", ""), str | dict)
+        for c in calls
+    )
+    if not ok:
+        raise ApiError(
+            'a message\'s tool_calls must be a list of {"id", "type": "function", '
+            '"function": {"name", "arguments"}}',
+            param="messages",
+        )

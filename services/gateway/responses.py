@@ -126,10 +126,14 @@ def chat_choice(
     finish_reason: str | None,
     extra: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:  # OpenAI's: the content is null when the answer is only calls
+        message.update(content=text or None, tool_calls=tool_calls)
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         **extra,

@@ -29,6 +29,7 @@ from services.gateway.responses import (
     vllm_prompt_logprobs,
 )
 from services.gateway.stops import StopMatcher
+from services.gateway.tool_parser import ToolCallDelta, ToolCallParser
 from services.gateway.translate import Options
 
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -46,6 +47,8 @@ class Delta:
     offsets: list[int] = field(default_factory=list)
     # vLLM's prompt_logprobs, with the first token's delta when asked for
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    # pieces of tool calls the text made (chat with tools: the text is then the content)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass
@@ -68,9 +71,18 @@ class Answer:
     engine_done: bool = False  # the engine's terminal event arrived
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
     _stops: StopMatcher = field(init=False)
+    # reads tool calls out of the text, when the output is held to their format
+    _tools: ToolCallParser | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._stops = StopMatcher(self.options.stops, self.options.include_stop_str)
+        tools = self.options.tools
+        if tools is not None and tools.constraint is not None and tools.format is not None:
+            self._tools = ToolCallParser(tools.format, self.request_id)
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return [c.body() for c in self._tools.calls] if self._tools is not None else []
 
     @property
     def needs_abort(self) -> bool:
@@ -97,10 +109,10 @@ class Answer:
             self.num_accepted_draft_tokens = event.accepted_draft_tokens
             if self.finish_reason is not None:  # a stop string ended it already
                 return []
-            self.finish_reason = event.finish_reason
-            tail = self._stops.flush()
-            self.text += tail
-            return [Delta(tail, [], [], event.finish_reason)]
+            delta = Delta("", [], [])
+            self._show(self._stops.flush(), delta, last=True)
+            self.finish_reason = delta.finish_reason = self._finish_reason(event.finish_reason)
+            return [delta]
         if self.finish_reason is None:  # after a stop string matched, an engine error is moot
             self.error = event  # type: ignore[assignment]
         return []
@@ -123,11 +135,27 @@ class Answer:
                 token_id=event.token_id, logprob=None, token=event.text
             )
             self._add_logprobs(entry, delta)
-        delta.text = echoed + self._stops.push(event.text)  # stops never match the prompt
-        self.text += delta.text
-        if self._stops.matched is not None:
-            self.finish_reason = delta.finish_reason = "stop"
+        stopped = echoed + self._stops.push(event.text)  # stops never match the prompt
+        ended = self._stops.matched is not None
+        self._show(stopped, delta, last=ended)
+        if ended:
+            self.finish_reason = delta.finish_reason = self._finish_reason("stop")
         return [delta]
+
+    def _show(self, text: str, delta: Delta, last: bool) -> None:
+        """``text`` into ``delta``: as it is, or read as content and tool calls."""
+        if self._tools is not None:
+            text, delta.tool_calls = self._tools.push(text)
+            if last:
+                text += self._tools.flush()
+        delta.text = text
+        self.text += text
+
+    def _finish_reason(self, engine_reason: str) -> str:
+        """OpenAI's ``tool_calls`` for an answer that ended after whole calls."""
+        if engine_reason == "stop" and self._tools is not None and self._tools.completed:
+            return "tool_calls"
+        return engine_reason
 
     def _on_prompt(self, event: TokenEvent, delta: Delta) -> str:
         """The first token's event brings the prompt's log-probabilities and text (when the
@@ -166,8 +194,12 @@ class Answer:
     def choice(self, chat: bool, index: int = 0) -> dict[str, Any]:
         """This answer as choice ``index`` of a non-streaming response."""
         logprobs = logprobs_body(chat, self.options, self.logprobs, self.offsets)
-        build = chat_choice if chat else completion_choice
-        return build(index, self.text, self.finish_reason, self.choice_extra(chat), logprobs)
+        extra = self.choice_extra(chat)
+        if chat:
+            return chat_choice(
+                index, self.text, self.finish_reason, extra, logprobs, self.tool_calls
+            )
+        return completion_choice(index, self.text, self.finish_reason, extra, logprobs)
 
     def body(self, chat: bool, model: str, created: int) -> dict[str, Any]:
         """The non-streaming response of this one answer."""
@@ -283,13 +315,15 @@ class SseEncoder:
             self._offsets += d.offsets
             if d.prompt_logprobs is not None:
                 self._prompt_logprobs = d.prompt_logprobs
-            if not d.text and d.finish_reason is None:
+            if not d.text and d.finish_reason is None and not d.tool_calls:
                 continue  # bytes held by the detokenizer: nothing to show yet
-            if self._text_frame is not None and d.finish_reason is None:
+            if self._text_frame is not None and d.finish_reason is None and not d.tool_calls:
                 before, after = self._text_frame
                 frames.append(before + _JSON.encode(d.text) + after)
                 continue
-            content = {"content": d.text} if self.chat and d.text else {}
+            content: dict[str, Any] = {"content": d.text} if self.chat and d.text else {}
+            if d.tool_calls:
+                content["tool_calls"] = tool_call_chunks(d.tool_calls)
             frames.append(self._frame(content if self.chat else d.text, d.finish_reason))
         return b"".join(frames)
 
@@ -328,6 +362,24 @@ class SseEncoder:
         elif self.options.include_usage:
             chunk["usage"] = None  # only the last chunk carries usage (OpenAI's rule)
         return _sse(chunk)
+
+
+def tool_call_chunks(pieces: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    """OpenAI's ``delta.tool_calls``: one entry per call the pieces touch (a call's first
+    entry with its id, type and name), its argument pieces joined."""
+    entries: list[dict[str, Any]] = []
+    for piece in pieces:
+        if entries and entries[-1]["index"] == piece.index and piece.id is None:
+            entries[-1]["function"]["arguments"] += piece.arguments
+            continue
+        entry: dict[str, Any] = {"index": piece.index}
+        if piece.id is not None:
+            entry.update(id=piece.id, type="function")
+            entry["function"] = {"name": piece.name, "arguments": piece.arguments}
+        else:
+            entry["function"] = {"arguments": piece.arguments}
+        entries.append(entry)
+    return entries
 
 
 def _sse(obj: Any) -> bytes:

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from messages.api import GenerateRequest
+from services.common.tool_template import TemplateTools
 from services.gateway.errors import ApiError
 from services.gateway.protocol import (
     ChatRequest,
@@ -25,6 +26,7 @@ from services.gateway.protocol import (
     prompt_fields,
     structured_output_of,
 )
+from services.gateway.tools import ToolCalling, tool_calling
 
 _SEED_MOD = 2**63  # SamplingParams' seed range
 
@@ -47,13 +49,17 @@ class Options:
     prompt_logprobs: int | None = None  # vLLM's: the prompt's, in vLLM's shape
     # vLLM's continuous_usage_stats: every frame carries the usage so far
     continuous_usage: bool = False
+    # chat's tools (tools.py): what the template gets, and how calls are read back
+    tools: ToolCalling | None = None
 
 
 def options(
-    req: CompletionRequest | ChatRequest, decode: Callable[[list[int]], str] | None = None
+    req: CompletionRequest | ChatRequest,
+    decode: Callable[[list[int]], str] | None = None,
+    template: TemplateTools | None = None,
 ) -> Options:
     """What the gateway does with ``req``; ``decode`` (the checkpoint's tokenizer) gives an
-    echo of token ids its text."""
+    echo of token ids its text; ``template``: what the chat template does with tools."""
     echo_text = None
     if isinstance(req, CompletionRequest) and req.echo:
         prompt = prompt_fields(req.prompt)
@@ -82,6 +88,7 @@ def options(
         logprobs=_logprobs(req),
         echo_text=echo_text,
         prompt_logprobs=req.prompt_logprobs,
+        tools=tool_calling(req, template) if isinstance(req, ChatRequest) else None,
     )
 
 
@@ -102,8 +109,11 @@ def _logprobs(req: CompletionRequest | ChatRequest) -> int | None:
     return req.logprobs
 
 
-def to_generate(req: CompletionRequest | ChatRequest, request_id: str) -> GenerateRequest:
-    """The NATS API request. Unset fields stay unset: the checkpoint's defaults apply."""
+def to_generate(
+    req: CompletionRequest | ChatRequest, request_id: str, tools: ToolCalling | None = None
+) -> GenerateRequest:
+    """The NATS API request. Unset fields stay unset: the checkpoint's defaults apply.
+    ``tools`` (``options``' own): the tools for the template, and their format."""
     fields: dict[str, Any] = {
         "request_id": request_id,
         "max_tokens": req.max_tokens,
@@ -129,6 +139,10 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str) -> Genera
     fields["logprobs"] = _logprobs(req)
     fields["prompt_logprobs"] = _prompt_logprobs(req)
     fields["structured_output"] = structured_output_of(req)
+    if tools is not None:
+        fields["tools"] = tools.tools
+        if tools.constraint is not None:  # (a format besides is refused by parse_chat)
+            fields["structured_output"] = tools.constraint
     if isinstance(req, ChatRequest):
         if req.max_completion_tokens is not None:
             fields["max_tokens"] = req.max_completion_tokens

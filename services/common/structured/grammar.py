@@ -31,6 +31,7 @@ from messages.sampling import (
     StructuredOutputsBackend,
 )
 from services.common.structured.grammar_engine import GrammarEngine
+from services.common.structured.tool_format import tool_call_spec
 
 # a counted repetition ``{m,n}`` in a regular expression (a regex format, a JSON schema's
 # ``pattern``, a grammar) may not go over this: xgrammar's parse grows with the square of
@@ -85,6 +86,10 @@ def check_bounds(constraint: StructuredOutput) -> None:
     repetition over ``MAX_REPEAT_COUNT``, a schema nested over ``MAX_SCHEMA_DEPTH``. One
     rule for both engines, so a format's validity does not depend on the server."""
     kind = StructuredOutputKind(constraint.kind)
+    if kind == StructuredOutputKind.TOOL_CALLS:
+        for function in tool_call_spec(constraint.spec).functions:
+            check_bounds(StructuredOutput(kind="json_schema", spec=function.parameters))
+        return
     if kind == StructuredOutputKind.JSON_SCHEMA:
         schema = _schema(constraint.spec)
         depth = _depth(schema)

@@ -24,6 +24,8 @@ from services.common.structured.grammar_engine import (
     Vocabulary,
     one_line,
 )
+from services.common.structured.grammar_llguidance_tools import tool_calls_lark
+from services.common.structured.tool_format import tool_call_spec
 
 if TYPE_CHECKING:
     import llguidance
@@ -77,6 +79,8 @@ def _grammar(kind: StructuredOutputKind, spec: str, any_whitespace: bool) -> str
             grammar = llg.LLMatcher.grammar_from_lark(lark)
         elif kind == StructuredOutputKind.GRAMMAR:
             grammar = llg.grammar_from("grammar", spec)  # Lark, or GBNF converted to it
+        elif kind == StructuredOutputKind.TOOL_CALLS:
+            grammar = _tool_calls_grammar(spec)
         else:
             raise RequestError(f"structured_output kind {kind!r} is not supported")
         error = llg.LLMatcher.validate_grammar(grammar)
@@ -89,6 +93,20 @@ def _grammar(kind: StructuredOutputKind, spec: str, any_whitespace: bool) -> str
             f"structured_output ({kind}) does not compile: {llguidance_message(error)}"
         )
     return grammar
+
+
+def _tool_calls_grammar(spec: str) -> str:
+    """Each function's parameters checked alone first, so a schema llguidance refuses is
+    named with its function and in a json_schema format's words."""
+    tools = tool_call_spec(spec)
+    for i, function in enumerate(tools.functions):
+        try:
+            _grammar(StructuredOutputKind.JSON_SCHEMA, function.parameters, False)
+        except RequestError as exc:
+            raise RequestError(
+                f"tools[{i}].function.parameters ({function.name}): {exc.message}"
+            ) from None
+    return tool_calls_lark(tools)
 
 
 def llguidance_message(error: str) -> str:

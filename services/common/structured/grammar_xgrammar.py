@@ -90,6 +90,12 @@ def _parse(kind: StructuredOutputKind, spec: str, any_whitespace: bool) -> xgram
         return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec)))
     if kind == StructuredOutputKind.GRAMMAR:
         return xgr.Grammar.from_ebnf(spec)
+    if kind == StructuredOutputKind.TOOL_CALLS:
+        # its auto mode needs a lexeme that ends at the first trigger, which llguidance has
+        raise RequestError(
+            "tool calls need the llguidance grammar engine (--structured-outputs-backend "
+            "llguidance, the default)"
+        )
     raise RequestError(f"structured_output kind {kind!r} is not supported")
 
 

@@ -29,9 +29,36 @@ EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 CHAT_TOKENS = (IM_START, IM_END)
-# Ouro's chat template, in the ChatML form its tokenizer_config.json carries
-CHAT_TEMPLATE = """{% for message in messages %}
-{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}
+# Ouro's chat template, in the ChatML form its tokenizer_config.json carries, with tools in
+# the Hermes/Qwen form: rlt's default tool prompt (services/common/tool_template.py) written
+# by the template itself, so a chat without tools renders exactly as Ouro's does
+CHAT_TEMPLATE = """{% if tools %}
+{{ '<|im_start|>system\\n' }}{% if messages[0]['role'] == 'system' %}
+{{ (messages[0]['content'] or '') + '\\n\\n' }}{% endif %}
+{{ '# Tools\\n\\nYou may call these functions (JSON signatures, one a line):\\n'
+   '<tools>\\n' }}{% for tool in tools %}
+{{ (tool | tojson) + '\\n' }}{% endfor %}
+{{ '</tools>\\n\\nTo call a function, write a <tool_call></tool_call> block holding a '
+   'JSON object with its name and arguments:\\n<tool_call>\\n{"name": <function name>, '
+   '"arguments": <arguments as a JSON object>}\\n</tool_call>\\nWrite one block per call.'
+   '<|im_end|>\\n' }}{% endif %}
+{% for message in messages %}
+{% if tools and loop.first and message['role'] == 'system' %}{% continue %}{% endif %}
+{% if message['role'] == 'tool' %}
+{% if loop.first or loop.previtem['role'] != 'tool' %}{{ '<|im_start|>user\\n' }}
+{%- else %}{{ '\\n' }}{% endif %}
+{{ '<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}
+{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}
+{% elif message['role'] == 'assistant' and message['tool_calls'] %}
+{{ '<|im_start|>assistant\\n' }}
+{%- if message['content'] %}{{ message['content'] + '\\n' }}{% endif %}
+{% for call in message['tool_calls'] %}{% if not loop.first %}{{ '\\n' }}{% endif %}
+{{ '<tool_call>\\n'
+   + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson)
+   + '\\n</tool_call>' }}{% endfor %}
+{{ '<|im_end|>\\n' }}{% else %}
+{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}
+{% endfor %}
 {% if add_generation_prompt %}
 {{ '<|im_start|>assistant\\n' }}{% endif %}
 """
