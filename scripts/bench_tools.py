@@ -43,7 +43,7 @@ from services.common.structured.tool_format import FunctionSpec, ToolCallSpec, T
 from services.common.tokenizer import TextCodec
 from services.common.tool_template import chat_for_template, template_tools
 from services.engine.engine import LLMEngine
-from services.gateway.tool_parser import ToolCallParser
+from services.gateway.constrained.tool_parser import ToolCallParser
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import ensure_checkpoint
 

@@ -24,7 +24,7 @@ from services.common.structured.grammar_xgrammar import choice_ebnf
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
-from services.gateway.structured import FormatError, structured_output
+from services.gateway.constrained.structured import FormatError, structured_output
 from services.oracle.near_tie import compare_with_oracle
 from services.scheduler.core.intake import KnownOutputs
 from services.worker.model.toy import toy_config

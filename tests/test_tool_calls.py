@@ -26,10 +26,10 @@ from services.common.structured.tool_format import HERMES, FunctionSpec, ToolCal
 from services.common.tokenizer import TextCodec, _compile_template
 from services.common.tool_template import chat_for_template, default_chat, template_tools
 from services.engine.engine import LLMEngine
+from services.gateway.constrained.tool_parser import ToolCallParser
 from services.gateway.errors import ApiError
 from services.gateway.protocol import parse_chat, parse_completion
 from services.gateway.stream import Answer, SseEncoder
-from services.gateway.tool_parser import ToolCallParser
 from services.gateway.translate import options, to_generate
 from services.worker.model.toy import CHAT_TEMPLATE
 from tests.gateway_helpers import json_body, token_events

@@ -33,9 +33,9 @@ from typing import Any
 import msgspec
 
 from messages.sampling import MAX_LOGPROBS, StructuredOutput
+from services.gateway.constrained.structured import FormatError, structured_output
+from services.gateway.constrained.tools import check_tools, uses_format
 from services.gateway.errors import ApiError
-from services.gateway.structured import FormatError, structured_output
-from services.gateway.tools import check_tools, uses_format
 
 # limits on what a request may ask of the gateway itself
 MAX_STOPS = 64
@@ -67,7 +67,7 @@ class _Common(msgspec.Struct, kw_only=True):
     seed: int | None = None
     best_of: int | None = None
     user: str | None = None  # ignored: OpenAI's abuse-monitoring id
-    # text, json_object or json_schema (services/gateway/structured.py)
+    # text, json_object or json_schema (services/gateway/constrained/structured.py)
     response_format: dict[str, Any] | None = None
     # vLLM's extra body fields
     top_k: int | None = None
@@ -77,7 +77,7 @@ class _Common(msgspec.Struct, kw_only=True):
     return_token_ids: bool | None = None
     priority: int | None = None
     prompt_logprobs: int | None = None
-    # chat's tool calling (services/gateway/tools.py); checked by hand, so that each
+    # chat's tool calling (services/gateway/constrained/tools.py); checked by hand, so that each
     # malformed part is named; completions refuse them
     tools: Any = None
     tool_choice: Any = None

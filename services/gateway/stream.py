@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from messages.api import ErrorEvent, FinishedEvent, StreamEvent, TokenEvent, TokenLogprobs
+from services.gateway.constrained.tool_parser import ToolCallDelta, ToolCallParser
 from services.gateway.errors import error_body
 from services.gateway.responses import (
     Usage,
@@ -29,7 +30,6 @@ from services.gateway.responses import (
     vllm_prompt_logprobs,
 )
 from services.gateway.stops import StopMatcher
-from services.gateway.tool_parser import ToolCallDelta, ToolCallParser
 from services.gateway.translate import Options
 
 DONE_FRAME = b"data: [DONE]\n\n"

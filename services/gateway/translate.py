@@ -17,6 +17,7 @@ import msgspec
 
 from messages.api import GenerateRequest
 from services.common.tool_template import TemplateTools
+from services.gateway.constrained.tools import ToolCalling, tool_calling
 from services.gateway.errors import ApiError
 from services.gateway.protocol import (
     ChatRequest,
@@ -26,7 +27,6 @@ from services.gateway.protocol import (
     prompt_fields,
     structured_output_of,
 )
-from services.gateway.tools import ToolCalling, tool_calling
 
 _SEED_MOD = 2**63  # SamplingParams' seed range
 

@@ -8,8 +8,8 @@ from services.bench.comparisons.depth_batching import depth_batching
 from services.bench.comparisons.kv_pressure import kv_pressure
 from services.bench.comparisons.pipeline import pipeline
 from services.bench.comparisons.prefix_cache import prefix_cache
-from services.bench.comparisons.routing import routing
-from services.bench.comparisons.scaling import scaling
+from services.bench.comparisons.shards.routing import routing
+from services.bench.comparisons.shards.scaling import scaling
 from services.bench.comparisons.wcpb import wcpb
 
 BUILDERS = {

@@ -10,7 +10,7 @@ teach and rlt's own checkpoints carry (``services/worker/model/toy.py``)::
 
 one block per call, a newline between two blocks. The grammar writes the JSON as a
 template's ``tojson`` does (``grammar_llguidance_tools.py``) and ``name`` before
-``arguments``, so a reader (``services/gateway/tool_parser.py``) knows the
+``arguments``, so a reader (``services/gateway/constrained/tool_parser.py``) knows the
 name before the first byte of the arguments and can stream them as they come. A chat
 template whose calls look otherwise is found out by ``tool_template.py``.
 
