@@ -8,9 +8,19 @@ which is what the JSON report stores per run and what every ratio is computed fr
 from __future__ import annotations
 
 import math
+import os
+import platform
 import resource
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from services.worker.model.ouro import OuroModel
 
 Metrics = dict[str, float | int | None]
 
@@ -306,3 +316,45 @@ def cpu_per_batch(
     whole = len(known) == len(used) and wall_s > 0
     out["cpu_cores_busy"] = sum(known) / wall_s if whole else None
     return out
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    try:
+        info["git_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                check=False,
+            ).stdout.strip()
+            or None
+        )
+    except OSError:
+        info["git_commit"] = None
+    return info
+
+
+def model_info(model: OuroModel, checkpoint: Path, size: str | None) -> dict[str, Any]:
+    cfg = model.cfg
+    return {
+        "checkpoint": str(checkpoint),
+        "size": size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "vocab_size": cfg.vocab_size,
+        "total_ut_steps": cfg.total_ut_steps,
+        "dtype": str(model.dtype).removeprefix("torch."),
+    }

@@ -13,8 +13,6 @@ import datetime as dt
 import functools
 import gc
 import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +32,8 @@ from services.bench.metrics import (
     KIND_METRICS,
     SHARD_METRICS,
     WASTE_METRICS,
+    machine_info,
+    model_info,
     run_metrics,
 )
 from services.bench.progress import Progress
@@ -272,48 +272,6 @@ def _all_names() -> tuple[str, ...]:
     from services.bench.args import COMPARISON_NAMES
 
     return COMPARISON_NAMES
-
-
-def machine_info(device: str) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": device,
-    }
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    try:
-        info["git_commit"] = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-                check=False,
-            ).stdout.strip()
-            or None
-        )
-    except OSError:
-        info["git_commit"] = None
-    return info
-
-
-def model_info(model: OuroModel, checkpoint: Path, size: str | None) -> dict[str, Any]:
-    cfg = model.cfg
-    return {
-        "checkpoint": str(checkpoint),
-        "size": size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "vocab_size": cfg.vocab_size,
-        "total_ut_steps": cfg.total_ut_steps,
-        "dtype": str(model.dtype).removeprefix("torch."),
-    }
 
 
 # comparisons with their own runner (not ``Comparison``s)
