@@ -37,16 +37,14 @@ from services.worker.passes.rows import (
     RowCursor,
     RunnerStats,
     batch_result,
-    end_loop,
     forget_cursors,
     live_rows,
-    row_failed,
-    token_sampled,
 )
 from services.worker.passes.sparse_prefill import SparseFragments, SparseWindows
 from services.worker.passes.speculative import Speculation
 from services.worker.passes.static_decode import DecodeMode, StaticDecode
 from services.worker.passes.transfer import Transfer
+from services.worker.results import ResultReader
 from services.worker.sampling.grammar import (
     GrammarBook,
     PassMasks,
@@ -54,9 +52,7 @@ from services.worker.sampling.grammar import (
     fill_pass_masks,
     mask_words,
 )
-from services.worker.sampling.logprobs import logprob_columns, sampled_logprobs, score_prompts
-
-NAN_LOGITS = "the model produced NaN logits"
+from services.worker.sampling.logprobs import logprob_columns, score_prompts
 
 _log = structlog.get_logger("rlt")
 
@@ -69,7 +65,7 @@ class _WorkerRequest(RowCursor, RequestView):
     sparse: SparseWindows | None = None
 
 
-class ModelRunner:
+class ModelRunner(ResultReader):
     def __init__(
         self,
         model: OuroModel,
@@ -463,70 +459,3 @@ class ModelRunner:
             device["coda.output_index"],
             filters=plan.filters,
         )
-
-    # ------------------------------------------------------------------ results
-    def _spec_coda(self, live: LiveRow, plan: PassPlan, j: int, token: float, bad: float) -> None:
-        """A speculative row's coda: a draft token or the target's (the cycle decides)."""
-        logits = plan.logits[j] if live.keep_logits and plan.logits is not None else None
-        error = NAN_LOGITS if bad else None
-        Speculation.coda(live, int(token), logits, error)
-
-    def _read_results(self, plans: list[PassPlan], values: list[float]) -> None:
-        """Applies every pass's results in order: survival and exits, then tokens."""
-        at = 0
-        for plan in plans:
-            n, c = plan.shape.num_decode, plan.shape.num_coda
-            exited: set[int] = set()
-            for j, (live, loops) in enumerate(zip(plan.decode, plan.decode_loops, strict=True)):
-                did_exit = values[at + n + j] != 0.0
-                if live.spec is not None:
-                    Speculation.loop_ended(
-                        live, loops_run=loops, exited=did_exit, remaining=values[at + j]
-                    )
-                else:
-                    cursor = self.requests[live.row.request_id]
-                    end_loop(
-                        live, cursor, loops_run=loops, exited=did_exit, remaining=values[at + j]
-                    )
-                if did_exit:
-                    exited.add(id(live))
-            at += 2 * n
-            tokens, bad = values[at : at + c], values[at + c : at + 2 * c]
-            at += 2 * c
-            top = plan.logprobs_top
-            width = 1 + 2 * min(top, self.model.vocab_size) if top >= 0 else 0
-            scored = values[at : at + c * width]
-            at += c * width
-            for j, (live, wanted) in enumerate(zip(plan.coda, plan.coda_wanted, strict=True)):
-                if not wanted:
-                    continue
-                if live.spec is not None:
-                    # (read after the pass: the row's depth is the loops it has run)
-                    if id(live) in exited or live.coda_at == live.depth:
-                        self._spec_coda(live, plan, j, tokens[j], bad[j])
-                    continue
-                if live.is_decode and id(live) not in exited:
-                    continue
-                cursor = self.requests[live.row.request_id]
-                if bad[j]:
-                    sampling = cursor.sampling
-                    row_failed(
-                        live,
-                        cursor,
-                        NAN_LOGITS
-                        if sampling.temperature == 0.0
-                        else "sampling failed: the row's logits or probabilities are not finite",
-                    )
-                    continue
-                token = int(tokens[j])
-                grammar = self.constrained.get(live.row.request_id) if self.constrained else None
-                if grammar is not None:
-                    problem = grammar.accept(token, live.row.output_index)
-                    if problem is not None:
-                        row_failed(live, cursor, problem)
-                        continue
-                token_sampled(live, cursor, token)
-                n_top = cursor.sampling.logprobs
-                if n_top is not None and width:
-                    columns = scored[j * width : (j + 1) * width]
-                    live.result.logprobs = sampled_logprobs(columns, n_top)
