@@ -15,6 +15,7 @@ import triton.language as tl
 from kernels.kv_codec import FP8_MAX
 from kernels.ops._triton import next_power_of_2
 from kernels.ops.kv_fp8_triton import e4m3_encode
+from kernels.ops.rope_kv_triton import rope_head_row
 
 
 @triton.jit
@@ -51,19 +52,9 @@ def _rope_write_kv_fp8_kernel(
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
-    first = d < HEAD_DIM // 2
-    partner = tl.where(first, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
-    sign = tl.where(first, -1.0, 1.0)
-    c = tl.load(cos_ptr + t * cos_stride + d, mask=dmask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * sin_stride + d, mask=dmask, other=0.0).to(tl.float32)
-    row = qkv_ptr + t * qkv_stride
-    x = tl.load(row + head * HEAD_DIM + d, mask=dmask, other=0.0)
-    xp = tl.load(row + head * HEAD_DIM + partner, mask=dmask, other=0.0)
-    dt = x.dtype
-    # rounded to the model dtype step by step, as the reference's torch ops are
-    a = (x.to(tl.float32) * c).to(dt)
-    b = (xp.to(tl.float32) * sign * s).to(dt)
-    y = (a.to(tl.float32) + b.to(tl.float32)).to(dt)
+    y = rope_head_row(
+        qkv_ptr, cos_ptr, sin_ptr, t, head, qkv_stride, cos_stride, sin_stride, d, dmask, HEAD_DIM
+    )
     if head < NUM_HEADS:
         tl.store(q_ptr + (t * NUM_HEADS + head) * HEAD_DIM + d, y, mask=dmask)
     else:
@@ -84,7 +75,7 @@ def _rope_write_kv_fp8_kernel(
             keep_scale,
         )
         v_col = (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-        v = tl.load(row + v_col + d, mask=dmask, other=0.0).to(tl.float32)
+        v = tl.load(qkv_ptr + t * qkv_stride + v_col + d, mask=dmask, other=0.0).to(tl.float32)
         _quantized_store(v, v_ptr + base * HEAD_DIM + d, vs_ptr + base, keep, keep_scale)
 
 

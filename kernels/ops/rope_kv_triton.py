@@ -14,6 +14,27 @@ from kernels.ops._triton import next_power_of_2
 
 
 @triton.jit
+def rope_head_row(
+    qkv_ptr, cos_ptr, sin_ptr, t, head, qkv_stride, cos_stride, sin_stride, d, dmask, HEAD_DIM
+):
+    """Head ``head`` of token ``t``'s qkv row, rotated (split-half RoPE) in the model dtype,
+    rounded step by step as the reference's torch ops are."""
+    # rotate_half(x)[d] = -x[d + hd/2] in the first half, x[d - hd/2] in the second.
+    first = d < HEAD_DIM // 2
+    partner = tl.where(first, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
+    sign = tl.where(first, -1.0, 1.0)
+    c = tl.load(cos_ptr + t * cos_stride + d, mask=dmask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * sin_stride + d, mask=dmask, other=0.0).to(tl.float32)
+    row = qkv_ptr + t * qkv_stride
+    x = tl.load(row + head * HEAD_DIM + d, mask=dmask, other=0.0)
+    xp = tl.load(row + head * HEAD_DIM + partner, mask=dmask, other=0.0)
+    dt = x.dtype
+    a = (x.to(tl.float32) * c).to(dt)
+    b = (xp.to(tl.float32) * sign * s).to(dt)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _rope_write_kv_kernel(
     qkv_ptr,
     cos_ptr,
@@ -43,19 +64,9 @@ def _rope_write_kv_kernel(
     head = tl.program_id(1)  # q heads, then kv heads: k's columns follow q's in qkv
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
-    # rotate_half(x)[d] = -x[d + hd/2] in the first half, x[d - hd/2] in the second.
-    first = d < HEAD_DIM // 2
-    partner = tl.where(first, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
-    sign = tl.where(first, -1.0, 1.0)
-    c = tl.load(cos_ptr + t * cos_stride + d, mask=dmask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * sin_stride + d, mask=dmask, other=0.0).to(tl.float32)
-    row = qkv_ptr + t * qkv_stride
-    x = tl.load(row + head * HEAD_DIM + d, mask=dmask, other=0.0)
-    xp = tl.load(row + head * HEAD_DIM + partner, mask=dmask, other=0.0)
-    dt = x.dtype
-    a = (x.to(tl.float32) * c).to(dt)
-    b = (xp.to(tl.float32) * sign * s).to(dt)
-    y = (a.to(tl.float32) + b.to(tl.float32)).to(dt)
+    y = rope_head_row(
+        qkv_ptr, cos_ptr, sin_ptr, t, head, qkv_stride, cos_stride, sin_stride, d, dmask, HEAD_DIM
+    )
     if head < NUM_HEADS:
         tl.store(q_ptr + (t * NUM_HEADS + head) * HEAD_DIM + d, y, mask=dmask)
     else:
@@ -68,7 +79,7 @@ def _rope_write_kv_kernel(
         k_dst = k_ptr + blk * k_s0 + off * k_s1 + kv_head * k_s2 + d * k_s3
         tl.store(k_dst, y.to(k_ptr.dtype.element_ty), mask=keep)
         v_col = (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-        v = tl.load(row + v_col + d, mask=dmask, other=0.0)
+        v = tl.load(qkv_ptr + t * qkv_stride + v_col + d, mask=dmask, other=0.0)
         v_dst = v_ptr + blk * v_s0 + off * v_s1 + kv_head * v_s2 + d * v_s3
         tl.store(v_dst, v.to(v_ptr.dtype.element_ty), mask=keep)
 
