@@ -1,17 +1,20 @@
 """Moving KV blocks between workers with NIXL: the one module that imports it.
 
 A worker's KV is two arenas (K and V), each ``[layers, blocks, block_size, kv_heads,
-head_dim]``; planes share the block pool, so a block is the same byte range in every layer
-of both arenas. ``KVTransferAgent`` owns one NIXL agent (UCX backend: host memory between
-processes, device memory on a GPU), registers this worker's arenas, describes them to peers
-(``KVSourceInfo``) and READs a peer's blocks into its own. Descriptors are prepared once:
-one per block of each layer of each arena (``block_table``), for our arenas when they are
-registered and for a peer's when it is first read from (NIXL's prepared lists); a pull is
-then a list of indices into both (``block_indices``, array arithmetic), cut into chunks
-(``ReadPlan``) that are posted and polled one by one (NIXL merges consecutive blocks).
-Every call may block: the worker makes them on its transfer thread (``pull_queue.py``),
-never on the event loop. NIXL's own errors become ``TransferError`` with a cause
-(``source_lost``, ``timeout``, ``layout_mismatch``, ``error``).
+head_dim]``, and under fp8 two more, their scales ``[layers, blocks, block_size,
+kv_heads]``; planes share the block pool, so a block is the same byte range in every layer
+of each arena. Codes and scales move together: a decode worker gets what the prefill worker
+stored, never decoded values. ``KVTransferAgent`` owns one NIXL agent (UCX backend: host
+memory between processes, device memory on a GPU), registers this worker's arenas,
+describes them to peers (``KVSourceInfo``) and READs a peer's blocks into its own.
+Descriptors are prepared once: one per block of each layer of each arena (``block_table``),
+for our arenas when they are registered and for a peer's when it is first read from (NIXL's
+prepared lists); a pull is then a list of indices into both (``block_indices``, array
+arithmetic), cut into chunks (``ReadPlan``) that are posted and polled one by one (NIXL
+merges consecutive blocks). Every call may block: the worker makes them on its transfer
+thread (``pull_queue.py``), never on the event loop. NIXL's own errors become
+``TransferError`` with a cause (``source_lost``, ``timeout``, ``layout_mismatch``,
+``error``).
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ import importlib
 import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from kernels.kv_codec import AUTO, FP8
 from messages.kv_transfer import KVLayoutInfo, KVSourceInfo
+
+if TYPE_CHECKING:
+    from services.worker.kv_cache import PagedKV
 
 # causes a pull may fail with (the metric's label values)
 SOURCE_LOST = "source_lost"  # the source worker is gone or unreachable
@@ -72,10 +79,33 @@ def nixl_available() -> bool:
 
 @dataclass(frozen=True)
 class KVArena:
-    """One worker's K and V tensors, contiguous, ``[layers, blocks, block_size, heads, dim]``."""
+    """One worker's KV tensors, each contiguous and ``[layers, blocks, ...]``: K and V
+    ``[layers, blocks, block_size, heads, dim]`` (e4m3 codes under fp8), then, under fp8,
+    their float32 scales ``[layers, blocks, block_size, heads]``: a code means nothing
+    without its scale, so both move."""
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    codec: str = AUTO
+
+    def __post_init__(self) -> None:
+        scaled = self.k_scale is not None and self.v_scale is not None
+        if scaled != (self.codec == FP8) or (self.k_scale is None) != (self.v_scale is None):
+            raise ValueError(f"KV arena: codec {self.codec} with scales {scaled}")
+
+    @classmethod
+    def of(cls, kv: PagedKV) -> KVArena:
+        """The arena of a worker's paged KV: its codes and, under fp8, its scales."""
+        if kv.codec not in (AUTO, FP8):
+            raise ValueError(f"KV transfer moves auto and fp8 blocks only, not {kv.codec}")
+        return cls(kv.k, kv.v, kv.k_scale, kv.v_scale, kv.codec)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        scales = [self.k_scale, self.v_scale] if self.k_scale is not None else []
+        return [t for t in (self.k, self.v, *scales) if t is not None]
 
     @property
     def num_layers(self) -> int:
@@ -87,11 +117,17 @@ class KVArena:
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one K (or V) block of one layer."""
         return self.k[0, 0].numel() * self.k.element_size()
 
     @property
+    def arena_block_bytes(self) -> list[int]:
+        """Bytes of one block of one layer, per tensor (``tensors``' order)."""
+        return [t[0, 0].numel() * t.element_size() for t in self.tensors]
+
+    @property
     def addresses(self) -> list[int]:
-        return [self.k.data_ptr(), self.v.data_ptr()]
+        return [t.data_ptr() for t in self.tensors]
 
     @property
     def mem_type(self) -> str:
@@ -110,24 +146,39 @@ class KVArena:
             num_layers=self.num_layers,
             num_kv_heads=heads,
             head_dim=dim,
+            kv_cache_dtype=self.codec,
             dtype=str(self.k.dtype).removeprefix("torch."),
         )
 
 
 def block_table(
-    addresses: list[int], num_blocks: int, num_layers: int, block_bytes: int, device_id: int
+    addresses: list[int],
+    num_blocks: int,
+    num_layers: int,
+    block_bytes: int | list[int],
+    device_id: int,
 ) -> np.ndarray:
     """Nx3 ``(address, length, device)``: one descriptor per block of each layer of each
-    arena; block b of layer l of arena a is row ``(a * num_layers + l) * num_blocks + b``."""
+    arena; block b of layer l of arena a is row ``(a * num_layers + l) * num_blocks + b``.
+    ``block_bytes``: one for every arena, or one per arena."""
+    sizes = np.broadcast_to(np.asarray(block_bytes, dtype=np.uint64), (len(addresses),))
+    per_block = sizes[:, None, None]
     bases = np.asarray(addresses, dtype=np.uint64)[:, None, None]
-    layers = np.arange(num_layers, dtype=np.uint64)[None, :, None] * np.uint64(
-        num_blocks * block_bytes
+    layers = np.arange(num_layers, dtype=np.uint64)[None, :, None] * (
+        np.uint64(num_blocks) * per_block
     )
-    blocks = np.arange(num_blocks, dtype=np.uint64)[None, None, :] * np.uint64(block_bytes)
+    blocks = np.arange(num_blocks, dtype=np.uint64)[None, None, :] * per_block
     starts = (bases + layers + blocks).reshape(-1)
     rows = np.empty((starts.size, 3), dtype=np.uint64)
-    rows[:, 0], rows[:, 1], rows[:, 2] = starts, block_bytes, device_id
+    rows[:, 0], rows[:, 2] = starts, device_id
+    rows[:, 1] = np.broadcast_to(per_block, (len(addresses), num_layers, num_blocks)).reshape(-1)
     return rows
+
+
+def source_block_bytes(source: KVSourceInfo) -> list[int]:
+    """Bytes of one block of one layer per arena of a source (one that does not say:
+    ``block_bytes`` for each)."""
+    return list(source.arena_block_bytes) or [source.block_bytes] * len(source.arena_addresses)
 
 
 def block_indices(
@@ -214,9 +265,9 @@ class KVTransferAgent:
             return
         self.deregister()
         try:
-            self._registered = self._agent.register_memory([arena.k, arena.v])
+            self._registered = self._agent.register_memory(arena.tensors)
             table = block_table(
-                arena.addresses, arena.num_blocks, arena.num_layers, arena.block_bytes,
+                arena.addresses, arena.num_blocks, arena.num_layers, arena.arena_block_bytes,
                 arena.device_id,
             )  # fmt: skip
             self._local_list = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, arena.mem_type)
@@ -262,6 +313,7 @@ class KVTransferAgent:
             num_blocks=arena.num_blocks,
             block_bytes=arena.block_bytes,
             device_id=arena.device_id,
+            arena_block_bytes=arena.arena_block_bytes,
         )
 
     def plan(
@@ -271,18 +323,19 @@ class KVTransferAgent:
         local_blocks: list[int],
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> ReadPlan:
-        """The READ of the source's ``remote_blocks`` into our ``local_blocks`` (every layer,
-        K and V), in chunks. Raises TransferError (a layout mismatch, blocks out of range,
-        a source that cannot be reached)."""
+        """The READ of the source's ``remote_blocks`` into our ``local_blocks`` (every layer
+        of every arena: K, V and any scales), in chunks. Raises TransferError (a layout
+        mismatch, blocks out of range, a source that cannot be reached)."""
         arena, layout = self._arena, self._layout
         if arena is None or layout is None:
             raise TransferError(ERROR, "this worker has no KV registered")
         why = layout.mismatch(source.layout)
         if why is not None:
             raise TransferError(LAYOUT_MISMATCH, f"KV layouts differ ({why})")
-        if source.block_bytes != arena.block_bytes:
+        theirs = source_block_bytes(source)
+        if theirs != arena.arena_block_bytes:
             raise TransferError(
-                LAYOUT_MISMATCH, f"block bytes differ: {arena.block_bytes} vs {source.block_bytes}"
+                LAYOUT_MISMATCH, f"block bytes differ: {arena.arena_block_bytes} vs {theirs}"
             )
         bad = [b for b in remote_blocks if not 0 <= b < source.num_blocks]
         bad += [b for b in local_blocks if not 0 <= b < arena.num_blocks]
@@ -296,11 +349,17 @@ class KVTransferAgent:
             return ReadPlan(source.agent_name, [], [], arena)
         self._load_remote(source)
         remote_list = self._remote_list(source, arena)
-        arenas, layers, block_bytes = len(arena.addresses), arena.num_layers, arena.block_bytes
-        local = block_indices(local_blocks, arenas, layers, arena.num_blocks)
-        remote = block_indices(remote_blocks, arenas, layers, source.num_blocks)
-        chunks = split_indices(local, remote, block_bytes, chunk_bytes)
-        sizes = [lo.size * block_bytes for lo, _ in chunks]
+        sizes_of = arena.arena_block_bytes
+        local = block_indices(local_blocks, len(sizes_of), arena.num_layers, arena.num_blocks)
+        remote = block_indices(remote_blocks, len(sizes_of), arena.num_layers, source.num_blocks)
+        # arena by arena (block_indices is arena-major), each cut by its own block bytes
+        lane = arena.num_layers * len(local_blocks)
+        chunks, sizes = [], []
+        for a, block_bytes in enumerate(sizes_of):
+            part = slice(a * lane, (a + 1) * lane)
+            for lo, re in split_indices(local[part], remote[part], block_bytes, chunk_bytes):
+                chunks.append((lo, re))
+                sizes.append(lo.size * block_bytes)
         return ReadPlan(source.agent_name, chunks, sizes, arena, self._local_list, remote_list)
 
     def _remote_list(self, source: KVSourceInfo, arena: KVArena) -> Any:
@@ -308,7 +367,7 @@ class KVTransferAgent:
         arenas changed)."""
         key = (
             source.agent_metadata, tuple(source.arena_addresses), source.num_blocks,
-            source.block_bytes, source.device_id, arena.num_layers,
+            tuple(source_block_bytes(source)), source.device_id, arena.num_layers,
         )  # fmt: skip
         known = self._remote_lists.get(source.agent_name)
         if known is not None and known[0] == key:
@@ -316,8 +375,8 @@ class KVTransferAgent:
         if known is not None:
             self._release_remote_list(source.agent_name)
         table = block_table(
-            source.arena_addresses, source.num_blocks, arena.num_layers, source.block_bytes,
-            source.device_id,
+            source.arena_addresses, source.num_blocks, arena.num_layers,
+            source_block_bytes(source), source.device_id,
         )  # fmt: skip
         try:
             prepared = self._agent.prep_xfer_dlist(source.agent_name, table, arena.mem_type)
