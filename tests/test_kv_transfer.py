@@ -243,6 +243,20 @@ def test_fp8_pulls_move_codes_and_scales_at_about_half_the_bytes() -> None:
     assert ratio == 264 / 512 and ratio <= 0.55
 
 
+@pytest.mark.unit
+def test_a_simulated_workers_fp8_arenas_are_codes_and_scales() -> None:
+    """``--device sim`` with ``--role``: host arenas of Ouro-1.4B's heads under the codec,
+    so a simulated P/D run moves fp8's bytes (264 of 512 per token, head and layer)."""
+    from services.worker.runner_host import sim_arena
+
+    auto, fp8 = sim_arena(8, 16), sim_arena(8, 16, "fp8")
+    assert len(auto.tensors) == 2 and len(fp8.tensors) == 4
+    assert fp8.layout("last_exited", 4).mismatch(auto.layout("last_exited", 4)) == (
+        "kv_cache_dtype: fp8 vs auto"
+    )
+    assert sum(fp8.arena_block_bytes) / sum(auto.arena_block_bytes) == 264 / 512
+
+
 _PEER = textwrap.dedent(
     """
     import sys, time, torch
