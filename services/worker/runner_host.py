@@ -25,7 +25,7 @@ from services.common.config import KVLayout
 from services.common.model_config import OuroConfig
 from services.common.tokenizer import TextCodec
 from services.worker.kv_cache import PagedKV, bytes_per_block, check_storable
-from services.worker.kv_transfer.agent import KVArena
+from services.worker.kv_transfer.arena import KVArena
 from services.worker.model.ouro import OuroModel
 from services.worker.passes.static_decode import DecodeMode
 from services.worker.runner import ModelRunner

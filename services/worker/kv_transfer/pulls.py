@@ -31,7 +31,8 @@ from services.common.config import KVLayout
 from services.runtime.tracing import ATTR_REQUEST_ID, ATTR_SHARD, Tracer, parse_traceparent
 from services.worker.kv_cache import PagedKV
 from services.worker.kv_transfer import agent as kvt
-from services.worker.kv_transfer.agent import KVArena, KVTransferAgent, TransferError
+from services.worker.kv_transfer.agent import KVTransferAgent, TransferError
+from services.worker.kv_transfer.arena import KVArena
 from services.worker.kv_transfer.pull_queue import PullJob, PullOutcome, PullQueue
 
 # a source's description comes over NATS; past this the pull fails (source_lost)
