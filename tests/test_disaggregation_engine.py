@@ -245,10 +245,12 @@ def test_disaggregated_equals_colocated(toy_model, oracle, name, params):
             assert pair.finished()[rid].token_ids == want.token_ids
 
 
-def test_prefix_hits_on_the_decode_side_pull_only_the_rest(toy_model):
+@pytest.mark.parametrize("codec", ["auto", "fp8"])
+def test_prefix_hits_on_the_decode_side_pull_only_the_rest(toy_model, codec):
     """The second request of a shared prefix finds it cached on the decode shard (pulled
-    for the first): it pulls only the blocks past it, and its tokens stay the same."""
-    config = CONFIGS["wcpb-async-prefix"]
+    for the first, under the codec's key): it pulls only the blocks past it, and its tokens
+    stay the same."""
+    config = dataclasses.replace(CONFIGS["wcpb-async-prefix"], kv_cache_dtype=codec)
     first, second = ("c", PROMPTS["c"], GREEDY_EXIT), ("d", PROMPTS["d"], GREEDY_EXIT)
     expected = colocated(toy_model, config, [first, second])
     pair = Pair.build(toy_model, config)
