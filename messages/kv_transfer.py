@@ -33,6 +33,8 @@ class KVBlockFormat(_Comparable, frozen=True, kw_only=True):
     kv_layout: str
     block_size: int
     num_planes: int
+    # the KV codec (``--kv-cache-dtype``): a block's bytes mean K/V only under the same one
+    kv_cache_dtype: str = "auto"
 
 
 class KVLayoutInfo(_Comparable, frozen=True, kw_only=True):
@@ -45,6 +47,8 @@ class KVLayoutInfo(_Comparable, frozen=True, kw_only=True):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # before ``dtype``: a codec's codes have a dtype of their own, the codec is the cause
+    kv_cache_dtype: str = "auto"
     dtype: str
 
 
@@ -112,22 +116,25 @@ class KVPullResults(msgspec.Struct, kw_only=True):
 
 class KVSourceInfo(msgspec.Struct, kw_only=True):
     """prefill worker -> a decode worker that asks (``rlt.v1.worker.kvmeta.<worker>``): its
-    NIXL agent, the epoch its KV belongs to, the layout, and where each K/V arena starts.
-    An arena is ``[layers, blocks, block_size, kv_heads, head_dim]`` of ``block_bytes`` a
-    block, layer-major."""
+    NIXL agent, the epoch its KV belongs to, the layout, and where each arena starts.
+    An arena is ``[layers, blocks, ...]``, layer-major: K and V (``[block_size, kv_heads,
+    head_dim]`` of ``block_bytes`` a block), then, under fp8, the K and V scales
+    (``[block_size, kv_heads]`` float32); ``arena_block_bytes`` gives each arena's."""
 
     agent_name: str
     agent_metadata: bytes
     epoch: str
     layout: KVLayoutInfo
-    arena_addresses: list[int]  # K then V
+    arena_addresses: list[int]  # K then V (codes under a codec), then their scales if any
     num_blocks: int  # per layer, the scratch block included
-    block_bytes: int
+    block_bytes: int  # of a K (or V) block in one layer
     error: str = ""  # why it cannot serve (no transfer agent, no KV yet)
     # the arenas' device on the source (a GPU worker need not use device 0)
     device_id: int = 0
     # the pull's failure cause when ``error`` is set (``registration_failed``, ``error``)
     error_cause: str = ""
+    # bytes of one block of one layer, per arena (empty: ``block_bytes`` for each)
+    arena_block_bytes: list[int] = msgspec.field(default_factory=list)
 
 
 class KVRelease(msgspec.Struct, kw_only=True):

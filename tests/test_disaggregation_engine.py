@@ -7,11 +7,14 @@ tokens; no block leaks on either side."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
+from kernels.kv_codec import block_bytes
 from messages.api import FinishedEvent, TokenEvent
 from messages.batch import BatchResult
 from messages.kv_transfer import KVPull, KVPullResult
@@ -24,7 +27,7 @@ from services.engine.executor import InProcessExecutor
 from services.oracle import SparseSetting
 from services.scheduler.core.intake import KnownOutputs
 from services.scheduler.core.request import RequestState
-from services.worker.kv_transfer.agent import KVTransferAgent, nixl_available
+from services.worker.kv_transfer.agent import KVTransferAgent, TransferError, nixl_available
 from services.worker.kv_transfer.pulls import arena_of, num_planes
 from tests.engine_harness import assert_matches_oracle, oracle_result
 
@@ -242,10 +245,12 @@ def test_disaggregated_equals_colocated(toy_model, oracle, name, params):
             assert pair.finished()[rid].token_ids == want.token_ids
 
 
-def test_prefix_hits_on_the_decode_side_pull_only_the_rest(toy_model):
+@pytest.mark.parametrize("codec", ["auto", "fp8"])
+def test_prefix_hits_on_the_decode_side_pull_only_the_rest(toy_model, codec):
     """The second request of a shared prefix finds it cached on the decode shard (pulled
-    for the first): it pulls only the blocks past it, and its tokens stay the same."""
-    config = CONFIGS["wcpb-async-prefix"]
+    for the first, under the codec's key): it pulls only the blocks past it, and its tokens
+    stay the same."""
+    config = dataclasses.replace(CONFIGS["wcpb-async-prefix"], kv_cache_dtype=codec)
     first, second = ("c", PROMPTS["c"], GREEDY_EXIT), ("d", PROMPTS["d"], GREEDY_EXIT)
     expected = colocated(toy_model, config, [first, second])
     pair = Pair.build(toy_model, config)
@@ -567,3 +572,112 @@ def test_small_kv_on_both_sides_waits_for_decode_kv_and_never_falls_back(toy_mod
         compared += assert_matches_oracle(pair.finished()[rid], want, rid)
     assert compared > 0
     pair.check_no_leaks(small)
+
+
+# ------------------------------------------------------------------ fp8 KV
+# Under --kv-cache-dtype fp8 both shards store e4m3 codes and float32 scales; a pull moves
+# both (never decoded values), so the decode shard attends over exactly what the prefill
+# shard wrote and every token equals the serial oracle applying its own fp8 codec.
+FP8_CONFIGS = {
+    name: dataclasses.replace(CONFIGS[name], kv_cache_dtype="fp8")
+    for name in ("wcpb-async-prefix", "atomic-sync", "shared-layout", "speculative-decode")
+}
+
+
+def _fp8_block_ratio(model) -> float:
+    """fp8 bytes per block (codes and scales) over auto's, at the model's heads and dtype."""
+    cfg = model.cfg
+    shape = (4, cfg.num_key_value_heads, cfg.head_dim, model.dtype.itemsize)
+    return block_bytes("fp8", *shape) / block_bytes("auto", *shape)
+
+
+@pytest.mark.parametrize("name", list(FP8_CONFIGS))
+def test_fp8_disaggregated_equals_the_fp8_oracle(toy_model, oracle, name):
+    """Tokens and exit depths equal a colocated fp8 run and the fp8 oracle; the pulls moved
+    codes and scales: fp8's share of auto's bytes for the same pulls."""
+    config = FP8_CONFIGS[name]
+    requests = workload(GREEDY_EXIT)
+    expected = colocated(toy_model, config, requests)
+    pair = Pair.build(toy_model, config)
+    assert arena_of(pair.decode.runner).k.dtype == torch.uint8  # codes, with scales beside
+    for request in requests:
+        pair.add(*request)
+    pair.run()
+    _compare(pair, expected)
+    assert pair.handed_off == len(requests) and pair.pulled == len(requests)
+    pair.check_no_leaks(config)
+    if config.speculative_tokens:  # the decode shard speculated over pulled fp8 KV
+        assert pair.decode.scheduler.spec_stats.num_spec_rows > 0
+    compared = 0
+    for rid, prompt, p in requests:
+        want = oracle_result(oracle, prompt, p.resolve(toy_model.cfg.total_ut_steps, 512), config)
+        compared += assert_matches_oracle(pair.finished()[rid], want, rid)
+    assert compared == len(requests) * GREEDY_EXIT.max_tokens  # every token
+    auto = Pair.build(toy_model, CONFIGS[name])
+    for request in requests:
+        auto.add(*request)
+    auto.run()
+    assert auto.pulled == pair.pulled and auto.executor.bytes > 0
+    assert pair.executor.bytes / auto.executor.bytes == _fp8_block_ratio(toy_model)
+
+
+@pytest.mark.parametrize("codec", ["auto", "fp8"])
+def test_tight_kv_and_sparse_prefill_hand_over_under_each_codec(toy_model, oracle, codec):
+    """Under either codec: tight KV on both shards (decode-side waits and preemption) and
+    token-sparse prefill (frozen tokens' copied codes and scales) hand over with the
+    oracle's tokens and exit depths."""
+    config = SchedulerConfig(
+        block_size=4, num_blocks=48, max_num_seqs=4, max_num_batched_tokens=8,
+        prefill_chunk_size=4, kv_admission=KVAdmission.INCREMENTAL, sparse_window=8,
+        kv_cache_dtype=codec,
+    )  # fmt: skip
+    sparse = SamplingParams(
+        max_tokens=8, temperature=0.0, min_loops=1, exit_threshold=0.6, ignore_eos=True,
+        token_sparse_prefill=True,
+    )  # fmt: skip
+    requests = [(rid, prompt, sparse) for rid, prompt in SPARSE_PROMPTS.items()]
+    requests += [
+        (f"{rid}{k}", [*prompt, k + 1], GREEDY_EXIT)
+        for k in range(2)
+        for rid, prompt in PROMPTS.items()
+    ]
+    pair = Pair.build(toy_model, config)
+    for request in requests:
+        pair.add(*request)
+    pair.run()
+    assert pair.pulled == len(requests)
+    stats = pair.decode.scheduler.stats
+    assert stats.num_preemptions > 0 and stats.kv_transfer_fallbacks == {}
+    assert pair.prefill.scheduler.stats.num_prefill_rows_saved > 0  # it did run sparse
+    compared = 0
+    for rid, prompt, p in requests:
+        want = oracle_result(oracle, prompt, p.resolve(toy_model.cfg.total_ut_steps, 512), config)
+        compared += assert_matches_oracle(pair.finished()[rid], want, rid)
+    assert compared == sum(p.max_tokens for _, _, p in requests)
+    pair.check_no_leaks(config)
+
+
+def test_shards_of_different_codecs_never_share_a_block(toy_model, oracle):
+    """A prefill shard under auto and a decode shard under fp8: the scheduler refuses the
+    handoff by its block format (the codec named) and the decode shard prefills the prompt
+    itself, with the fp8 oracle's tokens; the worker refuses the pull by name too."""
+    auto, fp8 = CONFIGS["wcpb-async-prefix"], FP8_CONFIGS["wcpb-async-prefix"]
+    pair = Pair.build(toy_model, auto, fp8)
+    handoff_format = pair.prefill.scheduler.block_format
+    why = pair.decode.scheduler.block_format.mismatch(handoff_format)
+    assert why == "kv_cache_dtype: fp8 vs auto"
+    requests = workload(GREEDY_EXIT)[:2]
+    for request in requests:
+        pair.add(*request)
+    pair.run()
+    assert pair.handed_off == len(requests) and pair.pulled == 0
+    assert sum(pair.decode.scheduler.stats.kv_transfer_fallbacks.values()) == len(requests)
+    compared = 0
+    for rid, prompt, p in requests:
+        want = oracle_result(oracle, prompt, p.resolve(toy_model.cfg.total_ut_steps, 512), fp8)
+        compared += assert_matches_oracle(pair.finished()[rid], want, rid)
+    assert compared == len(requests) * GREEDY_EXIT.max_tokens
+    with pytest.raises(TransferError) as err:  # the workers' own check
+        pair.executor.agent.plan(pair.executor.source.source_info(), [0], [0])
+    assert err.value.cause == "layout_mismatch" and "kv_cache_dtype: fp8 vs auto" in str(err.value)
+    pair.check_no_leaks(fp8)

@@ -24,17 +24,23 @@ from pathlib import Path
 import pytest
 from msgspec.structs import replace
 
+from kernels.kv_codec import block_bytes
 from messages.api import FinishedEvent, GenerateRequest, TokenEvent
 from messages.sampling import SamplingParams, StructuredOutput
+from services.cli import build_parser
+from services.common.flags import scheduler_config_from_args
 from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.worker.kv_transfer.agent import nixl_available
+from services.worker.model.toy import toy_config
 
 pytest.register_assert_rewrite("tests.conftest_nats")
 
 from tests.conftest_nats import check_stream  # noqa: E402
+from tests.engine_harness import assert_matches_oracle, oracle_result  # noqa: E402
 from tests.helpers import FORMATS, assert_follows  # noqa: E402
 from tests.service_cases import (  # noqa: E402
+    ENGINE_ARGS,
     PREFIX_ARGS,
     as_request,
     check_against_engine,
@@ -76,6 +82,10 @@ async def _up(procs: ServiceProcs, nc, envs: dict[str, dict[str, str]] | None = 
 async def _healthy(nc, want: set[str]) -> bool:  # type: ignore[no-untyped-def]
     shards = (await health(nc, "admission"))["shards"]
     return want <= {sid for sid, s in shards.items() if s["healthy"]}
+
+
+def engine_config_from(args: list[str]):  # type: ignore[no-untyped-def]
+    return scheduler_config_from_args(build_parser().parse_args(["service", "worker", *args]))
 
 
 async def _shard_health(nc, name: str, shard: str) -> dict:  # type: ignore[no-untyped-def]
@@ -192,6 +202,45 @@ async def test_prefill_and_decode_shards_equal_the_engine(
             await wait_for(lambda: _reclaimed(nc), 15, "KV back to full on both shards")
 
 
+@pytest.mark.services
+async def test_fp8_prefill_and_decode_shards_move_codes_and_scales(
+    toy_checkpoint: Path, tmp_path: Path, oracle
+) -> None:
+    """Every process under ``--kv-cache-dtype fp8``: the decode worker pulls codes and
+    scales (exactly fp8's bytes for the prompts' blocks, every plane and layer) and every
+    request, finished on the decode shard, equals the fp8 oracle, tokens and exit depths."""
+    args = [*ENGINE_ARGS, "--kv-cache-dtype", "fp8"]
+    config = engine_config_from(args)
+    assert config.kv_cache_dtype == "fp8"
+    with nats_server_and_procs(toy_checkpoint, tmp_path, args) as (server, procs):
+        async with client(server.url) as nc:
+            await _up(procs, nc)
+            cases = make_cases(51, 6, max_tokens=10)
+            col = await StreamCollector(nc).start()
+            for i, (ids, p) in enumerate(cases):
+                await col.send(i, as_request(f"fp8-{i}", ids, p))
+            await col.wait_done(list(range(len(cases))), 120)
+            compared = 0
+            for i, (ids, p) in enumerate(cases):
+                final = check_stream(col.events[i])
+                assert isinstance(final, FinishedEvent) and final.shard == "1", final
+                want = oracle_result(oracle, ids, p.resolve(4, 512), config)
+                compared += assert_matches_oracle(final, want, f"fp8-{i}")
+            assert compared == len(cases) * 10
+            decode = await _shard_health(nc, "scheduler", "1")
+            worker = await _shard_health(nc, "worker", "1")
+            assert decode["kv_pulled"] == len(cases) and decode["kv_pull_failures"] == 0
+            cfg = toy_config("toy")
+            per_block = (
+                cfg.num_hidden_layers
+                * cfg.total_ut_steps
+                * block_bytes("fp8", config.block_size, cfg.num_key_value_heads, cfg.head_dim, 4)
+            )
+            blocks = sum(-(-len(ids) // config.block_size) for ids, _ in cases)
+            assert worker["kv_bytes_pulled"] == blocks * per_block  # codes and scales
+            await wait_for(lambda: _reclaimed(nc), 15, "KV back to full on both shards")
+
+
 @pytest.mark.slow  # ~27 s: two worker restarts
 async def test_lost_kv_is_recomputed_and_every_request_ends_once(
     toy_checkpoint: Path, tmp_path: Path
@@ -297,16 +346,21 @@ async def _handed_off(nc, n: int) -> bool:  # type: ignore[no-untyped-def]
 
 
 class nats_server_and_procs:
-    def __init__(self, checkpoint: Path, workdir: Path) -> None:
+    def __init__(
+        self, checkpoint: Path, workdir: Path, engine_args: list[str] = PREFIX_ARGS
+    ) -> None:
         from services.launcher import NatsServer, free_port
 
         self._server = NatsServer(port=free_port())
         self._checkpoint, self._workdir = checkpoint, workdir
+        self._engine_args = engine_args
         self._procs = None
 
     def __enter__(self):  # type: ignore[no-untyped-def]
         server = self._server.__enter__()
-        self._procs = service_procs(server.url, self._checkpoint, self._workdir, PREFIX_ARGS, ENV)
+        self._procs = service_procs(
+            server.url, self._checkpoint, self._workdir, self._engine_args, ENV
+        )
         return server, self._procs.__enter__()
 
     def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]

@@ -67,3 +67,23 @@ def test_a_simulated_worker_reads_kv_at_its_codec_bytes(toy_checkpoint) -> None:
         host.make_runner(64, 16, "last_exited")
         costs[codec] = host.runner.cost.kv_bytes_per_token
     assert costs["fp8"] == costs["auto"] * 264 / 512
+
+
+def test_the_simulated_h100_reads_fp8s_bytes_and_is_slower_than_the_h200() -> None:
+    h100 = kv_codec.simulated_decode(kv_codec.SIM_H100, ("auto", "fp8"))
+    h200 = kv_codec.simulated_decode()
+    assert {(r["rows"], r["context"]) for r in h100} == {
+        (n, ctx) for n in (1, 32, 128) for ctx in (2048, 8192)
+    }
+    by = {(r["codec"], r["rows"], r["context"]): r for r in h100}
+    fast = {(r["codec"], r["rows"], r["context"]): r for r in h200}
+    for (codec, n, ctx), r in by.items():
+        auto = by[("auto", n, ctx)]
+        assert r["kv_bytes_per_pass"] == auto["kv_bytes_per_pass"] * (
+            264 / 512 if codec == "fp8" else 1
+        )
+        assert r["bytes_per_pass"] == fast[(codec, n, ctx)]["bytes_per_pass"]  # same reads
+        assert r["tokens_per_s"] < fast[(codec, n, ctx)]["tokens_per_s"]  # less bandwidth
+    assert by[("fp8", 32, 2048)]["tokens_per_s"] > by[("auto", 32, 2048)]["tokens_per_s"]
+    table = "\n".join(kv_codec._h100_table(h100))
+    assert "SIM H100" in table and table.count("\n| fp8 |") == 6

@@ -5,6 +5,7 @@ by admission, by name."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -15,12 +16,16 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import structlog
 import torch
+from prometheus_client import CollectorRegistry
 
+from kernels.kv_codec import bytes_per_token
 from messages.internal import ShardAnnounce
-from messages.kv_transfer import KVBlockFormat, KVSourceInfo
+from messages.kv_transfer import KVBlockFormat, KVPull, KVSourceInfo
 from services.admission.shards import ShardTable
 from services.common.service_flags import shard_roles
+from services.worker.kv_cache import PagedKV
 from services.worker.kv_transfer import agent as kvt
 from services.worker.kv_transfer.agent import (
     KVArena,
@@ -29,6 +34,7 @@ from services.worker.kv_transfer.agent import (
     block_indices,
     block_table,
 )
+from services.worker.kv_transfer.pulls import KVPulls
 
 needs_nixl = pytest.mark.skipif(not kvt.nixl_available(), reason="NIXL is not installed")
 
@@ -145,6 +151,110 @@ def test_a_failed_registration_is_reported_to_peers_by_cause() -> None:
     assert err.value.cause == kvt.REGISTRATION_FAILED
     info = agent.source_info()
     assert info.error_cause == kvt.REGISTRATION_FAILED and "NIXL_ERR_BACKEND" in info.error
+
+
+@pytest.mark.unit
+def test_descriptors_of_arenas_of_different_block_bytes() -> None:
+    """fp8's scale arenas have blocks of their own size: each arena's descriptors use it."""
+    table = block_table([1000, 5000, 90000], num_blocks=4, num_layers=2, block_bytes=[32, 32, 8],
+                        device_id=0)  # fmt: skip
+    scales = table[2 * 2 * 4 :]
+    assert scales[:, 1].tolist() == [8] * 8
+    assert scales[1 * 4 + 3].tolist() == [90000 + 1 * 4 * 8 + 3 * 8, 8, 0]
+    assert table[(1 * 2 + 1) * 4 + 2].tolist() == [5000 + 4 * 32 + 2 * 32, 32, 0]
+
+
+@pytest.mark.unit
+def test_a_shard_of_another_codec_is_refused_by_name() -> None:
+    table = ShardTable("adm", block_size=16)
+    fmt = KVBlockFormat(kv_layout="last_exited", block_size=16, num_planes=4)
+    ok = ShardAnnounce(shard_id="0", scheduler_id="s0", block_size=16, role="prefill",
+                       block_format=fmt)  # fmt: skip
+    assert table.announce(ok, 0.0) == (None, None)
+    fp8 = msgspec.structs.replace(fmt, kv_cache_dtype="fp8")
+    bad = ShardAnnounce(shard_id="1", scheduler_id="s1", block_size=16, role="decode",
+                        block_format=fp8)  # fmt: skip
+    why, _ = table.announce(bad, 0.0)
+    assert why is not None and "kv_cache_dtype: fp8 vs auto" in why and "--kv-cache-dtype" in why
+
+
+class _Runner:
+    def __init__(self, kv: PagedKV) -> None:
+        self.kv = kv
+
+
+def _filled(codec: str, geometry: tuple[int, ...]) -> PagedKV:
+    kv = PagedKV(codec, *geometry, dtype=torch.bfloat16, device=torch.device("cpu"))
+    for t in (kv.k, kv.v, kv.k_scale, kv.v_scale):
+        if t is not None:
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape))
+    return kv
+
+
+async def _pull_through_the_worker(codec: str, geometry: tuple[int, ...]) -> tuple[float, bool]:
+    """One pull through a decode worker's own path (``KVPulls``: its transfer thread, its
+    metrics): (``rlt:kv_transfer_bytes_total``, whether every tensor landed byte-exact)."""
+    src_kv, dst_kv = (
+        _filled(codec, geometry),
+        PagedKV(codec, *geometry, dtype=torch.bfloat16, device=torch.device("cpu")),
+    )
+    source = KVTransferAgent(f"unit-pulls-src-{codec}")
+    arena = kvt.KVArena.of(src_kv)
+    source.register(arena, "e", arena.layout("last_exited", 4))
+
+    async def fetch(worker_id: str, timeout: float) -> KVSourceInfo:
+        return source.source_info()
+
+    registry = CollectorRegistry()
+    pulls = KVPulls(f"unit-pulls-dst-{codec}", 4, fetch, registry, structlog.get_logger())
+    await pulls.start()
+    remote, local = [1, 2, 3, 7], [0, 5, 6, 2]
+    pull = KVPull(transfer_id="t", request_id="r", worker_id="w", worker_epoch="e",
+                  remote_blocks=remote, local_blocks=local)  # fmt: skip
+    pulls.prepare([pull])
+    pulls.before_batch(_Runner(dst_kv), "d", "last_exited", [pull])
+    _, result = await asyncio.wait_for(pulls.results.get(), 20.0)
+    pulls.close()
+    assert result.ok, result
+    exact = all(
+        torch.equal(d[:, m].view(torch.uint8), s[:, r].view(torch.uint8))
+        for s, d in zip(arena.tensors, kvt.KVArena.of(dst_kv).tensors, strict=True)
+        for r, m in zip(remote, local, strict=True)
+    )
+    moved = registry.get_sample_value("rlt:kv_transfer_bytes_total")
+    assert moved is not None and moved == result.num_bytes
+    return moved / (len(remote) * geometry[2]), exact
+
+
+@pytest.mark.unit
+@needs_nixl
+def test_fp8_pulls_move_codes_and_scales_at_about_half_the_bytes() -> None:
+    """Through the worker's pull path, an fp8 pull lands the source's codes and scales
+    byte for byte, and the transfer counter per context token (one layer here) is fp8's
+    share of auto's at Ouro-1.4B's heads in bfloat16: 264 / 512 = 0.516, at most 0.55."""
+    geometry = (2, 9, 16, 16, 128)  # layers, blocks, block size, Ouro-1.4B's kv heads x dim
+    per_token = {}
+    for codec in ("auto", "fp8"):
+        per_token[codec], exact = asyncio.run(_pull_through_the_worker(codec, geometry))
+        assert exact, codec
+        want = bytes_per_token(codec, 16, 128, planes=1, block_size=16, model_bytes=2, layers=2)
+        assert per_token[codec] == want
+    ratio = per_token["fp8"] / per_token["auto"]
+    assert ratio == 264 / 512 and ratio <= 0.55
+
+
+@pytest.mark.unit
+def test_a_simulated_workers_fp8_arenas_are_codes_and_scales() -> None:
+    """``--device sim`` with ``--role``: host arenas of Ouro-1.4B's heads under the codec,
+    so a simulated P/D run moves fp8's bytes (264 of 512 per token, head and layer)."""
+    from services.worker.runner_host import sim_arena
+
+    auto, fp8 = sim_arena(8, 16), sim_arena(8, 16, "fp8")
+    assert len(auto.tensors) == 2 and len(fp8.tensors) == 4
+    assert fp8.layout("last_exited", 4).mismatch(auto.layout("last_exited", 4)) == (
+        "kv_cache_dtype: fp8 vs auto"
+    )
+    assert sum(fp8.arena_block_bytes) / sum(auto.arena_block_bytes) == 264 / 512
 
 
 _PEER = textwrap.dedent(

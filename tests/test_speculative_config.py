@@ -10,10 +10,11 @@ import pytest
 from messages.api import FinishedEvent
 from messages.batch import RowKind
 from messages.sampling import SamplingParams, StructuredOutput
-from services.common.config import KVLayout, SchedulerConfig
+from services.common.config import KVLayout, ModelLimits, SchedulerConfig
 from services.common.flags import add_engine_flags, scheduler_config_from_args
 from services.engine.engine import LLMEngine
 from services.scheduler.core.batch import ScheduledBatch
+from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.core.speculation import DraftLength
 
 
@@ -110,16 +111,26 @@ def test_a_structured_output_decodes_plainly_with_the_same_tokens(toy_model, cod
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize(
-    "setting", [{"kv_layout": KVLayout.SHARED}, {"kv_cache_dtype": "fp8"}], ids=["shared", "fp8"]
-)
-def test_the_shared_layout_and_kv_codecs_do_not_speculate(toy_model, setting) -> None:
+@pytest.mark.parametrize("setting", [{"kv_layout": KVLayout.SHARED}], ids=["shared"])
+def test_the_shared_layout_does_not_speculate(toy_model, setting) -> None:
     batches: list[ScheduledBatch] = []
     config = SchedulerConfig(block_size=4, num_blocks=256, speculative_tokens=3, **setting)
     engine = LLMEngine(toy_model, config, on_batch=batches.append)
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
     engine.run_until_done()
     assert _spec_rows(batches, "r") == 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("codec", ["auto", "fp8", "int4-delta"])
+def test_fp8_speculates_and_int4_delta_does_not(codec: str) -> None:
+    """fp8 codes each token as it is written, so a rejected draft's K/V is rewritten before
+    it is read, as under auto; int4-delta seals whole blocks: off under it."""
+    limits = ModelLimits(
+        total_ut_steps=4, vocab_size=64, max_position_embeddings=64, eos_token_ids=()
+    )
+    config = SchedulerConfig(num_blocks=64, speculative_tokens=3, kv_cache_dtype=codec)
+    assert Scheduler(config, limits).speculator.enabled == (codec != "int4-delta")
 
 
 @pytest.mark.unit

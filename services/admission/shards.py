@@ -188,7 +188,7 @@ class ShardTable:
                 return (
                     f"KV block format differs from {other.role} shard {other.shard_id}'s "
                     f"({diff}): prefill and decode shards need the same --block-size, "
-                    "--kv-layout and model depth"
+                    "--kv-layout, --kv-cache-dtype and model depth"
                 )
         return None
 

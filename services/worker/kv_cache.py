@@ -73,13 +73,12 @@ class PagedKV:
 
 
 def check_transferable(codec: str, kv_transfer: bool) -> None:
-    """Raises ValueError, at start, for P/D (``--role prefill|decode``) under a codec other
-    than ``auto``: the transfer registers and pulls K/V only, so fp8's scales would stay
-    behind on the prefill worker."""
-    if kv_transfer and codec != AUTO:
+    """Raises ValueError, at start, for P/D (``--role prefill|decode``) under a codec the
+    transfer cannot move: it registers and pulls codes and fp8's scales, nothing else."""
+    if kv_transfer and codec not in (AUTO, FP8):
         raise ValueError(
-            f"KV transfer (--role prefill|decode) moves --kv-cache-dtype auto only, not "
-            f"{codec}: its scale tensors are not registered for transfer yet"
+            f"KV transfer (--role prefill|decode) moves --kv-cache-dtype auto and fp8 only, "
+            f"not {codec}"
         )
 
 

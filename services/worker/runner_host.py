@@ -24,8 +24,8 @@ from kernels.kv_codec import AUTO
 from services.common.config import KVLayout
 from services.common.model_config import OuroConfig
 from services.common.tokenizer import TextCodec
-from services.worker.kv_cache import bytes_per_block, check_storable
-from services.worker.kv_transfer.agent import KVArena
+from services.worker.kv_cache import PagedKV, bytes_per_block, check_storable
+from services.worker.kv_transfer.arena import KVArena
 from services.worker.model.ouro import OuroModel
 from services.worker.passes.static_decode import DecodeMode
 from services.worker.runner import ModelRunner
@@ -170,7 +170,7 @@ class RunnerHost:
                 self._sim_config, dilation=dilation, kv_cache_dtype=self.kv_cache_dtype
             )
             if self.sim_kv:
-                self.runner.kv_arena = sim_arena(num_blocks, block_size)
+                self.runner.kv_arena = sim_arena(num_blocks, block_size, self.kv_cache_dtype)
         else:
             assert self.model is not None
             runner = ModelRunner(
@@ -222,14 +222,15 @@ def kv_budget(current_kv_bytes: int, free_bytes: int, share: float, reserve_byte
     return current_kv_bytes + int(share * free_bytes) - reserve_bytes
 
 
-def sim_arena(num_blocks: int, block_size: int) -> KVArena:
-    """Host K/V arenas shaped as Ouro-1.4B's (16 KV heads x 128, bfloat16; the device the
-    simulation prices) with ``RLT_SIM_KV_LAYERS`` of its 24 layers (default 1, so a
-    simulated worker holds 1/24 of the real bytes: the bench states the real ones beside),
-    one block past the pool as a real runner has."""
+def sim_arena(num_blocks: int, block_size: int, codec: str = AUTO) -> KVArena:
+    """Host KV arenas shaped as Ouro-1.4B's (16 KV heads x 128, bfloat16; the device the
+    simulation prices) under ``codec`` (fp8: codes and scales), with ``RLT_SIM_KV_LAYERS``
+    of its 24 layers (default 1, so a simulated worker holds 1/24 of the real bytes: the
+    bench states the real ones beside), one block past the pool as a real runner has."""
     from services.worker.model.toy import toy_config
 
     cfg = toy_config("1.4b")
     layers = int(os.environ.get("RLT_SIM_KV_LAYERS", "1"))
-    shape = (layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return KVArena(*(torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)))
+    geometry = (layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    kv = PagedKV(codec, *geometry, dtype=torch.bfloat16, device=torch.device("cpu"))
+    return KVArena.of(kv)

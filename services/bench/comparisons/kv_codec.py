@@ -11,10 +11,10 @@ Three questions, per codec (``auto``, ``fp8``, ``int4-delta``):
   divided by a request's footprint under the scheduler's own fit rule (``KVGeometry``), less
   int4-delta's per-request tail;
 - decode speed: tokens/s of greedy fixed-depth decode, on the simulated device (the cost
-  model of ``services/worker/sim.py``, Ouro-1.4B on an H200, charging a context token its
-  codec's bytes) at 1, 32 and 128 rows x 2k and 8k context with the bytes read per core
-  pass, and in-process on this machine's model (``auto`` and ``fp8``: the engine does not
-  store int4-delta yet).
+  model of ``services/worker/sim.py``, Ouro-1.4B on an H200, and ``auto`` and ``fp8`` on its
+  H100 profile, charging a context token its codec's bytes) at 1, 32 and 128 rows x 2k and
+  8k context with the bytes read per core pass, and in-process on this machine's model
+  (``auto`` and ``fp8``: the engine does not store int4-delta yet).
 """
 
 from __future__ import annotations
@@ -30,13 +30,22 @@ from services.common.fit import KVGeometry, blocks_in_memory, kv_tokens
 from services.engine.engine import LLMEngine
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import toy_config
-from services.worker.sim import SimCostModel
+from services.worker.sim import (
+    H100_BF16_FLOPS_PER_S,
+    H100_HBM_BYTES_PER_S,
+    H200_BF16_FLOPS_PER_S,
+    H200_HBM_BYTES_PER_S,
+    SimCostModel,
+)
 
 BLOCK_SIZE = 16
 CONTEXT = 2048  # the capacity question's request: 2k KV tokens (prompt + answer)
 KV_MEMORY_GIB = 40  # the fixed KV memory of the capacity question (Ouro-1.4B, bf16 auto base)
 SIM_ROWS = (1, 32, 128)
 SIM_CONTEXTS = (2048, 8192)
+# the simulated devices: (HBM bytes/s, dense bf16 flops/s), NVIDIA's published figures
+SIM_H200 = (H200_HBM_BYTES_PER_S, H200_BF16_FLOPS_PER_S)
+SIM_H100 = (H100_HBM_BYTES_PER_S, H100_BF16_FLOPS_PER_S)
 # in-process on the CPU: what two shared cores finish in minutes
 CPU_ROWS = (1, 32)
 CPU_CONTEXTS = (256,)
@@ -94,25 +103,37 @@ def capacity(s: dict[str, int], kv_bytes: int) -> dict[str, int]:
     return out
 
 
-def simulated_decode() -> list[dict[str, Any]]:
-    """Greedy decode at Ouro-1.4B's fixed depth on the simulated H200: a token is one core
-    pass per loop (every row at its context, the loop's plane) and one coda."""
+def simulated_decode(
+    device: tuple[float, float] = SIM_H200, codecs: tuple[str, ...] = CODECS
+) -> list[dict[str, Any]]:
+    """Greedy decode at Ouro-1.4B's fixed depth on a simulated device (``SIM_H200`` or
+    ``SIM_H100``): a token is one core pass per loop (every row at its context, the loop's
+    plane) and one coda. ``bytes_per_pass``: weights and KV one core pass reads;
+    ``kv_bytes_per_pass``: the KV alone."""
     cfg = toy_config("1.4b")
+    bytes_per_s, flops_per_s = device
     rows = []
-    for codec in CODECS:
-        cost = SimCostModel.for_model(cfg, kv_cache_dtype=codec, block_size=BLOCK_SIZE)
+    for codec in codecs:
+        cost = SimCostModel.for_model(
+            cfg,
+            kv_cache_dtype=codec,
+            block_size=BLOCK_SIZE,
+            bytes_per_s=bytes_per_s,
+            flops_per_s=flops_per_s,
+        )
         for n in SIM_ROWS:
             for ctx in SIM_CONTEXTS:
                 pass_s = cost.core_pass_s(n, n * ctx, n * ctx)
                 token_s = cfg.total_ut_steps * pass_s + cost.coda_s(n)
-                read = cost.core_weight_bytes + n * ctx * cost.kv_bytes_per_token
+                kv = n * ctx * cost.kv_bytes_per_token
                 rows.append(
                     {
                         "codec": codec,
                         "rows": n,
                         "context": ctx,
                         "tokens_per_s": n / token_s,
-                        "bytes_per_pass": read,
+                        "bytes_per_pass": cost.core_weight_bytes + kv,
+                        "kv_bytes_per_pass": kv,
                     }
                 )
     return rows
@@ -217,13 +238,14 @@ def run_comparison(model: OuroModel, *, quick: bool = False, **_: Any) -> dict[s
         "question": "How many bytes a context token takes, how many 2k-token requests a "
         "fixed KV memory holds, and how fast decode runs, per --kv-cache-dtype?",
         "notes": [
-            "simulated device: Ouro-1.4B on an H200 (services/worker/sim.py; no H100 profile "
-            "on this branch); int4-delta's tail is not charged there",
+            "simulated devices: Ouro-1.4B on an H200 (every codec) and on an H100 SXM "
+            "(auto and fp8; services/worker/sim.py); int4-delta's tail is not charged there",
             "in-process rows: auto and fp8 only (the engine does not store int4-delta yet)",
         ],
         "bytes": bytes_table(shapes),
         "capacity": {"kv_gib": KV_MEMORY_GIB, "requests": capacity(ouro, KV_MEMORY_GIB << 30)},
         "simulated": simulated_decode(),
+        "simulated_h100": simulated_decode(SIM_H100, (AUTO, FP8)),
         "cpu": cpu_decode(model, CPU_QUICK_CONTEXTS if quick else CPU_CONTEXTS),
         "runs": [],
     }
@@ -258,6 +280,7 @@ def markdown(c: dict[str, Any]) -> list[str]:
             f"| {codec} | {n} | {ctx} | {r['tokens_per_s']:,.0f} | "
             f"{r['tokens_per_s'] / auto:.2f} | {r['bytes_per_pass'] / 1e9:.2f} |"
         )
+    lines += _h100_table(c.get("simulated_h100", []))
     lines += ["", "### Decode tokens/s in process (this machine's model, CPU)", ""]
     lines += ["| codec | rows | context | tokens/s |", "|---|---|---|---|"]
     for r in c["cpu"]:
@@ -267,3 +290,21 @@ def markdown(c: dict[str, Any]) -> list[str]:
         reached = "yes" if t["reached"] else "**no**"
         lines.append(f"| {t['target']['text']} | {t['median']:.2f} | {reached} |")
     return [*lines, ""]
+
+
+def _h100_table(rows: list[dict[str, Any]]) -> list[str]:
+    """SIM H100 decode, auto and fp8, with what a core pass reads."""
+    if not rows:
+        return []
+    lines = ["", "### Decode tokens/s, SIM H100 SXM (Ouro-1.4B, bf16 weights; cost model)", ""]
+    lines += ["| codec | rows | context | tokens/s | vs auto | GB read per pass | KV GB |"]
+    lines += ["|---|---|---|---|---|---|---|"]
+    sim = {(r["codec"], r["rows"], r["context"]): r for r in rows}
+    for (codec, n, ctx), r in sim.items():
+        auto = sim[(AUTO, n, ctx)]
+        lines.append(
+            f"| {codec} | {n} | {ctx} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s'] / auto['tokens_per_s']:.2f} | {r['bytes_per_pass'] / 1e9:.2f} | "
+            f"{r['kv_bytes_per_pass'] / 1e9:.2f} |"
+        )
+    return lines

@@ -83,6 +83,7 @@ class Scheduler:
             kv_layout=str(config.kv_layout),
             block_size=config.block_size,
             num_planes=config.num_planes(self.total_ut_steps),
+            kv_cache_dtype=config.kv_cache_dtype,
         )
 
     # the shared state, read by the engine, the driver, telemetry and tests

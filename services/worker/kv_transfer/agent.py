@@ -1,17 +1,20 @@
 """Moving KV blocks between workers with NIXL: the one module that imports it.
 
 A worker's KV is two arenas (K and V), each ``[layers, blocks, block_size, kv_heads,
-head_dim]``; planes share the block pool, so a block is the same byte range in every layer
-of both arenas. ``KVTransferAgent`` owns one NIXL agent (UCX backend: host memory between
-processes, device memory on a GPU), registers this worker's arenas, describes them to peers
-(``KVSourceInfo``) and READs a peer's blocks into its own. Descriptors are prepared once:
-one per block of each layer of each arena (``block_table``), for our arenas when they are
-registered and for a peer's when it is first read from (NIXL's prepared lists); a pull is
-then a list of indices into both (``block_indices``, array arithmetic), cut into chunks
-(``ReadPlan``) that are posted and polled one by one (NIXL merges consecutive blocks).
-Every call may block: the worker makes them on its transfer thread (``pull_queue.py``),
-never on the event loop. NIXL's own errors become ``TransferError`` with a cause
-(``source_lost``, ``timeout``, ``layout_mismatch``, ``error``).
+head_dim]``, and under fp8 two more, their scales ``[layers, blocks, block_size,
+kv_heads]``; planes share the block pool, so a block is the same byte range in every layer
+of each arena. Codes and scales move together: a decode worker gets what the prefill worker
+stored, never decoded values. ``KVTransferAgent`` owns one NIXL agent (UCX backend: host
+memory between processes, device memory on a GPU), registers this worker's arenas,
+describes them to peers (``KVSourceInfo``) and READs a peer's blocks into its own.
+Descriptors are prepared once: one per block of each layer of each arena (``block_table``,
+``arena.py``), for our arenas when they are registered and for a peer's when it is first
+read from (NIXL's prepared lists); a pull is then a list of indices into both
+(``block_indices``, array arithmetic), cut into chunks (``ReadPlan``) that are posted and
+polled one by one (NIXL merges consecutive blocks). Every call may block: the worker makes
+them on its transfer thread (``pull_queue.py``), never on the event loop. NIXL's own errors
+become ``TransferError`` with a cause (``source_lost``, ``timeout``, ``layout_mismatch``,
+``error``).
 """
 
 from __future__ import annotations
@@ -24,9 +27,15 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-import torch
 
 from messages.kv_transfer import KVLayoutInfo, KVSourceInfo
+from services.worker.kv_transfer.arena import (
+    KVArena,
+    block_indices,
+    block_table,
+    source_block_bytes,
+    split_indices,
+)
 
 # causes a pull may fail with (the metric's label values)
 SOURCE_LOST = "source_lost"  # the source worker is gone or unreachable
@@ -68,87 +77,6 @@ def nixl_available() -> bool:
     except TransferError:
         return False
     return True
-
-
-@dataclass(frozen=True)
-class KVArena:
-    """One worker's K and V tensors, contiguous, ``[layers, blocks, block_size, heads, dim]``."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @property
-    def num_layers(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def block_bytes(self) -> int:
-        return self.k[0, 0].numel() * self.k.element_size()
-
-    @property
-    def addresses(self) -> list[int]:
-        return [self.k.data_ptr(), self.v.data_ptr()]
-
-    @property
-    def mem_type(self) -> str:
-        return "DRAM" if self.k.device.type == "cpu" else "VRAM"
-
-    @property
-    def device_id(self) -> int:
-        return 0 if self.k.device.type == "cpu" else self.k.device.index or 0
-
-    def layout(self, kv_layout: str, num_planes: int) -> KVLayoutInfo:
-        _, _, block_size, heads, dim = self.k.shape
-        return KVLayoutInfo(
-            kv_layout=kv_layout,
-            block_size=block_size,
-            num_planes=num_planes,
-            num_layers=self.num_layers,
-            num_kv_heads=heads,
-            head_dim=dim,
-            dtype=str(self.k.dtype).removeprefix("torch."),
-        )
-
-
-def block_table(
-    addresses: list[int], num_blocks: int, num_layers: int, block_bytes: int, device_id: int
-) -> np.ndarray:
-    """Nx3 ``(address, length, device)``: one descriptor per block of each layer of each
-    arena; block b of layer l of arena a is row ``(a * num_layers + l) * num_blocks + b``."""
-    bases = np.asarray(addresses, dtype=np.uint64)[:, None, None]
-    layers = np.arange(num_layers, dtype=np.uint64)[None, :, None] * np.uint64(
-        num_blocks * block_bytes
-    )
-    blocks = np.arange(num_blocks, dtype=np.uint64)[None, None, :] * np.uint64(block_bytes)
-    starts = (bases + layers + blocks).reshape(-1)
-    rows = np.empty((starts.size, 3), dtype=np.uint64)
-    rows[:, 0], rows[:, 1], rows[:, 2] = starts, block_bytes, device_id
-    return rows
-
-
-def block_indices(
-    blocks: list[int], num_arenas: int, num_layers: int, num_blocks: int
-) -> np.ndarray:
-    """Rows of ``block_table`` for ``blocks`` in every layer of every arena, arena-major,
-    then layer, then the blocks in order: the same order on both sides, so index i of the
-    local list pairs with index i of the remote one."""
-    lanes = np.arange(num_arenas * num_layers, dtype=np.int64)[:, None] * num_blocks
-    return (lanes + np.asarray(blocks, dtype=np.int64)[None, :]).reshape(-1).astype(np.int32)
-
-
-def split_indices(
-    local: np.ndarray, remote: np.ndarray, block_bytes: int, chunk_bytes: int
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Paired block indices in chunks of at most ``chunk_bytes`` (at least one block)."""
-    per_chunk = max(1, chunk_bytes // block_bytes)
-    return [
-        (local[i : i + per_chunk], remote[i : i + per_chunk])
-        for i in range(0, local.size, per_chunk)
-    ]
 
 
 @dataclass
@@ -214,9 +142,9 @@ class KVTransferAgent:
             return
         self.deregister()
         try:
-            self._registered = self._agent.register_memory([arena.k, arena.v])
+            self._registered = self._agent.register_memory(arena.tensors)
             table = block_table(
-                arena.addresses, arena.num_blocks, arena.num_layers, arena.block_bytes,
+                arena.addresses, arena.num_blocks, arena.num_layers, arena.arena_block_bytes,
                 arena.device_id,
             )  # fmt: skip
             self._local_list = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, arena.mem_type)
@@ -262,6 +190,7 @@ class KVTransferAgent:
             num_blocks=arena.num_blocks,
             block_bytes=arena.block_bytes,
             device_id=arena.device_id,
+            arena_block_bytes=arena.arena_block_bytes,
         )
 
     def plan(
@@ -271,18 +200,19 @@ class KVTransferAgent:
         local_blocks: list[int],
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> ReadPlan:
-        """The READ of the source's ``remote_blocks`` into our ``local_blocks`` (every layer,
-        K and V), in chunks. Raises TransferError (a layout mismatch, blocks out of range,
-        a source that cannot be reached)."""
+        """The READ of the source's ``remote_blocks`` into our ``local_blocks`` (every layer
+        of every arena: K, V and any scales), in chunks. Raises TransferError (a layout
+        mismatch, blocks out of range, a source that cannot be reached)."""
         arena, layout = self._arena, self._layout
         if arena is None or layout is None:
             raise TransferError(ERROR, "this worker has no KV registered")
         why = layout.mismatch(source.layout)
         if why is not None:
             raise TransferError(LAYOUT_MISMATCH, f"KV layouts differ ({why})")
-        if source.block_bytes != arena.block_bytes:
+        theirs = source_block_bytes(source)
+        if theirs != arena.arena_block_bytes:
             raise TransferError(
-                LAYOUT_MISMATCH, f"block bytes differ: {arena.block_bytes} vs {source.block_bytes}"
+                LAYOUT_MISMATCH, f"block bytes differ: {arena.arena_block_bytes} vs {theirs}"
             )
         bad = [b for b in remote_blocks if not 0 <= b < source.num_blocks]
         bad += [b for b in local_blocks if not 0 <= b < arena.num_blocks]
@@ -296,11 +226,17 @@ class KVTransferAgent:
             return ReadPlan(source.agent_name, [], [], arena)
         self._load_remote(source)
         remote_list = self._remote_list(source, arena)
-        arenas, layers, block_bytes = len(arena.addresses), arena.num_layers, arena.block_bytes
-        local = block_indices(local_blocks, arenas, layers, arena.num_blocks)
-        remote = block_indices(remote_blocks, arenas, layers, source.num_blocks)
-        chunks = split_indices(local, remote, block_bytes, chunk_bytes)
-        sizes = [lo.size * block_bytes for lo, _ in chunks]
+        sizes_of = arena.arena_block_bytes
+        local = block_indices(local_blocks, len(sizes_of), arena.num_layers, arena.num_blocks)
+        remote = block_indices(remote_blocks, len(sizes_of), arena.num_layers, source.num_blocks)
+        # arena by arena (block_indices is arena-major), each cut by its own block bytes
+        lane = arena.num_layers * len(local_blocks)
+        chunks, sizes = [], []
+        for a, block_bytes in enumerate(sizes_of):
+            part = slice(a * lane, (a + 1) * lane)
+            for lo, re in split_indices(local[part], remote[part], block_bytes, chunk_bytes):
+                chunks.append((lo, re))
+                sizes.append(lo.size * block_bytes)
         return ReadPlan(source.agent_name, chunks, sizes, arena, self._local_list, remote_list)
 
     def _remote_list(self, source: KVSourceInfo, arena: KVArena) -> Any:
@@ -308,7 +244,7 @@ class KVTransferAgent:
         arenas changed)."""
         key = (
             source.agent_metadata, tuple(source.arena_addresses), source.num_blocks,
-            source.block_bytes, source.device_id, arena.num_layers,
+            tuple(source_block_bytes(source)), source.device_id, arena.num_layers,
         )  # fmt: skip
         known = self._remote_lists.get(source.agent_name)
         if known is not None and known[0] == key:
@@ -316,8 +252,8 @@ class KVTransferAgent:
         if known is not None:
             self._release_remote_list(source.agent_name)
         table = block_table(
-            source.arena_addresses, source.num_blocks, arena.num_layers, source.block_bytes,
-            source.device_id,
+            source.arena_addresses, source.num_blocks, arena.num_layers,
+            source_block_bytes(source), source.device_id,
         )  # fmt: skip
         try:
             prepared = self._agent.prep_xfer_dlist(source.agent_name, table, arena.mem_type)

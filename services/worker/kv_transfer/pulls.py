@@ -29,8 +29,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from messages.kv_transfer import KVPull, KVPullResult, KVSourceInfo
 from services.common.config import KVLayout
 from services.runtime.tracing import ATTR_REQUEST_ID, ATTR_SHARD, Tracer, parse_traceparent
+from services.worker.kv_cache import PagedKV
 from services.worker.kv_transfer import agent as kvt
-from services.worker.kv_transfer.agent import KVArena, KVTransferAgent, TransferError
+from services.worker.kv_transfer.agent import KVTransferAgent, TransferError
+from services.worker.kv_transfer.arena import KVArena
 from services.worker.kv_transfer.pull_queue import PullJob, PullOutcome, PullQueue
 
 # a source's description comes over NATS; past this the pull fails (source_lost)
@@ -48,10 +50,14 @@ FetchSource = Callable[[str, float], Awaitable[KVSourceInfo | None]]
 
 
 def arena_of(runner: Any) -> KVArena | None:
-    """The K/V arenas of a ``ModelRunner`` or a ``SimRunner`` (None: it has none)."""
+    """The KV arenas of a ``ModelRunner`` (its paged KV: codes and any scales) or a
+    ``SimRunner`` (None: it has none)."""
     arena = getattr(runner, "kv_arena", None)
     if arena is not None:
         return arena
+    kv = getattr(runner, "kv", None)
+    if isinstance(kv, PagedKV):
+        return KVArena.of(kv)
     k, v = getattr(runner, "k_cache", None), getattr(runner, "v_cache", None)
     return KVArena(k, v) if k is not None and v is not None else None
 
