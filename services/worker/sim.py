@@ -348,8 +348,24 @@ class SimRunner:
             draw = mix64(req.sampling.seed, position, 3) % 1_000_000
             if draw >= self.draft_acceptance * 1_000_000:
                 token = (token + 1) % self.cfg.vocab_size
-        Speculation.coda(r, token, None, None)
+        if req.sampling.structured_output is not None:
+            Speculation.coda(r, token, None, SIM_REFUSES_STRUCTURED_OUTPUT)
+            return 1
+        logprobs = self._logprobs(req.sampling, token) if exited else None
+        Speculation.coda(r, token, None, None, logprobs)
         return 1
+
+    def _logprobs(self, s: WorkerSampling, token: int) -> SampledLogprobs | None:
+        """Simulated log-probabilities of the asked shape: the token is certain, nothing
+        else is possible."""
+        n = s.logprobs
+        if n is None:
+            return None
+        return SampledLogprobs(
+            logprob=0.0,
+            top_ids=[(token + i) % self.cfg.vocab_size for i in range(n)],
+            top_logprobs=[0.0, *[LOGPROB_FLOOR] * (n - 1)][:n],
+        )
 
     def _sample(self, r: LiveRow, req: _SimRequest, last_position: int) -> int:
         assert req.sampling is not None
@@ -358,12 +374,6 @@ class SimRunner:
             row_failed(r, req, SIM_REFUSES_STRUCTURED_OUTPUT)
             return 1
         token = self.token_at(req.sampling.seed, last_position + 1)
-        n = req.sampling.logprobs
-        if n is not None:  # simulated too: the token is certain, nothing else is possible
-            r.result.logprobs = SampledLogprobs(
-                logprob=0.0,
-                top_ids=[(token + i) % self.cfg.vocab_size for i in range(n)],
-                top_logprobs=[0.0, *[LOGPROB_FLOOR] * (n - 1)][:n],
-            )
+        r.result.logprobs = self._logprobs(req.sampling, token)
         token_sampled(r, req, token)
         return 1
