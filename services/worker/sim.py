@@ -216,6 +216,9 @@ class SimRunner:
         # self-speculative cycles: a draft agrees with the target with this probability per
         # position (a deterministic draw per (seed, position)), as a model measured it
         self.draft_acceptance = 0.0
+        # under an exit gate, where tokens exit: entry e - 1 the share of tokens exiting after
+        # e loops, as a model measured it (None: uniform over min_loops..max_loops)
+        self.exit_distribution: tuple[float, ...] | None = None
         self.speculation = Speculation(cfg.total_ut_steps, lambda: 0, lambda slot: None)
         self.requests: dict[str, _SimRequest] = {}
         self.last_seq = -1
@@ -245,7 +248,11 @@ class SimRunner:
             natural = high
         else:
             low = min(max(1, s.min_loops), high)
-            natural = low + mix64(s.seed, position, 2) % (high - low + 1)
+            draw = mix64(s.seed, position, 2)
+            if self.exit_distribution is None:
+                natural = low + draw % (high - low + 1)
+            else:
+                natural = min(max(low, _sample_loops(self.exit_distribution, draw)), high)
         return natural if budget is None else min(natural, budget)
 
     # ------------------------------------------------------------------ execution
@@ -377,3 +384,16 @@ class SimRunner:
         r.result.logprobs = self._logprobs(req.sampling, token)
         token_sampled(r, req, token)
         return 1
+
+
+def _sample_loops(distribution: tuple[float, ...], draw: int) -> int:
+    """The loop count ``draw`` (64 random bits) picks from ``distribution`` (entry e - 1:
+    the chance of exiting after e loops)."""
+    u = (draw >> 11) / float(1 << 53)
+    total = sum(distribution)
+    acc = 0.0
+    for loops, share in enumerate(distribution, start=1):
+        acc += share / total
+        if u < acc:
+            return loops
+    return len(distribution)
