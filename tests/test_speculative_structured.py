@@ -12,8 +12,10 @@ import os
 from unittest import mock
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from messages.api import FinishedEvent
+from messages.api import FinishedEvent, TokenEvent
 from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, SchedulerConfig
 from services.engine.engine import LLMEngine
@@ -38,12 +40,19 @@ def _greedy(workload):
     return out
 
 
-def _run(toy_model, codec, config: SchedulerConfig, workload, on_batch=None):
-    engine = LLMEngine(toy_model, config, codec=codec, on_batch=on_batch)
+def _run(toy_model, codec, config: SchedulerConfig, workload, scored=None):
+    """Runs the workload: (finished events, the engine); ``scored`` (a dict) receives each
+    request's streamed log-probabilities, in order."""
+    engine = LLMEngine(toy_model, config, codec=codec)
     for rid, prompt, params, _ in workload:
         engine.add_request(rid, prompt, params)
-    finished = {e.request_id: e for e in engine.run_until_done() if isinstance(e, FinishedEvent)}
+    events = engine.run_until_done()
+    finished = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
     assert set(finished) == {w[0] for w in workload}
+    if scored is not None:
+        for e in events:
+            if isinstance(e, TokenEvent):
+                scored.setdefault(e.request_id, []).append(e.logprobs)
     return finished, engine
 
 
@@ -172,3 +181,61 @@ def test_grammar_drafts_roll_back_to_the_committed_tokens(codec, toy_model, back
     # a draft the format refuses (a stop token before the output is complete) fails
     refused = RequestGrammar(book, book.compile(choice), [])
     assert "does not follow the format" in (refused.speculate(eos) or "")
+
+
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_constrained_and_scored_speculation_equals_plain_over_configurations(
+    toy_model, codec, data
+) -> None:
+    """Random budgets, block sizes, async scheduling, prefix caching and tight KV: greedy
+    constrained requests (some asking log-probabilities) give plain decoding's tokens,
+    exit depths and log-probabilities."""
+    seed = data.draw(st.integers(0, 10_000))
+    workload = []
+    for i, (rid, prompt, params, name) in enumerate(
+        _greedy(structured_workload(4, seed=seed, json_max_tokens=32, any_whitespace=False))
+    ):
+        fields = {f: getattr(params, f) for f in params.__struct_fields__}
+        workload.append(
+            (rid, prompt, SamplingParams(**{**fields, "logprobs": 2 * (i % 2) or None}), name)
+        )
+    block_size = data.draw(st.sampled_from([1, 2, 4, 8]))
+    longest = max(len(p) + params.max_tokens for _, p, params, _ in workload)
+    need = -(-longest // block_size) * toy_model.cfg.total_ut_steps
+    base = dict(
+        block_size=block_size,
+        num_blocks=need + data.draw(st.integers(0, 3 * need)),
+        max_num_seqs=data.draw(st.integers(1, 4)),
+        max_num_batched_tokens=data.draw(st.integers(4, 24)),
+        prefill_chunk_size=data.draw(st.integers(1, 8)),
+        async_scheduling=data.draw(st.booleans()),
+        enable_prefix_caching=data.draw(st.booleans()),
+        kv_admission=data.draw(st.sampled_from(list(KVAdmission))),
+        structured_outputs_backend=data.draw(st.sampled_from(["llguidance", "xgrammar"])),
+    )
+    spec_fields = dict(
+        speculative_tokens=data.draw(st.sampled_from([1, 2, 4, 8])),
+        speculative_auto=data.draw(st.booleans()),
+        draft_loops=data.draw(st.integers(1, toy_model.cfg.total_ut_steps - 1)),
+    )
+    plain_scores: dict[str, list] = {}
+    spec_scores: dict[str, list] = {}
+    plain, _ = _run(toy_model, codec, SchedulerConfig(**base), workload, plain_scores)
+    spec_config = SchedulerConfig(**base, **spec_fields)
+    spec, engine = _run(toy_model, codec, spec_config, workload, spec_scores)
+    assert engine.scheduler.spec_stats.num_spec_rows > 0
+    compared = scored = 0
+    for rid, _, params, _ in workload:
+        got, want = spec[rid], plain[rid]
+        assert (got.token_ids, got.exit_depths) == (want.token_ids, want.exit_depths), rid
+        compared += len(got.token_ids)
+        for a, b in zip(spec_scores[rid], plain_scores[rid], strict=True):
+            assert (a is None) == (b is None) == (params.logprobs is None)
+            if a is not None:
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t.token_id for t in a.top_logprobs] == [t.token_id for t in b.top_logprobs]
+                scored += 1
+    assert compared > 0 and scored > 0
