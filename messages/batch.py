@@ -194,9 +194,11 @@ class RowResult(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     # this row alone failed (e.g. its sampling overflowed): its request ends with an error,
     # the other rows of the batch are applied as usual
     error: str | None = None
-    # SPECULATIVE: the tokens this pass committed, in order, and their exit loop counts
+    # SPECULATIVE: the tokens this pass committed, in order, their exit loop counts and
+    # (when the request asks for them) their log-probabilities
     token_ids: list[int] = msgspec.field(default_factory=list)
     token_exit_loops: list[int] = msgspec.field(default_factory=list)
+    token_logprobs: list[SampledLogprobs] = msgspec.field(default_factory=list)
     # a cycle is still open after this pass; a cycle that ended here: its draft tokens and
     # how many of them were accepted
     cycle_open: bool = False

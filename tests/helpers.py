@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 from collections import Counter
 from typing import Any
@@ -12,14 +13,17 @@ import jsonschema
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from messages.api import StreamEvent
+from messages.api import FinishedEvent, StreamEvent
 from messages.batch import BatchResult, RowKind, RowResult
 from messages.internal import WorkerBatch, WorkerResult
-from messages.sampling import SamplingParams
+from messages.sampling import SamplingParams, StructuredOutput
 from services.common.sampling import gumbel_noise, sample_token
+from services.common.tokenizer import TextCodec
+from services.oracle.near_tie import compare_with_oracle
 from services.scheduler.core.batch import ScheduledBatch
 from services.scheduler.driver.step_output import StepOutput
 from services.worker.runner import ModelRunner
+from services.worker.sampling.grammar import GrammarBook
 
 
 def run_on(runner: ModelRunner, wb: WorkerBatch) -> WorkerResult:
@@ -164,3 +168,80 @@ def _aliases(out: object, source: object) -> bool:
     if not isinstance(out, torch.Tensor) or not isinstance(source, torch.Tensor):
         return False
     return out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------------- structured outputs
+TOY_VOCAB = 512  # the toy model's
+
+
+def structured_constraint(name: str, any_whitespace: bool = False) -> StructuredOutput:
+    if name == "json_object":
+        return StructuredOutput(kind="json_object", any_whitespace=any_whitespace)
+    kind, spec = FORMATS[name]
+    return StructuredOutput(
+        kind=kind, spec=spec, any_whitespace=any_whitespace and kind == "json_schema"
+    )
+
+
+def structured_workload(
+    count: int, seed: int, json_max_tokens: int = 512, any_whitespace: bool | None = None
+) -> list[tuple[str, list[int], SamplingParams, str]]:
+    """Random prompts, each with a format (every kind in turn), greedy and sampled, some with
+    early exit: (request id, prompt, params, format name). JSON is compact, or takes
+    whitespace runs in every other round of kinds (``any_whitespace`` None) or always."""
+    rng = random.Random(seed)
+    names = [*FORMATS, "json_object"]
+    out = []
+    for i in range(count):
+        name = names[i % len(names)]
+        spaced = (i // len(names)) % 2 == 1 if any_whitespace is None else any_whitespace
+        prompt = [rng.randrange(1, 509) for _ in range(rng.randrange(2, 24))]
+        params = SamplingParams(
+            max_tokens=json_max_tokens if name == "json_schema" else 64,
+            temperature=0.0 if i % 2 == 0 else 1.0,
+            seed=1000 + i,
+            min_loops=1,
+            exit_threshold=0.7 if i % 3 == 0 else 1.0,
+            structured_output=structured_constraint(name, spaced),
+        )
+        out.append((f"r{i}", prompt, params, name))
+    return out
+
+
+def check_formats(finished, workload, codec: TextCodec, book: GrammarBook) -> None:
+    """Every output follows its format: complete ones validate, and json_object outputs cut
+    by max_tokens are prefixes the grammar accepts."""
+    for rid, _, params, name in workload:
+        done = finished[rid]
+        text = codec.decode(done.token_ids)
+        constraint = params.structured_output
+        assert constraint is not None
+        if name == "json_object" and done.finish_reason == "length":
+            matcher = book.compile(constraint).result().matcher()
+            assert all(matcher.accept_token(t) for t in done.token_ids), (rid, text)
+            continue
+        assert done.finish_reason == "stop", (rid, name, done.finish_reason, text)
+        assert_follows(constraint.kind, constraint.spec, text)
+
+
+def masked_oracle_run(oracle, book: GrammarBook, prompt: list[int], params: SamplingParams):
+    assert params.structured_output is not None
+    sampler = MaskedSampler(book.compile(params.structured_output).result(), TOY_VOCAB, params)
+    expected = oracle.generate(
+        prompt,
+        max_tokens=params.max_tokens,
+        min_loops=params.min_loops,
+        exit_threshold=params.exit_threshold,
+        sampler=sampler,
+    )
+    return expected, sampler.gaps
+
+
+def assert_equals_masked_oracle(
+    done: FinishedEvent, expected, gaps: list[float], label: str
+) -> int:
+    """Tokens and exit depths equal the oracle's up to its first near-tie (of the masked
+    scores, or of the exit rule); returns how many were compared."""
+    comparison = compare_with_oracle(done, expected, gaps)
+    assert comparison.mismatch is None, (label, comparison.mismatch, done.token_ids, expected)
+    return comparison.compared

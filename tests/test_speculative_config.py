@@ -62,7 +62,7 @@ def _spec_rows(batches: list[ScheduledBatch], request_id: str) -> int:
 
 
 @pytest.mark.oracle
-def test_opted_out_and_logprob_requests_decode_plainly_beside_speculating_ones(toy_model) -> None:
+def test_opted_out_requests_decode_plainly_beside_speculating_ones(toy_model) -> None:
     batches: list[ScheduledBatch] = []
     engine = LLMEngine(
         toy_model,
@@ -75,20 +75,21 @@ def test_opted_out_and_logprob_requests_decode_plainly_beside_speculating_ones(t
     engine.add_request("lp", [5, 6, 7], SamplingParams(**base, logprobs=2))
     done = {e.request_id: e for e in engine.run_until_done() if isinstance(e, FinishedEvent)}
     assert _spec_rows(batches, "spec") > 0
-    assert _spec_rows(batches, "out") == 0 and _spec_rows(batches, "lp") == 0
+    assert _spec_rows(batches, "out") == 0
+    assert _spec_rows(batches, "lp") > 0  # log-probabilities ride on cycles
     # the same prompt and settings: the same tokens, speculating or not
     assert done["spec"].token_ids == done["out"].token_ids == done["lp"].token_ids
     assert done["spec"].exit_depths == done["out"].exit_depths
     assert done["spec"].draft_tokens > 0
     assert 0 <= done["spec"].accepted_draft_tokens <= done["spec"].draft_tokens
-    assert done["out"].draft_tokens == 0 and done["lp"].draft_tokens == 0
+    assert done["out"].draft_tokens == 0 and done["lp"].draft_tokens > 0
     spec = engine.scheduler.spec_stats
-    assert spec.num_draft_tokens == done["spec"].draft_tokens
+    assert spec.num_draft_tokens == done["spec"].draft_tokens + done["lp"].draft_tokens
     assert sum(spec.accepted_per_position) == spec.num_accepted_tokens
 
 
 @pytest.mark.oracle
-def test_a_structured_output_decodes_plainly_with_the_same_tokens(toy_model, codec) -> None:
+def test_a_structured_output_speculates_with_the_same_tokens(toy_model, codec) -> None:
     fmt = SamplingParams(
         max_tokens=12, temperature=0.0, structured_output=StructuredOutput(kind="json_object")
     )
@@ -102,12 +103,11 @@ def test_a_structured_output_decodes_plainly_with_the_same_tokens(toy_model, cod
         engine.add_request("free", [5, 6, 7], free)
         events = engine.run_until_done()
         done[k] = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
-        assert _spec_rows(batches, "fmt") == 0
-        if k == 0:
-            assert _spec_rows(batches, "free") == 0
+        assert (_spec_rows(batches, "fmt") > 0) == (k > 0)
+        assert (_spec_rows(batches, "free") > 0) == (k > 0)
     assert done[3]["fmt"].token_ids == done[0]["fmt"].token_ids
     assert done[3]["free"].token_ids == done[0]["free"].token_ids
-    assert done[3]["free"].draft_tokens > 0
+    assert done[3]["free"].draft_tokens > 0 and done[3]["fmt"].draft_tokens > 0
 
 
 @pytest.mark.oracle

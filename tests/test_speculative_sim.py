@@ -16,10 +16,17 @@ from services.worker.sim import H100_HBM_BYTES_PER_S, SimRunner
 pytestmark = pytest.mark.unit
 
 
-def _run(model: OuroModel, acceptance: float, threshold: float, **spec: int):
+def _run(
+    model: OuroModel,
+    acceptance: float,
+    threshold: float,
+    exits: tuple[float, ...] | None = None,
+    **spec: int,
+):
     sim = SimRunner.h100(model.cfg)
     sim.sleep = False
     sim.draft_acceptance = acceptance
+    sim.exit_distribution = exits
     config = SchedulerConfig(block_size=4, num_blocks=512, max_num_seqs=4, **spec)
     engine = LLMEngine(model, config, simulated=sim)
     params = SamplingParams(
@@ -38,7 +45,7 @@ def test_simulated_speculation_gives_plain_tokens_in_fewer_passes(toy_model, thr
     previous = None
     for acceptance in (0.0, 0.5, 1.0):
         done, passes, spec = _run(
-            toy_model, acceptance, threshold, speculative_tokens=4, draft_loops=1
+            toy_model, acceptance, threshold, None, speculative_tokens=4, draft_loops=1
         )
         for rid, want in plain.items():
             assert (done[rid].token_ids, done[rid].exit_depths) == (
@@ -54,6 +61,23 @@ def test_simulated_speculation_gives_plain_tokens_in_fewer_passes(toy_model, thr
         previous = passes
 
 
+def test_a_measured_exit_distribution_drives_the_simulated_gate(toy_model) -> None:
+    """Gated tokens exit at the depths a model measured (here: never after 3 loops, mostly
+    after 1), speculating or not, with the same tokens and depths."""
+    measured = (0.7, 0.0, 0.3, 0.0)
+    plain, _, _ = _run(toy_model, 0.0, 0.5, measured)
+    depths = [d for e in plain.values() for d in e.exit_depths[1:]]
+    assert len(depths) == 4 * 23
+    assert set(depths) <= {1, 3}
+    assert 0.5 < depths.count(1) / len(depths) < 0.9
+    spec, _, stats = _run(toy_model, 0.5, 0.5, measured, speculative_tokens=3, draft_loops=2)
+    assert stats.num_draft_tokens > 0
+    for rid, want in plain.items():
+        assert (spec[rid].token_ids, spec[rid].exit_depths) == (want.token_ids, want.exit_depths)
+    fixed, _, _ = _run(toy_model, 0.0, 1.0, measured)  # gate off: full depth, as before
+    assert {d for e in fixed.values() for d in e.exit_depths[1:]} == {4}
+
+
 def test_the_h100_profile_reads_at_hbm3_speed(toy_model) -> None:
     h100, h200 = SimRunner.h100(toy_model.cfg), SimRunner.h200(toy_model.cfg)
     assert h100.cost.bytes_per_s == H100_HBM_BYTES_PER_S
@@ -61,3 +85,13 @@ def test_the_h100_profile_reads_at_hbm3_speed(toy_model) -> None:
     # a one-row decode pass is bound by the weights: slower by the bandwidths' ratio
     ratio = h100.cost.core_pass_s(1, 100, 100) / h200.cost.core_pass_s(1, 100, 100)
     assert ratio == pytest.approx(h200.cost.bytes_per_s / h100.cost.bytes_per_s)
+
+
+def test_the_bench_measures_exits_and_leaves_exact_positions_out_of_draft_agreement() -> None:
+    from services.bench.comparisons.speculative import conditional_acceptance, exit_distribution
+
+    assert exit_distribution([1, 1, 3, 4], 4) == (0.5, 0.0, 0.25, 0.25)
+    # half the positions exit by d = 1 (exact): the others agree at 0.8 for 0.9 pooled
+    assert conditional_acceptance(0.9, (0.5, 0.0, 0.25, 0.25), 1) == pytest.approx(0.8)
+    assert conditional_acceptance(0.9, None, 1) == 0.9  # gate off: nothing exact
+    assert conditional_acceptance(0.3, (0.5, 0.0, 0.25, 0.25), 1) == 0.0  # clamped

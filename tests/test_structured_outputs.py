@@ -25,54 +25,26 @@ from services.common.tokenizer import TextCodec
 from services.engine.engine import LLMEngine
 from services.engine.executor import InProcessExecutor
 from services.gateway.constrained.structured import FormatError, structured_output
-from services.oracle.near_tie import compare_with_oracle
 from services.scheduler.core.intake import KnownOutputs
 from services.worker.model.toy import toy_config
 from services.worker.runner import ModelRunner
 from services.worker.sampling.grammar import GrammarBook, PassMasks
 from services.worker.sim import SIM_REFUSES_STRUCTURED_OUTPUT, SimCostModel, SimRunner
-from tests.helpers import FORMATS, MaskedSampler, assert_follows
+from tests.helpers import (
+    TOY_VOCAB,
+    assert_equals_masked_oracle,
+    check_formats,
+    masked_oracle_run,
+    structured_constraint,
+    structured_workload,
+)
 
-VOCAB = 512  # the toy model's
+VOCAB = TOY_VOCAB
 
 
 @pytest.fixture(scope="module")
 def book(codec: TextCodec, toy_model) -> GrammarBook:
     return GrammarBook(codec, VOCAB, toy_model.cfg.stop_token_ids)
-
-
-def _constraint(name: str, any_whitespace: bool = False) -> StructuredOutput:
-    if name == "json_object":
-        return StructuredOutput(kind="json_object", any_whitespace=any_whitespace)
-    kind, spec = FORMATS[name]
-    return StructuredOutput(
-        kind=kind, spec=spec, any_whitespace=any_whitespace and kind == "json_schema"
-    )
-
-
-def _workload(
-    count: int, seed: int, json_max_tokens: int = 512, any_whitespace: bool | None = None
-) -> list[tuple[str, list[int], SamplingParams, str]]:
-    """Random prompts, each with a format (every kind in turn), greedy and sampled, some with
-    early exit: (request id, prompt, params, format name). JSON is compact, or takes
-    whitespace runs in every other round of kinds (``any_whitespace`` None) or always."""
-    rng = random.Random(seed)
-    names = [*FORMATS, "json_object"]
-    out = []
-    for i in range(count):
-        name = names[i % len(names)]
-        spaced = (i // len(names)) % 2 == 1 if any_whitespace is None else any_whitespace
-        prompt = [rng.randrange(1, 509) for _ in range(rng.randrange(2, 24))]
-        params = SamplingParams(
-            max_tokens=json_max_tokens if name == "json_schema" else 64,
-            temperature=0.0 if i % 2 == 0 else 1.0,
-            seed=1000 + i,
-            min_loops=1,
-            exit_threshold=0.7 if i % 3 == 0 else 1.0,
-            structured_output=_constraint(name, spaced),
-        )
-        out.append((f"r{i}", prompt, params, name))
-    return out
 
 
 def _run(engine: LLMEngine, workload) -> tuple[dict[str, FinishedEvent], list[TokenEvent]]:
@@ -81,43 +53,6 @@ def _run(engine: LLMEngine, workload) -> tuple[dict[str, FinishedEvent], list[To
     events = engine.run_until_done()
     finished = {e.request_id: e for e in events if isinstance(e, FinishedEvent)}
     return finished, [e for e in events if isinstance(e, TokenEvent)]
-
-
-def _check_formats(finished, workload, codec: TextCodec, book: GrammarBook) -> None:
-    """Every output follows its format: complete ones validate, and json_object outputs cut
-    by max_tokens are prefixes the grammar accepts."""
-    for rid, _, params, name in workload:
-        done = finished[rid]
-        text = codec.decode(done.token_ids)
-        constraint = params.structured_output
-        assert constraint is not None
-        if name == "json_object" and done.finish_reason == "length":
-            matcher = book.compile(constraint).result().matcher()
-            assert all(matcher.accept_token(t) for t in done.token_ids), (rid, text)
-            continue
-        assert done.finish_reason == "stop", (rid, name, done.finish_reason, text)
-        assert_follows(constraint.kind, constraint.spec, text)
-
-
-def _oracle_run(oracle, book: GrammarBook, prompt: list[int], params: SamplingParams):
-    assert params.structured_output is not None
-    sampler = MaskedSampler(book.compile(params.structured_output).result(), VOCAB, params)
-    expected = oracle.generate(
-        prompt,
-        max_tokens=params.max_tokens,
-        min_loops=params.min_loops,
-        exit_threshold=params.exit_threshold,
-        sampler=sampler,
-    )
-    return expected, sampler.gaps
-
-
-def _assert_equals_oracle(done: FinishedEvent, expected, gaps: list[float], label: str) -> int:
-    """Tokens and exit depths equal the oracle's up to its first near-tie (of the masked
-    scores, or of the exit rule); returns how many were compared."""
-    comparison = compare_with_oracle(done, expected, gaps)
-    assert comparison.mismatch is None, (label, comparison.mismatch, done.token_ids, expected)
-    return comparison.compared
 
 
 # ---------------------------------------------------------------------- the engine
@@ -129,7 +64,7 @@ def test_every_output_follows_its_format_and_equals_the_oracle(
     """Ten random requests, greedy and sampled, every kind, some exiting early, sharing
     batches (async scheduling, follow-on rows, chunked prefill): each output is complete and
     valid, and equals the oracle's with the same mask, with either grammar engine."""
-    workload = _workload(10, seed=7)
+    workload = structured_workload(10, seed=7)
     config = SchedulerConfig(
         block_size=4, num_blocks=1024, prefill_chunk_size=8, structured_outputs_backend=backend
     )
@@ -137,11 +72,11 @@ def test_every_output_follows_its_format_and_equals_the_oracle(
         codec, VOCAB, toy_model.cfg.stop_token_ids, backend=config.structured_outputs_backend
     )
     finished, _ = _run(LLMEngine(toy_model, config, codec=codec), workload)
-    _check_formats(finished, workload, codec, book)
+    check_formats(finished, workload, codec, book)
     compared = 0
     for rid, prompt, params, _ in workload:
-        expected, gaps = _oracle_run(oracle, book, prompt, params)
-        compared += _assert_equals_oracle(finished[rid], expected, gaps, rid)
+        expected, gaps = masked_oracle_run(oracle, book, prompt, params)
+        compared += assert_equals_masked_oracle(finished[rid], expected, gaps, rid)
     assert compared >= 0.9 * sum(len(f.token_ids) for f in finished.values())
     depths = {d for f in finished.values() for d in f.exit_depths}
     assert len(depths) > 1  # early exit happened under the mask
@@ -164,7 +99,7 @@ def test_a_request_without_a_format_is_unchanged_beside_constrained_ones(toy_mod
     config = SchedulerConfig(block_size=4, num_blocks=1024, prefill_chunk_size=8)
     alone, _ = _run(LLMEngine(toy_model, config, codec=codec), plain)
     mixed_engine = LLMEngine(toy_model, config, codec=codec)
-    mixed, _ = _run(mixed_engine, plain + _workload(5, seed=11))
+    mixed, _ = _run(mixed_engine, plain + structured_workload(5, seed=11))
     for rid, *_ in plain:
         assert mixed[rid] == alone[rid], rid
     # a grammar lives as long as its request on the worker (freed with the next batch)
@@ -178,7 +113,7 @@ def test_preemption_rebuilds_the_grammar_from_the_generated_tokens(
     """A KV cache too small for everyone: requests are preempted mid-output, recomputed and
     their known tokens replayed; the worker rebuilds each matcher from those tokens."""
     # long JSON outputs (with whitespace), so requests hold more KV as they go
-    workload = _workload(25, seed=5, json_max_tokens=320, any_whitespace=True)
+    workload = structured_workload(25, seed=5, json_max_tokens=320, any_whitespace=True)
     workload = [w for w in workload if w[3] == "json_schema"]
     config = SchedulerConfig(
         block_size=8,
@@ -196,11 +131,11 @@ def test_preemption_rebuilds_the_grammar_from_the_generated_tokens(
     finished, tokens = _run(engine, workload)
     assert engine.scheduler.stats.num_preemptions > 0
     assert any(n > 0 for n in resent)  # some matchers were rebuilt mid-output
-    _check_formats(finished, workload, codec, book)
+    check_formats(finished, workload, codec, book)
     compared = 0
     for rid, prompt, params, _ in workload:
-        expected, gaps = _oracle_run(oracle, book, prompt, params)
-        compared += _assert_equals_oracle(finished[rid], expected, gaps, rid)
+        expected, gaps = masked_oracle_run(oracle, book, prompt, params)
+        compared += assert_equals_masked_oracle(finished[rid], expected, gaps, rid)
         # each token reached the client once, in order
         indices = [t.index for t in tokens if t.request_id == rid]
         assert indices == list(range(len(finished[rid].token_ids)))
@@ -212,7 +147,7 @@ def test_preemption_rebuilds_the_grammar_from_the_generated_tokens(
 def test_a_worker_loss_rebuilds_the_grammar_on_the_new_worker(
     toy_model, codec, crash_step: int
 ) -> None:
-    workload = [w for w in _workload(8, seed=9) if w[3] != "json_object"]
+    workload = [w for w in structured_workload(8, seed=9) if w[3] != "json_object"]
     config = SchedulerConfig(block_size=4, num_blocks=1024, prefill_chunk_size=8)
     expected, _ = _run(LLMEngine(toy_model, config, codec=codec), workload)
     engine = LLMEngine(toy_model, config, codec=codec)
@@ -236,7 +171,7 @@ def test_a_worker_loss_rebuilds_the_grammar_on_the_new_worker(
 def test_a_request_resumed_with_known_tokens_goes_on_in_its_format(toy_model, codec, book) -> None:
     """A shard loss resumes a request elsewhere with the tokens its client has: the new
     worker's matcher starts from them, and the rest equals the uninterrupted run."""
-    workload = [w for w in _workload(4, seed=13) if w[3] in ("json_schema", "grammar")]
+    workload = [w for w in structured_workload(4, seed=13) if w[3] in ("json_schema", "grammar")]
     config = SchedulerConfig(block_size=4, num_blocks=1024)
     expected, _ = _run(LLMEngine(toy_model, config, codec=codec), workload)
     engine = LLMEngine(toy_model, config, codec=codec)
@@ -248,7 +183,7 @@ def test_a_request_resumed_with_known_tokens_goes_on_in_its_format(toy_model, co
     got = {e.request_id: e for e in engine.run_until_done() if isinstance(e, FinishedEvent)}
     for rid, want in expected.items():
         assert (got[rid].token_ids, got[rid].exit_depths) == (want.token_ids, want.exit_depths)
-    _check_formats(got, workload, codec, book)
+    check_formats(got, workload, codec, book)
 
 
 # ---------------------------------------------------------------------- refusals
@@ -396,11 +331,11 @@ def test_the_engine_refuses_what_cannot_run(toy_model, codec) -> None:
     bad = SamplingParams(structured_output=StructuredOutput(kind="regex", spec="(("))
     with pytest.raises(RequestError, match="does not compile"):
         LLMEngine(toy_model, config, codec=codec).add_request("r", [1, 2], bad)
-    ok = SamplingParams(structured_output=_constraint("regex"))
+    ok = SamplingParams(structured_output=structured_constraint("regex"))
     with pytest.raises(RequestError, match="tokenizer"):
         LLMEngine(toy_model, config).add_request("r", [1, 2], ok)
     with pytest.raises(RequestError, match="ignore_eos"):
-        SamplingParams(structured_output=_constraint("regex"), ignore_eos=True).validate()
+        SamplingParams(structured_output=structured_constraint("regex"), ignore_eos=True).validate()
 
 
 @pytest.mark.unit
@@ -414,7 +349,9 @@ def test_the_simulated_device_refuses_a_format() -> None:
         ModelLimits.from_model_config(cfg),
         InProcessExecutor(SimRunner(cfg, SimCostModel.for_model(cfg), sleep=False)),  # type: ignore[arg-type]
     )
-    core.add_request("r", [1, 2, 3], SamplingParams(structured_output=_constraint("choice")))
+    core.add_request(
+        "r", [1, 2, 3], SamplingParams(structured_output=structured_constraint("choice"))
+    )
     events = []
     while core.has_unfinished_requests():
         events += core.step()

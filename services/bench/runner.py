@@ -344,7 +344,9 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if "sparse_prefill" in args.only:
         total += sparse_prefill.num_runs(args.repeats, args.quick)
     if "speculative" in args.only:
-        total += 2 * 2 * (2 if args.quick else 3) * 10  # speculative.num_runs
+        from services.bench.comparisons import speculative
+
+        total += speculative.num_runs(args.quick)
     progress = Progress(total, enabled=not args.no_progress)
     results: list[dict[str, Any]] = []
     try:
@@ -372,8 +374,6 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 results.append(_standalone(name, title, run))
         if "speculative" in args.only:
-            from services.bench.comparisons import speculative
-
             results.append(
                 _standalone(
                     "speculative",

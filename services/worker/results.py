@@ -14,6 +14,7 @@ from services.worker.passes.speculative import Speculation
 from services.worker.sampling.logprobs import sampled_logprobs
 
 if TYPE_CHECKING:
+    from messages.batch import SampledLogprobs
     from services.worker.model.ouro import OuroModel
     from services.worker.passes.rows import RowCursor
     from services.worker.sampling.grammar import RequestGrammar
@@ -27,11 +28,21 @@ class ResultReader:
     constrained: dict[str, RequestGrammar]
 
     # ------------------------------------------------------------------ results
-    def _spec_coda(self, live: LiveRow, plan: PassPlan, j: int, token: float, bad: float) -> None:
+    def _spec_coda(
+        self,
+        live: LiveRow,
+        plan: PassPlan,
+        j: int,
+        token: float,
+        bad: float,
+        logprobs: SampledLogprobs | None,
+    ) -> None:
         """A speculative row's coda: a draft token or the target's (the cycle decides)."""
-        logits = plan.logits[j] if live.keep_logits and plan.logits is not None else None
+        kept = live.keep_logits and plan.logits is not None
+        logits = plan.logits[j] if kept else None
+        raw = plan.raw_logits[j] if kept and plan.raw_logits is not None else None
         error = NAN_LOGITS if bad else None
-        Speculation.coda(live, int(token), logits, error)
+        Speculation.coda(live, int(token), logits, error, logprobs, raw)
 
     def _read_results(self, plans: list[PassPlan], values: list[float]) -> None:
         """Applies every pass's results in order: survival and exits, then tokens."""
@@ -62,10 +73,14 @@ class ResultReader:
             for j, (live, wanted) in enumerate(zip(plan.coda, plan.coda_wanted, strict=True)):
                 if not wanted:
                     continue
+                n_top = self.requests[live.row.request_id].sampling.logprobs
                 if live.spec is not None:
                     # (read after the pass: the row's depth is the loops it has run)
                     if id(live) in exited or live.coda_at == live.depth:
-                        self._spec_coda(live, plan, j, tokens[j], bad[j])
+                        lp = None  # plain decoding reports the exit coda's
+                        if n_top is not None and width and id(live) in exited:
+                            lp = sampled_logprobs(scored[j * width : (j + 1) * width], n_top)
+                        self._spec_coda(live, plan, j, tokens[j], bad[j], lp)
                     continue
                 if live.is_decode and id(live) not in exited:
                     continue
@@ -88,7 +103,6 @@ class ResultReader:
                         row_failed(live, cursor, problem)
                         continue
                 token_sampled(live, cursor, token)
-                n_top = cursor.sampling.logprobs
                 if n_top is not None and width:
                     columns = scored[j * width : (j + 1) * width]
                     live.result.logprobs = sampled_logprobs(columns, n_top)

@@ -47,12 +47,13 @@ from services.worker.passes.transfer import Transfer
 from services.worker.results import ResultReader
 from services.worker.sampling.grammar import (
     GrammarBook,
+    MaskSource,
     PassMasks,
     RequestGrammar,
     fill_pass_masks,
     mask_words,
 )
-from services.worker.sampling.logprobs import logprob_columns, score_prompts
+from services.worker.sampling.logprobs import logprob_columns, score_prompts, token_logprob
 
 _log = structlog.get_logger("rlt")
 
@@ -127,10 +128,12 @@ class ModelRunner(ResultReader):
             self.planner, self.transfer, self.kv.copy_slots, self.total_loops
         )
         self.grammars = grammars
-        # self-speculative cycles (docs/speculative.md): extra hidden rows from the pool
-        self.speculation = Speculation(self.total_loops, self.pool.allocate, self.pool.free)
         # the live requests with a structured output (empty: passes skip every mask step)
         self.constrained: dict[str, RequestGrammar] = {}
+        # self-speculative cycles (docs/speculative.md): extra hidden rows from the pool
+        self.speculation = Speculation(
+            self.total_loops, self.pool.allocate, self.pool.free, self.constrained, token_logprob
+        )
         self.last_seq = -1
         self.stats = RunnerStats()
         # (rows, tokens) of each core pass of the last batch (the worker's metrics read it)
@@ -318,8 +321,9 @@ class ModelRunner(ResultReader):
     def token_masks(self, plan: PassPlan) -> PassMasks | None:
         """The masks of the pass's coda rows with a structured output, filled on the host
         and sent in one copy; None when it has none."""
-        rows = [
-            (j, grammar)
+        # a speculative row's mask is its position's (the grammar after the drafts before it)
+        rows: list[tuple[int, MaskSource]] = [
+            (j, grammar if live.spec is None else live.spec.mask)
             for j, (live, wanted) in enumerate(zip(plan.coda, plan.coda_wanted, strict=True))
             if wanted and (grammar := self.constrained.get(live.row.request_id)) is not None
         ]
@@ -438,6 +442,8 @@ class ModelRunner(ResultReader):
         ids, bad = self._sample(plan, device, allowed)
         if plan.keep_logits:  # the rejection rule of sampled speculative rows reads them
             plan.logits = allowed.float().clone()
+            if plan.logprobs_top >= 0:  # a token it commits is scored on the raw logits
+                plan.raw_logits = logits.float().clone()
         packed = [ids.float(), bad.float()]
         if plan.logprobs_top >= 0:
             packed.append(logprob_columns(logits, ids, plan.logprobs_top).flatten())

@@ -216,6 +216,9 @@ class SimRunner:
         # self-speculative cycles: a draft agrees with the target with this probability per
         # position (a deterministic draw per (seed, position)), as a model measured it
         self.draft_acceptance = 0.0
+        # under an exit gate, where tokens exit: entry e - 1 the share of tokens exiting after
+        # e loops, as a model measured it (None: uniform over min_loops..max_loops)
+        self.exit_distribution: tuple[float, ...] | None = None
         self.speculation = Speculation(cfg.total_ut_steps, lambda: 0, lambda slot: None)
         self.requests: dict[str, _SimRequest] = {}
         self.last_seq = -1
@@ -245,7 +248,11 @@ class SimRunner:
             natural = high
         else:
             low = min(max(1, s.min_loops), high)
-            natural = low + mix64(s.seed, position, 2) % (high - low + 1)
+            draw = mix64(s.seed, position, 2)
+            if self.exit_distribution is None:
+                natural = low + draw % (high - low + 1)
+            else:
+                natural = min(max(low, _sample_loops(self.exit_distribution, draw)), high)
         return natural if budget is None else min(natural, budget)
 
     # ------------------------------------------------------------------ execution
@@ -348,8 +355,24 @@ class SimRunner:
             draw = mix64(req.sampling.seed, position, 3) % 1_000_000
             if draw >= self.draft_acceptance * 1_000_000:
                 token = (token + 1) % self.cfg.vocab_size
-        Speculation.coda(r, token, None, None)
+        if req.sampling.structured_output is not None:
+            Speculation.coda(r, token, None, SIM_REFUSES_STRUCTURED_OUTPUT)
+            return 1
+        logprobs = self._logprobs(req.sampling, token) if exited else None
+        Speculation.coda(r, token, None, None, logprobs)
         return 1
+
+    def _logprobs(self, s: WorkerSampling, token: int) -> SampledLogprobs | None:
+        """Simulated log-probabilities of the asked shape: the token is certain, nothing
+        else is possible."""
+        n = s.logprobs
+        if n is None:
+            return None
+        return SampledLogprobs(
+            logprob=0.0,
+            top_ids=[(token + i) % self.cfg.vocab_size for i in range(n)],
+            top_logprobs=[0.0, *[LOGPROB_FLOOR] * (n - 1)][:n],
+        )
 
     def _sample(self, r: LiveRow, req: _SimRequest, last_position: int) -> int:
         assert req.sampling is not None
@@ -358,12 +381,19 @@ class SimRunner:
             row_failed(r, req, SIM_REFUSES_STRUCTURED_OUTPUT)
             return 1
         token = self.token_at(req.sampling.seed, last_position + 1)
-        n = req.sampling.logprobs
-        if n is not None:  # simulated too: the token is certain, nothing else is possible
-            r.result.logprobs = SampledLogprobs(
-                logprob=0.0,
-                top_ids=[(token + i) % self.cfg.vocab_size for i in range(n)],
-                top_logprobs=[0.0, *[LOGPROB_FLOOR] * (n - 1)][:n],
-            )
+        r.result.logprobs = self._logprobs(req.sampling, token)
         token_sampled(r, req, token)
         return 1
+
+
+def _sample_loops(distribution: tuple[float, ...], draw: int) -> int:
+    """The loop count ``draw`` (64 random bits) picks from ``distribution`` (entry e - 1:
+    the chance of exiting after e loops)."""
+    u = (draw >> 11) / float(1 << 53)
+    total = sum(distribution)
+    acc = 0.0
+    for loops, share in enumerate(distribution, start=1):
+        acc += share / total
+        if u < acc:
+            return loops
+    return len(distribution)

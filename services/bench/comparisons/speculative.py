@@ -12,8 +12,12 @@ prompts cut from Python standard-library sources (what the trained checkpoint le
 - Simulated H100 (``SimRunner.h100``: Ouro-1.4B's passes, bf16, a roofline of 3.35 TB/s
   and 989 TFLOP/s): tokens come from the simulator's hash, a draft agrees with its target
   with the acceptance the in-process run of the same (gate, d) measured, pooled over its K
-  (``draft_acceptance``). Times are the device seconds the cost model charged (the
-  scheduler's CPU is not counted): decode tokens/s is what the device would give.
+  (``draft_acceptance``). With the gate on, tokens exit where the in-process plain runs'
+  tokens exited (their measured share per exit depth, ``exit_distribution``), and since a
+  position exiting by the draft depth is exact in the simulator too, its drafts agree at
+  the rate the measured acceptance leaves for the others (``conditional_acceptance``).
+  Times are the device seconds the cost model charged (the scheduler's CPU is not
+  counted): decode tokens/s is what the device would give.
 
 Per run: output tokens/s, core loop passes per generated token, mean inter-token latency
 (per token: a burst of n tokens after a gap g counts n gaps of g / n), acceptance per draft
@@ -111,6 +115,7 @@ class RunResult:
     core_passes: int
     itl: float | None
     spec: SpecStats
+    exits: list[int]  # each decode token's exit depth (the first token's is the prompt's)
 
 
 def _drive(
@@ -127,6 +132,7 @@ def _drive(
     live = 0
     times: dict[str, list[float]] = {}
     tokens: dict[str, list[int]] = {}
+    exits: list[int] = []
     while waiting or engine.has_unfinished_requests():
         while waiting and live < concurrency:
             i, prompt = waiting.pop()
@@ -139,6 +145,7 @@ def _drive(
                 times.setdefault(e.request_id, []).append(now)
             elif isinstance(e, FinishedEvent):
                 tokens[e.request_id] = list(e.token_ids)
+                exits += e.exit_depths[1:]
                 live -= 1
     seconds = clock() - start
     gaps = []  # per request: its decode time over its decode tokens (tokens, not events)
@@ -152,6 +159,7 @@ def _drive(
         runner.stats.core_passes,
         statistics.mean(gaps) if gaps else None,
         engine.scheduler.spec_stats,
+        exits,
     )
 
 
@@ -165,6 +173,27 @@ def pooled_acceptance(spec: SpecStats) -> float:
     ]
     total = sum(reached)
     return sum(accepted) / total if total else 0.0
+
+
+def exit_distribution(exits: list[int], total_loops: int) -> tuple[float, ...]:
+    """The share of tokens exiting after 1, 2, ..., ``total_loops`` loops."""
+    counts = [0] * total_loops
+    for loops in exits:
+        counts[loops - 1] += 1
+    n = sum(counts) or 1
+    return tuple(c / n for c in counts)
+
+
+def conditional_acceptance(
+    acceptance: float, distribution: tuple[float, ...] | None, draft_loops: int
+) -> float:
+    """A draft's chance to be right where its position did not exit by ``draft_loops``
+    (those that did are exact): what the simulator's drafts agree at, so that its pooled
+    acceptance is the measured one."""
+    exact = sum(distribution[:draft_loops]) if distribution is not None else 0.0
+    if exact >= 1.0:
+        return 1.0
+    return min(1.0, max(0.0, (acceptance - exact) / (1.0 - exact)))
 
 
 class SpeculativeBench:
@@ -194,8 +223,15 @@ class SpeculativeBench:
         )
 
     def run(
-        self, arm: Arm, concurrency: int, gate: bool, sim_acceptance: float | None
+        self,
+        arm: Arm,
+        concurrency: int,
+        gate: bool,
+        sim_acceptance: float | None,
+        exits: tuple[float, ...] | None = None,
     ) -> RunResult:
+        """In-process (``sim_acceptance`` None) or on the simulated H100, whose drafts agree
+        at ``sim_acceptance`` and whose gated tokens exit by ``exits`` (a distribution)."""
         config = self.config(arm, concurrency)
         specs = self.prompts[: REQUESTS[concurrency]]
         if sim_acceptance is None:
@@ -204,6 +240,7 @@ class SpeculativeBench:
         sim = SimRunner.h100(self.model.cfg)
         sim.sleep = False  # the clock is the device time the cost model charged
         sim.draft_acceptance = sim_acceptance
+        sim.exit_distribution = exits
         engine = LLMEngine(self.model, config, simulated=sim)
         return _drive(engine, specs, self.params(gate), concurrency, lambda: sim.simulated_s)
 
@@ -246,30 +283,39 @@ def run_comparison(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Every (device, gate, concurrency, arm) once; the simulated runs use the acceptance
-    the in-process run of the same (gate, d) measured."""
+    the in-process run of the same (gate, d) measured, and with the gate on the exit depths
+    the in-process plain runs measured."""
     n_prompts = max(REQUESTS.values())
     bench = SpeculativeBench(model, prompts(model, checkpoint, n_prompts, seed))
+    total_loops = model.cfg.total_ut_steps
     runs: list[dict[str, Any]] = []
     measured: dict[tuple[bool, int], list[float]] = {}
+    exits: dict[bool, list[int]] = {False: [], True: []}
+    distribution: dict[bool, tuple[float, ...] | None] = {False: None, True: None}
     for where in ("cpu", "sim"):
-        # quick: the in-process sweep at concurrency 1 and 8 with K in {2, auto} (the
-        # acceptance the simulated runs need); the simulated sweep is always whole
+        # quick: the in-process sweep with K in {2, auto} (the acceptance the simulated
+        # runs need); the simulated sweep is always whole
         quick_cpu = quick and where == "cpu"
         for gate in (False, True):
-            for c in (1, 8) if quick_cpu else CONCURRENCY:
+            if where == "sim" and gate:
+                distribution[gate] = exit_distribution(exits[gate], total_loops)
+            for c in CONCURRENCY:
                 plain_arm = Arm(0, 1)
                 acceptance = None
                 if where == "sim":
                     acceptance = 0.0
-                plain = bench.run(plain_arm, c, gate, acceptance)
+                plain = bench.run(plain_arm, c, gate, acceptance, distribution[gate])
+                if where == "cpu":
+                    exits[gate] += plain.exits
                 runs.append(_summary(plain, plain, plain_arm, where, c, gate))
                 for arm in arms()[1:]:
                     if quick_cpu and arm.k not in (2, "auto"):
                         continue
                     if where == "sim":
                         found = measured.get((gate, arm.d), [])
-                        acceptance = statistics.mean(found) if found else 0.0
-                    result = bench.run(arm, c, gate, acceptance)
+                        pooled = statistics.mean(found) if found else 0.0
+                        acceptance = conditional_acceptance(pooled, distribution[gate], arm.d)
+                    result = bench.run(arm, c, gate, acceptance, distribution[gate])
                     summary = _summary(result, plain, arm, where, c, gate)
                     if where == "cpu" and result.spec.num_draft_tokens:
                         measured.setdefault((gate, arm.d), []).append(summary["acceptance"])
@@ -284,6 +330,9 @@ def run_comparison(
         "raise decode tokens/s over plain decoding, with the same tokens?",
         "model": model_label,
         "notes": notes(),
+        # with the gate on: the share of decode tokens exiting after 1..D loops, as the
+        # in-process plain runs measured them (what the simulated gate draws from)
+        "exit_distribution": [round(x, 4) for x in distribution[True] or ()],
         "runs": runs,
         "ratios": targets(runs),
     }
@@ -295,13 +344,16 @@ def notes() -> list[str]:
         "tokens compared with plain decoding's (float32, greedy)",
         "sim: Ouro-1.4B on a simulated H100 SXM (3.35 TB/s, 989 TFLOP/s bf16 roofline), "
         "device seconds; drafts agree with the acceptance the cpu run of the same (gate, d) "
-        "measured; tokens are the simulator's",
+        "measured; tokens are the simulator's; gate on: tokens exit at the depths the cpu "
+        "plain runs' tokens exited at (their measured distribution)",
         f"gate on: min_loops 1, exit threshold {GATE_THRESHOLD}; off: fixed depth",
     ]
 
 
 def num_runs(quick: bool) -> int:
-    return 2 * 2 * (2 if quick else 3) * (len(arms()) - 1)
+    """Speculating runs (what the progress counts): in-process, then simulated."""
+    cpu_arms = 2 * len(DRAFT_LOOPS) if quick else len(arms()) - 1
+    return 2 * len(CONCURRENCY) * (cpu_arms + len(arms()) - 1)
 
 
 def _find(runs: list[dict[str, Any]], **where: Any) -> list[dict[str, Any]]:

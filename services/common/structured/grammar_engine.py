@@ -29,6 +29,10 @@ class TokenMatcher(Protocol):
         """Advances by ``token_id``; False when the grammar does not allow it."""
         ...
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last ``num_tokens`` accepted tokens (a speculative cycle's drafts)."""
+        ...
+
     def fill_next_token_bitmask(self, bitmask: torch.Tensor) -> None:
         """Writes the allowed next tokens into ``bitmask`` (int32 [1, words], bit ``i % 32``
         of word ``i // 32`` for token ``i``): the stop tokens exactly when the output is

@@ -160,10 +160,25 @@ class _Compiled:
 class _Matcher:
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher
+        # per accepted token, whether llguidance counts it for rollback: a token taken once
+        # the matcher has stopped (a stop token after a complete output) is not
+        self._counted: list[bool] = []
 
     def accept_token(self, token_id: int) -> bool:
+        counted = not self._matcher.is_stopped()
         # a matcher in its error state still takes a stop token: that is no complete output
-        return self._matcher.consume_token(token_id) and not self._matcher.is_error()
+        ok = self._matcher.consume_token(token_id) and not self._matcher.is_error()
+        if ok:
+            self._counted.append(counted)
+        return ok
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > len(self._counted):
+            raise ValueError(f"cannot roll back {num_tokens} of {len(self._counted)} tokens")
+        undone = self._counted[len(self._counted) - num_tokens :]
+        del self._counted[len(self._counted) - num_tokens :]
+        if any(undone) and not self._matcher.rollback(sum(undone)):
+            raise RuntimeError(f"llguidance: {self._matcher.get_error()}"[:500])
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor) -> None:
         # llguidance's words are xgrammar's: int32, bit i % 32 of word i // 32 for token i

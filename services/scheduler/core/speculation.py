@@ -131,20 +131,15 @@ class Speculator:
 
     def applies(self, request: Request) -> bool:
         """Whether the request's next decode row is a SPECULATIVE one. Off for what the
-        cycle does not carry yet (structured outputs, log-probabilities, a shed depth
-        budget, replayed exits); a request switches only at a token boundary with no plain
-        row in flight, and, once it speculates, stays so (a K of 0 is plain decoding)."""
+        cycle does not carry yet (a shed depth budget, replayed exits); a request switches
+        only at a token boundary with no plain row in flight, and, once it speculates, stays
+        so (a K of 0 is plain decoding)."""
         if request.speculating:
             return True
         if not self.enabled:
             return False
         params = request.params
-        if (
-            not params.speculative
-            or params.structured_output is not None
-            or params.logprobs is not None
-            or request.hand_off
-        ):
+        if not params.speculative or request.hand_off:
             return False
         if request.pending_decode_loops or request.decode_depth:
             return False  # mid-token, or a plain decode row's result is still to come
@@ -217,12 +212,14 @@ class Speculator:
             request.num_accepted_draft_tokens += row.accepted
             self._state.spec_stats.record_cycle(row.drafted, row.accepted)
             self.auto.observe_cycle(row.drafted, row.accepted)
-        for token, loops in zip(row.token_ids, row.token_exit_loops, strict=True):
+        scored = row.token_logprobs or [None] * len(row.token_ids)
+        for token, loops, logprobs in zip(row.token_ids, row.token_exit_loops, scored, strict=True):
             if request.is_finished:
                 break
             request.num_computed_tokens += 1
             self.auto.observe_exit(loops)
-            append(request, RowResult(row_index=row.row_index, token_id=token), loops)
+            one = RowResult(row_index=row.row_index, token_id=token, logprobs=logprobs)
+            append(request, one, loops)
 
 
 def _row_k(task: ScheduledTask) -> int:

@@ -69,6 +69,7 @@ class PassPlan:
     # pass's coda logits here, float32 [coda rows, V]
     keep_logits: bool = False
     logits: Any = None
+    raw_logits: Any = None  # ...and their raw logits too, if some coda row asks logprobs
 
     @property
     def decode_only(self) -> bool:

@@ -11,12 +11,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from messages.batch import Batch, BatchRow, RowKind, RowResult, WorkerSampling
+from messages.batch import Batch, BatchRow, RowKind, RowResult, SampledLogprobs, WorkerSampling
 from services.common.speculative_sampling import accept_or_resample
 from services.worker.passes.rows import LiveRow, RowCursor
+
+
+class CycleGrammar(Protocol):
+    """What a cycle asks of its request's structured output (``RequestGrammar``)."""
+
+    def position_mask(self) -> Any: ...
+    def speculate(self, token: int) -> str | None: ...
+    def commit(self, token: int, output_index: int) -> str | None: ...
+    def rollback(self) -> None: ...
+
+
+# a token's log-probability under one row of raw logits (the runner's ``token_logprob``)
+TokenScorer = Callable[[torch.Tensor, int], float]
 
 
 @dataclass
@@ -35,6 +49,13 @@ class SpecPosition:
     token: int = -1  # the coda's token at its exit (the target's)
     draft_logits: torch.Tensor | None = None
     target_logits: torch.Tensor | None = None
+    # the exit coda's log-probabilities (asked for by the request), of ``token``; and its
+    # raw logits where the rejection rule may commit another token than ``token``
+    logprobs: SampledLogprobs | None = None
+    raw_logits: torch.Tensor | None = None
+    # a structured output's mask of this position: the grammar state after the committed
+    # tokens and the drafts before it (its draft and its target are sampled under it)
+    mask: Any = None  # a ``PositionMask``
     error: str | None = None
 
 
@@ -48,6 +69,7 @@ class SpecCycle:
     decided: int = 0  # positions committed so far
     extra_slots: list[int] = field(default_factory=list)
     max_loops: int | None = None  # a shed depth budget (None: the request's)
+    grammar: CycleGrammar | None = None  # its structured output, if it has one
 
     @property
     def start(self) -> SpecPosition:
@@ -57,25 +79,35 @@ class SpecCycle:
 class Speculation:
     """The worker's cycles, one per speculating request.
 
-    ``allocate``/``free`` hand out decode-pool rows (position 0 uses the request's own)."""
+    ``allocate``/``free`` hand out decode-pool rows (position 0 uses the request's own).
+    ``grammars``: the structured outputs of the requests that have one (the runner's);
+    ``score``: scores a committed token that is not its exit coda's own (log-probabilities
+    of a sampled cycle)."""
 
     def __init__(
         self,
         total_loops: int,
         allocate: Callable[[], int],
         free: Callable[[int], None],
+        grammars: Mapping[str, CycleGrammar] | None = None,
+        score: TokenScorer | None = None,
     ) -> None:
         self.total_loops = total_loops
         self._allocate = allocate
         self._free = free
+        self._grammars: Mapping[str, CycleGrammar] = grammars if grammars is not None else {}
+        self._score = score
         self.cycles: dict[str, SpecCycle] = {}
 
     def drop(self, request_id: str) -> None:
-        """The request ended, was preempted or is loaded again: its cycle is gone."""
+        """The request ended, was preempted or is loaded again: its cycle is gone (and its
+        grammar back at the committed tokens)."""
         cycle = self.cycles.pop(request_id, None)
         if cycle is not None:
             for slot in cycle.extra_slots:
                 self._free(slot)
+            if cycle.grammar is not None:
+                cycle.grammar.rollback()
 
     # ------------------------------------------------------------------ resolving rows
     def resolve(
@@ -120,8 +152,13 @@ class Speculation:
             k = min(k, sampling.max_tokens - 1 - index)
         if k < 0:
             return None  # the request already has all its tokens: a stale row
+        grammar = self._grammars.get(row.request_id)
         start = SpecPosition(0, position, index, token, pool_slot)
-        cycle = SpecCycle(row.request_id, k, row.draft_loops, [start], max_loops=row.max_loops)
+        if grammar is not None:
+            start.mask = grammar.position_mask()
+        cycle = SpecCycle(
+            row.request_id, k, row.draft_loops, [start], max_loops=row.max_loops, grammar=grammar
+        )
         self.cycles[row.request_id] = cycle
         return cycle
 
@@ -171,18 +208,29 @@ class Speculation:
             pos.exit_loops = loops_run
 
     @staticmethod
-    def coda(live: LiveRow, token: int, logits: torch.Tensor | None, error: str | None) -> None:
-        """The coda of a spec row gave ``token``: a draft (it did not exit) or the target."""
+    def coda(
+        live: LiveRow,
+        token: int,
+        logits: torch.Tensor | None,
+        error: str | None,
+        logprobs: SampledLogprobs | None = None,
+        raw_logits: torch.Tensor | None = None,
+    ) -> None:
+        """The coda of a spec row gave ``token``: a draft (it did not exit) or the target,
+        with its log-probabilities if the request asks for them (plain decoding's: the exit
+        coda's)."""
         pos: SpecPosition = live.spec
         if error is not None:
             pos.error = error
             return
         if pos.exit_loops:
             pos.token = token
+            pos.logprobs = logprobs
             if pos.draft_token < 0:  # exited while drafting: exact, fed on as it is
                 pos.draft_token = token
             else:
                 pos.target_logits = logits
+                pos.raw_logits = raw_logits
         else:
             pos.draft_token = token
             pos.draft_logits = logits
@@ -198,48 +246,56 @@ class Speculation:
             result = RowResult(row_index=index)
             results[index] = result
             failed = next((p.error for p in cycle.positions if p.error is not None), None)
+            if failed is None:
+                failed = self._advance_draft(cycle)
+            if failed is None:
+                ended, failed = self._decide(cycle, cursor.sampling, result)  # type: ignore[attr-defined]
             if failed is not None:
                 result.error = failed
                 self.drop(cycle.request_id)
                 cursor.next_decode = None
                 continue
-            self._advance_draft(cycle)
-            ended = self._decide(cycle, cursor.sampling, result)  # type: ignore[attr-defined]
             if ended:
                 self._end(cycle, cursor, result)
             else:
                 result.cycle_open = True
         return results
 
-    def _advance_draft(self, cycle: SpecCycle) -> None:
+    def _advance_draft(self, cycle: SpecCycle) -> str | None:
         """A drafted position that exited or reached the draft depth hands its token to the
-        next position (a new pool row); the last one ends the drafting."""
+        next position (a new pool row, and its mask: the grammar advanced by the token);
+        the last one ends the drafting. Returns why the cycle fails, if it does."""
         if cycle.drafting > cycle.k:
-            return
+            return None
         pos = cycle.positions[cycle.drafting]
         if not pos.exit_loops and pos.depth < cycle.d:
-            return
+            return None
         cycle.drafting += 1
-        if cycle.drafting <= cycle.k:
-            slot = self._allocate()
-            cycle.extra_slots.append(slot)
-            cycle.positions.append(
-                SpecPosition(
-                    cycle.drafting,
-                    pos.position + 1,
-                    pos.output_index + 1,
-                    pos.draft_token,
-                    slot,
-                )
-            )
+        if cycle.drafting > cycle.k:
+            return None
+        nxt = SpecPosition(
+            cycle.drafting, pos.position + 1, pos.output_index + 1, pos.draft_token, -1
+        )
+        if cycle.grammar is not None:
+            problem = cycle.grammar.speculate(pos.draft_token)
+            if problem is not None:
+                return problem
+            nxt.mask = cycle.grammar.position_mask()
+        nxt.pool_slot = self._allocate()
+        cycle.extra_slots.append(nxt.pool_slot)
+        cycle.positions.append(nxt)
+        return None
 
-    def _decide(self, cycle: SpecCycle, sampling: WorkerSampling, result: RowResult) -> bool:
-        """Commits the positions whose token is known, in order; True when the cycle ends
-        (a rejected draft, or the bonus position decided)."""
+    def _decide(
+        self, cycle: SpecCycle, sampling: WorkerSampling, result: RowResult
+    ) -> tuple[bool, str | None]:
+        """Commits the positions whose token is known, in order: (whether the cycle ends: a
+        rejected draft, or the bonus position decided; why it fails, if a committed token
+        does not follow the request's structured output)."""
         while cycle.decided < len(cycle.positions):
             pos = cycle.positions[cycle.decided]
             if not pos.exit_loops:
-                return False
+                return False, None
             token = pos.token
             if (
                 sampling.temperature != 0.0
@@ -256,12 +312,18 @@ class Speculation:
                     seed=sampling.seed,
                     output_index=pos.output_index,
                 )
+            if cycle.grammar is not None:
+                problem = cycle.grammar.commit(token, pos.output_index)
+                if problem is not None:
+                    return True, problem
             result.token_ids.append(token)
             result.token_exit_loops.append(pos.exit_loops)
+            if pos.logprobs is not None:
+                result.token_logprobs.append(self._logprobs_of(pos, token))
             cycle.decided += 1
             if pos.index == cycle.k or token != pos.draft_token:
-                return True
-        return False
+                return True, None
+        return False, None
 
     def _end(self, cycle: SpecCycle, cursor: RowCursor, result: RowResult) -> None:
         last = cycle.positions[cycle.decided - 1]
@@ -279,3 +341,19 @@ class Speculation:
             output_index=last.output_index + 1,
         )
         self.drop(cycle.request_id)
+
+    def _logprobs_of(self, pos: SpecPosition, token: int) -> SampledLogprobs:
+        """The committed token's log-probabilities: the exit coda's, whose chosen entry is
+        the coda's own token; the rejection rule may commit another, scored from the raw
+        logits."""
+        lp = pos.logprobs
+        assert lp is not None
+        if token == pos.token:
+            return lp
+        # kept for every sampled verified position of a request that asks logprobs
+        assert pos.raw_logits is not None and self._score is not None
+        return SampledLogprobs(
+            logprob=self._score(pos.raw_logits, token),
+            top_ids=lp.top_ids,
+            top_logprobs=lp.top_logprobs,
+        )

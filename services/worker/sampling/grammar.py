@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import numpy as np
@@ -174,13 +175,19 @@ class RequestGrammar:
         self._matcher: TokenMatcher | None = None
         self.num_accepted = 0  # tokens of the output the matcher has accepted
         self.ended = False  # it accepted a stop token: the output is complete
+        # a speculative cycle's draft tokens past the accepted ones, in order, each with
+        # whether the matcher advanced by it (not after a drafted stop token): the
+        # matcher's state is the accepted tokens' and then these
+        self._drafts: list[tuple[int, bool]] = []
+        self._drafts_ended = False  # a drafted stop token ended the output
+        self._moves = 0  # counts the matcher's state changes (the mask cache's key)
         self.error: str | None = None  # why this request's tokens cannot be constrained
         if book is None:
             self.error = (
                 "structured outputs need the checkpoint's tokenizer, and this worker has none"
             )
         # the next token's mask, int32 [1, words] (the engine fills a tensor; the pass buffer
-        # copies it through a numpy view), valid while ``num_accepted == _mask_at``
+        # copies it through a numpy view), valid while ``_moves == _mask_at``
         self._mask: torch.Tensor | None = None
         self._mask_words: np.ndarray | None = None
         self._mask_at = -1
@@ -224,12 +231,12 @@ class RequestGrammar:
         matcher = self._ready()
         if matcher is None:
             return False
-        if self._mask_at != self.num_accepted:
+        if self._mask_at != self._moves:
             assert self._book is not None
             if self._mask is None:
                 self._mask = torch.empty((1, self._book.words), dtype=torch.int32)
                 self._mask_words = self._mask.numpy()[0]
-            if self.ended:
+            if self._drafts_ended if self._drafts else self.ended:
                 # the output ended with a stop token, so the request has ended: this is a
                 # follow-on row sent before the scheduler knew, and its token is dropped
                 self._mask[0] = self._book.stop_mask
@@ -240,9 +247,56 @@ class RequestGrammar:
                     # that, not with whatever an all -inf row samples
                     self.error = "structured output: the format allows no next token"
                     return False
-            self._mask_at = self.num_accepted
+            self._mask_at = self._moves
         out[:] = self._mask_words
         return True
+
+    def speculate(self, token: int) -> str | None:
+        """Advances by a draft token past the accepted ones (the next draft position's mask
+        is then ``fill_mask``'s); None, or why the draft cannot follow the format."""
+        matcher = self._ready()
+        if matcher is None:
+            return self.error
+        if self._drafts_ended if self._drafts else self.ended:
+            self._drafts.append((token, False))  # past the output's end: never committed
+            return None
+        if not matcher.accept_token(token):
+            return f"structured output: draft token {token} does not follow the format"
+        self._drafts.append((token, True))
+        self._drafts_ended = token in self._stop_set
+        self._moves += 1
+        return None
+
+    def position_mask(self) -> PositionMask:
+        """The next token's mask as it is now (a copy: the matcher moves on with drafts)."""
+        if self._book is None:
+            return PositionMask(None)
+        words = np.empty(self._book.words, dtype=np.int32)
+        return PositionMask(words if self.fill_mask(words) else None)
+
+    def rollback(self) -> None:
+        """Back to the accepted tokens' state: the drafts are gone."""
+        advanced = sum(1 for _, moved in self._drafts if moved)
+        if advanced:
+            assert self._matcher is not None
+            self._matcher.rollback(advanced)
+            self._moves += 1
+        self._drafts.clear()
+        self._drafts_ended = False
+
+    def commit(self, token: int, output_index: int) -> str | None:
+        """A speculative cycle committed ``token`` as output ``output_index``: the first
+        draft if it is that token (the matcher has advanced by it already), else the drafts
+        roll back and the token is accepted. None, or why the row fails."""
+        if self._drafts and self._drafts[0][0] == token and not self.ended:
+            if output_index != self.num_accepted:
+                return self.accept(token, output_index)  # out of step: says so
+            self._drafts.pop(0)
+            self.num_accepted += 1
+            self.ended = token in self._stop_set
+            return None
+        self.rollback()
+        return self.accept(token, output_index)
 
     def accept(self, token: int, output_index: int) -> str | None:
         """Advances by ``token``, the request's output ``output_index``. None when the
@@ -261,6 +315,7 @@ class RequestGrammar:
             return f"structured output: token {token} does not follow the format"
         self.num_accepted += 1
         self.ended = token in self._stop_set
+        self._moves += 1
         return None
 
 
@@ -288,8 +343,26 @@ class PassMasks:
         return logits.index_add(0, self.words[:count].long(), penalty)
 
 
+class MaskSource(Protocol):
+    def fill_mask(self, out: np.ndarray) -> bool: ...
+
+
+class PositionMask:
+    """A speculative position's mask, taken while its grammar state was the matcher's (the
+    matcher moves on with the drafts after it). ``words`` None: the grammar failed."""
+
+    def __init__(self, words: np.ndarray | None) -> None:
+        self.words = words
+
+    def fill_mask(self, out: np.ndarray) -> bool:
+        if self.words is None:
+            return False
+        out[:] = self.words
+        return True
+
+
 def fill_pass_masks(
-    host_words: np.ndarray, rows: list[tuple[int, RequestGrammar]], words_per_mask: int
+    host_words: np.ndarray, rows: list[tuple[int, MaskSource]], words_per_mask: int
 ) -> None:
     """Fills ``host_words`` (``len(rows) * (1 + words_per_mask)`` int32 words, a
     ``PassMasks`` buffer) with the coda row index and the mask of each (coda row, grammar)."""

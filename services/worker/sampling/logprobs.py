@@ -42,6 +42,13 @@ def logprob_columns(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> tor
     return torch.cat([c.float() for c in columns], dim=1)
 
 
+def token_logprob(logits: torch.Tensor, token: int) -> float:
+    """One row's ``logits`` [V]: ``token``'s log-probability as ``logprob_columns`` gives it."""
+    return float(
+        logprob_columns(logits[None], torch.tensor([token], device=logits.device), 0)[0, 0]
+    )
+
+
 def read_scored(host_rows: list[list[float]]) -> list[Scored]:
     """``logprob_columns`` rows, copied to the host, as (chosen, top ids, top values); a
     row's width says how many tops it holds."""
