@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, KVLayout, SchedulerConfig
 from tests.engine_harness import Arrival, assert_matches_oracle, oracle_result, run_workload
 from tests.engine_strategies import D, max_kv_blocks, workloads
@@ -49,6 +50,8 @@ def test_int4_engine_equals_int4_oracle(toy_model, oracle) -> None:
     produced: list[int] = []  # tokens the oracle generated per request
     sealed: list[int] = []  # blocks sealed (coded) at the end of each run
     skipped: list[int] = []  # tokens a sealed block stores no delta for (early exits)
+    hits: list[int] = []  # prompt tokens the prefix cache held (read from sealed blocks)
+    preemptions: list[int] = []
 
     @settings(
         max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -65,8 +68,10 @@ def test_int4_engine_equals_int4_oracle(toy_model, oracle) -> None:
         sealed.append(int(store.sealed.sum()))
         skipped.append(int((store.stored[0][torch.from_numpy(store.sealed)] == 0).sum()))
         assert set(record.finished) == {a.request_id for a in arrivals}
+        preemptions.append(record.engine.scheduler.stats.num_preemptions)
         for a in arrivals:
             finished = record.finished[a.request_id]
+            hits.append(finished.num_cached_tokens)
             expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
             compared.append(assert_matches_oracle(finished, expected, f"{a.request_id} {config}"))
             produced.append(len(expected.token_ids))
@@ -74,8 +79,76 @@ def test_int4_engine_equals_int4_oracle(toy_model, oracle) -> None:
     check()
     print(
         f"int4-delta engine == oracle: {sum(compared)} of {sum(produced)} tokens compared, "
-        f"{sum(sealed)} blocks sealed, {sum(skipped)} exited tokens without a delta"
+        f"{sum(sealed)} blocks sealed, {sum(skipped)} exited tokens without a delta, "
+        f"{sum(hits)} prompt tokens from the prefix cache, {sum(preemptions)} preemptions"
     )
     assert sum(compared) > 0
     assert sum(sealed) > 0 and sum(skipped) > 0  # the runs read codes, exits included
     assert sum(compared) >= 0.8 * sum(produced), (sum(compared), sum(produced))
+
+
+def _compare(toy_model, oracle, config: SchedulerConfig, arrivals: list[Arrival]):
+    record = run_workload(toy_model, config, arrivals)
+    compared = 0
+    for a in arrivals:
+        expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
+        compared += assert_matches_oracle(record.finished[a.request_id], expected, a.request_id)
+    return record, compared
+
+
+def _arrivals(shared: list[int], count: int, spacing: int) -> list[Arrival]:
+    params = SamplingParams(
+        max_tokens=7, temperature=0.0, min_loops=1, exit_threshold=0.7, ignore_eos=True
+    )
+    return [
+        Arrival(
+            f"r{i}",
+            shared + [(37 * i + 11 * j) % 499 + 1 for j in range(3 + i)],
+            params,
+            i * spacing,
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["atomic", "wcpb"])
+def test_int4_prefix_hits_read_sealed_blocks_exactly(toy_model, oracle, mode: str) -> None:
+    """Later requests hit the first one's sealed prompt blocks (chunks of 3 over blocks of
+    4: chunk ends inside blocks) and still equal the oracle."""
+    shared = [(13 * j) % 499 + 1 for j in range(17)]
+    arrivals = _arrivals(shared, 3, 12)
+    config = SchedulerConfig(
+        max_num_seqs=3,
+        max_num_batched_tokens=8,
+        prefill_chunk_size=3,
+        split_prefill=mode != "atomic",
+        wavefront_chunked_prefill=mode == "wcpb",
+        block_size=4,
+        num_blocks=200,
+        kv_cache_dtype="int4-delta",
+        enable_prefix_caching=True,
+    )
+    record, compared = _compare(toy_model, oracle, config, arrivals)
+    hits = [record.finished[a.request_id].num_cached_tokens for a in arrivals]
+    assert hits[0] == 0 and all(h == 16 for h in hits[1:]), hits
+    assert compared == 7 * len(arrivals)
+
+
+def test_int4_preemption_recomputes_exactly(toy_model, oracle) -> None:
+    """A KV pool that holds one request at a time: the others are preempted and recomputed
+    on blocks that held another request's codes (opened again when written)."""
+    arrivals = _arrivals([5, 9, 2, 7, 3], 3, 0)
+    need = max_kv_blocks(arrivals, 2)
+    config = SchedulerConfig(
+        max_num_seqs=3,
+        max_num_batched_tokens=16,
+        prefill_chunk_size=4,
+        block_size=2,
+        num_blocks=need + 4,
+        kv_cache_dtype="int4-delta",
+        kv_admission=KVAdmission.INCREMENTAL,
+    )
+    record, compared = _compare(toy_model, oracle, config, arrivals)
+    assert record.engine is not None
+    assert record.engine.scheduler.stats.num_preemptions > 0
+    assert compared == 7 * len(arrivals)
