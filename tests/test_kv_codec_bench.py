@@ -67,3 +67,19 @@ def test_a_simulated_worker_reads_kv_at_its_codec_bytes(toy_checkpoint) -> None:
         host.make_runner(64, 16, "last_exited")
         costs[codec] = host.runner.cost.kv_bytes_per_token
     assert costs["fp8"] == costs["auto"] * 264 / 512
+
+
+def test_int4_delta_passes_read_the_chain_of_planes_below() -> None:
+    """A pass at loop d decodes planes 0..d (each a delta from the one below), plus the
+    row's full-precision tail block: deeper loops read more."""
+    cfg = toy_config("1.4b")
+    int4 = SimCostModel.for_model(cfg, kv_cache_dtype="int4-delta")
+    auto = SimCostModel.for_model(cfg)
+    tail = 16 * auto.kv_bytes_per_token / int4.kv_bytes_per_token
+    assert int4.kv_tokens_read(2048, 0) == pytest.approx(2048 + tail)
+    assert int4.kv_tokens_read(2048, 3) == pytest.approx(4 * 2048 + tail)
+    assert auto.kv_tokens_read(2048, 3) == 2048
+    sim = {(r["codec"], r["rows"], r["context"]): r for r in kv_codec.simulated_decode()}
+    ratio = sim[("int4-delta", 32, 2048)]["tokens_per_s"] / sim[("auto", 32, 2048)]["tokens_per_s"]
+    # the chain over 4 loops reads 2.5 planes of codes on average (~0.82x auto's bytes)
+    assert 1.0 < ratio < 1.6
