@@ -231,6 +231,8 @@ class ModelRunner(ResultReader):
             else:
                 self._run_recurrent(rows + spec_rows)
         except Exception:
+            if self.int4 is not None:
+                self.int4.abandon_pass()
             forget_cursors(batch, self.requests)
             for row in batch.rows:
                 self.speculation.drop(row.request_id)

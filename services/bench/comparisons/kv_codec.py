@@ -229,7 +229,8 @@ def run_comparison(model: OuroModel, *, quick: bool = False, **_: Any) -> dict[s
         "notes": [
             "simulated device: Ouro-1.4B on an H100 (services/worker/sim.py); under "
             "int4-delta a pass at loop d reads planes 0..d of codes and the row's tail block",
-            "in-process int4-delta attention is the torch reference (no Triton kernel yet)",
+            "in-process (CPU) int4-delta attention is the torch reference; the Triton kernel "
+            "runs on CUDA (no GPU has run it yet). CPU tokens/s swing with the shared cores",
         ],
         "bytes": bytes_table(shapes),
         "capacity": {"kv_gib": KV_MEMORY_GIB, "requests": capacity(ouro, KV_MEMORY_GIB << 30)},

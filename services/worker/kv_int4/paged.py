@@ -147,6 +147,12 @@ class Int4KV:
         self._closing.extend(seal.block_ids)
         return seal
 
+    def abandon_pass(self) -> None:
+        """A pass failed before its seals ran to the end: its blocks are open again, their
+        tails kept (the batch's requests are recomputed)."""
+        self.store.sealed[self._closing] = False
+        self._closing = []
+
     def _flush_closing(self) -> None:
         self.store.close(self._closing)
         self._closing = []
