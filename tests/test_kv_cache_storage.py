@@ -27,11 +27,9 @@ def test_config_refuses_an_unknown_codec() -> None:
     assert SchedulerConfig().kv_cache_dtype == "auto"
 
 
-def test_config_refuses_int4_delta_where_it_cannot_seal() -> None:
+def test_config_refuses_int4_delta_in_the_shared_layout() -> None:
     with pytest.raises(ValueError, match="int4-delta needs kv_layout=last_exited"):
         SchedulerConfig(kv_cache_dtype="int4-delta", kv_layout="shared", split_prefill=False)
-    with pytest.raises(ValueError, match="int4-delta does not run token-sparse prefill"):
-        SchedulerConfig(kv_cache_dtype="int4-delta", split_prefill=True, token_sparse_prefill=True)
     assert SchedulerConfig(kv_cache_dtype="int4-delta").kv_cache_dtype == "int4-delta"
 
 

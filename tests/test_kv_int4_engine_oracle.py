@@ -2,7 +2,8 @@
 int4-delta codec (services/oracle/kv_codec.py), token for token and depth for depth, over
 the randomized workloads of tests/test_engine_oracle.py: every prefill mode (chunks that
 complete blocks mid-pass), prefix hits on sealed blocks, preemption (tight KV), async
-scheduling and early exits (tokens that store no delta above their exit loop)."""
+scheduling, early exits and token-sparse prefill's frozen tokens (tokens that store no
+delta above their exit or freeze loop)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.oracle
 @st.composite
 def configs(draw: st.DrawFn, arrivals: list[Arrival]) -> SchedulerConfig:
     """The last-exited layout (int4-delta's only one) under every prefill mode, tight KV
-    (preemption), prefix caching and async scheduling; blocks of 2 to 8 tokens, so prompts
-    span several sealed blocks."""
+    (preemption), prefix caching, async scheduling and token-sparse prefill where split
+    prefill allows it; blocks of 2 to 8 tokens, so prompts span several sealed blocks."""
     mode = draw(st.sampled_from(["atomic", "split", "wcpb"]))
     block_size = draw(st.sampled_from([2, 4, 8]))
     need = max_kv_blocks(arrivals, block_size)
@@ -42,6 +43,7 @@ def configs(draw: st.DrawFn, arrivals: list[Arrival]) -> SchedulerConfig:
         enable_prefix_caching=draw(st.booleans()),
         async_scheduling=draw(st.booleans()),
         kv_admission=draw(st.sampled_from(list(KVAdmission))),
+        token_sparse_prefill=mode != "atomic" and draw(st.booleans()),
     )
 
 
@@ -49,9 +51,10 @@ def test_int4_engine_equals_int4_oracle(toy_model, oracle) -> None:
     compared: list[int] = []  # tokens compared per request
     produced: list[int] = []  # tokens the oracle generated per request
     sealed: list[int] = []  # blocks sealed (coded) at the end of each run
-    skipped: list[int] = []  # tokens a sealed block stores no delta for (early exits)
+    skipped: list[int] = []  # tokens a sealed block stores no delta for (exits, freezes)
     hits: list[int] = []  # prompt tokens the prefix cache held (read from sealed blocks)
     preemptions: list[int] = []
+    frozen: list[int] = []  # prompt token-loops token-sparse prefill did not run
 
     @settings(
         max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -69,6 +72,7 @@ def test_int4_engine_equals_int4_oracle(toy_model, oracle) -> None:
         skipped.append(int((store.stored[0][torch.from_numpy(store.sealed)] == 0).sum()))
         assert set(record.finished) == {a.request_id for a in arrivals}
         preemptions.append(record.engine.scheduler.stats.num_preemptions)
+        frozen.append(record.engine.scheduler.stats.num_prefill_rows_saved)
         for a in arrivals:
             finished = record.finished[a.request_id]
             hits.append(finished.num_cached_tokens)
@@ -79,8 +83,9 @@ def test_int4_engine_equals_int4_oracle(toy_model, oracle) -> None:
     check()
     print(
         f"int4-delta engine == oracle: {sum(compared)} of {sum(produced)} tokens compared, "
-        f"{sum(sealed)} blocks sealed, {sum(skipped)} exited tokens without a delta, "
-        f"{sum(hits)} prompt tokens from the prefix cache, {sum(preemptions)} preemptions"
+        f"{sum(sealed)} blocks sealed, {sum(skipped)} exited or frozen tokens without a "
+        f"delta, {sum(hits)} prompt tokens from the prefix cache, {sum(preemptions)} "
+        f"preemptions, {sum(frozen)} token-loops frozen by sparse prefill"
     )
     assert sum(compared) > 0
     assert sum(sealed) > 0 and sum(skipped) > 0  # the runs read codes, exits included
@@ -96,9 +101,11 @@ def _compare(toy_model, oracle, config: SchedulerConfig, arrivals: list[Arrival]
     return record, compared
 
 
-def _arrivals(shared: list[int], count: int, spacing: int) -> list[Arrival]:
+def _arrivals(
+    shared: list[int], count: int, spacing: int, exit_threshold: float = 0.7
+) -> list[Arrival]:
     params = SamplingParams(
-        max_tokens=7, temperature=0.0, min_loops=1, exit_threshold=0.7, ignore_eos=True
+        max_tokens=7, temperature=0.0, min_loops=1, exit_threshold=exit_threshold, ignore_eos=True
     )
     return [
         Arrival(
@@ -151,4 +158,29 @@ def test_int4_preemption_recomputes_exactly(toy_model, oracle) -> None:
     record, compared = _compare(toy_model, oracle, config, arrivals)
     assert record.engine is not None
     assert record.engine.scheduler.stats.num_preemptions > 0
+    assert compared == 7 * len(arrivals)
+
+
+def test_int4_token_sparse_prefill_freezes_without_a_delta(toy_model, oracle) -> None:
+    """Windows of 6 over blocks of 4 keep half their tokens at loops 2 and 3: the frozen
+    ones are copied up from the plane below's tails and sealed with stored = 0 (no token
+    exits early here: every such flag is a freeze)."""
+    arrivals = _arrivals([(17 * j) % 499 + 1 for j in range(14)], 2, 3, exit_threshold=1.0)
+    config = SchedulerConfig(
+        max_num_seqs=2,
+        max_num_batched_tokens=12,
+        prefill_chunk_size=6,
+        split_prefill=True,
+        block_size=4,
+        num_blocks=200,
+        kv_cache_dtype="int4-delta",
+        token_sparse_prefill=True,
+        sparse_window=6,
+        prefill_retention=(1.0, 1.0, 0.5, 0.5),
+    )
+    record, compared = _compare(toy_model, oracle, config, arrivals)
+    assert record.engine is not None
+    assert record.engine.scheduler.stats.num_prefill_rows_saved > 0
+    store = record.engine.runner.int4.store
+    assert int((store.stored[0][torch.from_numpy(store.sealed)] == 0).sum()) > 0
     assert compared == 7 * len(arrivals)

@@ -242,19 +242,11 @@ class SchedulerConfig:
 
     def _check_int4_delta(self) -> None:
         """int4-delta seals a block once its tokens are final at a plane: the shared layout
-        rewrites its one plane every loop, and token-sparse prefill copies frozen tokens
-        from a plane whose block may be sealed already (its exact values gone)."""
-        if self.kv_cache_dtype != "int4-delta":
-            return
-        if self.kv_layout == KVLayout.SHARED:
+        rewrites its one plane every loop."""
+        if self.kv_cache_dtype == "int4-delta" and self.kv_layout == KVLayout.SHARED:
             raise ValueError(
                 "kv_cache_dtype=int4-delta needs kv_layout=last_exited: the shared layout "
                 "overwrites its one plane every loop, so a sealed block would go stale"
-            )
-        if self.token_sparse_prefill:
-            raise ValueError(
-                "kv_cache_dtype=int4-delta does not run token-sparse prefill yet: a frozen "
-                "token's copy may come from a block already sealed"
             )
 
     def _check_sparse_prefill(self) -> None:

@@ -134,7 +134,11 @@ class ModelRunner(ResultReader):
         )
         self.requests: dict[str, _WorkerRequest] = {}
         self.sparse = SparseFragments(
-            self.planner, self.transfer, self.kv.copy_slots, self.total_loops
+            self.planner,
+            self.transfer,
+            self.kv.copy_slots,
+            self.total_loops,
+            None if self.int4 is None else self.int4.freeze,
         )
         self.grammars = grammars
         # self-speculative cycles (docs/speculative.md): extra hidden rows from the pool

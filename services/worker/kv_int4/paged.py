@@ -44,7 +44,8 @@ class Int4KV:
         self.planes = planes
         self.block_size = block_size
         self.books: dict[str, RequestBook] = {}
-        self._closing: list[int] = []  # sealed in the last pass: tails given back later
+        self._closing: list[int] = []  # tails to give back once the last pass has run
+        self._sealing: list[int] = []  # the blocks the last pass seals
 
     @property
     def k(self) -> torch.Tensor:
@@ -85,12 +86,10 @@ class Int4KV:
         tail_tables = np.zeros((segments, width), dtype=np.int64)
         seg_planes = np.zeros(segments, dtype=np.int64)
         entries: dict[int, tuple[int, int, int, list[int], np.ndarray]] = {}
-        if len(plan.rows) != segments:
-            raise ValueError("int4-delta: a pass with joined segments (token-sparse prefill)")
-        for s, live in enumerate(plan.rows):
+        for s, (live, end) in enumerate(_segments(plan.rows)):
             req = requests[live.row.request_id]
             plane = live.depth if self.planes > 1 else 0
-            start, end = live.row.token_start, live.row.token_start + live.row.token_count
+            start = live.row.token_start
             last = (end - 1) // bs
             for j in range(plane + 1):
                 chains[s, j, : last + 1] = req.tables[j][: last + 1]
@@ -142,16 +141,24 @@ class Int4KV:
     def _seal_batch(
         self, entries: Iterable[tuple[int, int, int, list[int], np.ndarray]]
     ) -> SealBatch:
+        """Marks the entries sealed. A sealed block keeps its tail until the plane above it
+        is sealed too (token-sparse prefill copies a frozen token's exact K/V up from it);
+        the top plane's block gives its own back."""
         seal = SealBatch(list(entries), self.planes, self.block_size, self.store.device)
         self.store.sealed[seal.block_ids] = True
-        self._closing.extend(seal.block_ids)
+        for plane, block, _tail, chain, _stored in seal.entries:
+            if plane:
+                self._closing.append(chain[plane - 1])
+            if plane == self.planes - 1:
+                self._closing.append(block)
+        self._sealing = seal.block_ids
         return seal
 
     def abandon_pass(self) -> None:
         """A pass failed before its seals ran to the end: its blocks are open again, their
         tails kept (the batch's requests are recomputed)."""
-        self.store.sealed[self._closing] = False
-        self._closing = []
+        self.store.sealed[self._sealing] = False
+        self._closing, self._sealing = [], []
 
     def _flush_closing(self) -> None:
         self.store.close(self._closing)
@@ -194,12 +201,38 @@ class Int4KV:
             self._flush_closing()
 
     def release(self, request_id: str, tables: list[list[int]]) -> None:
-        """The request finished or was preempted: its blocks that are still open lose their
-        tails (a block is cached for prefix hits only once sealed)."""
+        """The request finished or was preempted: its blocks lose their tails (a block is
+        cached for prefix hits only once sealed at every plane, and then needs none)."""
         self._flush_closing()
         self.books.pop(request_id, None)
-        store = self.store
-        self.store.close([b for table in tables for b in table if not store.sealed[b]])
+        self.store.close([b for table in tables for b in table])
+
+    def freeze(self, request_id: str, req: RequestView, positions: np.ndarray, loop: int) -> None:
+        """Token-sparse prefill froze ``positions`` at ``loop``: they store no delta there
+        (nor above), and their K/V is about to be copied up from plane ``loop - 1``'s tails
+        into plane ``loop``'s, which are opened here."""
+        book = self.book(request_id)
+        for p in positions.tolist():
+            book.tops[p] = min(book.tops.get(p, self.planes - 1), loop - 1)
+        blocks = np.unique(positions // self.block_size)
+        below = np.asarray(req.tables[loop - 1], dtype=np.int64)[blocks]
+        if (self.store.tail_of[below] < 0).any():
+            raise RuntimeError("int4-delta: a frozen token's plane below has no tail to copy")
+        self.store.open(np.asarray(req.tables[loop], dtype=np.int64)[blocks])
+        self.store.sync_tail_map()
+
+
+def _segments(rows: list[LiveRow]) -> list[tuple[LiveRow, int]]:
+    """Each attention segment's first row and the end of its last row's tokens (a
+    token-sparse fragment's rows join one segment)."""
+    out: list[tuple[LiveRow, int]] = []
+    for i, live in enumerate(rows):
+        end = live.row.token_start + live.row.token_count
+        if live.joins_segment and i > 0:
+            out[-1] = (out[-1][0], end)
+        else:
+            out.append((live, end))
+    return out
 
 
 class Int4PassAttention:

@@ -198,6 +198,7 @@ class SealBatch:
     ) -> None:
         """``entries``: (plane, block id, tail, block ids of planes 0..plane-1, stored)."""
         entries = sorted(entries, key=lambda e: e[0])
+        self.entries = entries
         n = len(entries)
         chains = np.zeros((n, max(planes, 1)), dtype=np.int64)
         stored = np.zeros((n, block_size), dtype=np.uint8)
