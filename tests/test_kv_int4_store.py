@@ -94,3 +94,10 @@ def test_the_pool_never_outgrows_one_tail_per_block() -> None:
     store.open(np.asarray([0]))
     with pytest.raises(RuntimeError, match="tail pool exhausted"):
         store._take_tail()
+
+
+def test_the_worker_refuses_blocks_too_small_to_group() -> None:
+    from services.worker.kv_int4.paged import Int4KV
+
+    with pytest.raises(ValueError, match="block_size 1 < 2"):
+        Int4KV(LAYERS, BLOCKS, 1, NKV, HD, torch.float32, torch.device("cpu"), PLANES)

@@ -21,6 +21,7 @@ import structlog
 import torch
 
 from kernels.kv_codec import AUTO, tail_reserve_blocks
+from kernels.kv_codec import check as check_codec
 from services.common.config import KVLayout
 from services.common.model_config import OuroConfig
 from services.common.tokenizer import TextCodec
@@ -120,6 +121,7 @@ class RunnerHost:
             return  # no device memory
         assert self.model is not None
         cfg = self.model.cfg
+        check_codec(self.kv_cache_dtype, cfg.head_dim, block_size)  # int4-delta: bs >= 2
         elem = torch.empty((), dtype=self.model.dtype).element_size()
         # codes, scales and all: what PagedKV allocates per block id
         per_block = bytes_per_block(

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
+from kernels.kv_codec import INT4_DELTA, check
 from kernels.ops import copy_kv_slots_masked, rope_write_kv
 from kernels.ops.attention_int4 import paged_attention_int4
 from services.worker.kv_int4.book import RequestBook
@@ -39,6 +40,7 @@ class Int4KV:
         device: torch.device,
         planes: int,
     ) -> None:
+        check(INT4_DELTA, head_dim, block_size)
         self.store = Int4Store(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
         self.layers = layers
         self.planes = planes
