@@ -184,3 +184,51 @@ def test_int4_token_sparse_prefill_freezes_without_a_delta(toy_model, oracle) ->
     store = record.engine.runner.int4.store
     assert int((store.stored[0][torch.from_numpy(store.sealed)] == 0).sum()) > 0
     assert compared == 7 * len(arrivals)
+
+
+def test_int4_a_pass_that_fails_while_sealing_leaves_its_blocks_open(
+    toy_model, oracle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass fails in its second layer, after the first layer sealed its blocks: the host
+    does not count them sealed (their tails stay), and a later request over the same prompt
+    equals the oracle."""
+    from messages.api import ErrorEvent, FinishedEvent
+    from services.engine.engine import LLMEngine
+    from services.worker.kv_int4.paged import Int4PassAttention
+
+    real = Int4PassAttention.layer
+    failed: list[list[int]] = []
+
+    def layer(self: Int4PassAttention, idx: int, *args):  # type: ignore[no-untyped-def]
+        if idx == 1 and len(self.seal) and not failed:
+            failed.append(list(self.seal.block_ids))
+            raise RuntimeError("injected failure while sealing")
+        return real(self, idx, *args)
+
+    monkeypatch.setattr(Int4PassAttention, "layer", layer)
+    config = SchedulerConfig(
+        block_size=4, num_blocks=64, kv_cache_dtype="int4-delta", split_prefill=False
+    )
+    engine = LLMEngine(toy_model, config)
+    prompt = [5, 9, 33, 71, 2, 18, 44, 90, 7, 120, 64, 3, 8]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, min_loops=1)
+    engine.add_request("a", prompt, params)
+    ended: dict[str, object] = {}
+    while engine.has_unfinished_requests():
+        for event in engine.step():
+            if isinstance(event, FinishedEvent | ErrorEvent):
+                ended[event.request_id] = event
+        if failed and "checked" not in ended:
+            assert not engine.runner.int4.store.sealed[failed[0]].any()
+            ended["checked"] = True
+    assert failed and isinstance(ended["a"], ErrorEvent)
+    engine.add_request("b", prompt, params)
+    while engine.has_unfinished_requests():
+        for event in engine.step():
+            if isinstance(event, FinishedEvent):
+                ended[event.request_id] = event
+    b = ended["b"]
+    assert isinstance(b, FinishedEvent)
+    assert (
+        assert_matches_oracle(b, oracle_result(oracle, prompt, params.resolve(D, 512), config)) == 5
+    )
