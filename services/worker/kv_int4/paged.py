@@ -106,9 +106,7 @@ class Int4KV:
         def put(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device)
 
-        return Int4PassAttention(
-            store, seal, put(chains), put(tail_tables), put(seg_planes), self.layers
-        )
+        return Int4PassAttention(store, seal, put(chains), put(tail_tables), put(seg_planes))
 
     def _need_sealed(
         self,
@@ -161,6 +159,8 @@ class Int4KV:
         tails kept (the batch's requests are recomputed)."""
         self.store.sealed[self._sealing] = False
         self._closing, self._sealing = [], []
+        for book in self.books.values():  # their cursors may have passed those blocks
+            book.sealed_upto = [0] * self.planes
 
     def _flush_closing(self) -> None:
         self.store.close(self._closing)
@@ -248,7 +248,6 @@ class Int4PassAttention:
         chains: torch.Tensor,
         tail_tables: torch.Tensor,
         planes: torch.Tensor,
-        layers: int,
     ) -> None:
         self.store = store
         self.seal = seal
