@@ -218,25 +218,16 @@ class OuroModel:
             ks = vs = None
             if int4 is not None:
                 a = int4.layer(idx, qkv, cos, sin, attn, nh, nkv, self.scale)
+            elif k_scale is None or v_scale is None:
+                q = rope_write_kv(
+                    qkv, cos, sin, k_cache[idx], v_cache[idx], attn.slot_mapping, nh, nkv
+                )
             else:
-                if k_scale is None or v_scale is None:
-                    q = rope_write_kv(
-                        qkv, cos, sin, k_cache[idx], v_cache[idx], attn.slot_mapping, nh, nkv
-                    )
-                else:
-                    ks, vs = k_scale[idx], v_scale[idx]
-                    q = rope_write_kv_fp8(
-                        qkv,
-                        cos,
-                        sin,
-                        k_cache[idx],
-                        v_cache[idx],
-                        ks,
-                        vs,
-                        attn.slot_mapping,
-                        nh,
-                        nkv,
-                    )
+                ks, vs = k_scale[idx], v_scale[idx]
+                q = rope_write_kv_fp8(
+                    qkv, cos, sin, k_cache[idx], v_cache[idx], ks, vs, attn.slot_mapping, nh, nkv
+                )
+            if int4 is None:
                 a = paged_attention(
                     q,
                     k_cache[idx],
