@@ -39,6 +39,9 @@ INT4_LEVELS = 15  # codes 0..15
 VALUE_GROUP = 64
 
 _BYTES = {"uint8": 1, "float16": 2, "float32": 4}
+# int4-delta: KV memory keeps one full-precision tail block per this many block ids (one
+# open block per plane for requests of 32 blocks); the worker allocates more if it must
+TAIL_SHARE = 32
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,11 @@ def tail_bytes(
     if codec != INT4_DELTA:
         return 0
     return block_bytes(AUTO, block_size, kv_heads, head_dim, model_bytes) * planes * layers
+
+
+def tail_reserve_blocks(codec: str, num_blocks: int) -> int:
+    """Tail blocks (``auto`` layout) that KV memory reserves beside ``num_blocks`` block ids."""
+    return -(-num_blocks // TAIL_SHARE) if codec == INT4_DELTA else 0
 
 
 def bytes_per_token(

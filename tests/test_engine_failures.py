@@ -60,8 +60,11 @@ def run(engine: LLMEngine) -> dict[str, FinishedEvent | ErrorEvent]:
 
 
 @pytest.mark.oracle
-def test_blocks_of_a_failed_batch_are_withdrawn_before_anyone_claims_them(toy_model, oracle):
-    cfg = config(max_inflight=2)
+@pytest.mark.parametrize("codec", ["auto", "int4-delta"])
+def test_blocks_of_a_failed_batch_are_withdrawn_before_anyone_claims_them(
+    toy_model, oracle, codec: str
+):
+    cfg = config(max_inflight=2, kv_cache_dtype=codec)
     engine = LLMEngine(toy_model, cfg)
     fail_batches(engine.runner, {0})
     engine.add_request("a", PROMPT, PARAMS)
@@ -78,8 +81,11 @@ def test_blocks_of_a_failed_batch_are_withdrawn_before_anyone_claims_them(toy_mo
 
 
 @pytest.mark.oracle
-def test_a_request_that_claimed_blocks_of_a_failed_batch_is_recomputed(toy_model, oracle):
-    cfg = config(max_inflight=3)
+@pytest.mark.parametrize("codec", ["auto", "int4-delta"])
+def test_a_request_that_claimed_blocks_of_a_failed_batch_is_recomputed(
+    toy_model, oracle, codec: str
+):
+    cfg = config(max_inflight=3, kv_cache_dtype=codec)
     batches: list[ScheduledBatch] = []
     engine: LLMEngine
 

@@ -6,7 +6,12 @@ span blocks and gathered rows."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,3 +143,58 @@ def test_int4_attention_with_gathered_rows() -> None:
         HD**-0.5, 4, torch.tensor(pos, dtype=torch.int32),
     )  # fmt: skip
     assert torch.allclose(got.double(), _dense(q, segs, [pos]), atol=1e-5, rtol=1e-5)
+
+
+def _triton_checks() -> list[str]:
+    """The Triton kernel against the torch reference on every layout (interpreter only)."""
+    from kernels.ops.attention_int4 import paged_attention_int4_reference
+    from kernels.ops.attention_int4_triton import paged_attention_int4_triton
+
+    found = []
+    cases = [(layout, None) for layout in LAYOUTS] + [([(4, 30, 2)], [2, 9, 17, 29])]
+    for i, (layout, pos) in enumerate(cases):
+        _segs, cache, k_tail, v_tail, tables, tail_tables = _build(3 + i, layout)
+        rows = [r for r, _, _ in layout]
+        # a row before the first segment: no segment covers it, it comes out 0
+        q = torch.randn(sum(rows) + 1, NKV * GROUP, HD, generator=torch.Generator().manual_seed(i))
+        starts = torch.tensor([1, *(1 + torch.tensor(rows).cumsum(0)).tolist()], dtype=torch.int32)
+        args = (
+            q, cache.k_codes, cache.v_codes, cache.k_scale, cache.k_zero, cache.v_scale,
+            cache.v_zero, cache.stored, k_tail, v_tail, tables, tail_tables,
+            torch.tensor([p for _, _, p in layout], dtype=torch.int32),
+            torch.tensor([c for _, c, _ in layout], dtype=torch.int32), starts, HD**-0.5,
+            max(rows), None if pos is None else torch.tensor([0, *pos], dtype=torch.int32),
+        )  # fmt: skip
+        want = paged_attention_int4_reference(*args)
+        got = paged_attention_int4_triton(*args)
+        if not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
+            found.append(f"case {i}: max diff {(got - want).abs().max().item()}")
+        if got[0].abs().max().item() != 0.0:
+            found.append(f"case {i}: the uncovered row is not 0")
+    return found
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_triton_int4_attention_equals_the_reference() -> None:
+    """Under TRITON_INTERPRET=1 in a fresh process (the interpreter is chosen when triton
+    decorates a kernel)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_kv_attention_int4"],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1: the checks run the Triton kernel on CPU tensors")
+        sys.exit(2)
+    mismatches = _triton_checks()
+    for line in mismatches:
+        print("MISMATCH", line)
+    sys.exit(1 if mismatches else 0)

@@ -8,23 +8,29 @@ import torch
 
 from kernels.kv_codec import block_bytes
 from services.common.config import SchedulerConfig
-from services.worker.kv_cache import INT4_NOT_STORED, PagedKV, bytes_per_block
+from services.common.fit import blocks_in_memory
+from services.worker.kv_cache import PagedKV, bytes_per_block
 
 pytestmark = pytest.mark.unit
 
 SHAPE = (2, 5, 4, 2, 8)  # layers, blocks, block_size, kv_heads, head_dim
 
 
-def test_int4_delta_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="int4-delta: the codec exists"):
+def test_paged_kv_leaves_int4_delta_to_its_own_storage() -> None:
+    with pytest.raises(ValueError, match="services/worker/kv_int4"):
         PagedKV("int4-delta", *SHAPE, dtype=torch.float32, device=torch.device("cpu"))
-    assert "does not store it yet" in INT4_NOT_STORED
 
 
 def test_config_refuses_an_unknown_codec() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         SchedulerConfig(kv_cache_dtype="int8")
     assert SchedulerConfig().kv_cache_dtype == "auto"
+
+
+def test_config_refuses_int4_delta_in_the_shared_layout() -> None:
+    with pytest.raises(ValueError, match="int4-delta needs kv_layout=last_exited"):
+        SchedulerConfig(kv_cache_dtype="int4-delta", kv_layout="shared", split_prefill=False)
+    assert SchedulerConfig(kv_cache_dtype="int4-delta").kv_cache_dtype == "int4-delta"
 
 
 @pytest.mark.parametrize("codec", ["auto", "fp8"])
@@ -64,10 +70,8 @@ def test_worker_memory_check_counts_codec_bytes(toy_checkpoint, monkeypatch) -> 
 
     hosts = {
         codec: RunnerHost(toy_checkpoint, "cpu", torch.bfloat16, kv_cache_dtype=codec)
-        for codec in ("auto", "fp8")
+        for codec in ("auto", "fp8", "int4-delta")
     }
-    with pytest.raises(ValueError, match="int4-delta: the codec exists"):
-        RunnerHost(toy_checkpoint, "cpu", torch.bfloat16, kv_cache_dtype="int4-delta")
     for host in hosts.values():
         host.load()
     cfg = hosts["auto"].model.cfg
@@ -83,6 +87,13 @@ def test_worker_memory_check_counts_codec_bytes(toy_checkpoint, monkeypatch) -> 
     hosts["fp8"].check_geometry(fp8_fits, 16, "last_exited")
     with pytest.raises(MemoryError):
         hosts["fp8"].check_geometry(fp8_fits + 1, 16, "last_exited")
+    # int4-delta: codes, scales, flags and a full-precision tail per 32 block ids (the
+    # check counts the scratch block too, hence one block less than fit's count)
+    int4_fits = blocks_in_memory(memory, bytes_per_block("int4-delta", *shape), auto_block) - 1
+    assert int4_fits > fp8_fits, (int4_fits, fp8_fits)  # the toy's small heads: scales weigh more
+    hosts["int4-delta"].check_geometry(int4_fits, 16, "last_exited")
+    with pytest.raises(MemoryError):
+        hosts["int4-delta"].check_geometry(int4_fits + 2, 16, "last_exited")
 
 
 def test_pd_refuses_a_codec_it_cannot_move(toy_checkpoint) -> None:

@@ -7,7 +7,8 @@ key of an earlier (sealed) block is read back from the codes of planes 0..d of t
 ``block_tables[s, j, block]`` for plane j: plane 0 on its own, each later plane adding its
 delta to the tokens it stores. Rows, positions and padding are as in ``rlt::paged_attention``
 (``query_pos`` optional). Sealed blocks are decoded per segment here, not kept: a pass makes
-no dequantised copy of the cache.
+no dequantised copy of the cache. On CUDA the Triton kernel (``attention_int4_triton.py``)
+decodes them tile by tile inside the kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kv_codec import value_group
+from kernels.ops._triton import triton_available
 from kernels.ops.kv_int4 import int4_decode_reference
 
 _lib = torch.library.Library("rlt", "FRAGMENT")
@@ -129,8 +131,39 @@ def _fake(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
-for _key in ("CPU", "CUDA"):  # the Triton kernels are the integration's next step
-    _lib.impl("paged_attention_int4", paged_attention_int4_reference, _key)
+def _paged_attention_int4_cuda(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: torch.Tensor,
+    stored: torch.Tensor,
+    k_tail: torch.Tensor,
+    v_tail: torch.Tensor,
+    block_tables: torch.Tensor,
+    tail_tables: torch.Tensor,
+    planes: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    query_pos: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Triton kernel (``attention_int4_triton.py``) where triton imports, else the
+    reference. No GPU has run it yet: it is held to the reference under the interpreter."""
+    args = (q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, stored, k_tail, v_tail)
+    rest = (block_tables, tail_tables, planes, context_lens, query_start, scale, max_query_len)
+    if triton_available():
+        from kernels.ops.attention_int4_triton import paged_attention_int4_triton
+
+        return paged_attention_int4_triton(*args, *rest, query_pos)
+    return paged_attention_int4_reference(*args, *rest, query_pos)
+
+
+_lib.impl("paged_attention_int4", paged_attention_int4_reference, "CPU")
+_lib.impl("paged_attention_int4", _paged_attention_int4_cuda, "CUDA")
 torch.library.register_fake("rlt::paged_attention_int4", _fake, lib=_lib)
 
 _op = torch.ops.rlt.paged_attention_int4.default

@@ -237,7 +237,17 @@ class SchedulerConfig:
                 "kv_layout=shared needs atomic prefill: with split/wavefront prefill the KV "
                 "version a chunk reads would depend on timing"
             )
+        self._check_int4_delta()
         self._check_sparse_prefill()
+
+    def _check_int4_delta(self) -> None:
+        """int4-delta seals a block once its tokens are final at a plane: the shared layout
+        rewrites its one plane every loop."""
+        if self.kv_cache_dtype == "int4-delta" and self.kv_layout == KVLayout.SHARED:
+            raise ValueError(
+                "kv_cache_dtype=int4-delta needs kv_layout=last_exited: the shared layout "
+                "overwrites its one plane every loop, so a sealed block would go stale"
+            )
 
     def _check_sparse_prefill(self) -> None:
         if self.prefill_retention is not None:

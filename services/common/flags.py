@@ -103,8 +103,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=list(KV_CACHE_DTYPES),
         default=os.environ.get("RLT_KV_CACHE_DTYPE", "auto"),
         help="how KV blocks store tokens: auto (the model dtype, exact), fp8 (e4m3 codes and "
-        "a scale per token and kv head: ~0.52x the bytes of bf16); int4-delta is refused "
-        "for now (the oracle and reference kernels have it, the engine does not store it) "
+        "a scale per token and kv head: ~0.52x the bytes of bf16), int4-delta (4-bit codes, "
+        "each loop a delta from the loop below, full-precision tails: ~0.33x; last_exited "
+        "layout only, no speculation or P/D) "
         "(default: $RLT_KV_CACHE_DTYPE, else auto)",
     )
     g.add_argument(

@@ -3,8 +3,8 @@ layer's blocks are made of, for every layer, and the slot copies that move all o
 
 ``auto`` is K and V in the model's dtype. ``fp8`` is K and V as e4m3 codes (uint8) plus a
 float32 scale per (slot, kv head): written by ``rlt::rope_write_kv_fp8``, read by
-``rlt::paged_attention`` with its scales. ``int4-delta`` is refused: its codec exists in the
-oracle and the reference kernels, but its sealing and tail blocks are not stored here yet.
+``rlt::paged_attention`` with its scales. ``int4-delta`` has its own storage
+(``services/worker/kv_int4/``): codes, scales and full-precision tails.
 """
 
 from __future__ import annotations
@@ -14,17 +14,10 @@ import torch
 from kernels.kv_codec import AUTO, FP8, INT4_DELTA, block_bytes
 from kernels.ops import copy_kv_slots_masked
 
-INT4_NOT_STORED = (
-    "int4-delta: the codec exists in the oracle and reference kernels; "
-    "the engine does not store it yet"
-)
-
 
 def check_storable(codec: str) -> None:
     """Raises ValueError for a codec the worker cannot store."""
-    if codec == INT4_DELTA:
-        raise ValueError(INT4_NOT_STORED)
-    if codec not in (AUTO, FP8):
+    if codec not in (AUTO, FP8, INT4_DELTA):
         raise ValueError(f"unknown kv cache dtype {codec!r}")
 
 
@@ -43,7 +36,10 @@ class PagedKV:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        check_storable(codec)
+        if codec not in (AUTO, FP8):
+            raise ValueError(
+                f"PagedKV stores auto and fp8, not {codec!r} (int4-delta: services/worker/kv_int4)"
+            )
         self.codec = codec
         shape = (layers, num_blocks, block_size, kv_heads, head_dim)
         # fp8 codes are one byte; the attention kernels decode them as they load a tile

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from kernels.kv_codec import AUTO
+from kernels.kv_codec import AUTO, INT4_DELTA
 from kernels.ops import exit_rule
 from kernels.ops.backends import select_backends
 from messages.batch import Batch, BatchKind, BatchResult
@@ -28,6 +28,7 @@ from services.common.config import KVLayout
 from services.common.sampling import sample_batch
 from services.common.sparse_prefill import SparseSchedule
 from services.worker.kv_cache import PagedKV
+from services.worker.kv_int4.paged import Int4KV
 from services.worker.model.ouro import OuroModel, PassAttention
 from services.worker.passes.decode_pool import DecodePool
 from services.worker.passes.pass_inputs import DevicePass
@@ -94,13 +95,22 @@ class ModelRunner(ResultReader):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        # auto: the model dtype (bf16/fp16 on CUDA), read as is; fp8: codes and scales
-        self.kv = PagedKV(kv_cache_dtype, *shape, dtype=model.dtype, device=model.device)
+        # auto: the model dtype (bf16/fp16 on CUDA), read as is; fp8: codes and scales;
+        # int4-delta: codes, scales and full-precision tails for the open blocks
+        self.int4: Int4KV | None = None
+        if kv_cache_dtype == INT4_DELTA:
+            planes = self.total_loops if kv_layout == KVLayout.LAST_EXITED else 1
+            self.int4 = Int4KV(*shape, dtype=model.dtype, device=model.device, planes=planes)
+        self.kv = self.int4 or PagedKV(
+            kv_cache_dtype, *shape, dtype=model.dtype, device=model.device
+        )
         self.k_cache, self.v_cache = self.kv.k, self.kv.v
         self.transfer = Transfer(model.device)
         mode = decode_mode or DecodeMode.default_for(model.device)
         if mode is DecodeMode.GRAPHS and model.device.type != "cuda":
             mode = DecodeMode.PADDED  # graphs need CUDA: the same static passes, eagerly
+        if self.int4 is not None:
+            mode = DecodeMode.EAGER  # each pass plans its tails and seals on the host
         if mode is DecodeMode.GRAPHS and kv_cache_dtype != AUTO:
             # fp8's ops are sync-free with Triton (checked under the interpreter), but no GPU
             # run has captured them yet: the same static passes, eagerly, until one does
@@ -125,7 +135,11 @@ class ModelRunner(ResultReader):
         )
         self.requests: dict[str, _WorkerRequest] = {}
         self.sparse = SparseFragments(
-            self.planner, self.transfer, self.kv.copy_slots, self.total_loops
+            self.planner,
+            self.transfer,
+            self.kv.copy_slots,
+            self.total_loops,
+            None if self.int4 is None else self.int4.freeze,
         )
         self.grammars = grammars
         # the live requests with a structured output (empty: passes skip every mask step)
@@ -159,11 +173,15 @@ class ModelRunner(ResultReader):
             self.speculation.drop(request_id)
             if (req := self.requests.pop(request_id, None)) is not None:
                 self.pool.free(req.pool_slot)
+                if self.int4 is not None:
+                    self.int4.release(request_id, req.tables)
             self.constrained.pop(request_id, None)
         num_planes = self.total_loops if self.kv_layout == KVLayout.LAST_EXITED else 1
         for new in batch.new_requests:
             self.speculation.drop(new.request_id)
             old = self.requests.get(new.request_id)
+            if old is not None and self.int4 is not None:  # preempted: its blocks are gone
+                self.int4.release(new.request_id, old.tables)
             self.requests[new.request_id] = _WorkerRequest(
                 prompt=list(new.prompt_token_ids),
                 sampling=new.sampling,
@@ -220,6 +238,8 @@ class ModelRunner(ResultReader):
             else:
                 self._run_recurrent(rows + spec_rows)
         except Exception:
+            if self.int4 is not None:
+                self.int4.abandon_pass()
             forget_cursors(batch, self.requests)
             for row in batch.rows:
                 self.speculation.drop(row.request_id)
@@ -284,6 +304,8 @@ class ModelRunner(ResultReader):
         if results:
             host = self.transfer.to_host(torch.cat(results) if len(results) > 1 else results[0])
             self._read_results(plans, host.tolist())
+        if self.int4 is not None:
+            self.int4.after_batch(rows, self.requests)
         if prompt_rows:
             score_prompts(self.model, self.transfer, self.requests, prompt_rows)
         for live in rows:  # a prompt done at full depth: its hidden rows are dead
@@ -387,6 +409,7 @@ class ModelRunner(ResultReader):
         the exit rule, the pool write, the exit copy and the coda's logits. Returns (the
         decode rows' packed results, the coda rows' logits or None, the output rows)."""
         model = self.model
+        int4 = self.int4.pass_attention(plan, self.requests) if self.int4 is not None else None
         attn = PassAttention(
             device["token.slot"],
             device["segment.table"],
@@ -403,6 +426,7 @@ class ModelRunner(ResultReader):
             attn,
             self.kv.k_scale,
             self.kv.v_scale,
+            int4,
         )
         packed: list[torch.Tensor] = []
         if plan.shape.num_decode:

@@ -20,7 +20,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from kernels.kv_codec import AUTO
+from kernels.kv_codec import AUTO, tail_reserve_blocks
+from kernels.kv_codec import check as check_codec
 from services.common.config import KVLayout
 from services.common.model_config import OuroConfig
 from services.common.tokenizer import TextCodec
@@ -120,6 +121,7 @@ class RunnerHost:
             return  # no device memory
         assert self.model is not None
         cfg = self.model.cfg
+        check_codec(self.kv_cache_dtype, cfg.head_dim, block_size)  # int4-delta: bs >= 2
         elem = torch.empty((), dtype=self.model.dtype).element_size()
         # codes, scales and all: what PagedKV allocates per block id
         per_block = bytes_per_block(
@@ -130,7 +132,12 @@ class RunnerHost:
             cfg.head_dim,
             elem,
         )
-        need = num_blocks * per_block
+        # int4-delta: and its reserve of full-precision tail blocks
+        tails = tail_reserve_blocks(self.kv_cache_dtype, num_blocks + 1)
+        tail_block = bytes_per_block(
+            AUTO, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, elem
+        )
+        need = num_blocks * per_block + tails * tail_block
         runner = self.runner
         # a runner with graphs frees their pool with itself: the next one captures in it
         holds_graphs = isinstance(runner, ModelRunner) and runner.static is not None

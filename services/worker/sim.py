@@ -30,7 +30,9 @@ device time as launches are. A prompt chunk reads
 its context once. A token-sparse prefill fragment (``BatchRow.fragment``) costs its active
 rows and one read of its window's context per query tile of the attention kernel
 (``KERNEL_QUERY_TILE`` rows): its active tokens are one segment, each tile of them reads
-the context once.
+the context once. Under int4-delta a pass at loop d reads the codes of planes 0..d (each
+plane a delta from the one below) plus its row's full-precision tail block
+(``SimCostModel.kv_tokens_read``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kernels.kv_codec import AUTO, bytes_per_token
+from kernels.kv_codec import AUTO, INT4_DELTA, bytes_per_token
 from messages.batch import Batch, BatchKind, BatchResult, SampledLogprobs, WorkerSampling
 from services.common.model_config import OuroConfig
 from services.worker.kv_transfer.agent import KVArena
@@ -88,6 +90,10 @@ class SimCostModel:
     dilation: float = 1.0
     host_pass_s: float = HOST_PASS_S
     host_row_s: float = HOST_ROW_S
+    # int4-delta: a pass at loop d decodes planes 0..d; each row also reads its open block
+    # from the full-precision tail, worth this many context tokens of codes
+    plane_chain: bool = False
+    tail_tokens: float = 0.0
 
     @classmethod
     def for_model(
@@ -103,7 +109,7 @@ class SimCostModel:
     ) -> SimCostModel:
         """``kv_cache_dtype``: a context token's K/V are charged the codec's bytes (codes,
         scales and flags of its block, ``kernels/kv_codec.py``; int4-delta's full-precision
-        tail, one block per request and plane, is not charged)."""
+        chain of planes and tail are charged per pass by ``kv_tokens_read``)."""
         h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
         kv_dim = cfg.num_key_value_heads * cfg.head_dim
         q_dim = cfg.num_attention_heads * cfg.head_dim
@@ -128,9 +134,25 @@ class SimCostModel:
             bytes_per_s=bytes_per_s,
             flops_per_s=flops_per_s,
             dilation=dilation,
+            plane_chain=kv_cache_dtype == INT4_DELTA,
+            tail_tokens=block_size
+            * bytes_per_token(
+                AUTO, cfg.num_key_value_heads, cfg.head_dim, 1, block_size, dtype_bytes
+            )
+            / bytes_per_token(
+                kv_cache_dtype, cfg.num_key_value_heads, cfg.head_dim, 1, block_size, dtype_bytes
+            )
+            if kv_cache_dtype == INT4_DELTA
+            else 0.0,
         )
 
-    def core_pass_s(self, num_rows: int, context_tokens: int, query_key_pairs: int) -> float:
+    def kv_tokens_read(self, context: int, depth: int) -> float:
+        """Context tokens (at ``kv_bytes_per_token``) one row at loop ``depth`` reads."""
+        if not self.plane_chain:
+            return context
+        return context * (depth + 1) + self.tail_tokens
+
+    def core_pass_s(self, num_rows: int, context_tokens: float, query_key_pairs: int) -> float:
         """One core pass over ``num_rows`` query tokens reading ``context_tokens`` of KV."""
         read = self.core_weight_bytes + context_tokens * self.kv_bytes_per_token
         flops = 2 * self.core_params * num_rows + self.attn_flops_per_query_key * query_key_pairs
@@ -189,13 +211,16 @@ class SimRunner:
         return cls(cfg, cost)
 
     @classmethod
-    def h100(cls, cfg: OuroConfig, *, dilation: float = 1.0) -> SimRunner:
+    def h100(
+        cls, cfg: OuroConfig, *, dilation: float = 1.0, kv_cache_dtype: str = AUTO
+    ) -> SimRunner:
         """``h200``'s passes on an H100 SXM (its HBM3 bandwidth, the same bf16 peak)."""
         from services.worker.model.toy import toy_config
 
         cost = SimCostModel.for_model(
             toy_config("1.4b"),
             dilation=dilation,
+            kv_cache_dtype=kv_cache_dtype,
             bytes_per_s=H100_HBM_BYTES_PER_S,
             flops_per_s=H100_BF16_FLOPS_PER_S,
         )
@@ -293,7 +318,8 @@ class SimRunner:
             active = [r for r in rows if r.loops_left > 0]
             if not active:
                 break
-            num_rows = context = pairs = sparse_rows = 0
+            num_rows = pairs = sparse_rows = 0
+            context = 0.0
             for r in active:
                 end = r.row.token_start + r.row.token_count
                 queries = r.row.num_rows  # a token-sparse fragment: its active tokens only
@@ -301,7 +327,7 @@ class SimRunner:
                 if r.row.fragment is not None:
                     sparse_rows += queries
                 tiles = -(-queries // KERNEL_QUERY_TILE) if r.row.fragment is not None else 1
-                context += tiles * end
+                context += tiles * self.cost.kv_tokens_read(end, r.depth)
                 pairs += queries * end
             device.append(self.cost.core_pass_s(num_rows, context, pairs))
             host.append(self.cost.host_s(sparse_rows))

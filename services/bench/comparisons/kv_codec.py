@@ -7,14 +7,15 @@ Three questions, per codec (``auto``, ``fp8``, ``int4-delta``):
   machine's model's shape and at Ouro-1.4B's, against bf16 and fp32 ``auto``
   (``kernels.kv_codec.bytes_per_token``);
 - capacity: the most concurrent 2k-token requests a fixed KV memory holds: the blocks the
-  memory holds at the codec's real block bytes (``services.common.fit.blocks_in_memory``),
-  divided by a request's footprint under the scheduler's own fit rule (``KVGeometry``), less
-  int4-delta's per-request tail;
+  memory holds at the codec's real block bytes (``services.common.fit.blocks_in_memory``;
+  int4-delta: with the worker's reserve of tail blocks, which holds the requests' open
+  blocks), divided by a request's footprint under the scheduler's own fit rule
+  (``KVGeometry``);
 - decode speed: tokens/s of greedy fixed-depth decode, on the simulated device (the cost
-  model of ``services/worker/sim.py``, Ouro-1.4B on an H200, and ``auto`` and ``fp8`` on its
-  H100 profile, charging a context token its codec's bytes) at 1, 32 and 128 rows x 2k and
-  8k context with the bytes read per core pass, and in-process on this machine's model
-  (``auto`` and ``fp8``: the engine does not store int4-delta yet).
+  model of ``services/worker/sim.py``, Ouro-1.4B on an H100, charging a context token its
+  codec's bytes; under int4-delta a pass at loop d reads the codes of planes 0..d and the
+  row's tail block) at 1, 32 and 128 rows x 2k and 8k context with the bytes read per core
+  pass (averaged over the loops), and in-process on this machine's model.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kernels.kv_codec import AUTO, CODECS, FP8, INT4_DELTA, block_bytes, bytes_per_token, tail_bytes
+from kernels.kv_codec import AUTO, CODECS, FP8, INT4_DELTA, block_bytes, bytes_per_token
 from messages.api import TokenEvent
 from messages.sampling import SamplingParams
 from services.common.config import KVLayout, SchedulerConfig
@@ -30,22 +31,13 @@ from services.common.fit import KVGeometry, blocks_in_memory, kv_tokens
 from services.engine.engine import LLMEngine
 from services.worker.model.ouro import OuroModel
 from services.worker.model.toy import toy_config
-from services.worker.sim import (
-    H100_BF16_FLOPS_PER_S,
-    H100_HBM_BYTES_PER_S,
-    H200_BF16_FLOPS_PER_S,
-    H200_HBM_BYTES_PER_S,
-    SimCostModel,
-)
+from services.worker.sim import H100_BF16_FLOPS_PER_S, H100_HBM_BYTES_PER_S, SimCostModel
 
 BLOCK_SIZE = 16
 CONTEXT = 2048  # the capacity question's request: 2k KV tokens (prompt + answer)
 KV_MEMORY_GIB = 40  # the fixed KV memory of the capacity question (Ouro-1.4B, bf16 auto base)
 SIM_ROWS = (1, 32, 128)
 SIM_CONTEXTS = (2048, 8192)
-# the simulated devices: (HBM bytes/s, dense bf16 flops/s), NVIDIA's published figures
-SIM_H200 = (H200_HBM_BYTES_PER_S, H200_BF16_FLOPS_PER_S)
-SIM_H100 = (H100_HBM_BYTES_PER_S, H100_BF16_FLOPS_PER_S)
 # in-process on the CPU: what two shared cores finish in minutes
 CPU_ROWS = (1, 32)
 CPU_CONTEXTS = (256,)
@@ -92,48 +84,45 @@ def capacity(s: dict[str, int], kv_bytes: int) -> dict[str, int]:
     out = {}
     for codec in CODECS:
         block_id = s["layers"] * block_bytes(codec, BLOCK_SIZE, s["kv_heads"], s["head_dim"], 2)
-        geometry = KVGeometry(BLOCK_SIZE, blocks_in_memory(kv_bytes, block_id), s["planes"])
-        # a request of CONTEXT KV tokens: prompt CONTEXT - 127, 128 tokens out
+        tail = s["layers"] * block_bytes(AUTO, BLOCK_SIZE, s["kv_heads"], s["head_dim"], 2)
+        blocks = blocks_in_memory(kv_bytes, block_id, tail if codec == INT4_DELTA else 0)
+        geometry = KVGeometry(BLOCK_SIZE, blocks, s["planes"])
+        # a request of CONTEXT KV tokens: prompt CONTEXT - 127, 128 tokens out; its open
+        # blocks (one per plane) are within the reserve (one tail per 32 block ids)
         footprint = geometry.blocks_for(kv_tokens(CONTEXT - 127, 128))
-        tail = tail_bytes(
-            codec, BLOCK_SIZE, s["kv_heads"], s["head_dim"], 2, s["planes"], s["layers"]
-        )
-        per_request = footprint * block_id + tail
-        out[codec] = kv_bytes // per_request
+        out[codec] = geometry.num_blocks // footprint
     return out
 
 
-def simulated_decode(
-    device: tuple[float, float] = SIM_H200, codecs: tuple[str, ...] = CODECS
-) -> list[dict[str, Any]]:
-    """Greedy decode at Ouro-1.4B's fixed depth on a simulated device (``SIM_H200`` or
-    ``SIM_H100``): a token is one core pass per loop (every row at its context, the loop's
-    plane) and one coda. ``bytes_per_pass``: weights and KV one core pass reads;
-    ``kv_bytes_per_pass``: the KV alone."""
+def simulated_decode() -> list[dict[str, Any]]:
+    """Greedy decode at Ouro-1.4B's fixed depth on the simulated H100: a token is one core
+    pass per loop (every row at its context, the loop's plane; int4-delta: planes 0..d) and
+    one coda."""
     cfg = toy_config("1.4b")
-    bytes_per_s, flops_per_s = device
+    loops = range(cfg.total_ut_steps)
     rows = []
-    for codec in codecs:
+    for codec in CODECS:
         cost = SimCostModel.for_model(
             cfg,
             kv_cache_dtype=codec,
             block_size=BLOCK_SIZE,
-            bytes_per_s=bytes_per_s,
-            flops_per_s=flops_per_s,
+            bytes_per_s=H100_HBM_BYTES_PER_S,
+            flops_per_s=H100_BF16_FLOPS_PER_S,
         )
         for n in SIM_ROWS:
             for ctx in SIM_CONTEXTS:
-                pass_s = cost.core_pass_s(n, n * ctx, n * ctx)
-                token_s = cfg.total_ut_steps * pass_s + cost.coda_s(n)
-                kv = n * ctx * cost.kv_bytes_per_token
+                read_tokens = [n * cost.kv_tokens_read(ctx, d) for d in loops]
+                passes = sum(cost.core_pass_s(n, tokens, n * ctx) for tokens in read_tokens)
+                token_s = passes + cost.coda_s(n)
+                mean_tokens = sum(read_tokens) / len(read_tokens)
+                read = cost.core_weight_bytes + mean_tokens * cost.kv_bytes_per_token
                 rows.append(
                     {
                         "codec": codec,
                         "rows": n,
                         "context": ctx,
                         "tokens_per_s": n / token_s,
-                        "bytes_per_pass": cost.core_weight_bytes + kv,
-                        "kv_bytes_per_pass": kv,
+                        "bytes_per_pass": read,
                     }
                 )
     return rows
@@ -143,7 +132,7 @@ def cpu_decode(model: OuroModel, contexts: tuple[int, ...]) -> list[dict[str, An
     """Greedy fixed-depth decode tokens/s in process on this machine's model: prompts of
     ``context`` tokens prefilled first, then CPU_DECODE_STEPS engine steps timed."""
     out = []
-    for codec in (AUTO, FP8):
+    for codec in CODECS:
         for n in CPU_ROWS:
             for ctx in contexts:
                 blocks = n * model.cfg.total_ut_steps * (-(-(ctx + 64) // BLOCK_SIZE)) + 8
@@ -221,7 +210,7 @@ def targets(c: dict[str, Any]) -> list[dict[str, Any]]:
         ),
         _target(
             "sim 32x2k",
-            "int4-delta decode >= 1.6x auto (simulated H200 cost model; not stored by the engine)",
+            "int4-delta decode >= 1.6x auto (simulated H100 cost model)",
             speed[INT4_DELTA],
             speed[INT4_DELTA] >= 1.6,
         ),
@@ -238,14 +227,14 @@ def run_comparison(model: OuroModel, *, quick: bool = False, **_: Any) -> dict[s
         "question": "How many bytes a context token takes, how many 2k-token requests a "
         "fixed KV memory holds, and how fast decode runs, per --kv-cache-dtype?",
         "notes": [
-            "simulated devices: Ouro-1.4B on an H200 (every codec) and on an H100 SXM "
-            "(auto and fp8; services/worker/sim.py); int4-delta's tail is not charged there",
-            "in-process rows: auto and fp8 only (the engine does not store int4-delta yet)",
+            "simulated device: Ouro-1.4B on an H100 (services/worker/sim.py); under "
+            "int4-delta a pass at loop d reads planes 0..d of codes and the row's tail block",
+            "in-process (CPU) int4-delta attention is the torch reference; the Triton kernel "
+            "runs on CUDA (no GPU has run it yet). CPU tokens/s swing with the shared cores",
         ],
         "bytes": bytes_table(shapes),
         "capacity": {"kv_gib": KV_MEMORY_GIB, "requests": capacity(ouro, KV_MEMORY_GIB << 30)},
         "simulated": simulated_decode(),
-        "simulated_h100": simulated_decode(SIM_H100, (AUTO, FP8)),
         "cpu": cpu_decode(model, CPU_QUICK_CONTEXTS if quick else CPU_CONTEXTS),
         "runs": [],
     }
@@ -270,7 +259,7 @@ def markdown(c: dict[str, Any]) -> list[str]:
     lines += ["| codec | requests | vs auto |", "|---|---|---|"]
     for codec, n in cap["requests"].items():
         lines.append(f"| {codec} | {n} | {n / base:.2f} |")
-    lines += ["", "### Decode tokens/s, simulated H200 (Ouro-1.4B, bf16 weights)", ""]
+    lines += ["", "### Decode tokens/s, simulated H100 (Ouro-1.4B, bf16 weights)", ""]
     lines += ["| codec | rows | context | tokens/s | vs auto | GB read per pass |"]
     lines += ["|---|---|---|---|---|---|"]
     sim = {(r["codec"], r["rows"], r["context"]): r for r in c["simulated"]}
@@ -280,7 +269,6 @@ def markdown(c: dict[str, Any]) -> list[str]:
             f"| {codec} | {n} | {ctx} | {r['tokens_per_s']:,.0f} | "
             f"{r['tokens_per_s'] / auto:.2f} | {r['bytes_per_pass'] / 1e9:.2f} |"
         )
-    lines += _h100_table(c.get("simulated_h100", []))
     lines += ["", "### Decode tokens/s in process (this machine's model, CPU)", ""]
     lines += ["| codec | rows | context | tokens/s |", "|---|---|---|---|"]
     for r in c["cpu"]:
@@ -290,21 +278,3 @@ def markdown(c: dict[str, Any]) -> list[str]:
         reached = "yes" if t["reached"] else "**no**"
         lines.append(f"| {t['target']['text']} | {t['median']:.2f} | {reached} |")
     return [*lines, ""]
-
-
-def _h100_table(rows: list[dict[str, Any]]) -> list[str]:
-    """SIM H100 decode, auto and fp8, with what a core pass reads."""
-    if not rows:
-        return []
-    lines = ["", "### Decode tokens/s, SIM H100 SXM (Ouro-1.4B, bf16 weights; cost model)", ""]
-    lines += ["| codec | rows | context | tokens/s | vs auto | GB read per pass | KV GB |"]
-    lines += ["|---|---|---|---|---|---|---|"]
-    sim = {(r["codec"], r["rows"], r["context"]): r for r in rows}
-    for (codec, n, ctx), r in sim.items():
-        auto = sim[(AUTO, n, ctx)]
-        lines.append(
-            f"| {codec} | {n} | {ctx} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s'] / auto['tokens_per_s']:.2f} | {r['bytes_per_pass'] / 1e9:.2f} | "
-            f"{r['kv_bytes_per_pass'] / 1e9:.2f} |"
-        )
-    return lines

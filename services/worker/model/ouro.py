@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,23 @@ class PassAttention(NamedTuple):
     # [T] each row's position, when some segment holds rows at gathered positions (a
     # token-sparse loop's active tokens); None: a segment's rows end its context
     query_pos: torch.Tensor | None = None
+
+
+class LayerAttention(Protocol):
+    """A codec with KV storage of its own (int4-delta): one layer's KV write and attention,
+    given its fused qkv rows; returns the attention output [T, nh, hd]."""
+
+    def layer(
+        self,
+        idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: PassAttention,
+        num_heads: int,
+        num_kv_heads: int,
+        scale: float,
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -178,6 +195,7 @@ class OuroModel:
         attn: PassAttention,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        int4: LayerAttention | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One loop of all L layers over packed rows, then the final norm and the exit gate.
 
@@ -185,6 +203,8 @@ class OuroModel:
         writes its rows' K/V there and attends through the block tables. With ``k_scale`` /
         ``v_scale`` [L, blocks, block_size, kv_heads] the caches are the fp8 codec's e4m3 codes:
         K/V are quantised as they are written and dequantised as attention reads them.
+        With ``int4`` (int4-delta) that pass's KV writes, sealing and attention replace
+        the caches' (``services/worker/kv_int4/paged.py``).
         Returns (normed h [T, H] in the model dtype, gate logits float32 [T]). The normed h is
         both the next loop's input and the coda's input if the row exits here.
         """
@@ -196,7 +216,9 @@ class OuroModel:
         for idx, layer in enumerate(layers):
             qkv = F.linear(x, layer.qkv)
             ks = vs = None
-            if k_scale is None or v_scale is None:
+            if int4 is not None:
+                a = int4.layer(idx, qkv, cos, sin, attn, nh, nkv, self.scale)
+            elif k_scale is None or v_scale is None:
                 q = rope_write_kv(
                     qkv, cos, sin, k_cache[idx], v_cache[idx], attn.slot_mapping, nh, nkv
                 )
@@ -205,19 +227,20 @@ class OuroModel:
                 q = rope_write_kv_fp8(
                     qkv, cos, sin, k_cache[idx], v_cache[idx], ks, vs, attn.slot_mapping, nh, nkv
                 )
-            a = paged_attention(
-                q,
-                k_cache[idx],
-                v_cache[idx],
-                attn.block_tables,
-                attn.context_lens,
-                attn.query_start,
-                self.scale,
-                attn.max_query_len,
-                attn.query_pos,
-                ks,
-                vs,
-            )
+            if int4 is None:
+                a = paged_attention(
+                    q,
+                    k_cache[idx],
+                    v_cache[idx],
+                    attn.block_tables,
+                    attn.context_lens,
+                    attn.query_start,
+                    self.scale,
+                    attn.max_query_len,
+                    attn.query_pos,
+                    ks,
+                    vs,
+                )
             a = F.linear(a.view(t, nh * hd), layer.o)
             h, x = add_rms_norm(h, a, layer.ln_in_2, layer.ln_post, self.eps)
             m = F.linear(silu_mul(F.linear(x, layer.gate_up)), layer.down)

@@ -86,12 +86,17 @@ class SparseFragments:
         transfer: Transfer,
         copy_slots: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
         total_loops: int,
+        on_frozen: Callable[[str, SparseRequest, np.ndarray, int], None] | None = None,
     ) -> None:
-        """``copy_slots(src, dst, mask)``: the KV storage's slot copy (codes and scales)."""
+        """``copy_slots(src, dst, mask)``: the KV storage's slot copy (codes and scales).
+        ``on_frozen(request_id, request, positions, loop)``: told of each window's frozen
+        tokens before their copy (int4-delta's storage records them and opens their
+        blocks)."""
         self.planner = planner
         self.transfer = transfer
         self.copy_slots = copy_slots
         self.total_loops = total_loops
+        self.on_frozen = on_frozen
 
     # ------------------------------------------------------------------ before the passes
     def expand(self, rows: list[LiveRow], requests: Mapping[str, SparseRequest]) -> list[LiveRow]:
@@ -184,6 +189,8 @@ class SparseFragments:
         """[2, F] (plane l-1 slot, plane l slot) of the window's frozen tokens."""
         window = np.arange(row.token_start, row.token_start + row.token_count)
         frozen = np.setdiff1d(window, active, assume_unique=True)
+        if self.on_frozen is not None and frozen.size:
+            self.on_frozen(row.request_id, req, frozen, row.depth)
         bs = self.planner.block_size
         below = np.asarray(req.tables[self.planner.plane(row.depth - 1)], dtype=np.int64)
         here = np.asarray(req.tables[self.planner.plane(row.depth)], dtype=np.int64)

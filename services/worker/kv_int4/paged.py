@@ -1,0 +1,298 @@
+"""``Int4KV``: the runner's int4-delta KV. Each pass writes its rows' K/V into the tails,
+seals (per layer, before attention) the blocks its queries read coded that are not sealed
+yet, and attends through ``rlt::paged_attention_int4`` with the tail rule: a key in the
+query's own block from the tail, an earlier block from its codes, planes 0..d of it (no
+dense copy of the context). After a batch every block whose tokens are all final is sealed
+at once, so tails stay few; a request's open tails go when it finishes or is preempted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+
+from kernels.kv_codec import INT4_DELTA, check
+from kernels.ops import copy_kv_slots_masked, rope_write_kv
+from kernels.ops.attention_int4 import paged_attention_int4
+from services.worker.kv_int4.book import RequestBook
+from services.worker.kv_int4.store import Int4Store, SealBatch
+from services.worker.model.ouro import PassAttention
+from services.worker.passes.pass_plan import PassPlan, RequestView
+from services.worker.passes.rows import LiveRow
+
+
+class Int4KV:
+    """The int4-delta storage (``Int4Store``) and each request's ``RequestBook``."""
+
+    k_scale = None  # the fp8 arguments of the core loop: not this codec's
+    v_scale = None
+
+    def __init__(
+        self,
+        layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        planes: int,
+    ) -> None:
+        check(INT4_DELTA, head_dim, block_size)
+        self.store = Int4Store(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
+        self.layers = layers
+        self.planes = planes
+        self.block_size = block_size
+        self.books: dict[str, RequestBook] = {}
+        self._closing: list[int] = []  # tails to give back once the last pass has run
+        self._sealing: list[int] = []  # the blocks the last pass seals
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.store.k_codes
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.store.v_codes
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.nbytes
+
+    def book(self, request_id: str) -> RequestBook:
+        book = self.books.get(request_id)
+        if book is None:
+            book = self.books[request_id] = RequestBook(self.planes)
+        return book
+
+    # ------------------------------------------------------------------ a pass
+    def pass_attention(
+        self, plan: PassPlan, requests: Mapping[str, RequestView]
+    ) -> Int4PassAttention:
+        """Host work before a pass: tails for every block it writes, the tables and tail
+        tables of its segments, and the blocks to seal before its attention reads them."""
+        self._flush_closing()
+        store, bs, h, shape = self.store, self.block_size, plan.host, plan.shape
+        slots = h["token.slot"][: shape.num_tokens]
+        pairs = shape.num_pairs
+        written = [
+            slots[slots >= 0] // bs,
+            h["pair.src"][:pairs] // bs,
+            h["pair.dst"][:pairs] // bs,
+        ]
+        store.open(np.concatenate(written).astype(np.int64))
+        segments, width = shape.num_segments, shape.table_width
+        chains = np.zeros((segments, self.planes, width), dtype=np.int64)
+        tail_tables = np.zeros((segments, width), dtype=np.int64)
+        seg_planes = np.zeros(segments, dtype=np.int64)
+        entries: dict[int, tuple[int, int, int, list[int], np.ndarray]] = {}
+        for s, (live, end) in enumerate(_segments(plan.rows)):
+            req = requests[live.row.request_id]
+            plane = live.depth if self.planes > 1 else 0
+            start = live.row.token_start
+            last = (end - 1) // bs
+            for j in range(plane + 1):
+                chains[s, j, : last + 1] = req.tables[j][: last + 1]
+            own = np.asarray(req.tables[plane][start // bs : last + 1], dtype=np.int64)
+            tail_tables[s, start // bs : last + 1] = store.tail_of[own]
+            seg_planes[s] = plane
+            self._need_sealed(live.row.request_id, req, range(plane + 1), last, entries)
+        seal = self._seal_batch(entries.values())
+        store.sync_tail_map()
+        device = store.device
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        return Int4PassAttention(store, seal, put(chains), put(tail_tables), put(seg_planes))
+
+    def _need_sealed(
+        self,
+        request_id: str,
+        req: RequestView,
+        planes: range,
+        blocks: int,
+        entries: dict[int, tuple[int, int, int, list[int], np.ndarray]],
+    ) -> None:
+        """Adds the blocks ``0 .. blocks - 1`` of ``planes`` that are not sealed."""
+        book = self.book(request_id)
+        for j in planes:
+            table = req.tables[j]
+            b = book.sealed_upto[j]
+            while b < blocks:
+                block = table[b]
+                if not self.store.sealed[block] and block not in entries:
+                    entries[block] = self._entry(book, req, j, b)
+                b += 1
+            book.sealed_upto[j] = max(book.sealed_upto[j], blocks)
+
+    def _entry(
+        self, book: RequestBook, req: RequestView, plane: int, b: int
+    ) -> tuple[int, int, int, list[int], np.ndarray]:
+        block = req.tables[plane][b]
+        tail = int(self.store.tail_of[block])
+        if tail < 0:
+            raise RuntimeError(f"int4-delta: block {block} (plane {plane}) has no tail to seal")
+        chain = [req.tables[i][b] for i in range(plane)]
+        return (plane, block, tail, chain, book.stored(b, plane, self.block_size))
+
+    def _seal_batch(
+        self, entries: Iterable[tuple[int, int, int, list[int], np.ndarray]]
+    ) -> SealBatch:
+        """Marks the entries sealed. A sealed block keeps its tail until the plane above it
+        is sealed too (token-sparse prefill copies a frozen token's exact K/V up from it);
+        the top plane's block gives its own back."""
+        seal = SealBatch(list(entries), self.planes, self.block_size, self.store.device)
+        self.store.sealed[seal.block_ids] = True
+        for plane, block, _tail, chain, _stored in seal.entries:
+            if plane:
+                self._closing.append(chain[plane - 1])
+            if plane == self.planes - 1:
+                self._closing.append(block)
+        self._sealing = seal.block_ids
+        return seal
+
+    def abandon_pass(self) -> None:
+        """A pass failed before its seals ran to the end: its blocks are open again, their
+        tails kept (the batch's requests are recomputed)."""
+        self.store.sealed[self._sealing] = False
+        self._closing, self._sealing = [], []
+        for book in self.books.values():  # their cursors may have passed those blocks
+            book.sealed_upto = [0] * self.planes
+
+    def _flush_closing(self) -> None:
+        self.store.close(self._closing)
+        self._closing = []
+
+    # ------------------------------------------------------------------ copies
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor) -> None:
+        """The exit copy: slot ``src[i]`` onto ``dst[i]`` where ``mask[i]``, in the tails
+        (both are the exiting token's open blocks)."""
+        store = self.store
+        copy_kv_slots_masked(
+            store.k_tail, store.v_tail, store.tail_slots(src), store.tail_slots(dst), mask
+        )
+
+    # ------------------------------------------------------------------ after a batch
+    def after_batch(self, rows: list[LiveRow], requests: Mapping[str, RequestView]) -> None:
+        """Records what the batch made final (exits included) and seals every block of its
+        requests whose tokens are all final, in every layer."""
+        self._flush_closing()
+        touched: dict[str, RequestBook] = {}
+        for live in rows:
+            r = live.row
+            if r.request_id not in requests:
+                continue
+            book = touched[r.request_id] = self.book(r.request_id)
+            end = r.token_start + r.token_count
+            book.ran(r.depth, live.depth, end)
+            if live.is_decode and live.result.exited:
+                book.exited(r.token_start, live.result.exit_loops)
+        entries: dict[int, tuple[int, int, int, list[int], np.ndarray]] = {}
+        for request_id, book in touched.items():
+            req = requests[request_id]
+            for j in range(self.planes):
+                full = min(book.final[j] // self.block_size, len(req.tables[j]))
+                self._need_sealed(request_id, req, range(j, j + 1), full, entries)
+        if entries:
+            seal = self._seal_batch(entries.values())
+            for idx in range(self.layers):
+                self.store.seal_layer(idx, seal)
+            self._flush_closing()
+
+    def release(self, request_id: str, tables: list[list[int]]) -> None:
+        """The request finished or was preempted: its blocks lose their tails (a block is
+        cached for prefix hits only once sealed at every plane, and then needs none)."""
+        self._flush_closing()
+        self.books.pop(request_id, None)
+        self.store.close([b for table in tables for b in table])
+
+    def freeze(self, request_id: str, req: RequestView, positions: np.ndarray, loop: int) -> None:
+        """Token-sparse prefill froze ``positions`` at ``loop``: they store no delta there
+        (nor above), and their K/V is about to be copied up from plane ``loop - 1``'s tails
+        into plane ``loop``'s, which are opened here."""
+        book = self.book(request_id)
+        for p in positions.tolist():
+            book.tops[p] = min(book.tops.get(p, self.planes - 1), loop - 1)
+        blocks = np.unique(positions // self.block_size)
+        below = np.asarray(req.tables[loop - 1], dtype=np.int64)[blocks]
+        if (self.store.tail_of[below] < 0).any():
+            raise RuntimeError("int4-delta: a frozen token's plane below has no tail to copy")
+        self.store.open(np.asarray(req.tables[loop], dtype=np.int64)[blocks])
+        self.store.sync_tail_map()
+
+
+def _segments(rows: list[LiveRow]) -> list[tuple[LiveRow, int]]:
+    """Each attention segment's first row and the end of its last row's tokens (a
+    token-sparse fragment's rows join one segment)."""
+    out: list[tuple[LiveRow, int]] = []
+    for i, live in enumerate(rows):
+        end = live.row.token_start + live.row.token_count
+        if live.joins_segment and i > 0:
+            out[-1] = (out[-1][0], end)
+        else:
+            out.append((live, end))
+    return out
+
+
+class Int4PassAttention:
+    """One pass's int4-delta attention, layer by layer: write K/V into the tails, seal the
+    pass's blocks in this layer, attend."""
+
+    def __init__(
+        self,
+        store: Int4Store,
+        seal: SealBatch,
+        chains: torch.Tensor,
+        tail_tables: torch.Tensor,
+        planes: torch.Tensor,
+    ) -> None:
+        self.store = store
+        self.seal = seal
+        self.chains = chains
+        self.tail_tables = tail_tables
+        self.planes = planes
+        self._slots: torch.Tensor | None = None
+
+    def layer(
+        self,
+        idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: PassAttention,
+        num_heads: int,
+        num_kv_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        store = self.store
+        if self._slots is None:
+            self._slots = store.tail_slots(attn.slot_mapping)
+        q = rope_write_kv(
+            qkv,
+            cos,
+            sin,
+            store.k_tail[idx],
+            store.v_tail[idx],
+            self._slots,
+            num_heads,
+            num_kv_heads,
+        )
+        if len(self.seal):
+            store.seal_layer(idx, self.seal)
+        return paged_attention_int4(
+            q,
+            store.layer(idx),
+            store.k_tail[idx],
+            store.v_tail[idx],
+            self.chains,
+            self.tail_tables,
+            self.planes,
+            attn.context_lens,
+            attn.query_start,
+            scale,
+            attn.max_query_len,
+            attn.query_pos,
+        )
