@@ -95,6 +95,8 @@ class PDSoakReport:
     divergences: list[dict[str, Any]] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=dict)  # "kill9-prefill", "stop-decode", ...
     faults_mid_pull: int = 0  # struck while the decode worker had a pull under way
+    # faults after which the shards were not both healthy within 90 s (what admission saw)
+    not_recovered: list[dict[str, Any]] = field(default_factory=list)
     finished_on_shard: dict[str, int] = field(default_factory=dict)
     # decode-shard prefills instead of pulls, by reason (rlt:kv_transfer_fallbacks_total)
     kv_transfer_fallbacks: dict[str, int] = field(default_factory=dict)
@@ -113,6 +115,7 @@ class PDSoakReport:
             and self.altered == 0
             and self.verified > 0
             and self.kv_reclaimed
+            and not self.not_recovered
         )
 
 
@@ -214,7 +217,12 @@ async def inject_faults(
             await asyncio.sleep(rng.uniform(0.3, 4.0))
             procs.kill(key, signal.SIGCONT)
         report.faults = dict(faults)
-        await wait_for(lambda: _both_healthy(control), 90, "both shards healthy again")
+        try:
+            await wait_for(lambda: _both_healthy(control), 90, "both shards healthy again")
+        except TimeoutError:  # a liveness failure: noted with what admission saw, and on
+            h = await _health_or_none(control, "admission")
+            shards = {} if h is None else h["shards"]
+            report.not_recovered.append({"after": f"{faults}", "shards": shards})
 
 
 async def _both_healthy(nc: Any) -> bool:
@@ -377,7 +385,8 @@ async def run_main(args: argparse.Namespace) -> int:
     from services.worker.model.toy import write_toy_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="rlt-pd-soak-") as tmp:
-        work = Path(tmp)
+        work = Path(args.workdir or tmp)  # --workdir: the services' logs are kept there
+        work.mkdir(parents=True, exist_ok=True)
         ckpt = write_toy_checkpoint(work / "ckpt", seed=0, size="toy")
         with (
             NatsServer(port=free_port()) as server,
@@ -410,6 +419,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--decode-blocks", type=int, default=256, help="the decode shard's KV blocks (pressure)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default="", help="keep the services' logs here")
 
 
 def main() -> int:

@@ -22,16 +22,16 @@ from services.common.config import KVAdmission, SchedulerConfig
 from services.scheduler.core.request import RequestState
 from services.worker.kv_transfer.agent import nixl_available
 from services.worker.kv_transfer.result_outbox import ResultOutbox
-from tests.engine_harness import assert_matches_oracle, oracle_result
-from tests.test_disaggregation_engine import (
+from tests.disaggregation_pair import (
     CONFIGS,
     GREEDY_EXIT,
     PROMPTS,
     Pair,
-    _compare,
     colocated,
+    compare,
     workload,
 )
+from tests.engine_harness import assert_matches_oracle, oracle_result
 
 pytestmark = [
     pytest.mark.oracle,
@@ -112,7 +112,7 @@ def test_lost_pull_results_are_published_again_until_acknowledged(toy_model, ora
     for request in requests:
         pair.add(*request)
     pair.run()
-    _compare(pair, expected)
+    compare(pair, expected)
     assert pair.outbox is not None
     assert pair.outbox.num_resent >= 2 and len(pair.outbox) == 0  # every result acknowledged
     assert pair.drop_publications == 0 and pair.drop_acks == 0  # the losses did happen
@@ -200,7 +200,7 @@ def test_small_kv_preempts_mid_pull_and_mid_decode_with_exact_tokens(toy_model, 
     for request in requests:
         pair.add(*request)
     pair.run()
-    _compare(pair, expected)
+    compare(pair, expected)
     stats = pair.decode.scheduler.stats
     assert pair.seen.mid_pull > 0, pair.seen
     assert pair.seen.mid_decode > 0, pair.seen
