@@ -95,6 +95,8 @@ class PDSoakReport:
     divergences: list[dict[str, Any]] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=dict)  # "kill9-prefill", "stop-decode", ...
     faults_mid_pull: int = 0  # struck while the decode worker had a pull under way
+    # workers that died by themselves (not killed here), with how
+    died: list[str] = field(default_factory=list)
     # faults after which the shards were not both healthy within 90 s (what admission saw)
     not_recovered: list[dict[str, Any]] = field(default_factory=list)
     finished_on_shard: dict[str, int] = field(default_factory=dict)
@@ -116,6 +118,7 @@ class PDSoakReport:
             and self.verified > 0
             and self.kv_reclaimed
             and not self.not_recovered
+            and not self.died
         )
 
 
@@ -206,11 +209,14 @@ async def inject_faults(
         report.faults_mid_pull += await _pull_under_way(control, 3.0)
         shard = rng.choice(sorted(ROLES))
         key = f"worker-{shard}"
-        if rng.random() < 0.5:
+        if not procs.procs[key].alive():  # it died by itself: noted, and started again
+            report.died.append(f"{key}: exit {procs.procs[key].popen.returncode}")
+            await _restart(procs, shard, decode_blocks, report)
+        elif rng.random() < 0.5:
             procs.kill(key)  # kill -9 (waits until it is gone)
             faults[f"kill9-{ROLES[shard]}"] += 1
             await asyncio.sleep(rng.uniform(0.2, 2.0))
-            await procs.wait_ready(start_worker(procs, shard, decode_blocks), timeout=120.0)
+            await _restart(procs, shard, decode_blocks, report)
         else:
             procs.kill(key, signal.SIGSTOP)
             faults[f"stop-{ROLES[shard]}"] += 1
@@ -223,6 +229,19 @@ async def inject_faults(
             h = await _health_or_none(control, "admission")
             shards = {} if h is None else h["shards"]
             report.not_recovered.append({"after": f"{faults}", "shards": shards})
+
+
+async def _restart(
+    procs: ServiceProcs, shard: str, decode_blocks: int, report: PDSoakReport
+) -> None:
+    """The shard's worker again, with its role; one that exits while starting is noted and
+    tried again (three times at most)."""
+    for _ in range(3):
+        try:
+            await procs.wait_ready(start_worker(procs, shard, decode_blocks), timeout=120.0)
+            return
+        except (RuntimeError, TimeoutError) as exc:
+            report.died.append(f"worker-{shard} while starting: {str(exc)[-300:]}")
 
 
 async def _both_healthy(nc: Any) -> bool:
