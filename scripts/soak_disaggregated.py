@@ -324,7 +324,10 @@ async def run_pd_soak(
             inject_faults(procs, control, stop_at, rng, fault_every_s, decode_blocks, report)
         )
         results = await asyncio.gather(*(one_client(c) for c in range(clients)))
-        await injector
+        try:
+            await injector
+        except Exception as exc:  # the injector's own failure: reported, the checks go on
+            report.died.append(f"fault injector: {exc!r}"[:500])
         ended = time.monotonic()
         done = _tally_streams(results, report)
 

@@ -290,7 +290,7 @@ class ModelRunner(ResultReader):
             if (
                 not live.is_decode
                 and live.depth == self.total_loops
-                and r.token_start + r.token_count == len(req.prompt)
+                and live.end == len(req.prompt)
             ):
                 req.prefill_hidden = None
                 req.sparse = None

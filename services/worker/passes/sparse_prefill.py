@@ -257,10 +257,10 @@ class SparseFragments:
         self.copy_slots(slots[:count], slots[count:], keep)
 
     def _fragment_rows(self, live: LiveRow, windows: SparseWindows) -> list[LiveRow]:
-        """The fragment's active tokens as one-token prompt rows, ascending, of one attention
-        segment (each row sees keys up to its own position); they share the fragment's
-        result. The prompt's last position (the last row of its last fragment) keeps the
-        fragment's coda."""
+        """The fragment's active tokens as one live row of one-token pass rows at their
+        positions (``LiveRow.positions``, ascending: each sees keys up to its own position),
+        one attention segment, with the fragment's result. It asks for logits only when
+        it holds the prompt's last position (its last row)."""
         row = live.row
         fragment = row.fragment
         assert fragment is not None
@@ -270,26 +270,26 @@ class SparseFragments:
                 f"{row.request_id}: window {row.token_start} has no active tokens of loop "
                 f"{row.depth}"
             )
-        positions = chosen[1][fragment.active_start : fragment.active_end].tolist()
+        positions = chosen[1][fragment.active_start : fragment.active_end]
         if fragment.active_end == fragment.window_active and row.depth == self.total_loops - 1:
             del windows.active[row.token_start]  # its last reader
-        last = windows.prompt_len - 1
-        out: list[LiveRow] = []
-        for position in positions:
-            part = BatchRow(
-                request_id=row.request_id,
-                kind=RowKind.PREFILL,
-                token_start=position,
-                token_count=1,
-                depth=row.depth,
-                num_loops=1,
-                compute_logits=row.compute_logits and position == last,
-                output_index=row.output_index,
-            )
-            piece = LiveRow(live.index, part, row.depth, 1, joins_segment=bool(out))
-            piece.result = live.result
-            out.append(piece)
-        return out
+        if positions.size == 0:
+            return []
+        last = int(positions[-1])
+        part = BatchRow(
+            request_id=row.request_id,
+            kind=RowKind.PREFILL,
+            token_start=int(positions[0]),
+            token_count=int(positions.size),
+            depth=row.depth,
+            num_loops=1,
+            compute_logits=row.compute_logits and last == windows.prompt_len - 1,
+            output_index=row.output_index,
+        )
+        out = LiveRow(live.index, part, row.depth, 1)
+        out.positions = positions
+        out.result = live.result
+        return [out]
 
     # ------------------------------------------------------------------ after a pass
     def record_scores(
@@ -317,7 +317,8 @@ class SparseFragments:
             key = (id(windows), following)
             _, rows, positions = targets.setdefault(key, (windows, [], []))
             rows.append(np.arange(offset, offset + count))
-            positions.append(np.arange(start, start + count))
+            at = live.positions
+            positions.append(np.arange(start, start + count) if at is None else at)
         if not targets:
             return
         rows_all = np.concatenate([r for _, rows, _ in targets.values() for r in rows])
