@@ -140,7 +140,7 @@ class SimCostModel:
 
     def host_s(self, sparse_rows: int) -> float:
         """The worker's host work for a pass with ``sparse_rows`` rows of token-sparse
-        fragments (their expansion and plan, one row per active token)."""
+        fragments (their expansion and plan: array work per active token)."""
         return self.host_pass_s + self.host_row_s * sparse_rows
 
     def coda_s(self, num_rows: int) -> float:
