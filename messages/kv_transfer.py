@@ -107,11 +107,19 @@ class KVPullResult(msgspec.Struct, kw_only=True):
 
 
 class KVPullResults(msgspec.Struct, kw_only=True):
-    """decode worker -> its scheduler, on the epoch's result subject + ``.kv``."""
+    """decode worker -> its scheduler, on the epoch's result subject + ``.kv``, with the
+    worker's acknowledgement subject as reply subject."""
 
     epoch: str
     worker_id: str
     results: list[KVPullResult] = msgspec.field(default_factory=list)
+
+
+class KVPullResultsAck(msgspec.Struct, kw_only=True):
+    """decode scheduler -> its worker (to a ``KVPullResults``' reply subject): it has these
+    results; the worker publishes a result again until it is acknowledged."""
+
+    transfer_ids: list[str] = msgspec.field(default_factory=list)
 
 
 class KVSourceInfo(msgspec.Struct, kw_only=True):

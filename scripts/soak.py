@@ -21,6 +21,8 @@ as ``altered``, which fails the soak (``scripts/soak_verify.py``).
 
     python scripts/soak.py --duration 600 --clients 8      # the long variant
     python scripts/soak.py --duration 300 --adversary      # with an attacker mixed in
+    python scripts/soak.py --disaggregated --duration 300  # P/D with worker faults
+                                                           # (scripts/soak_disaggregated.py)
     tests/test_soak.py runs about half a minute of each in CI.
 """
 
@@ -370,6 +372,11 @@ async def run_adversary_soak(
 
 
 def main() -> int:
+    if "--disaggregated" in sys.argv[1:]:  # the P/D fault soak, with options of its own
+        from scripts.soak_disaggregated import main as disaggregated_main
+
+        sys.argv.remove("--disaggregated")
+        return disaggregated_main()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
     p.add_argument("--clients", type=int, default=8)

@@ -8,27 +8,31 @@ tokens; no block leaks on either side."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from kernels.kv_codec import block_bytes
 from messages.api import FinishedEvent, TokenEvent
-from messages.batch import BatchResult
-from messages.kv_transfer import KVPull, KVPullResult
 from messages.prefix import prompt_block_hashes
 from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, KVLayout, SchedulerConfig
 from services.common.sparse_prefill import resolve_sparse_prefill
 from services.engine.engine import LLMEngine
-from services.engine.executor import InProcessExecutor
 from services.oracle import SparseSetting
-from services.scheduler.core.intake import KnownOutputs
 from services.scheduler.core.request import RequestState
-from services.worker.kv_transfer.agent import KVTransferAgent, TransferError, nixl_available
-from services.worker.kv_transfer.pulls import arena_of, num_planes
+from services.worker.kv_transfer.agent import TransferError, nixl_available
+from services.worker.kv_transfer.pulls import arena_of
+from tests.disaggregation_pair import (
+    CONFIGS,
+    GREEDY_EXIT,
+    PROMPTS,
+    SHARED_PREFIX,
+    Pair,
+    colocated,
+    compare,
+    workload,
+)
 from tests.engine_harness import assert_matches_oracle, oracle_result
 
 pytestmark = [
@@ -36,182 +40,8 @@ pytestmark = [
     pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"),
 ]
 
-_names = itertools.count()
-SHARED_PREFIX = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]
-PROMPTS = {
-    "a": [5, 9, 33, 71, 2, 18, 40, 41, 42, 43, 44],
-    "b": [101, 7, 7, 250],
-    "c": [*SHARED_PREFIX, 44, 45, 46],
-    "d": [*SHARED_PREFIX, 60, 61, 62, 63, 64, 65],
-    "e": [11] * 23,
-}
-
-
-class PullingExecutor(InProcessExecutor):
-    """Runs each batch's pulls (NIXL READs from the prefill runner) before its rows, as the
-    worker does once every earlier batch ran; ``fail`` makes them fail instead."""
-
-    def __init__(self, runner, agent: KVTransferAgent, source: KVTransferAgent) -> None:
-        super().__init__(runner)
-        self.agent, self.source = agent, source
-        self.fail = False
-        self.unconfirmed = False  # a failed pull's abort NIXL could not confirm
-        self.done: list[KVPullResult] = []
-        self.bytes = 0
-
-    def take_results(self) -> list[BatchResult]:
-        if self._queued:
-            for pull in self._queued[0].wire.kv_pulls:
-                self.done.append(self._pull(pull))
-        return super().take_results()
-
-    def _pull(self, pull: KVPull) -> KVPullResult:
-        if self.fail:
-            return KVPullResult(
-                transfer_id=pull.transfer_id, request_id=pull.request_id, ok=False,
-                cause="timeout", abort_unconfirmed=self.unconfirmed,
-            )  # fmt: skip
-        moved = self.agent.read(
-            self.source.source_info(), pull.remote_blocks, pull.local_blocks, 10.0
-        )
-        self.bytes += moved
-        return KVPullResult(
-            transfer_id=pull.transfer_id, request_id=pull.request_id, ok=True, num_bytes=moved
-        )
-
-
-@dataclass
-class Pair:
-    prefill: LLMEngine
-    decode: LLMEngine
-    executor: PullingExecutor
-    release_held: bool = True  # False: the prefill side let the handoff go (expired)
-    events: list = field(default_factory=list)
-    handed_off: int = 0
-    pulled: int = 0
-    unused: int = 0  # handoffs the decode side released without reading them
-
-    @classmethod
-    def build(
-        cls, model, config: SchedulerConfig, decode_config: SchedulerConfig | None = None
-    ) -> Pair:
-        """``decode_config``: the decode engine's, when its server defaults differ."""
-        prefill, decode = LLMEngine(model, config), LLMEngine(model, decode_config or config)
-        planes = num_planes(str(config.kv_layout), model.cfg.total_ut_steps)
-        agents = []
-        for engine in (prefill, decode):
-            agent = KVTransferAgent(f"test-{next(_names)}")
-            arena = arena_of(engine.runner)
-            agent.register(arena, "e", arena.layout(str(config.kv_layout), planes))
-            agents.append(agent)
-        executor = PullingExecutor(decode.runner, agents[1], agents[0])
-        decode.core.executor = executor
-        return cls(prefill, decode, executor)
-
-    def add(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
-        self.prefill.core.add_request(rid, prompt, params, hand_off=True)
-
-    def run(self) -> None:
-        for _ in range(20_000):
-            if not (
-                self.prefill.has_unfinished_requests() or self.decode.has_unfinished_requests()
-            ):
-                return
-            self.events += self.prefill.step()
-            self._hand_over()
-            self.events += self.decode.step()
-            self._confirm()
-        raise AssertionError("no progress")
-
-    def _hand_over(self) -> None:
-        scheduler = self.prefill.scheduler
-        for request in list(scheduler.handoffs.due()):
-            handoff = scheduler.handoffs.hand_off(
-                request,
-                shard_id="p",
-                worker_id="wp",
-                worker_epoch="e",
-                block_format=scheduler.block_format,
-                now=0.0,
-            )
-            self.prefill.core.outputs.forget(request.request_id)
-            known = KnownOutputs(list(request.output_token_ids), list(request.output_exit_loops))
-            self.handed_off += 1
-            self.events += self.decode.core.add_request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.params,
-                known_outputs=known,
-                kv_source=handoff,
-            )
-
-    def _confirm(self) -> None:
-        pulls = self.decode.scheduler.pulls
-        for result in self.executor.done:
-            handoff = pulls.pulled(result)
-            assert handoff is not None
-            held = self.prefill.scheduler.handoffs.release(handoff.handoff_id)
-            if result.ok:
-                self.pulled += pulls.confirmed(result.transfer_id, held and self.release_held)
-        self.executor.done.clear()
-        for handoff in self.decode.scheduler.take_unused_handoffs():  # as the service does
-            self.unused += 1
-            self.prefill.scheduler.handoffs.release(handoff.handoff_id)
-
-    def finished(self) -> dict[str, FinishedEvent]:
-        return {e.request_id: e for e in self.events if isinstance(e, FinishedEvent)}
-
-    def check_no_leaks(self, config: SchedulerConfig) -> None:
-        for engine in (self.prefill, self.decode):
-            kv = engine.scheduler.kv
-            kv.check_consistency()
-            assert kv.num_free_blocks == config.num_blocks
-        assert len(self.prefill.scheduler.handoffs) == 0
-        assert len(self.decode.scheduler.pulls) == 0
-
-
-def colocated(model, config: SchedulerConfig, requests) -> dict[str, FinishedEvent]:
-    engine = LLMEngine(model, config)
-    for rid, prompt, params in requests:
-        engine.core.add_request(rid, prompt, params)
-    return {e.request_id: e for e in engine.run_until_done() if isinstance(e, FinishedEvent)}
-
-
-def workload(params: SamplingParams) -> list[tuple[str, list[int], SamplingParams]]:
-    return [(rid, prompt, params) for rid, prompt in PROMPTS.items()]
-
-
-GREEDY_EXIT = SamplingParams(
-    max_tokens=9, temperature=0.0, min_loops=1, exit_threshold=0.6, ignore_eos=True
-)
 SAMPLED = SamplingParams(max_tokens=9, temperature=0.9, top_k=20, seed=1234, ignore_eos=True)
 WITH_LOGPROBS = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
-
-CONFIGS = {
-    "wcpb-async-prefix": SchedulerConfig(
-        block_size=4, num_blocks=160, max_num_batched_tokens=8, prefill_chunk_size=4,
-        enable_prefix_caching=True,
-    ),
-    "atomic-sync": SchedulerConfig(
-        block_size=4, num_blocks=160, split_prefill=False, async_scheduling=False
-    ),
-    "shared-layout": SchedulerConfig(
-        block_size=4, num_blocks=160, kv_layout=KVLayout.SHARED, prefill_chunk_size=5
-    ),
-    # the decode shard speculates (the prefill shard hands off after the first token)
-    "speculative-decode": SchedulerConfig(
-        block_size=4, num_blocks=160, speculative_tokens=3, draft_loops=2
-    ),
-}  # fmt: skip
-
-
-def _compare(pair: Pair, expected: dict[str, FinishedEvent]) -> None:
-    got = pair.finished()
-    assert set(got) == set(expected)
-    for rid, want in expected.items():
-        assert (got[rid].token_ids, got[rid].exit_depths) == (want.token_ids, want.exit_depths)
-        streamed = [e for e in pair.events if isinstance(e, TokenEvent) and e.request_id == rid]
-        assert [e.index for e in streamed] == list(range(len(want.token_ids)))  # each once
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -224,7 +54,7 @@ def test_disaggregated_equals_colocated(toy_model, oracle, name, params):
     for request in requests:
         pair.add(*request)
     pair.run()
-    _compare(pair, expected)
+    compare(pair, expected)
     assert pair.handed_off == len(requests) and pair.pulled == len(requests)
     assert pair.executor.bytes > 0
     pair.check_no_leaks(config)
@@ -259,7 +89,7 @@ def test_prefix_hits_on_the_decode_side_pull_only_the_rest(toy_model, codec):
     before = pair.executor.bytes
     pair.add(*second)
     pair.run()
-    _compare(pair, expected)
+    compare(pair, expected)
     one_block = before // -(-len(PROMPTS["c"]) // config.block_size)
     blocks_second = -(-len(PROMPTS["d"]) // config.block_size)
     hit = len(SHARED_PREFIX) // config.block_size
@@ -307,7 +137,7 @@ def test_lost_kv_is_prefilled_on_the_decode_side(toy_model, failure):
     for request in requests:
         pair.add(*request)
     pair.run()
-    _compare(pair, expected)
+    compare(pair, expected)
     assert pair.handed_off == len(requests) and pair.pulled == 0
     pair.check_no_leaks(config)
 
@@ -367,7 +197,7 @@ def test_a_decode_worker_lost_mid_pull_prefills_and_releases_the_handoff(toy_mod
     pair.executor._queued.clear()  # the worker and its batches are gone
     pair.decode.core.reset_after_executor_loss()
     pair.run()
-    _compare(pair, expected)
+    compare(pair, expected)
     assert pair.pulled == 0 and pair.unused == 2
     pair.check_no_leaks(config)
 
@@ -384,7 +214,7 @@ def test_landing_blocks_of_an_unconfirmed_abort_are_never_reused(toy_model):
     for request in requests:
         pair.add(*request)
     pair.run()
-    _compare(pair, expected)
+    compare(pair, expected)
     pulls = pair.decode.scheduler.pulls
     kv = pair.decode.scheduler.kv
     blocks = sum(-(-len(PROMPTS[rid]) // config.block_size) for rid, _, _ in requests)
@@ -420,7 +250,7 @@ def test_token_sparse_prefill_hands_over_with_the_same_tokens(toy_model, oracle)
     for request in requests:
         pair.add(*request)
     pair.run()
-    _compare(pair, expected)
+    compare(pair, expected)
     assert pair.handed_off == len(requests) and pair.pulled == len(requests)
     for rid, prompt, p in requests:
         want = oracle_result(oracle, prompt, p.resolve(toy_model.cfg.total_ut_steps, 512), config)
@@ -471,7 +301,7 @@ def test_a_pull_never_settled_prefills_past_its_deadline(toy_model, lost):
     pair._confirm()  # the handoff goes back with the unused ones
     assert pair.unused == 1 and len(pair.prefill.scheduler.handoffs) == 0
     pair.run()
-    _compare(pair, expected)
+    compare(pair, expected)
     blocks = -(-len(PROMPTS["a"]) // config.block_size) * 4  # every plane's landing blocks
     kept = blocks if lost == "result" else 0
     assert pulls.num_quarantined_blocks == kept
@@ -560,7 +390,7 @@ def test_small_kv_on_both_sides_waits_for_decode_kv_and_never_falls_back(toy_mod
     for request in requests:
         pair.add(*request)
     pair.run()
-    _compare(pair, expected)
+    compare(pair, expected)
     stats = pair.decode.scheduler.stats
     assert stats.kv_transfer_fallbacks == {}
     assert stats.num_kv_waits > 0  # landing blocks really did not fit at times
@@ -603,7 +433,7 @@ def test_fp8_disaggregated_equals_the_fp8_oracle(toy_model, oracle, name):
     for request in requests:
         pair.add(*request)
     pair.run()
-    _compare(pair, expected)
+    compare(pair, expected)
     assert pair.handed_off == len(requests) and pair.pulled == len(requests)
     pair.check_no_leaks(config)
     if config.speculative_tokens:  # the decode shard speculated over pulled fp8 KV

@@ -241,6 +241,34 @@ async def test_fp8_prefill_and_decode_shards_move_codes_and_scales(
             await wait_for(lambda: _reclaimed(nc), 15, "KV back to full on both shards")
 
 
+@pytest.mark.services
+async def test_lost_pull_results_are_sent_again_until_acknowledged(
+    toy_checkpoint: Path, tmp_path: Path
+) -> None:
+    """The decode worker loses its first three publications of pull results on the way
+    (``RLT_KV_RESULTS_TEST_DROP``): it publishes them again until its scheduler
+    acknowledges them, so every request still decodes from its pulled KV, equal to the
+    engine, and no block stays out of use on either shard."""
+    envs = {"worker-1": {"RLT_KV_RESULTS_TEST_DROP": "3"}}
+    with nats_server_and_procs(toy_checkpoint, tmp_path) as (server, procs):
+        async with client(server.url) as nc:
+            await _up(procs, nc, envs=envs)
+            cases = make_cases(48, 4, max_tokens=10)
+            col = await StreamCollector(nc).start()
+            for i, (ids, p) in enumerate(cases):
+                await col.send(i, as_request(f"ack-{i}", ids, p))
+            await col.wait_done(list(range(len(cases))), 60)
+            check_against_engine(col, cases, toy_checkpoint)
+            worker = await _shard_health(nc, "worker", "1")
+            decode = await _shard_health(nc, "scheduler", "1")
+            assert worker["kv_results_resent"] >= 3, worker
+            assert worker["kv_results_unconfirmed"] == 0, worker
+            assert worker["kv_results_confirmed"] == len(cases), worker
+            assert decode["kv_pulled"] == len(cases) and decode["kv_pull_failures"] == 0, decode
+            assert decode["kv_blocks_quarantined"] == 0, decode
+            await wait_for(lambda: _reclaimed(nc), 15, "KV back to full on both shards")
+
+
 @pytest.mark.slow  # ~27 s: two worker restarts
 async def test_lost_kv_is_recomputed_and_every_request_ends_once(
     toy_checkpoint: Path, tmp_path: Path

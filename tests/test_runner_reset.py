@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from services.worker import runner_host
 from services.worker.kv_transfer import agent as kvt
 from services.worker.kv_transfer.pulls import KVPulls
+from services.worker.kv_transfer.retired import RetiredArenas
 from services.worker.runner_host import RunnerHost
 
 pytestmark = pytest.mark.unit
@@ -73,6 +74,9 @@ def test_the_kv_registered_for_peers_is_let_go_before_the_next_runner_is_built(
 
     async def scenario() -> list[bool]:
         pulls = KVPulls("reset-test", host.total_loops, fetch, CollectorRegistry(), _Log())
+        # device KV is never held once retired (a host arena is, for late peer reads:
+        # tests/test_kv_retired_arenas.py); this CPU run stands for a GPU's
+        pulls.retired = RetiredArenas(hold_s=0.0)
         await pulls.start()
         try:
             host.before_replace = pulls.retire

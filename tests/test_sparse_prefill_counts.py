@@ -33,11 +33,13 @@ class SparseBatch:
     ops: Counter[str]
     to_device: int
     to_host: int  # each one a wait for the device
+    readback: int  # copies to the host that do not wait
 
 
-def _sparse_batches(keep: float) -> list[SparseBatch]:
+def _sparse_batches(keep: float) -> tuple[list[SparseBatch], tuple[int, int]]:
     """The batches that run the sparse loops of one 2,304-token window whose late loops
-    keep ``keep`` of its tokens (retention 1, 1, keep, keep)."""
+    keep ``keep`` of its tokens (retention 1, 1, keep, keep), and how many windows opened
+    with a choice made ahead and with one that waited for the device."""
     cfg = replace(toy_config("toy"), max_position_embeddings=4096)
     model = OuroModel(cfg, dict(random_weights(cfg)))
     config = SchedulerConfig(
@@ -57,15 +59,17 @@ def _sparse_batches(keep: float) -> list[SparseBatch]:
         fragments = [r for r in batch.rows if r.fragment is not None]
         if not fragments:
             return execute(batch)
-        before = (runner.transfer.counts.to_device, runner.transfer.counts.to_host)
+        counts = runner.transfer.counts
+        before = (counts.to_device, counts.to_host, counts.readback)
         with OpCounter() as counter:
             result = execute(batch)
         found.append(
             SparseBatch(
                 sum(f.fragment.active_end - f.fragment.active_start for f in fragments),
                 counter.ops,
-                runner.transfer.counts.to_device - before[0],
-                runner.transfer.counts.to_host - before[1],
+                counts.to_device - before[0],
+                counts.to_host - before[1],
+                counts.readback - before[2],
             )
         )
         return result
@@ -80,22 +84,29 @@ def _sparse_batches(keep: float) -> list[SparseBatch]:
     )
     engine.add_request("long", [(7 * i) % 500 + 1 for i in range(PROMPT)], params)
     engine.run_until_done()
-    return found
+    return found, (runner.sparse.num_chosen_ahead, runner.sparse.num_chosen_waiting)
 
 
 def test_host_copies_waits_and_ops_per_sparse_batch_do_not_grow_with_active_rows() -> None:
-    one = _sparse_batches(1e-6)  # ceil(2304 * 1e-6) = 1 token per sparse loop
-    every = _sparse_batches(0.8888)  # ceil(2304 * 0.8888) = 2,048
+    one, one_opened = _sparse_batches(1e-6)  # ceil(2304 * 1e-6) = 1 token per sparse loop
+    every, every_opened = _sparse_batches(0.8888)  # ceil(2304 * 0.8888) = 2,048
     assert [b.rows for b in one] == [1, 1]
     assert [b.rows for b in every] == [ROWS, ROWS]
     for few, many in zip(one, every, strict=True):
-        assert (few.to_device, few.to_host) == (many.to_device, many.to_host)
+        assert (few.to_device, few.to_host, few.readback) == (
+            many.to_device,
+            many.to_host,
+            many.readback,
+        )
         assert _launches(few.ops) == _launches(many.ops)
-    # each batch opens its loop's window (one read of the candidates' scores) and brings its
-    # results back: two waits; inputs, the frozen tokens' K/V copy and the window's scores
-    # (loop 2 only: loop 3 is the last) go down in one copy each
-    assert [(b.to_device, b.to_host) for b in every] == [(4, 2), (3, 2)]
-    assert sum(_launches(every[0].ops).values()) < 60
+    # each batch opens its loop's window with the choice made on the device after the
+    # batch that wrote the window's last scores (no read of its own) and brings its results
+    # back: one wait. Inputs and the frozen tokens' K/V copy go down in one copy each; loop
+    # 2 (loop 3 is the last) also sends the window's score positions and its candidates
+    # for loop 3, whose choice comes back without a wait
+    assert [(b.to_device, b.to_host, b.readback) for b in every] == [(4, 1, 1), (2, 1, 0)]
+    assert one_opened == every_opened == (2, 0)  # both loops' windows: chosen ahead
+    assert sum(_launches(every[0].ops).values()) < 80
 
 
 def _launches(ops: Counter[str]) -> Counter[str]:

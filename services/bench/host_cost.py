@@ -2,10 +2,11 @@
 its roofline (``SimCostModel.host_pass_s`` / ``host_row_s``).
 
 A pass's host side is the plan (``PassPlanner.plan``: flat inputs, one block table per
-segment) and, for a token-sparse fragment, its expansion into one row per active token
-(``SparseFragments``). Both are pure host work, so they are timed here without a model or a
-device: a fragment of 1 and of ``rows`` active tokens over a request whose block table holds
-``blocks`` blocks. The per-pass cost is the 1-row plan, the per-row cost the slope.
+segment) and, for a token-sparse fragment, the live row of its active tokens
+(``SparseFragments``: one row object holding their positions). Both are pure host work,
+so they are timed here without a model or a device: a fragment of 1 and of ``rows``
+active tokens over a request whose block table holds ``blocks`` blocks. The per-pass cost
+is the 1-row plan, the per-row cost the slope.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from messages.batch import BatchRow, RowKind, WorkerSampling
@@ -30,21 +32,21 @@ class HostCost:
 
 
 def _fragment(rows: int, total: int) -> list[LiveRow]:
-    """``rows`` one-token prompt rows of one request at loop 2, one attention segment, spread
-    over ``total`` positions (as ``SparseFragments`` builds them)."""
+    """A fragment of ``rows`` active tokens of one request at loop 2, spread over ``total``
+    positions, as ``SparseFragments`` builds it: one live row holding their positions."""
     step = max(1, total // rows)
-    out = []
-    for i in range(rows):
-        part = BatchRow(
-            request_id="r",
-            kind=RowKind.PREFILL,
-            token_start=min(total - 1, i * step),
-            token_count=1,
-            depth=2,
-            num_loops=1,
-        )
-        out.append(LiveRow(0, part, 2, 1, joins_segment=i > 0))
-    return out
+    positions = np.minimum(np.arange(rows, dtype=np.int64) * step, total - 1)
+    part = BatchRow(
+        request_id="r",
+        kind=RowKind.PREFILL,
+        token_start=int(positions[0]),
+        token_count=rows,
+        depth=2,
+        num_loops=1,
+    )
+    live = LiveRow(0, part, 2, 1)
+    live.positions = positions
+    return [live]
 
 
 def _time_pass(

@@ -89,6 +89,7 @@ SERVICE_ROLES: dict[str, Permissions] = {
             f"{subjects.PREFIX_EVENTS}.>",
             f"{subjects.ADMISSION_TRACK_PREFIX}.>",
             f"{subjects.SCHED_KV_RELEASE}.>",  # a decode shard done with a handoff
+            f"{subjects.WORKER_KV_ACK}.>",  # its worker's pull results received
             subjects.metrics("scheduler"),
             *_CLIENT_INBOXES,
             f"{subjects.SERVICE_INBOX_PREFIX}.>",
@@ -128,6 +129,7 @@ SERVICE_ROLES: dict[str, Permissions] = {
             f"{subjects.WORKER_BATCH}.>",
             f"{subjects.WORKER_DISCOVER}.>",
             f"{subjects.WORKER_KV_META}.>",
+            f"{subjects.WORKER_KV_ACK}.>",
             subjects.health("worker"),
             f"{subjects.health('worker')}.>",  # one shard's worker
             "$SRV.>",

@@ -168,6 +168,7 @@ def worker_results_of(instance: str) -> str:
 # disaggregation (prefill/decode shards)
 WORKER_KV_META = f"{VERSION_PREFIX}.worker.kvmeta"
 SCHED_KV_RELEASE = f"{VERSION_PREFIX}.sched.kvrelease"
+WORKER_KV_ACK = f"{VERSION_PREFIX}.worker.kvack"
 _KV_RESULTS = "kv"
 
 
@@ -183,6 +184,11 @@ def worker_kv_results(epoch: str) -> str:
 
 def worker_kv_results_of(instance: str) -> str:
     return f"{WORKER_RESULT}.{instance}.*.{_KV_RESULTS}"
+
+
+def worker_kv_ack(worker_id: str) -> str:
+    """Where a decode worker hears that its scheduler has its pull results."""
+    return f"{WORKER_KV_ACK}.{worker_id}"
 
 
 def sched_kv_release(scheduler_id: str) -> str:

@@ -11,7 +11,14 @@ from __future__ import annotations
 import msgspec
 from nats.aio.msg import Msg
 
-from messages.kv_transfer import KVHandoff, KVPullResult, KVPullResults, KVRelease, KVReleaseAck
+from messages.kv_transfer import (
+    KVHandoff,
+    KVPullResult,
+    KVPullResults,
+    KVPullResultsAck,
+    KVRelease,
+    KVReleaseAck,
+)
 from services.runtime import subjects
 from services.runtime.bus import decode_msgpack, encode_msgpack
 
@@ -22,20 +29,26 @@ _RELEASE_TIMEOUT_S = 2.0
 class KVHandover:
     async def _on_kv_results(self, msg: Msg) -> None:
         """Our worker's KV pulls: a failed one prefills here now; one that read everything
-        is confirmed with the prefill scheduler that held the blocks (off this handler)."""
+        is confirmed with the prefill scheduler that held the blocks (off this handler).
+        Every result is acknowledged to the worker, which publishes it until then."""
         assert self.driver is not None
         try:
             batch = decode_msgpack(msg.data, KVPullResults)
         except msgspec.DecodeError as exc:
             self.log.error("undecodable KV pull results", error=str(exc)[:200])
             return
-        if batch.epoch != self.driver.epoch:
-            return  # pulls of a worker epoch that ended: their requests were requeued
-        for result in batch.results:
-            handoff = self.driver.kv_pulled(result)
-            if handoff is not None:
-                self.spawn(self._release(handoff, result), "kv-release")
-        self._wake.set()
+        if batch.epoch == self.driver.epoch:  # else: its requests were requeued
+            for result in batch.results:
+                handoff = self.driver.kv_pulled(result)
+                if handoff is not None:
+                    self.spawn(self._release(handoff, result), "kv-release")
+            self._wake.set()
+        if msg.reply:  # we have them (a copy of one we had is a no-op): stop sending
+            ack = KVPullResultsAck(transfer_ids=[r.transfer_id for r in batch.results])
+            try:
+                await self.nc.publish(msg.reply, encode_msgpack(ack))
+            except Exception as exc:  # the worker sends them again; we ack again
+                self.log.warning("KV results ack not sent", error=repr(exc)[:200])
 
     async def _release(self, handoff: KVHandoff, result: KVPullResult) -> None:
         """Tells the prefill scheduler we are done with its blocks; for a pull that read

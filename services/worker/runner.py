@@ -301,6 +301,7 @@ class ModelRunner(ResultReader):
                     and self.requests[live.row.request_id].sampling.prompt_logprobs is not None
                 ):
                     prompt_rows.append((live, self._prompt_hidden(live)))
+        self.sparse.choose_ahead()  # before the wait below, which then covers it
         if results:
             host = self.transfer.to_host(torch.cat(results) if len(results) > 1 else results[0])
             self._read_results(plans, host.tolist())
@@ -314,7 +315,7 @@ class ModelRunner(ResultReader):
             if (
                 not live.is_decode
                 and live.depth == self.total_loops
-                and r.token_start + r.token_count == len(req.prompt)
+                and live.end == len(req.prompt)
             ):
                 req.prefill_hidden = None
                 req.sparse = None

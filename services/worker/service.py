@@ -24,6 +24,7 @@ simulated).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +39,13 @@ from prometheus_client import CollectorRegistry
 
 from messages.batch import Batch, BatchResult
 from messages.internal import WorkerBatch, WorkerHeartbeat, WorkerResult
-from messages.kv_transfer import KVLayoutInfo, KVPullResult, KVPullResults, KVSourceInfo
+from messages.kv_transfer import (
+    KVLayoutInfo,
+    KVPullResult,
+    KVPullResults,
+    KVPullResultsAck,
+    KVSourceInfo,
+)
 from services.common.config import SchedulerConfig
 from services.runtime import subjects
 from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, publish_chunked
@@ -48,6 +55,7 @@ from services.worker.batch_queue import BatchQueue, BatchRun
 from services.worker.kv_cache import check_transferable
 from services.worker.kv_transfer.agent import TransferError
 from services.worker.kv_transfer.pulls import KVPulls
+from services.worker.kv_transfer.result_outbox import ResultOutbox
 from services.worker.runner import ModelRunner
 from services.worker.runner_host import RunnerHost
 from services.worker.sim import SimRunner
@@ -111,6 +119,9 @@ class WorkerService(Service):
         self.decode_s = 0.0  # decoding the batches received (msgpack), summed
         self.telemetry = WorkerTelemetry(self.shard)
         self._kv_results_task: asyncio.Task[None] | None = None
+        self.kv_outbox = ResultOutbox()  # pull results until their scheduler has them
+        # tests only: this many publications of pull results are lost on the way
+        self._drop_kv_results = int(os.environ.get("RLT_KV_RESULTS_TEST_DROP", "0"))
 
     @property
     def runner(self) -> ModelRunner | SimRunner | None:
@@ -157,6 +168,10 @@ class WorkerService(Service):
             Endpoint("shard-health", subjects.health(self.name, self.shard_id), self._on_health),
             # disaggregation: decode workers ask where our KV is
             Endpoint("kv-meta", subjects.worker_kv_meta(self.instance_id), self._on_kv_meta),
+            # our scheduler has these pull results: stop publishing them
+            Endpoint(
+                "kv-ack", subjects.worker_kv_ack(self.instance_id), self._on_kv_ack, micro=False
+            ),
         )
 
     async def on_ready(self) -> None:
@@ -210,6 +225,7 @@ class WorkerService(Service):
             "runner": runner.stats.snapshot() if runner is not None else {},
             "decode_s": self.decode_s,
             **(self.kv.health() if self.kv is not None else {}),
+            **self.kv_outbox.health(),
         }
 
     # ------------------------------------------------------------------ heartbeats
@@ -373,24 +389,45 @@ class WorkerService(Service):
             return None
 
     async def _publish_kv_results(self) -> None:
+        """Publishes each pull's result, and again with backoff until the scheduler
+        acknowledges it (``result_outbox.py``)."""
         assert self.kv is not None
+        results, outbox = self.kv.results, self.kv_outbox
         while True:
-            epoch, result = await self.kv.results.get()
-            batch = [result]
-            while not self.kv.results.empty():  # whatever else is done goes along
-                more_epoch, more = self.kv.results.get_nowait()
-                if more_epoch == epoch:
-                    batch.append(more)
-                else:
-                    await self._send_kv_results(more_epoch, [more])
-            await self._send_kv_results(epoch, batch)
+            wait = outbox.wait_s(time.monotonic())
+            try:
+                epoch, result = await asyncio.wait_for(results.get(), wait)
+            except TimeoutError:
+                pass
+            else:
+                outbox.add(epoch, result, time.monotonic())
+                while not results.empty():  # whatever else is done goes along
+                    outbox.add(*results.get_nowait(), time.monotonic())
+            for epoch, due in outbox.due(time.monotonic()).items():
+                await self._send_kv_results(epoch, due)
 
     async def _send_kv_results(self, epoch: str, results: list[KVPullResult]) -> None:
+        if self._drop_kv_results > 0:  # tests only: this publication is lost on the way
+            self._drop_kv_results -= 1
+            self.log.warning("KV pull results dropped (test)", n=len(results))
+            return
         out = KVPullResults(epoch=epoch, worker_id=self.instance_id, results=results)
         try:
-            await self.nc.publish(subjects.worker_kv_results(epoch), encode_msgpack(out))
-        except Exception as exc:  # the scheduler falls back when its release times out
+            await self.nc.publish(
+                subjects.worker_kv_results(epoch),
+                encode_msgpack(out),
+                reply=subjects.worker_kv_ack(self.instance_id),
+            )
+        except Exception as exc:  # sent again until acknowledged
             self.log.warning("KV pull results not sent", error=repr(exc)[:200])
+
+    async def _on_kv_ack(self, msg: Msg) -> None:
+        try:
+            ack = decode_msgpack(msg.data, KVPullResultsAck)
+        except msgspec.DecodeError as exc:
+            self.log.error("undecodable KV results ack", error=str(exc)[:200])
+            return
+        self.kv_outbox.confirm(ack.transfer_ids)
 
     # ------------------------------------------------------------------ results
     async def _publish_results(self) -> None:

@@ -71,10 +71,12 @@ KERNEL_QUERY_TILE = 64
 # The worker's host work per pass and per token-sparse row, measured with
 # ``python -c "from services.bench.host_cost import measure_host_cost as m; print(m())"``
 # (best of 5; a fragment of 2,048 active tokens over a 2,048-block table; the project's
-# shared 2-core CPU machine, 2026-12-07, at git 'harden'): 0.14 and 0.17 ms per pass, 10.5 and
-# 11.8 us per row over two runs. Decode rows' host work is not charged (not measured here).
+# shared 2-core CPU machine, 2026-12-07, at git 'pdsoak', a fragment planned as one row of
+# positions): 0.16 and 0.10 ms per pass, 0.05 and 0.02 us per row over two runs (one
+# Python row object per active token cost ~11 us a row before). Decode rows' host work is
+# not charged (not measured here).
 HOST_PASS_S = 1.5e-4
-HOST_ROW_S = 1.1e-5
+HOST_ROW_S = 5e-8
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ class SimCostModel:
 
     def host_s(self, sparse_rows: int) -> float:
         """The worker's host work for a pass with ``sparse_rows`` rows of token-sparse
-        fragments (their expansion and plan, one row per active token)."""
+        fragments (their expansion and plan: array work per active token)."""
         return self.host_pass_s + self.host_row_s * sparse_rows
 
     def coda_s(self, num_rows: int) -> float:

@@ -233,7 +233,8 @@ class Pulls:
         """The worker's word on a pull. A failed one prefills at once; a read one waits for
         the prefill side's confirmation. Returns the handoff to release (None: unknown).
         A result that comes after its pull was given up frees the landing blocks kept out
-        of use meanwhile: the worker says nothing writes them any more."""
+        of use meanwhile: the worker says nothing writes them any more. A copy of a
+        result already applied changes nothing (None)."""
         pull = self._pulls.get(result.transfer_id)
         if pull is None:
             holder = self._quarantined.get(result.transfer_id)
@@ -242,6 +243,8 @@ class Pulls:
                 self.num_quarantined_blocks -= self._state.kv.num_held_blocks(holder)
                 self._state.kv.free(holder)
             return None
+        if pull.pulled:
+            return None  # a copy of a result we have (the worker sends until acknowledged)
         if result.ok and self._live(pull):
             pull.pulled = True
         else:
@@ -270,8 +273,9 @@ class Pulls:
         return True
 
     def expire(self, now: float) -> list[str]:
-        """Pulls still open long past their deadline: a result that never came (results
-        travel at most once) or an answer that never came. Past ``timeout_s`` twice (the
+        """Pulls still open long past their deadline: a result that never came (the worker
+        publishes it until acknowledged, so its worker is gone or cut off) or an answer
+        that never came. Past ``timeout_s`` twice (the
         worker's deadline starts when the batch runs, not when it was sent) and a grace,
         the request prefills here and its handoff goes back; the landing blocks of a pull
         without a result stay out of use (the worker may still be writing them). Returns

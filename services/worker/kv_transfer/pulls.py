@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import time
 import weakref
 from collections import Counter as Tally
 from collections import OrderedDict, deque
@@ -34,6 +35,7 @@ from services.worker.kv_transfer import agent as kvt
 from services.worker.kv_transfer.agent import KVTransferAgent, TransferError
 from services.worker.kv_transfer.arena import KVArena
 from services.worker.kv_transfer.pull_queue import PullJob, PullOutcome, PullQueue
+from services.worker.kv_transfer.retired import RetiredArenas
 
 # a source's description comes over NATS; past this the pull fails (source_lost)
 META_TIMEOUT_S = 2.0
@@ -111,6 +113,7 @@ class KVPulls:
             hold_s=float(os.environ.get("RLT_KV_TRANSFER_TEST_HOLD_S", "0")),
         )
         self._started = False
+        self.retired = RetiredArenas()  # host KV a peer may still read, kept a while
         # where results are reported (made on the service's loop, as its setup runs)
         self._loop: asyncio.AbstractEventLoop | None = None
         with contextlib.suppress(RuntimeError):
@@ -196,6 +199,7 @@ class KVPulls:
     def before_batch(self, runner: Any, epoch: str, kv_layout: str, pulls: list[KVPull]) -> None:
         """On the compute thread (or the loop) just before a batch runs: (re)registers the
         runner's arenas, then hands the batch's pulls to the transfer thread."""
+        self.retired.expire(time.monotonic())
         if not self._started:
             for pull in pulls:
                 why = TransferError(kvt.UNAVAILABLE, "this worker has no KV transfer agent")
@@ -234,8 +238,12 @@ class KVPulls:
         frees; a peer reading it meanwhile fails instead of reading freed memory)."""
         if not self._started or self._registered is None:
             return
+        runner = self._registered[0]()
         self._registered = None
         done = self.queue.call(lambda agent: agent.deregister(), resets=True)
+        arena = arena_of(runner) if runner is not None else None
+        if arena is not None:  # a peer's read may still land there (retired.py)
+            self.retired.keep(arena, time.monotonic())
         try:
             done.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -340,5 +348,6 @@ class KVPulls:
             "kv_pulls_active": self.queue.num_active,
             "kv_pulls_landing": self.queue.num_started,
             "kv_sources_known": len(self._sources),
+            "kv_arenas_retired_held": len(self.retired),
             "kv_recent_pulls": [list(p) for p in self.recent],
         }

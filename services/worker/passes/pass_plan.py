@@ -167,9 +167,7 @@ class PassPlanner:
             if not live.is_decode and live.row.embed and first_pass
         )
         segment_rows = _segment_rows(rows)
-        widths = [
-            -(-(live.row.token_start + live.row.token_count) // self.block_size) for live in rows
-        ]
+        widths = [-(-live.end // self.block_size) for live in rows]
         if pad_to is not None:
             padded = pad_to
             # one static shape per bucket with the coda and one without: a loop where no row
@@ -208,7 +206,8 @@ class PassPlanner:
                 rows[i].reaches_coda(self.total_loops) or rows[i].draft_coda for i in coda_index
             ],
             padded=pad_to is not None,
-            gathered=len(segment_rows) < len(rows),
+            gathered=len(segment_rows) < len(rows)
+            or any(live.positions is not None for live in rows),
             keep_logits=any(rows[i].keep_logits for i in coda_index),
         )
         self._fill_rows(plan, reqs, first_pass)
@@ -235,7 +234,8 @@ class PassPlanner:
         for i, (live, req) in enumerate(zip(plan.rows, reqs, strict=True)):
             if i < skip_to:
                 continue
-            if (end := joined.get(i)) is not None and not (live.row.embed and first_pass):
+            end = joined.get(i, i + 1 if live.positions is not None else None)
+            if end is not None and not (live.row.embed and first_pass):
                 # a token-sparse fragment's rows, filled with array ops: host work per row
                 # would grow with its active tokens
                 if segment is not None:
@@ -318,29 +318,36 @@ class PassPlanner:
         rows. Returns the segment (for its table) and the next pass row."""
         run = plan.rows[first:end]
         head = run[0]
-        n = len(run)
-        starts = np.fromiter((live.row.token_start for live in run), np.int64, n)
-        counts = np.fromiter((live.row.token_count for live in run), np.int64, n)
-        if np.any(starts[1:] < starts[:-1] + counts[:-1]) or any(
-            live.is_decode or live.row.request_id != head.row.request_id or live.depth != head.depth
-            for live in run
-        ):
-            for previous, live in itertools.pairwise(run):
-                _check_joins(previous, live)  # names the first row that cannot join
+        if head.positions is not None:  # a fragment's active tokens, already laid out
+            positions = head.positions
+            plan.row_offsets.append(at)
+        else:
+            n = len(run)
+            starts = np.fromiter((live.row.token_start for live in run), np.int64, n)
+            counts = np.fromiter((live.row.token_count for live in run), np.int64, n)
+            if np.any(starts[1:] < starts[:-1] + counts[:-1]) or any(
+                live.is_decode
+                or live.row.request_id != head.row.request_id
+                or live.depth != head.depth
+                for live in run
+            ):
+                for previous, live in itertools.pairwise(run):
+                    _check_joins(previous, live)  # names the first row that cannot join
+            within = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            plan.row_offsets.extend((at + within).tolist())
+            positions = np.repeat(starts - within, counts) + np.arange(int(counts.sum()))
+        total = int(positions.size)
+        context = int(positions[-1]) + 1
         blocks = req.tables[self.plane(head.depth)]
-        needed = -(-int(starts[-1] + counts[-1]) // self.block_size)
+        needed = -(-context // self.block_size)
         if needed > len(blocks) or needed > plan.shape.table_width:
             raise ValueError(
                 f"block table of {len(blocks)} blocks does not cover position "
-                f"{int(starts[-1] + counts[-1]) - 1} (block_size {self.block_size})"
+                f"{context - 1} (block_size {self.block_size})"
             )
-        within = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        plan.row_offsets.extend((at + within).tolist())
-        total = int(counts.sum())
-        positions = np.repeat(starts - within, counts) + np.arange(total)
         h = plan.host
         h["segment.query_start"][s] = at
-        h["segment.context_len"][s] = int(starts[-1] + counts[-1])
+        h["segment.context_len"][s] = context
         h["token.position"][at : at + total] = positions
         ids = np.asarray(blocks, dtype=np.int64)
         bs = self.block_size

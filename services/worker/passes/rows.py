@@ -75,10 +75,20 @@ class LiveRow:
     pool_slot: int | None = None
     coda_at: int = 0
     keep_logits: bool = False
+    # a token-sparse fragment's active tokens (ascending prompt positions, numpy int64):
+    # one pass row each, all of one attention segment; None: the row's token range
+    positions: Any = None
 
     def __post_init__(self) -> None:
         self.result = RowResult(row_index=self.index)
         self.is_decode = self.row.kind is RowKind.DECODE
+
+    @property
+    def end(self) -> int:
+        """One past the last prompt position this row runs."""
+        if self.positions is not None:
+            return int(self.positions[-1]) + 1
+        return self.row.token_start + self.row.token_count
 
     @property
     def loops_run(self) -> int:
@@ -153,7 +163,7 @@ def token_sampled(live: LiveRow, cursor: RowCursor, token: int) -> None:
     cursor.next_decode = BatchRow(
         request_id=row.request_id,
         kind=RowKind.DECODE,
-        token_start=row.token_start + row.token_count,
+        token_start=live.end,
         token_count=1,
         depth=0,
         embed=True,

@@ -28,6 +28,7 @@ from services.common.sparse_prefill import SparseSchedule
 from services.worker.passes.pass_plan import PassPlan, PassPlanner
 from services.worker.passes.rows import LiveRow
 from services.worker.passes.transfer import Transfer
+from services.worker.passes.window_choice import choose_on_device
 
 
 @dataclass
@@ -43,12 +44,31 @@ class SparseWindows:
     scores: torch.Tensor  # [P] float32: |h(l) - h(l-1)| / |h(l)| of each position's last loop
     # window start -> (loop, its active positions in order): the candidates of the next loop
     active: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
+    # window start -> how often its scores were written: a choice made ahead is good only
+    # if none were written since
+    versions: dict[int, int] = field(default_factory=dict)
+    # window start -> its next loop's active tokens, chosen on the device ahead of time
+    ahead: dict[int, ChosenAhead] = field(default_factory=dict)
 
     @classmethod
     def new(cls, schedule: SparseSchedule, prompt_len: int, device: torch.device) -> SparseWindows:
         return cls(
             schedule, prompt_len, torch.zeros(prompt_len, dtype=torch.float32, device=device)
         )
+
+
+@dataclass(frozen=True)
+class ChosenAhead:
+    """A window's active tokens for ``loop``, chosen on the device after the batch that
+    wrote its scores (``version``) and copied back without a wait: readable once the
+    transfer has waited more than ``waits`` times."""
+
+    loop: int
+    version: int
+    host: torch.Tensor  # the batch's choices, every window's
+    at: int  # this window's, from here
+    count: int
+    waits: int
 
 
 class SparseRequest(Protocol):
@@ -97,6 +117,10 @@ class SparseFragments:
         self.copy_slots = copy_slots
         self.total_loops = total_loops
         self.on_frozen = on_frozen
+        # windows whose scores this batch wrote, for the loop they feed
+        self._touched: dict[tuple[int, int], tuple[SparseWindows, int, int]] = {}
+        self.num_chosen_ahead = 0  # windows opened with a choice made ahead (no wait)
+        self.num_chosen_waiting = 0  # windows whose choice waited for the device
 
     # ------------------------------------------------------------------ before the passes
     def expand(self, rows: list[LiveRow], requests: Mapping[str, SparseRequest]) -> list[LiveRow]:
@@ -141,10 +165,12 @@ class SparseFragments:
     def _open_windows(
         self, opening: list[LiveRow], requests: Mapping[str, SparseRequest]
     ) -> set[int]:
-        """Chooses each opening window's active tokens (one read of their candidates'
-        scores) and copies every frozen token's K/V up one plane (one op). Returns the
-        batch indices of the fragments that failed (``WindowStateError``), which do not run."""
+        """Each opening window's active tokens (chosen ahead on the device, or else now,
+        with one read of their candidates' scores), and every frozen token's K/V copied up
+        one plane (one op). Returns the batch indices of the fragments that failed
+        (``WindowStateError``), which do not run."""
         chosen: list[tuple[BatchRow, SparseWindows, np.ndarray]] = []
+        pairs: list[np.ndarray] = []
         failed: set[int] = set()
         for live in opening:
             row = live.row
@@ -157,12 +183,43 @@ class SparseFragments:
                         f"loop {row.depth}, the scheduler counted "
                         f"{None if row.fragment is None else row.fragment.window_active}"
                     )
+                ahead = self._take_ahead(windows, row)
+                if ahead is not None:
+                    windows.active[row.token_start] = (row.depth, ahead)
+                    pairs.append(self._frozen_pairs(requests[row.request_id], row, ahead))
+                    continue
                 chosen.append((row, windows, self._candidates(windows, row)))
             except WindowStateError as exc:
                 live.result.error = str(exc)
                 failed.add(live.index)
-        if not chosen:
-            return failed
+        if chosen:
+            pairs += self._choose_waiting(chosen, requests)
+        if pairs:
+            self._copy_up(np.concatenate(pairs, axis=1))
+        return failed
+
+    def _take_ahead(self, windows: SparseWindows, row: BatchRow) -> np.ndarray | None:
+        """The window's active tokens for this loop if chosen ahead from its final scores
+        and back on the host (no wait); None: they are chosen now."""
+        ahead = windows.ahead.pop(row.token_start, None)
+        if (
+            ahead is None
+            or ahead.loop != row.depth
+            or ahead.version != windows.versions.get(row.token_start)
+            or self.transfer.counts.to_host <= ahead.waits
+        ):
+            return None
+        self.num_chosen_ahead += 1
+        return ahead.host[ahead.at : ahead.at + ahead.count].numpy().astype(np.int64)
+
+    def _choose_waiting(
+        self,
+        chosen: list[tuple[BatchRow, SparseWindows, np.ndarray]],
+        requests: Mapping[str, SparseRequest],
+    ) -> list[np.ndarray]:
+        """Windows without a choice made ahead: one read of their candidates' scores (a
+        wait). Returns their frozen tokens' slot pairs."""
+        self.num_chosen_waiting += len(chosen)
         total = sum(c.size for _, _, c in chosen)
         words = self.transfer.host_words(total)
         words[:] = np.concatenate([c for _, _, c in chosen])
@@ -182,8 +239,7 @@ class SparseFragments:
             at += candidates.size
             windows.active[row.token_start] = (row.depth, active)
             pairs.append(self._frozen_pairs(requests[row.request_id], row, active))
-        self._copy_up(np.concatenate(pairs, axis=1))
-        return failed
+        return pairs
 
     def _frozen_pairs(self, req: SparseRequest, row: BatchRow, active: np.ndarray) -> np.ndarray:
         """[2, F] (plane l-1 slot, plane l slot) of the window's frozen tokens."""
@@ -208,10 +264,10 @@ class SparseFragments:
         self.copy_slots(slots[:count], slots[count:], keep)
 
     def _fragment_rows(self, live: LiveRow, windows: SparseWindows) -> list[LiveRow]:
-        """The fragment's active tokens as one-token prompt rows, ascending, of one attention
-        segment (each row sees keys up to its own position); they share the fragment's
-        result. The prompt's last position (the last row of its last fragment) keeps the
-        fragment's coda."""
+        """The fragment's active tokens as one live row of one-token pass rows at their
+        positions (``LiveRow.positions``, ascending: each sees keys up to its own position),
+        one attention segment, with the fragment's result. It asks for logits only when
+        it holds the prompt's last position (its last row)."""
         row = live.row
         fragment = row.fragment
         assert fragment is not None
@@ -221,26 +277,26 @@ class SparseFragments:
                 f"{row.request_id}: window {row.token_start} has no active tokens of loop "
                 f"{row.depth}"
             )
-        positions = chosen[1][fragment.active_start : fragment.active_end].tolist()
+        positions = chosen[1][fragment.active_start : fragment.active_end]
         if fragment.active_end == fragment.window_active and row.depth == self.total_loops - 1:
             del windows.active[row.token_start]  # its last reader
-        last = windows.prompt_len - 1
-        out: list[LiveRow] = []
-        for position in positions:
-            part = BatchRow(
-                request_id=row.request_id,
-                kind=RowKind.PREFILL,
-                token_start=position,
-                token_count=1,
-                depth=row.depth,
-                num_loops=1,
-                compute_logits=row.compute_logits and position == last,
-                output_index=row.output_index,
-            )
-            piece = LiveRow(live.index, part, row.depth, 1, joins_segment=bool(out))
-            piece.result = live.result
-            out.append(piece)
-        return out
+        if positions.size == 0:
+            return []
+        last = int(positions[-1])
+        part = BatchRow(
+            request_id=row.request_id,
+            kind=RowKind.PREFILL,
+            token_start=int(positions[0]),
+            token_count=int(positions.size),
+            depth=row.depth,
+            num_loops=1,
+            compute_logits=row.compute_logits and last == windows.prompt_len - 1,
+            output_index=row.output_index,
+        )
+        out = LiveRow(live.index, part, row.depth, 1)
+        out.positions = positions
+        out.result = live.result
+        return [out]
 
     # ------------------------------------------------------------------ after a pass
     def record_scores(
@@ -252,8 +308,9 @@ class SparseFragments:
     ) -> None:
         """Scores of the prompt rows whose next loop is sparse: the relative change of each
         token's state over the loop that just ran, in float32."""
-        # per request: its pass rows and the positions their scores go to
-        targets: dict[int, tuple[SparseWindows, list[np.ndarray], list[np.ndarray]]] = {}
+        # per request and loop fed: its pass rows and the positions their scores go to
+        targets: dict[tuple[int, int], tuple[SparseWindows, list[np.ndarray], list[np.ndarray]]]
+        targets = {}
         for offset, live in zip(plan.row_offsets, plan.rows, strict=True):
             if live.is_decode:
                 continue
@@ -264,9 +321,11 @@ class SparseFragments:
             if not windows.schedule.is_sparse(following):
                 continue
             start, count = live.row.token_start, live.row.token_count
-            _, rows, positions = targets.setdefault(id(windows), (windows, [], []))
+            key = (id(windows), following)
+            _, rows, positions = targets.setdefault(key, (windows, [], []))
             rows.append(np.arange(offset, offset + count))
-            positions.append(np.arange(start, start + count))
+            at = live.positions
+            positions.append(np.arange(start, start + count) if at is None else at)
         if not targets:
             return
         rows_all = np.concatenate([r for _, rows, _ in targets.values() for r in rows])
@@ -285,3 +344,66 @@ class SparseFragments:
             end = at + sum(r.size for r in rows)
             windows.scores.index_put_((index[num + at : num + end],), score[at:end])
             at = end
+        for (_, following), (windows, _, positions) in targets.items():
+            width = windows.schedule.window
+            for start in np.unique(np.concatenate(positions) // width * width).tolist():
+                windows.versions[start] = windows.versions.get(start, 0) + 1
+                self._touched[(id(windows), start)] = (windows, start, following)
+
+    def choose_ahead(self) -> None:
+        """At the end of a batch, before its results are read: the active tokens of every
+        window whose scores it wrote, for the loop they feed, chosen on the device and
+        copied back without a wait of their own (the results' read waits for them). The
+        window's opening uses them if no score of it was written since, so the batch that
+        opens it waits only for its results (a choice made before the window's last scores
+        is made again after them)."""
+        touched, self._touched = self._touched, {}
+        entries: list[tuple[SparseWindows, int, int, np.ndarray, int]] = []
+        for windows, start, loop in touched.values():
+            end = min(start + windows.schedule.window, windows.prompt_len)
+            if windows.schedule.is_sparse(loop - 1):
+                previous = windows.active.get(start)
+                if previous is None or previous[0] != loop - 1:
+                    continue  # its loop's choice is still to come: nothing to choose from
+                candidates = previous[1]
+            else:
+                candidates = np.arange(start, end)
+            count = windows.schedule.active_count(loop, end - start)
+            entries.append((windows, start, loop, candidates, count))
+        if not entries:
+            return
+        sizes = np.array([e[3].size for e in entries], dtype=np.int64)
+        n, w = int(sizes.sum()), len(entries)
+        words = self.transfer.host_words(2 * n + 3 * w)
+        words[:n] = np.concatenate([e[3] for e in entries])
+        words[n : 2 * n] = np.repeat(np.arange(w), sizes)
+        words[2 * n : 2 * n + w] = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        words[2 * n + w : 2 * n + 2 * w] = [e[4] for e in entries]
+        words[2 * n + 2 * w :] = [
+            windows.prompt_len - 1 if start + windows.schedule.window >= windows.prompt_len
+            else -1
+            for windows, start, _, _, _ in entries
+        ]  # fmt: skip
+        device = self.transfer.to_device(words).long()
+        candidates = device[:n]
+        scores, at = [], 0
+        for windows, _, _, c, _ in entries:
+            scores.append(windows.scores.index_select(0, candidates[at : at + c.size]))
+            at += c.size
+        counts = [e[4] for e in entries]
+        chosen = choose_on_device(
+            candidates,
+            device[n : 2 * n],
+            device[2 * n : 2 * n + w],
+            torch.cat(scores),
+            device[2 * n + w : 2 * n + 2 * w],
+            device[2 * n + 2 * w :],
+            total=sum(counts),
+            span=max(windows.prompt_len for windows, *_ in entries) + 1,
+        )
+        host, waits = self.transfer.readback(chosen.int())
+        at = 0
+        for windows, start, loop, _, count in entries:
+            version = windows.versions[start]
+            windows.ahead[start] = ChosenAhead(loop, version, host, at, count, waits)
+            at += count

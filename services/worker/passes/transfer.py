@@ -2,8 +2,10 @@
 
 A pass sends its inputs in one non-blocking copy from pinned memory (``to_device``) and a
 batch brings its results back in one copy (``to_host``), the only point where the host
-waits for the device. On a CPU both are plain copies, counted the same way, so a CPU test
-holds the number of synchronisations a GPU would pay.
+waits for the device. What the host needs only in a later batch (token-sparse windows'
+choices) comes back without a wait of its own (``readback``), read after that one. On a
+CPU these are plain copies, counted the same way, so a CPU test holds the number of
+synchronisations a GPU would pay.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 class TransferCounts:
     to_device: int = 0
     to_host: int = 0  # each one waits for the device: a synchronisation
+    readback: int = 0  # copies to the host that do not wait (read after the next to_host)
 
 
 class Transfer:
@@ -54,6 +57,16 @@ class Transfer:
         if self.device.type == "cpu":
             return host  # not reused before ``to_host``
         return host.to(self.device, non_blocking=True)
+
+    def readback(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``tensor`` copied to host memory without waiting, and the number of waits so far:
+        its values may be read once ``to_host`` has waited more often than that."""
+        self.counts.readback += 1
+        if self.device.type == "cpu":
+            return tensor, self.counts.to_host
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host, self.counts.to_host
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on the host; waits for the device to finish everything before it."""
