@@ -129,3 +129,63 @@ def test_int4_speculation_runs_rejects_and_preempts(
     auto = run_workload(toy_model, dataclasses.replace(config, kv_cache_dtype="auto"), arrivals)
     int4 = [oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config) for a in arrivals]
     assert [auto.finished[a.request_id].token_ids for a in arrivals] != [e.token_ids for e in int4]
+
+
+@st.composite
+def long_outputs(draw: st.DrawFn) -> tuple[list[Arrival], SchedulerConfig]:
+    """Few requests with long greedy outputs (many cycles, each over several small blocks),
+    any K, draft depth and gate, tight KV (preemption) or not, sync or async."""
+    params = SamplingParams(
+        max_tokens=draw(st.integers(8, 16)),
+        temperature=0.0,
+        min_loops=1,
+        exit_threshold=draw(st.sampled_from([1.0, 0.7, 0.5])),
+        ignore_eos=True,
+    )
+    arrivals = [
+        Arrival(
+            f"l{i}",
+            draw(st.lists(st.integers(1, 499), min_size=1, max_size=9)),
+            params,
+            step=draw(st.sampled_from([0, 2, 5])),
+        )
+        for i in range(draw(st.integers(1, 3)))
+    ]
+    block_size = draw(st.sampled_from([2, 4]))
+    need = max_kv_blocks(arrivals, block_size)
+    config = SchedulerConfig(
+        block_size=block_size,
+        num_blocks=need + draw(st.integers(0, need)) if draw(st.booleans()) else 4 * need,
+        max_num_seqs=draw(st.integers(1, 3)),
+        prefill_chunk_size=draw(st.integers(2, 8)),
+        max_num_batched_tokens=draw(st.integers(9, 40)),
+        kv_admission=draw(st.sampled_from(list(KVAdmission))),
+        async_scheduling=draw(st.booleans()),
+        kv_cache_dtype="int4-delta",
+        speculative_tokens=draw(st.integers(1, 8)),
+        draft_loops=draw(st.integers(1, D - 1)),
+    )
+    return arrivals, config
+
+
+def test_int4_speculative_long_outputs_equal_int4_oracle(toy_model, oracle) -> None:
+    totals = {"compared": 0, "produced": 0, "drafted": 0, "accepted": 0, "preemptions": 0}
+
+    @settings(
+        max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+    @given(case=long_outputs())
+    def check(case: tuple[list[Arrival], SchedulerConfig]) -> None:
+        arrivals, config = case
+        compared, produced, scheduler = _run_and_compare(toy_model, oracle, arrivals, config)
+        totals["compared"] += compared
+        totals["produced"] += produced
+        totals["drafted"] += scheduler.spec_stats.num_draft_tokens
+        totals["accepted"] += scheduler.spec_stats.num_accepted_tokens
+        totals["preemptions"] += scheduler.stats.num_preemptions
+
+    check()
+    print(f"int4-delta speculative, long outputs == int4 oracle: {totals}")
+    assert 0 < totals["accepted"] < totals["drafted"]
+    assert totals["compared"] > 0
+    assert totals["compared"] >= 0.8 * totals["produced"], totals

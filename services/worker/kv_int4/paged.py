@@ -90,11 +90,12 @@ class Int4KV:
         tail_tables = np.zeros((segments, width), dtype=np.int64)
         seg_planes = np.zeros(segments, dtype=np.int64)
         entries: dict[int, tuple[int, int, int, list[int], np.ndarray]] = {}
+        for live in plan.rows:  # before any of its seals: a row may read what another wrote
+            self._reopened(live.row.request_id, live.row.token_start)
         for s, (live, end) in enumerate(_segments(plan.rows)):
             req = requests[live.row.request_id]
             plane = live.depth if self.planes > 1 else 0
             start = live.row.token_start
-            self._reopened(live.row.request_id, start)
             last = (end - 1) // bs
             for j in range(plane + 1):
                 chains[s, j, : last + 1] = req.tables[j][: last + 1]
