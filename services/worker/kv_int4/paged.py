@@ -4,6 +4,9 @@ yet, and attends through ``rlt::paged_attention_int4`` with the tail rule: a key
 query's own block from the tail, an earlier block from its codes, planes 0..d of it (no
 dense copy of the context). After a batch every block whose tokens are all final is sealed
 at once, so tails stay few; a request's open tails go when it finishes or is preempted.
+Under self-speculation a block that a cycle may write again keeps its tails, and a write
+sends the request's sealed cursors back so that the block is sealed again before it is
+read (``RequestBook``, docs/speculative.md "Under int4-delta").
 """
 
 from __future__ import annotations
