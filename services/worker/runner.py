@@ -42,7 +42,7 @@ from services.worker.passes.rows import (
     live_rows,
 )
 from services.worker.passes.sparse_prefill import SparseFragments, SparseWindows
-from services.worker.passes.speculative import Speculation
+from services.worker.passes.speculative import SpecCycle, Speculation
 from services.worker.passes.static_decode import DecodeMode, StaticDecode
 from services.worker.passes.transfer import Transfer
 from services.worker.results import ResultReader
@@ -232,6 +232,7 @@ class ModelRunner(ResultReader):
         spec_rows, cycles = self.speculation.resolve(
             batch, self.requests, lambda rid: self.requests[rid].pool_slot
         )
+        self._book_cycles(cycles)
         try:
             if batch.kind == BatchKind.PREFILLING_PRELUDE:
                 self._run_prelude(rows)
@@ -243,8 +244,15 @@ class ModelRunner(ResultReader):
             forget_cursors(batch, self.requests)
             for row in batch.rows:
                 self.speculation.drop(row.request_id)
+            self._book_cycles(cycles)
             raise
-        return batch_result(batch, rows, self.speculation.settle(cycles, self.requests))
+        settled = self.speculation.settle(cycles, self.requests)
+        self._book_cycles(cycles)
+        return batch_result(batch, rows, settled)
+
+    def _book_cycles(self, cycles: dict[int, SpecCycle]) -> None:
+        if self.int4 is not None:  # what a cycle may write again is never sealed for good
+            self.int4.book_cycles(cycles.values(), self.speculation.cycles)
 
     def _run_prelude(self, rows: list[LiveRow]) -> None:
         if not rows:

@@ -101,15 +101,10 @@ class Speculator:
         # the shared KV layout keeps one version of a token's K/V, its final one, which a
         # later position reads: while a cycle drafts and verifies, the version there is not
         # final yet, so drafts would read what plain decoding never does. Off for it.
-        # fp8 codes each token as it is written (no sealing, no tail), so a rejected
-        # draft's K/V is rewritten before anything reads it, as under auto. int4-delta
-        # codes a block once it is full (sealed): a rejected draft could seal a block with
-        # K/V that is rewritten later. Not analysed yet: off under it.
-        self.enabled = (
-            self.max_k > 0
-            and config.kv_layout is KVLayout.LAST_EXITED
-            and config.kv_cache_dtype != "int4-delta"
-        )
+        # fp8 and int4-delta run it: a rejected draft's K/V is rewritten before anything
+        # reads it (int4-delta keeps the blocks a cycle may write again open to that,
+        # services/worker/kv_int4/book.py).
+        self.enabled = self.max_k > 0 and config.kv_layout is KVLayout.LAST_EXITED
         if self.enabled and self.d >= state.total_ut_steps:
             raise ValueError(
                 f"draft_loops ({self.d}) must be below the model's total_ut_steps "

@@ -4,6 +4,9 @@ yet, and attends through ``rlt::paged_attention_int4`` with the tail rule: a key
 query's own block from the tail, an earlier block from its codes, planes 0..d of it (no
 dense copy of the context). After a batch every block whose tokens are all final is sealed
 at once, so tails stay few; a request's open tails go when it finishes or is preempted.
+Under self-speculation a block that a cycle may write again keeps its tails, and a write
+sends the request's sealed cursors back so that the block is sealed again before it is
+read (``RequestBook``, docs/speculative.md "Under int4-delta").
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from services.worker.kv_int4.store import Int4Store, SealBatch
 from services.worker.model.ouro import PassAttention
 from services.worker.passes.pass_plan import PassPlan, RequestView
 from services.worker.passes.rows import LiveRow
+from services.worker.passes.speculative import SpecCycle
 
 
 class Int4KV:
@@ -48,6 +52,7 @@ class Int4KV:
         self.books: dict[str, RequestBook] = {}
         self._closing: list[int] = []  # tails to give back once the last pass has run
         self._sealing: list[int] = []  # the blocks the last pass seals
+        self._held: set[int] = set()  # tails kept for blocks a cycle may write again
 
     @property
     def k(self) -> torch.Tensor:
@@ -88,6 +93,8 @@ class Int4KV:
         tail_tables = np.zeros((segments, width), dtype=np.int64)
         seg_planes = np.zeros(segments, dtype=np.int64)
         entries: dict[int, tuple[int, int, int, list[int], np.ndarray]] = {}
+        for live in plan.rows:  # before any of its seals: a row may read what another wrote
+            self._reopened(live.row.request_id, live.row.token_start)
         for s, (live, end) in enumerate(_segments(plan.rows)):
             req = requests[live.row.request_id]
             plane = live.depth if self.planes > 1 else 0
@@ -125,8 +132,43 @@ class Int4KV:
                 block = table[b]
                 if not self.store.sealed[block] and block not in entries:
                     entries[block] = self._entry(book, req, j, b)
+                    if book.uncertain(b, self.block_size):
+                        self._hold(book, req, j, b)
                 b += 1
             book.sealed_upto[j] = max(book.sealed_upto[j], blocks)
+
+    def _reopened(self, request_id: str, start: int) -> None:
+        """A row writes positions from ``start`` on: under speculation they may have been
+        written (and their blocks sealed) by a rejected draft, so the request's sealed
+        cursors go back to their block, whose seals are checked again."""
+        book = self.book(request_id)
+        if book.committed is not None:
+            first = start // self.block_size
+            book.sealed_upto = [min(b, first) for b in book.sealed_upto]
+
+    def _hold(self, book: RequestBook, req: RequestView, plane: int, b: int) -> None:
+        """Sealing plane ``plane`` of block ``b`` gives back tails (the plane below's, and
+        the top plane's own) that a rewrite of the block needs: kept until it is certain."""
+        closes = [req.tables[plane - 1][b]] if plane else []
+        if plane == self.planes - 1:
+            closes.append(req.tables[plane][b])
+        for block in closes:
+            self._held.add(block)
+            book.held.append((b, block, req.tables[plane][b]))
+
+    def _release_held(self, book: RequestBook) -> None:
+        """Gives back the kept tails of blocks that are certain now, where the seal that
+        gave them back still stands (a block written again is sealed again, and gives
+        them back then)."""
+        keep: list[tuple[int, int, int]] = []
+        for b, block, sealer in book.held:
+            if book.uncertain(b, self.block_size):
+                keep.append((b, block, sealer))
+                continue
+            self._held.discard(block)
+            if self.store.sealed[sealer]:
+                self._closing.append(block)
+        book.held = keep
 
     def _entry(
         self, book: RequestBook, req: RequestView, plane: int, b: int
@@ -147,9 +189,9 @@ class Int4KV:
         seal = SealBatch(list(entries), self.planes, self.block_size, self.store.device)
         self.store.sealed[seal.block_ids] = True
         for plane, block, _tail, chain, _stored in seal.entries:
-            if plane:
+            if plane and chain[plane - 1] not in self._held:
                 self._closing.append(chain[plane - 1])
-            if plane == self.planes - 1:
+            if plane == self.planes - 1 and block not in self._held:
                 self._closing.append(block)
         self._sealing = seal.block_ids
         return seal
@@ -188,25 +230,50 @@ class Int4KV:
             book = touched[r.request_id] = self.book(r.request_id)
             end = r.token_start + r.token_count
             book.ran(r.depth, live.depth, end)
-            if live.is_decode and live.result.exited:
+            if live.spec is not None:  # a cycle's position: its exit is on the position
+                if live.spec.exit_loops:
+                    book.exited(r.token_start, live.spec.exit_loops)
+            elif live.is_decode and live.result.exited:
                 book.exited(r.token_start, live.result.exit_loops)
         entries: dict[int, tuple[int, int, int, list[int], np.ndarray]] = {}
         for request_id, book in touched.items():
             req = requests[request_id]
             for j in range(self.planes):
-                full = min(book.final[j] // self.block_size, len(req.tables[j]))
+                full = min(book.seal_limit(j) // self.block_size, len(req.tables[j]))
                 self._need_sealed(request_id, req, range(j, j + 1), full, entries)
         if entries:
             seal = self._seal_batch(entries.values())
             for idx in range(self.layers):
                 self.store.seal_layer(idx, seal)
-            self._flush_closing()
+        for book in touched.values():
+            if book.held:
+                self._release_held(book)
+        self._flush_closing()
+
+    def book_cycles(
+        self, cycles: Iterable[SpecCycle], open_cycles: Mapping[str, SpecCycle]
+    ) -> None:
+        """Cycles ran (or are about to): each one's committed prefix and how far it drafted;
+        a cycle no longer in ``open_cycles`` ended, and what it wrote past its committed
+        positions is not final (the next cycle writes it again)."""
+        for cycle in cycles:
+            book = self.books.get(cycle.request_id)
+            if book is None:  # released (finished, preempted): nothing of it is kept
+                continue
+            committed = cycle.start.position + cycle.decided
+            book.speculating(committed, cycle.positions[-1].position + 1)
+            if open_cycles.get(cycle.request_id) is not cycle:
+                book.cycle_ended(committed)
+                if book.held:
+                    self._release_held(book)
 
     def release(self, request_id: str, tables: list[list[int]]) -> None:
         """The request finished or was preempted: its blocks lose their tails (a block is
         cached for prefix hits only once sealed at every plane, and then needs none)."""
         self._flush_closing()
-        self.books.pop(request_id, None)
+        book = self.books.pop(request_id, None)
+        if book is not None:
+            self._held.difference_update(block for _b, block, _s in book.held)
         self.store.close([b for table in tables for b in table])
 
     def freeze(self, request_id: str, req: RequestView, positions: np.ndarray, loop: int) -> None:
