@@ -75,6 +75,14 @@ def chain_planes(plane: int, anchor_every: int) -> int:
     return plane - chain_start(plane, anchor_every) + 1
 
 
+def codec_name(codec: str, anchor_every: int, planes: int) -> str:
+    """How reports name a codec: int4-delta with its anchor interval (0 read as ``planes``,
+    plane 0 the only anchor)."""
+    if codec != INT4_DELTA:
+        return codec
+    return f"{codec} (anchor every {anchor_every or planes})"
+
+
 def value_group(head_dim: int) -> int:
     """Channels sharing one value scale and zero point (int4-delta)."""
     return min(VALUE_GROUP, head_dim)
