@@ -129,8 +129,9 @@ class SchedulerConfig:
     kv_cache_dtype: str = "auto"
     # int4-delta: every this many planes (loops) one is coded on its own, so a pass at loop
     # d reads the planes from the anchor at or below d up to d; 0 makes plane 0 the only
-    # anchor (every later loop a delta from the one below)
-    kv_int4_anchor_every: int = 0
+    # anchor (every later loop a delta from the one below). 2 (docs/kv_codecs.md): Ouro's
+    # passes read 1.5 planes of codes, not 2.5, and the last loop's K/V stays a delta
+    kv_int4_anchor_every: int = 2
     # continuous depth batching: an exited row starts its next token in the next pass
     refill: bool = True
     enable_prefix_caching: bool = False

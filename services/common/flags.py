@@ -111,10 +111,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-int4-anchor-every",
         type=int,
-        default=int(os.environ.get("RLT_KV_INT4_ANCHOR_EVERY", "0")),
+        default=int(
+            os.environ.get("RLT_KV_INT4_ANCHOR_EVERY", SchedulerConfig.kv_int4_anchor_every)
+        ),
         help="int4-delta: code every N-th loop's KV on its own instead of as a delta from "
         "the loop below, so a pass reads at most N planes of codes; 0 makes loop 0 the only "
-        "one (default: $RLT_KV_INT4_ANCHOR_EVERY, else 0)",
+        f"one (default: $RLT_KV_INT4_ANCHOR_EVERY, else "
+        f"{SchedulerConfig.kv_int4_anchor_every})",
     )
     g.add_argument(
         "--no-refill",
