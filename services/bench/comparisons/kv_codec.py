@@ -226,7 +226,8 @@ def targets(c: dict[str, Any]) -> list[dict[str, Any]]:
         ),
         _target(
             "sim 32x2k",
-            f"{int4} (the default) decode >= 1.6x auto (simulated H100 cost model)",
+            f"int4-delta decode >= 1.6x auto (simulated H100 cost model), the default "
+            f"anchor interval: {int4}",
             speed,
             speed >= 1.6,
         ),
