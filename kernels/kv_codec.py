@@ -7,15 +7,19 @@ counts and P/D transfers work per block whatever the codec; only a block's bytes
 * ``auto``: K and V in the model's dtype (float32 in the CPU tests, bfloat16 on a GPU).
 * ``fp8``: K and V as e4m3 codes (one byte each) and one float32 scale per (token, kv head),
   ``scale = amax / 448``, written when the token is written.
-* ``int4-delta``: 4-bit codes, asymmetric (a scale and a zero point, float16). The first
-  stored plane codes K/V itself; each later plane codes its difference from the plane below
-  *as reconstructed*. Keys per channel over the block's tokens (the group is the block),
-  values per token over groups of ``value_group(head_dim)`` channels. A per-token flag says
-  whether this plane stores the token at all: 0 means "the same as the plane below" (a token
-  that exited before this loop, or that token-sparse prefill froze at it). A block is coded
-  once it is full (*sealed*); until then its tokens sit in a full-precision *tail* block of
-  the ``auto`` layout (one per request and plane, plus the blocks a prefill chunk completes
-  in its pass), counted by ``tail_bytes``.
+* ``int4-delta``: 4-bit codes, asymmetric (a scale and a zero point, float16). An *anchor*
+  plane (plane 0, and every ``anchor_every``-th plane: ``j % anchor_every == 0``) codes K/V
+  itself; each other plane codes its difference from the plane below *as reconstructed*.
+  Plane d therefore reads back from its chain, planes ``chain_start(d) .. d``. Keys per
+  channel over the block's tokens (the group is the block), values per token over groups of
+  ``value_group(head_dim)`` channels. A per-token flag says whether this plane stores the
+  token at all: 0 means "the same as the plane below" (a token that exited before this loop,
+  or that token-sparse prefill froze at it). An anchor plane stores every token: one that
+  exited below it has its K/V copied up there, so the anchor codes that copy on its own and
+  a read-back never walks below its chain's anchor. A block is coded once it is full
+  (*sealed*); until then its tokens sit in a full-precision *tail* block of the ``auto``
+  layout (one per request and plane, plus the blocks a prefill chunk completes in its pass),
+  counted by ``tail_bytes``.
 
 The tail rule (``int4-delta``): a query at position q reads a key at position k exactly (from
 the tail) when ``k // block_size == q // block_size`` and dequantised otherwise. It depends on
@@ -56,6 +60,27 @@ class Field:
     def bytes(self, model_bytes: int) -> int:
         width = model_bytes if self.dtype == "model" else _BYTES[self.dtype]
         return math.prod(self.shape) * width
+
+
+def chain_start(plane: int, anchor_every: int) -> int:
+    """The anchor a read-back of ``plane`` starts from (int4-delta): the last plane at or
+    below it that is a multiple of ``anchor_every``; 0 means plane 0 is the only anchor."""
+    if anchor_every < 0:
+        raise ValueError(f"int4 anchor interval must be >= 0, got {anchor_every}")
+    return plane - plane % anchor_every if anchor_every else 0
+
+
+def chain_planes(plane: int, anchor_every: int) -> int:
+    """Planes of codes a pass at ``plane`` reads per sealed block (int4-delta)."""
+    return plane - chain_start(plane, anchor_every) + 1
+
+
+def codec_name(codec: str, anchor_every: int, planes: int) -> str:
+    """How reports name a codec: int4-delta with its anchor interval (0 read as ``planes``,
+    plane 0 the only anchor)."""
+    if codec != INT4_DELTA:
+        return codec
+    return f"{codec} (anchor every {anchor_every or planes})"
 
 
 def value_group(head_dim: int) -> int:

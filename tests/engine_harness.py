@@ -151,6 +151,7 @@ def oracle_result(
         sparse_prefill=sparse_setting(params, config, oracle.total_ut_steps),
         kv_cache_dtype=config.kv_cache_dtype,
         kv_block_size=config.block_size,
+        kv_int4_anchor_every=config.kv_int4_anchor_every,
     )
 
 

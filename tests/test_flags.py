@@ -46,6 +46,7 @@ def _configs() -> st.SearchStrategy[SchedulerConfig]:
         speculative_tokens=st.integers(0, 16),
         draft_loops=st.integers(1, 3),
         kv_cache_dtype=st.sampled_from(["auto", "fp8", "int4-delta"]),
+        kv_int4_anchor_every=st.integers(0, 4),
     )
 
 
@@ -114,3 +115,8 @@ def test_rlt_up_children_run_the_deployment_they_were_given(
             assert args.router == "least-loaded"
     with pytest.raises(ValueError, match="--shards must be >= 1"):
         service_processes("nats://x:1", tmp_path, config, tmp_path, shards=0)
+
+
+def test_a_negative_int4_anchor_interval_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="kv_int4_anchor_every"):
+        SchedulerConfig(kv_cache_dtype="int4-delta", kv_int4_anchor_every=-1)

@@ -123,6 +123,40 @@ def test_int4_reference_is_the_oracles_round_trip(keys: bool) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("every", [1, 2, 3])
+@pytest.mark.parametrize("keys", [True, False], ids=["keys", "values"])
+def test_int4_anchor_chains_are_the_oracles(keys: bool, every: int) -> None:
+    """Anchors every 1, 2 or 3 of 4 planes: the engine's rule (an anchor plane codes every
+    token on its own, from no read-back; the others a delta for the tokens they store) and
+    the oracle's give the same bits, tokens whose top is below an anchor included; such a
+    token reads its anchor's own coding of its copied-up K/V, not its top plane's."""
+    blocks, size, nkv, hd, group = 2, 16, 2, 128, 64
+    gen = torch.Generator().manual_seed(2)
+    top = torch.randint(0, 4, (blocks, size), generator=gen)
+    top[1, :4] = 0  # exited after loop 1: below every anchor above plane 0
+    planes = [_kv(2, (size, nkv, hd)).expand(blocks, -1, -1, -1).clone()]
+    for j in range(1, 4):  # a token above its top holds its K/V of the plane below
+        moved = planes[-1] + 0.3 * torch.randn(blocks, size, nkv, hd, generator=gen)
+        planes.append(torch.where((top >= j)[..., None, None], moved, planes[-1]))
+    prev = None
+    for j, exact in enumerate(planes):
+        anchor = j % every == 0
+        stored = torch.ones_like(top, dtype=torch.bool) if anchor else top >= j
+        below = None if anchor else prev
+        prev = kv_int4.int4_decode(
+            *kv_int4.int4_encode(exact, below, stored, keys, group), stored, below, keys, group
+        )
+        for b in range(blocks):
+            want = oracle_codec.int4_delta_group(
+                [p[b] for p in planes[: j + 1]], top[b], keys, group, anchor_every=every
+            )[-1]
+            assert torch.equal(prev[b], want), (j, b)
+        if anchor and j:  # the exited tokens: their copy coded with this plane's others
+            alone = oracle_codec.int4_delta_group([exact[1]], top[1], keys, group)[-1]
+            assert torch.equal(prev[1, :4], alone[:4])
+
+
+@pytest.mark.unit
 def test_int4_step_bounds_the_error() -> None:
     x = _kv(3, (16, 2, 64)).unsqueeze(0)
     stored = torch.ones(1, 16, dtype=torch.bool)
@@ -160,13 +194,15 @@ def _flashloop_group(keys: list[torch.Tensor], vals: list[torch.Tensor], masks: 
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("every", [0, 4], ids=["plane-0-anchor", "anchor-every-4"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["dense", "frozen-tokens"])
-def test_oracle_codec_agrees_with_flashloop(frozen: bool) -> None:
+def test_oracle_codec_agrees_with_flashloop(frozen: bool, every: int) -> None:
     """One group of 64 tokens (a block of 64), 4 loops, heads of 128 channels: FlashLoop's
     kivi4_channel profile (keys per channel, values per token over 64 channels, each later
     loop a delta from the loop below as reconstructed; a frozen token no delta). With float32
     scales the oracle's arithmetic is FlashLoop's, bit for bit; with the engine's float16 ones
-    its error is FlashLoop's within 1%."""
+    its error is FlashLoop's within 1%. An anchor every 4 loops (the loop count) is plane 0
+    alone: FlashLoop's layout exactly."""
     if importlib.util.find_spec("flashloop_torch") is None:
         pytest.skip("flashloop is not installed")
     gen = torch.Generator().manual_seed(4)
@@ -187,10 +223,10 @@ def test_oracle_codec_agrees_with_flashloop(frozen: bool) -> None:
             vals[j] = torch.where(still[:, None, None], vals[j - 1], vals[j])
     masks = [top >= j for j in range(1, 4)]
     fl_keys, fl_vals = _flashloop_group(keys, vals, masks)
-    ours32_k = oracle_codec.int4_delta_group(keys, top, True, 64, torch.float32)
-    ours32_v = oracle_codec.int4_delta_group(vals, top, False, 64, torch.float32)
-    ours16_k = oracle_codec.int4_delta_group(keys, top, True, 64)
-    ours16_v = oracle_codec.int4_delta_group(vals, top, False, 64)
+    ours32_k = oracle_codec.int4_delta_group(keys, top, True, 64, torch.float32, every)
+    ours32_v = oracle_codec.int4_delta_group(vals, top, False, 64, torch.float32, every)
+    ours16_k = oracle_codec.int4_delta_group(keys, top, True, 64, anchor_every=every)
+    ours16_v = oracle_codec.int4_delta_group(vals, top, False, 64, anchor_every=every)
     for j in range(4):
         assert torch.equal(ours32_k[j], fl_keys[j]), j
         assert torch.equal(ours32_v[j], fl_vals[j]), j

@@ -80,6 +80,26 @@ def test_int4_delta_passes_read_the_chain_of_planes_below() -> None:
     assert int4.kv_tokens_read(2048, 3) == pytest.approx(4 * 2048 + tail)
     assert auto.kv_tokens_read(2048, 3) == 2048
     sim = {(r["codec"], r["rows"], r["context"]): r for r in kv_codec.simulated_decode()}
-    ratio = sim[("int4-delta", 32, 2048)]["tokens_per_s"] / sim[("auto", 32, 2048)]["tokens_per_s"]
+
+    def vs_auto(every: int) -> float:
+        name = f"int4-delta (anchor every {every})"
+        return sim[(name, 32, 2048)]["tokens_per_s"] / sim[("auto", 32, 2048)]["tokens_per_s"]
+
     # the chain over 4 loops reads 2.5 planes of codes on average (~0.82x auto's bytes)
-    assert 1.0 < ratio < 1.6
+    assert 1.0 < vs_auto(4) < 1.6
+    # anchors every 2 loops: 1.5 planes; every loop: 1 plane, the fewest bytes
+    assert vs_auto(4) < vs_auto(2) < vs_auto(1)
+
+
+@pytest.mark.parametrize("every", [0, 1, 2, 3, 4])
+def test_int4_delta_passes_read_from_the_anchor_at_or_below(every: int) -> None:
+    """Anchors every ``every`` loops (0: plane 0 alone): a pass at loop d reads the planes
+    from the last anchor at or below d up to d; a context token's bytes do not change."""
+    cfg = toy_config("1.4b")
+    chained = SimCostModel.for_model(cfg, kv_cache_dtype="int4-delta")
+    cost = SimCostModel.for_model(cfg, kv_cache_dtype="int4-delta", kv_int4_anchor_every=every)
+    assert cost.kv_bytes_per_token == chained.kv_bytes_per_token
+    tail = cost.tail_tokens
+    for d in range(4):
+        anchor = max(a for a in range(d + 1) if a == 0 or (every and a % every == 0))
+        assert cost.kv_tokens_read(2048, d) == pytest.approx(2048 * (d - anchor + 1) + tail)

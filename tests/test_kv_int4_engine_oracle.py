@@ -39,6 +39,9 @@ def configs(draw: st.DrawFn, arrivals: list[Arrival]) -> SchedulerConfig:
         num_blocks=need + draw(st.integers(0, need)) if tight else need * len(arrivals) + 8,
         kv_layout=KVLayout.LAST_EXITED,
         kv_cache_dtype="int4-delta",
+        # 0: plane 0 the only anchor; 1: every plane coded on its own; 2, 3: chains that
+        # restart above plane 0, so exited and frozen tokens cross an anchor
+        kv_int4_anchor_every=draw(st.sampled_from([0, 1, 2, 3, D])),
         refill=draw(st.booleans()),
         enable_prefix_caching=draw(st.booleans()),
         async_scheduling=draw(st.booleans()),
@@ -55,6 +58,7 @@ def test_int4_engine_equals_int4_oracle(toy_model, oracle) -> None:
     hits: list[int] = []  # prompt tokens the prefix cache held (read from sealed blocks)
     preemptions: list[int] = []
     frozen: list[int] = []  # prompt token-loops token-sparse prefill did not run
+    by_anchor: dict[int, int] = {}  # tokens compared per anchor interval
 
     @settings(
         max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -79,15 +83,19 @@ def test_int4_engine_equals_int4_oracle(toy_model, oracle) -> None:
             expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
             compared.append(assert_matches_oracle(finished, expected, f"{a.request_id} {config}"))
             produced.append(len(expected.token_ids))
+            every = config.kv_int4_anchor_every
+            by_anchor[every] = by_anchor.get(every, 0) + compared[-1]
 
     check()
     print(
         f"int4-delta engine == oracle: {sum(compared)} of {sum(produced)} tokens compared, "
         f"{sum(sealed)} blocks sealed, {sum(skipped)} exited or frozen tokens without a "
         f"delta, {sum(hits)} prompt tokens from the prefix cache, {sum(preemptions)} "
-        f"preemptions, {sum(frozen)} token-loops frozen by sparse prefill"
+        f"preemptions, {sum(frozen)} token-loops frozen by sparse prefill; tokens compared "
+        f"per anchor interval {dict(sorted(by_anchor.items()))}"
     )
     assert sum(compared) > 0
+    assert sum(by_anchor.get(every, 0) for every in (1, 2, 3)) > 0  # chains past plane 0
     assert sum(sealed) > 0 and sum(skipped) > 0  # the runs read codes, exits included
     assert sum(compared) >= 0.8 * sum(produced), (sum(compared), sum(produced))
 
@@ -232,3 +240,45 @@ def test_int4_a_pass_that_fails_while_sealing_leaves_its_blocks_open(
     assert (
         assert_matches_oracle(b, oracle_result(oracle, prompt, params.resolve(D, 512), config)) == 5
     )
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_int4_anchor_codes_frozen_and_exited_tokens_on_its_own(
+    toy_model, oracle, monkeypatch: pytest.MonkeyPatch, every: int
+) -> None:
+    """Token-sparse prefill freezes tokens at loops 2 and 3 and decode tokens exit early:
+    with anchors every 1 or 2 planes, plane 2 is an anchor above their top, so it stores
+    them (their copied-up K/V coded on its own) while plane 3 (every=2) stores no delta for
+    them; the engine still equals the oracle."""
+    from services.worker.kv_int4.store import SealBatch
+
+    real = SealBatch.__init__
+    seals: list[tuple[int, int]] = []  # (plane, tokens the sealed block stores no delta for)
+
+    def spy(self: SealBatch, entries, *args) -> None:  # type: ignore[no-untyped-def]
+        real(self, entries, *args)
+        seals.extend((e[0], int((e[4] == 0).sum())) for e in self.entries)
+
+    monkeypatch.setattr(SealBatch, "__init__", spy)
+    arrivals = _arrivals([(17 * j) % 499 + 1 for j in range(14)], 2, 3, exit_threshold=0.6)
+    config = SchedulerConfig(
+        max_num_seqs=2,
+        max_num_batched_tokens=12,
+        prefill_chunk_size=6,
+        split_prefill=True,
+        block_size=4,
+        num_blocks=200,
+        kv_cache_dtype="int4-delta",
+        kv_int4_anchor_every=every,
+        token_sparse_prefill=True,
+        sparse_window=6,
+        prefill_retention=(1.0, 1.0, 0.5, 0.5),
+    )
+    record, compared = _compare(toy_model, oracle, config, arrivals)
+    assert record.engine is not None
+    assert record.engine.scheduler.stats.num_prefill_rows_saved > 0
+    at_anchor = [n for plane, n in seals if plane % every == 0]
+    between = [n for plane, n in seals if plane % every]
+    assert at_anchor and sum(at_anchor) == 0  # an anchor stores every token
+    assert (sum(between) > 0) == (every == 2)  # plane 3 skips the frozen and exited
+    assert compared == 7 * len(arrivals)

@@ -1,11 +1,13 @@
 """``rlt::paged_attention_int4``: causal paged attention over int4-delta KV (the torch
 reference; the layout is ``kernels/kv_codec.py``'s).
 
-Segment s reads plane ``planes[s]`` = d. A key in the query's own block comes exact from the
-tail cache (``k_tail`` / ``v_tail``, the ``auto`` layout) through ``tail_tables[s, block]``; a
-key of an earlier (sealed) block is read back from the codes of planes 0..d of that block,
-``block_tables[s, j, block]`` for plane j: plane 0 on its own, each later plane adding its
-delta to the tokens it stores. Rows, positions and padding are as in ``rlt::paged_attention``
+Segment s reads a chain of ``planes[s]`` + 1 = n planes. A key in the query's own block
+comes exact from the tail cache (``k_tail`` / ``v_tail``, the ``auto`` layout) through
+``tail_tables[s, block]``; a key of an earlier (sealed) block is read back from the codes of
+the chain's planes, ``block_tables[s, i, block]`` for i = 0..n - 1: the first (an anchor) on
+its own, each later one adding its delta to the tokens it stores. The host packs a pass at
+loop d's chain from the anchor at or below d (``kernels.kv_codec.chain_start``); with plane 0
+the only anchor, i is the plane. Rows, positions and padding are as in ``rlt::paged_attention``
 (``query_pos`` optional). Sealed blocks are decoded per segment here, not kept: a pass makes
 no dequantised copy of the cache. On CUDA the Triton kernel (``attention_int4_triton.py``)
 decodes them tile by tile inside the kernel.
@@ -44,8 +46,8 @@ class Int4Cache:
         ) = fields
 
     def read_back(self, tables: torch.Tensor, plane: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V float32 [n * bs, nkv, hd] of the sealed blocks ``tables[j]`` of planes
-        0..plane (tables [planes, n])."""
+        """K, V float32 [n * bs, nkv, hd] of n sealed blocks read back through the chain
+        ``tables[0..plane]`` (tables [chain, n]: an anchor, then the planes above it)."""
         k = v = None
         group = value_group(2 * self.k_codes.shape[-1])
         for j in range(plane + 1):
@@ -184,8 +186,8 @@ def paged_attention_int4(
     query_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, nh, hd] over one layer's int4-delta blocks -> [T, nh, hd] in q's dtype.
-    block_tables [S, planes, maxB], tail_tables [S, maxB], planes [S]: each segment's plane
-    (the module docstring has the rest)."""
+    block_tables [S, planes, maxB], tail_tables [S, maxB], planes [S]: each segment's chain's
+    last index (the module docstring has the rest)."""
     return _op(
         q,
         cache.k_codes,

@@ -1,7 +1,8 @@
 """Triton ``rlt::paged_attention_int4``: one program per (query row, head) walks the row's
 context block by block. A block before the query's own is read back from its codes inside
-the kernel, planes 0..d of it summed (each plane's delta ``code * scale + zero`` where the
-plane stores the token); the query's own block comes exact from the tail. The softmax is
+the kernel, the planes of its segment's chain summed (the host packs it from the anchor up;
+each plane's delta ``code * scale + zero`` where the plane stores the token); the query's own
+block comes exact from the tail. The softmax is
 online, so no dequantised copy of the context exists anywhere. Layout and the tail rule are
 ``attention_int4.py``'s; the arithmetic of the read-back is ``kv_int4.py``'s.
 
@@ -122,7 +123,7 @@ def _attn_int4_kernel(
         key_pos = b * block_size + offs
         key_ok = (offs < block_size) & (key_pos <= pos)
         ok = key_ok[:, None] & d_ok[None, :]
-        if b < own:  # sealed: planes 0..plane of its codes
+        if b < own:  # sealed: its chain's planes 0..plane of codes
             k = tl.zeros([BLOCK_BS, BLOCK_D], tl.float32)
             v = tl.zeros([BLOCK_BS, BLOCK_D], tl.float32)
             for j in range(0, plane + 1):

@@ -127,6 +127,11 @@ class SchedulerConfig:
     # how a KV block stores its tokens (kernels/kv_codec.py): "auto" (the model's dtype,
     # exact), "fp8" (e4m3 codes + a scale per token and kv head); one per server
     kv_cache_dtype: str = "auto"
+    # int4-delta: every this many planes (loops) one is coded on its own, so a pass at loop
+    # d reads the planes from the anchor at or below d up to d; 0 makes plane 0 the only
+    # anchor (every later loop a delta from the one below). 2 (docs/kv_codecs.md): Ouro's
+    # passes read 1.5 planes of codes, not 2.5, and the last loop's K/V stays a delta
+    kv_int4_anchor_every: int = 2
     # continuous depth batching: an exited row starts its next token in the next pass
     refill: bool = True
     enable_prefix_caching: bool = False
@@ -243,6 +248,11 @@ class SchedulerConfig:
     def _check_int4_delta(self) -> None:
         """int4-delta seals a block once its tokens are final at a plane: the shared layout
         rewrites its one plane every loop."""
+        if self.kv_int4_anchor_every < 0:
+            raise ValueError(
+                f"kv_int4_anchor_every must be >= 0 (0: plane 0 only), "
+                f"got {self.kv_int4_anchor_every}"
+            )
         if self.kv_cache_dtype == "int4-delta" and self.kv_layout == KVLayout.SHARED:
             raise ValueError(
                 "kv_cache_dtype=int4-delta needs kv_layout=last_exited: the shared layout "

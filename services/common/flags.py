@@ -109,6 +109,17 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "(default: $RLT_KV_CACHE_DTYPE, else auto)",
     )
     g.add_argument(
+        "--kv-int4-anchor-every",
+        type=int,
+        default=int(
+            os.environ.get("RLT_KV_INT4_ANCHOR_EVERY", SchedulerConfig.kv_int4_anchor_every)
+        ),
+        help="int4-delta: code every N-th loop's KV on its own instead of as a delta from "
+        "the loop below, so a pass reads at most N planes of codes; 0 makes loop 0 the only "
+        f"one (default: $RLT_KV_INT4_ANCHOR_EVERY, else "
+        f"{SchedulerConfig.kv_int4_anchor_every})",
+    )
+    g.add_argument(
         "--no-refill",
         action="store_true",
         help="cohort decode baseline instead of continuous depth batching",
@@ -324,6 +335,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         num_blocks=args.num_blocks,
         kv_layout=KVLayout(args.kv_layout),
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_int4_anchor_every=args.kv_int4_anchor_every,
         refill=not args.no_refill,
         enable_prefix_caching=args.enable_prefix_caching,
         share_inflight_prefill=not args.no_share_inflight_prefill,
@@ -355,6 +367,7 @@ def engine_args(config: SchedulerConfig) -> list[str]:
         f"--num-blocks={config.num_blocks}",
         f"--kv-layout={config.kv_layout.value}",
         f"--kv-cache-dtype={config.kv_cache_dtype}",
+        f"--kv-int4-anchor-every={config.kv_int4_anchor_every}",
         f"--max-inflight-batches={config.max_inflight_batches}",
         f"--overload-policy={config.overload_policy.value}",
         f"--shed-min-loops={config.shed_min_loops}",

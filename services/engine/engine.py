@@ -68,6 +68,7 @@ class LLMEngine:
             decode_mode=decode_mode,
             grammars=self.grammars,
             kv_cache_dtype=config.kv_cache_dtype,
+            kv_int4_anchor_every=config.kv_int4_anchor_every,
         )
         self.core = EngineCore(
             config,

@@ -32,6 +32,7 @@ def score_continuation(
     exit_threshold: float = 1.0,
     sparse: SparseSetting | None = None,
     kv_cache_dtype: str = "auto",
+    kv_int4_anchor_every: int = 0,
 ) -> ScoredContinuation:
     tokens = window.tolist()
     prompt, continuation = tokens[:prompt_len], tokens[prompt_len:]
@@ -54,5 +55,6 @@ def score_continuation(
         sampler=forced,
         sparse_prefill=sparse,
         kv_cache_dtype=kv_cache_dtype,
+        kv_int4_anchor_every=kv_int4_anchor_every,
     )
     return ScoredContinuation(nll, result.exit_depths, greedy[0], greedy)

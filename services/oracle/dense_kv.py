@@ -16,9 +16,10 @@ class DenseKV:
     """K/V of every plane, layer and position, as the codec ``codec`` stores them.
 
     ``auto`` and ``fp8`` keep what a query reads (fp8: the rounded values, since the engine
-    codes a token as it writes it). ``int4-delta`` keeps the exact values and each token's
-    ``top`` plane; ``read`` gives both the exact and the read-back history, and a query takes
-    the exact one for its own group of ``group_size`` positions only.
+    codes a token as it writes it). ``int4-delta`` keeps the exact values, each token's
+    ``top`` plane and the anchor interval; ``read`` gives both the exact and the read-back
+    history, and a query takes the exact one for its own group of ``group_size`` positions
+    only.
     """
 
     def __init__(
@@ -30,9 +31,12 @@ class DenseKV:
         hd: int,
         codec: str = "auto",
         group_size: int = 16,
+        anchor_every: int = 0,
     ) -> None:
         if codec not in CODECS:
             raise ValueError(f"kv_cache_dtype must be one of {CODECS}, got {codec!r}")
+        if anchor_every < 0:
+            raise ValueError(f"int4 anchor interval must be >= 0, got {anchor_every}")
 
         def plane() -> list[torch.Tensor]:
             return [torch.zeros(capacity, kv_heads, hd, dtype=torch.float32) for _ in range(layers)]
@@ -41,6 +45,7 @@ class DenseKV:
         self.v = [plane() for _ in range(planes)]
         self.codec = codec
         self.group_size = group_size
+        self.anchor_every = anchor_every  # int4-delta: 0 is plane 0 as the only anchor
         self.value_group = min(VALUE_GROUP, hd)
         self.top = torch.full((capacity,), planes - 1, dtype=torch.int64)
         # read-backs of (plane, layer, group), with the exact inputs they were made from
@@ -98,7 +103,8 @@ class DenseKV:
             torch.equal(a, b) for a, b in zip(cached[:-2], inputs, strict=True)
         ):
             return cached[-2:]
-        rk = int4_delta_group(ks, top, keys=True, group=self.value_group)[-1]
-        rv = int4_delta_group(vs, top, keys=False, group=self.value_group)[-1]
+        every = self.anchor_every
+        rk = int4_delta_group(ks, top, True, self.value_group, anchor_every=every)[-1]
+        rv = int4_delta_group(vs, top, False, self.value_group, anchor_every=every)[-1]
         self._coded[key] = (*(t.clone() for t in inputs), rk, rv)
         return rk, rv

@@ -7,8 +7,10 @@ bug in the engine's codec cannot hide in both.
   plane that stores it (``top``: a token that exited, or that token-sparse prefill froze,
   stores nothing above it). A query reads the keys of its own group (``group_size``
   positions, the engine's block) exactly and earlier groups as they read back once coded:
-  plane 0 on its own, plane j as plane j - 1's read-back plus the coded difference, for the
-  tokens whose top is at least j.
+  an anchor plane (plane 0, and plane j with ``j % anchor_every == 0`` when that is set) on
+  its own for every token (a token whose top is below it holds its copied-up K/V there),
+  any other plane j as plane j - 1's read-back plus the coded difference, for the tokens
+  whose top is at least j.
 
 The int4 arithmetic (the module docstring of ``kernels/ops/kv_int4.py`` states it once):
 asymmetric min/max with 15 steps, keys per channel over the group's stored tokens, values
@@ -74,13 +76,20 @@ def int4_delta_group(
     keys: bool,
     group: int,
     scale_dtype: torch.dtype = torch.float16,
+    anchor_every: int = 0,
 ) -> list[torch.Tensor]:
     """The read-back of planes 0..len(planes)-1 of one group: planes[j] [G, nkv, hd] exact,
-    top [G] the last plane storing each token (planes above read the plane below)."""
+    top [G] the last plane storing each token (planes above read the plane below, up to the
+    next anchor), ``anchor_every`` the anchor interval (0: plane 0 only)."""
     out: list[torch.Tensor] = []
     for j, exact in enumerate(planes):
-        stored = top >= j
-        below = out[-1] if out else torch.zeros_like(exact, dtype=torch.float32)
+        anchor = j == 0 or (anchor_every > 0 and j % anchor_every == 0)
+        if anchor:  # coded on its own, every token
+            stored = torch.ones_like(top, dtype=torch.bool)
+            below = torch.zeros_like(exact, dtype=torch.float32)
+        else:
+            stored = top >= j
+            below = out[-1]
         d = exact.float() - below
         if keys:
             coded = int4_round_trip_keys(d, stored, scale_dtype)

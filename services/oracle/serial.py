@@ -262,12 +262,13 @@ class SerialOracle:
         prefill_chunk_size: int | None = None,
         kv_cache_dtype: str = "auto",
         kv_block_size: int = 16,
+        kv_int4_anchor_every: int = 0,
     ) -> torch.Tensor:
         """Full-depth logits [P, V] for every prompt position (debug/tests)."""
         prompt = self._check_tokens(prompt_token_ids)
         layout = self._check_layout(kv_layout)
         self._check_positions(len(prompt))
-        kv = self._new_kv(layout, len(prompt), kv_cache_dtype, kv_block_size)
+        kv = self._new_kv(layout, len(prompt), kv_cache_dtype, kv_block_size, kv_int4_anchor_every)
         return self._coda(self._prefill(prompt, kv, layout, prefill_chunk_size))
 
     def generate(
@@ -288,6 +289,7 @@ class SerialOracle:
         sparse_prefill: SparseSetting | None = None,
         kv_cache_dtype: str = "auto",
         kv_block_size: int = 16,
+        kv_int4_anchor_every: int = 0,
     ) -> OracleResult:
         """Generate up to ``max_tokens`` tokens for one request.
 
@@ -300,7 +302,8 @@ class SerialOracle:
         ``sparse_prefill`` runs the prompt token-sparse (``_prefill_sparse``).
         ``kv_cache_dtype`` applies a KV codec (``auto``, ``fp8``, ``int4-delta``: see
         ``services/oracle/dense_kv.py``); int4-delta groups keys by ``kv_block_size``
-        positions, the engine's block size. Unset
+        positions, the engine's block size, and codes every ``kv_int4_anchor_every``-th
+        plane on its own (0: plane 0 only). Unset
         ``max_tokens`` / ``exit_threshold`` take the checkpoint's defaults
         (generation_config.json's max_new_tokens, else 16; config.json's early_exit_threshold).
         """
@@ -329,7 +332,8 @@ class SerialOracle:
         if not ignore_eos:
             stops.update(self.eos_token_ids)
 
-        kv = self._new_kv(layout, len(prompt) + max_tokens, kv_cache_dtype, kv_block_size)
+        capacity = len(prompt) + max_tokens
+        kv = self._new_kv(layout, capacity, kv_cache_dtype, kv_block_size, kv_int4_anchor_every)
         margin = math.inf
         if sparse_prefill is None:
             h_prompt = self._prefill(prompt, kv, layout, prefill_chunk_size)
@@ -390,13 +394,22 @@ class SerialOracle:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _new_kv(self, layout: str, capacity: int, codec: str, block_size: int) -> DenseKV:
+    def _new_kv(
+        self, layout: str, capacity: int, codec: str, block_size: int, anchor_every: int = 0
+    ) -> DenseKV:
         planes = self.total_ut_steps if layout == "last_exited" else 1
         cfg = self._cfg
         if block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {block_size}")
         return DenseKV(
-            planes, cfg.num_layers, capacity, cfg.num_kv_heads, cfg.head_dim, codec, block_size
+            planes,
+            cfg.num_layers,
+            capacity,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            codec,
+            block_size,
+            anchor_every,
         )
 
     def _check_sparse(self, sparse: SparseSetting, layout: str) -> None:

@@ -78,10 +78,12 @@ class ModelRunner(ResultReader):
         decode_mode: DecodeMode | None = None,
         grammars: GrammarBook | None = None,
         kv_cache_dtype: str = AUTO,
+        kv_int4_anchor_every: int = 0,
     ) -> None:
         """``grammars``: structured outputs (the checkpoint's tokenizer); without it a
         request with one fails. ``kv_cache_dtype``: the KV codec (``services/worker/kv_cache.py``;
-        ValueError for one the worker cannot store)."""
+        ValueError for one the worker cannot store). ``kv_int4_anchor_every``: int4-delta's
+        anchor interval (``kernels/kv_codec.py``)."""
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
@@ -100,7 +102,13 @@ class ModelRunner(ResultReader):
         self.int4: Int4KV | None = None
         if kv_cache_dtype == INT4_DELTA:
             planes = self.total_loops if kv_layout == KVLayout.LAST_EXITED else 1
-            self.int4 = Int4KV(*shape, dtype=model.dtype, device=model.device, planes=planes)
+            self.int4 = Int4KV(
+                *shape,
+                dtype=model.dtype,
+                device=model.device,
+                planes=planes,
+                anchor_every=kv_int4_anchor_every,
+            )
         self.kv = self.int4 or PagedKV(
             kv_cache_dtype, *shape, dtype=model.dtype, device=model.device
         )

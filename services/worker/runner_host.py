@@ -52,14 +52,17 @@ class RunnerHost:
         sim_kv: bool = False,
         before_replace: Callable[[], None] | None = None,
         kv_cache_dtype: str = AUTO,
+        kv_int4_anchor_every: int = 0,
     ) -> None:
         """``sim_kv``: a simulated device gets host KV arenas too (no compute reads them), so
         a disaggregation bench moves real bytes between simulated workers.
         ``before_replace``: called before a runner is dropped for a new one, so that
         whatever else holds its KV (the KV transfer agent) lets go of it first.
-        ``kv_cache_dtype``: the server's KV codec (every runner it builds stores it)."""
+        ``kv_cache_dtype``: the server's KV codec (every runner it builds stores it), and
+        ``kv_int4_anchor_every`` int4-delta's anchor interval."""
         check_storable(kv_cache_dtype)  # refused at start, by name
         self.kv_cache_dtype = kv_cache_dtype
+        self.kv_int4_anchor_every = kv_int4_anchor_every
         self.sim_kv = sim_kv
         self.before_replace = before_replace
         self.checkpoint = Path(checkpoint)
@@ -174,7 +177,10 @@ class RunnerHost:
             assert self._sim_config is not None
             dilation = float(os.environ.get("RLT_SIM_DILATION", "1"))
             self.runner = SimRunner.h200(
-                self._sim_config, dilation=dilation, kv_cache_dtype=self.kv_cache_dtype
+                self._sim_config,
+                dilation=dilation,
+                kv_cache_dtype=self.kv_cache_dtype,
+                kv_int4_anchor_every=self.kv_int4_anchor_every,
             )
             if self.sim_kv:
                 self.runner.kv_arena = sim_arena(num_blocks, block_size, self.kv_cache_dtype)
@@ -187,6 +193,7 @@ class RunnerHost:
                 KVLayout(kv_layout),
                 grammars=self.grammars,
                 kv_cache_dtype=self.kv_cache_dtype,
+                kv_int4_anchor_every=self.kv_int4_anchor_every,
             )
             self.runner = runner
             if runner.model.device.type == "cuda":

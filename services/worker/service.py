@@ -96,6 +96,7 @@ class WorkerService(Service):
             sim_kv=kv_transfer,
             before_replace=self._retire_kv,
             kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_int4_anchor_every=self.config.kv_int4_anchor_every,
         )
         self.kv_transfer = kv_transfer
         self.simulated = self.runner_host.simulated

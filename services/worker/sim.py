@@ -30,8 +30,9 @@ device time as launches are. A prompt chunk reads
 its context once. A token-sparse prefill fragment (``BatchRow.fragment``) costs its active
 rows and one read of its window's context per query tile of the attention kernel
 (``KERNEL_QUERY_TILE`` rows): its active tokens are one segment, each tile of them reads
-the context once. Under int4-delta a pass at loop d reads the codes of planes 0..d (each
-plane a delta from the one below) plus its row's full-precision tail block
+the context once. Under int4-delta a pass at loop d reads the codes of its chain, planes
+from the last anchor at or below d up to d (each plane above the anchor a delta from the
+one below), plus its row's full-precision tail block
 (``SimCostModel.kv_tokens_read``).
 """
 
@@ -40,7 +41,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kernels.kv_codec import AUTO, INT4_DELTA, bytes_per_token
+from kernels.kv_codec import AUTO, INT4_DELTA, bytes_per_token, chain_planes
 from messages.batch import Batch, BatchKind, BatchResult, SampledLogprobs, WorkerSampling
 from services.common.model_config import OuroConfig
 from services.worker.kv_transfer.agent import KVArena
@@ -92,10 +93,12 @@ class SimCostModel:
     dilation: float = 1.0
     host_pass_s: float = HOST_PASS_S
     host_row_s: float = HOST_ROW_S
-    # int4-delta: a pass at loop d decodes planes 0..d; each row also reads its open block
-    # from the full-precision tail, worth this many context tokens of codes
+    # int4-delta: a pass at loop d decodes its chain of planes (from the anchor at or below
+    # d, every ``anchor_every``-th plane, 0: plane 0 only); each row also reads its open
+    # block from the full-precision tail, worth this many context tokens of codes
     plane_chain: bool = False
     tail_tokens: float = 0.0
+    anchor_every: int = 0
 
     @classmethod
     def for_model(
@@ -108,6 +111,7 @@ class SimCostModel:
         flops_per_s: float = H200_BF16_FLOPS_PER_S,
         kv_cache_dtype: str = AUTO,
         block_size: int = 16,
+        kv_int4_anchor_every: int = 0,
     ) -> SimCostModel:
         """``kv_cache_dtype``: a context token's K/V are charged the codec's bytes (codes,
         scales and flags of its block, ``kernels/kv_codec.py``; int4-delta's full-precision
@@ -146,13 +150,14 @@ class SimCostModel:
             )
             if kv_cache_dtype == INT4_DELTA
             else 0.0,
+            anchor_every=kv_int4_anchor_every,
         )
 
     def kv_tokens_read(self, context: int, depth: int) -> float:
         """Context tokens (at ``kv_bytes_per_token``) one row at loop ``depth`` reads."""
         if not self.plane_chain:
             return context
-        return context * (depth + 1) + self.tail_tokens
+        return context * chain_planes(depth, self.anchor_every) + self.tail_tokens
 
     def core_pass_s(self, num_rows: int, context_tokens: float, query_key_pairs: int) -> float:
         """One core pass over ``num_rows`` query tokens reading ``context_tokens`` of KV."""
@@ -201,20 +206,33 @@ class SimRunner:
 
     @classmethod
     def h200(
-        cls, cfg: OuroConfig, *, dilation: float = 1.0, kv_cache_dtype: str = AUTO
+        cls,
+        cfg: OuroConfig,
+        *,
+        dilation: float = 1.0,
+        kv_cache_dtype: str = AUTO,
+        kv_int4_anchor_every: int = 0,
     ) -> SimRunner:
         """Passes timed as Ouro-1.4B's on an H200, whatever checkpoint ``cfg`` comes from
         (it supplies the vocabulary, depths and EOS ids); KV read at the codec's bytes."""
         from services.worker.model.toy import toy_config
 
         cost = SimCostModel.for_model(
-            toy_config("1.4b"), dilation=dilation, kv_cache_dtype=kv_cache_dtype
+            toy_config("1.4b"),
+            dilation=dilation,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_int4_anchor_every=kv_int4_anchor_every,
         )
         return cls(cfg, cost)
 
     @classmethod
     def h100(
-        cls, cfg: OuroConfig, *, dilation: float = 1.0, kv_cache_dtype: str = AUTO
+        cls,
+        cfg: OuroConfig,
+        *,
+        dilation: float = 1.0,
+        kv_cache_dtype: str = AUTO,
+        kv_int4_anchor_every: int = 0,
     ) -> SimRunner:
         """``h200``'s passes on an H100 SXM (its HBM3 bandwidth, the same bf16 peak)."""
         from services.worker.model.toy import toy_config
@@ -223,6 +241,7 @@ class SimRunner:
             toy_config("1.4b"),
             dilation=dilation,
             kv_cache_dtype=kv_cache_dtype,
+            kv_int4_anchor_every=kv_int4_anchor_every,
             bytes_per_s=H100_HBM_BYTES_PER_S,
             flops_per_s=H100_BF16_FLOPS_PER_S,
         )

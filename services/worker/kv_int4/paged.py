@@ -1,12 +1,14 @@
 """``Int4KV``: the runner's int4-delta KV. Each pass writes its rows' K/V into the tails,
 seals (per layer, before attention) the blocks its queries read coded that are not sealed
 yet, and attends through ``rlt::paged_attention_int4`` with the tail rule: a key in the
-query's own block from the tail, an earlier block from its codes, planes 0..d of it (no
-dense copy of the context). After a batch every block whose tokens are all final is sealed
-at once, so tails stay few; a request's open tails go when it finishes or is preempted.
-Under self-speculation a block that a cycle may write again keeps its tails, and a write
-sends the request's sealed cursors back so that the block is sealed again before it is
-read (``RequestBook``, docs/speculative.md "Under int4-delta").
+query's own block from the tail, an earlier block from its codes, the chain of planes from
+the anchor at or below d up to d (``kernels.kv_codec.chain_start``; no dense copy of the
+context). The op reads a segment's chain as planes 0..n of its table: the host packs it.
+After a batch every block whose tokens are all final is sealed at once, so tails stay few; a
+request's open tails go when it finishes or is preempted. Under self-speculation a block
+that a cycle may write again keeps its tails, and a write sends the request's sealed cursors
+back so that the block is sealed again before it is read (``RequestBook``,
+docs/speculative.md "Under int4-delta").
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-from kernels.kv_codec import INT4_DELTA, check
+from kernels.kv_codec import INT4_DELTA, chain_start, check
 from kernels.ops import copy_kv_slots_masked, rope_write_kv
 from kernels.ops.attention_int4 import paged_attention_int4
 from services.worker.kv_int4.book import RequestBook
@@ -43,8 +45,12 @@ class Int4KV:
         dtype: torch.dtype,
         device: torch.device,
         planes: int,
+        anchor_every: int = 0,
     ) -> None:
+        """``anchor_every``: every this many planes one is coded on its own (0: plane 0)."""
         check(INT4_DELTA, head_dim, block_size)
+        chain_start(0, anchor_every)  # a negative interval fails here, by name
+        self.anchor_every = anchor_every
         self.store = Int4Store(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
         self.layers = layers
         self.planes = planes
@@ -100,11 +106,12 @@ class Int4KV:
             plane = live.depth if self.planes > 1 else 0
             start = live.row.token_start
             last = (end - 1) // bs
-            for j in range(plane + 1):
-                chains[s, j, : last + 1] = req.tables[j][: last + 1]
+            anchor = chain_start(plane, self.anchor_every)
+            for i, j in enumerate(range(anchor, plane + 1)):
+                chains[s, i, : last + 1] = req.tables[j][: last + 1]
             own = np.asarray(req.tables[plane][start // bs : last + 1], dtype=np.int64)
             tail_tables[s, start // bs : last + 1] = store.tail_of[own]
-            seg_planes[s] = plane
+            seg_planes[s] = plane - anchor  # the chain's last entry
             self._need_sealed(live.row.request_id, req, range(plane + 1), last, entries)
         seal = self._seal_batch(entries.values())
         store.sync_tail_map()
@@ -178,7 +185,12 @@ class Int4KV:
         if tail < 0:
             raise RuntimeError(f"int4-delta: block {block} (plane {plane}) has no tail to seal")
         chain = [req.tables[i][b] for i in range(plane)]
-        return (plane, block, tail, chain, book.stored(b, plane, self.block_size))
+        if chain_start(plane, self.anchor_every) == plane:
+            # an anchor codes every token on its own, an exited one's copied-up K/V too
+            stored = np.ones(self.block_size, dtype=np.uint8)
+        else:
+            stored = book.stored(b, plane, self.block_size)
+        return (plane, block, tail, chain, stored)
 
     def _seal_batch(
         self, entries: Iterable[tuple[int, int, int, list[int], np.ndarray]]
@@ -186,7 +198,9 @@ class Int4KV:
         """Marks the entries sealed. A sealed block keeps its tail until the plane above it
         is sealed too (token-sparse prefill copies a frozen token's exact K/V up from it);
         the top plane's block gives its own back."""
-        seal = SealBatch(list(entries), self.planes, self.block_size, self.store.device)
+        seal = SealBatch(
+            list(entries), self.planes, self.block_size, self.store.device, self.anchor_every
+        )
         self.store.sealed[seal.block_ids] = True
         for plane, block, _tail, chain, _stored in seal.entries:
             if plane and chain[plane - 1] not in self._held:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.kv_codec import INT4_DELTA, tail_reserve_blocks, value_group
+from kernels.kv_codec import INT4_DELTA, chain_start, tail_reserve_blocks, value_group
 from kernels.ops.attention_int4 import Int4Cache
 from kernels.ops.kv_int4 import int4_decode, int4_encode
 
@@ -139,13 +139,15 @@ class Int4Store:
 
     def seal_layer(self, idx: int, seal: SealBatch) -> None:
         """Codes the blocks of ``seal`` in layer ``idx`` from their tails, plane by plane
-        (a plane's codes are the delta from the plane below as read back)."""
+        (an anchor plane's codes are its K/V; another's the delta from the plane below as
+        read back from the chain's anchor up)."""
         cache = self.layer(idx)
         for plane, (a, b) in seal.groups:
             blocks, tails, stored = seal.blocks[a:b], seal.tails[a:b], seal.stored[a:b]
             prev_k = prev_v = None
-            if plane:
-                prev_k, prev_v = self._read_back(cache, seal.chains[a:b, :plane])
+            first = chain_start(plane, seal.anchor_every)
+            if plane > first:
+                prev_k, prev_v = self._read_back(cache, seal.chains[a:b, first:plane])
             xk = self.k_tail[idx].index_select(0, tails)
             xv = self.v_tail[idx].index_select(0, tails)
             kc, ks, kz = int4_encode(xk, prev_k, stored, True, self.group)
@@ -157,7 +159,8 @@ class Int4Store:
     def _read_back(
         self, cache: Int4Cache, chains: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V float32 [n, bs, nkv, hd] of planes 0..p-1 of n blocks (chains [n, p])."""
+        """K, V float32 [n, bs, nkv, hd] read back through n chains of block ids
+        (chains [n, p]: an anchor, then the planes above it)."""
         k = v = None
         for j in range(chains.shape[1]):
             ids = chains[:, j]
@@ -187,7 +190,7 @@ class Int4Store:
 class SealBatch:
     """Blocks to seal, sorted by plane: ids, tails, each one's block ids at the planes below
     (``chains`` [n, planes]), its ``stored`` flags [n, bs], and the (plane, row range) of
-    each plane's run."""
+    each plane's run; ``anchor_every`` the anchor interval the codes follow."""
 
     def __init__(
         self,
@@ -195,8 +198,10 @@ class SealBatch:
         planes: int,
         block_size: int,
         device: torch.device,
+        anchor_every: int = 0,
     ) -> None:
         """``entries``: (plane, block id, tail, block ids of planes 0..plane-1, stored)."""
+        self.anchor_every = anchor_every
         entries = sorted(entries, key=lambda e: e[0])
         self.entries = entries
         n = len(entries)
