@@ -52,6 +52,54 @@ def test_auto_speculates_where_it_pays_and_not_where_it_costs() -> None:
     assert poor.choose(batch=1) > 0
 
 
+def _auto_with(acceptance: float, exits: list[float], draft_loops: int = 1) -> DraftLength:
+    auto = DraftLength(max_k=8, draft_loops=draft_loops, total_loops=len(exits))
+    right = round(20 * acceptance)
+    for _ in range(100):  # the running acceptance settles on this
+        for i in range(20):
+            auto.observe_cycle(drafted=1, accepted=1 if i < right else 0)
+    auto.exits.share = list(exits)
+    return auto
+
+
+@pytest.mark.unit
+def test_a_cycle_verifies_until_its_deepest_exit_and_exits_by_d_need_none() -> None:
+    spread = _auto_with(0.8, [0.0, 0.5, 0.0, 0.5]).exits
+    # two positions decided, each exiting after 2 or 4 loops: E[max - 1] = 0.25 * 1 + 0.75 * 3
+    assert spread.verify_passes(1, [0.0, 1.0]) == pytest.approx(2.5)
+    assert spread.verify_passes(1, [1.0]) == pytest.approx(2.0)  # one position: its mean
+    assert spread.draft_passes(1) == pytest.approx(1.0)
+    shallow = _auto_with(0.8, [1.0, 0.0, 0.0, 0.0]).exits
+    assert shallow.verify_passes(1, [0.0, 0.0, 1.0]) == 0.0  # every position exact
+    assert shallow.draft_passes(2) == pytest.approx(1.0)  # drafting stops at the exit
+
+
+@pytest.mark.unit
+def test_exit_depths_follow_committed_tokens() -> None:
+    auto = DraftLength(max_k=8, draft_loops=1, total_loops=4)
+    assert auto.exits.mean == pytest.approx(4.0)  # before any token: all D loops
+    for _ in range(1000):
+        auto.observe_exit(3)
+    assert auto.exits.mean == pytest.approx(3.0, abs=1e-6)
+    assert sum(auto.exits.share) == pytest.approx(1.0)
+
+
+@pytest.mark.unit
+def test_auto_weighs_the_deepest_exit_not_the_mean() -> None:
+    # the same mean exit depth (3 loops), the same acceptance: where exits spread, most
+    # cycles pay for a deep position's verification anyway, so longer cycles amortise it
+    narrow = _auto_with(0.85, [0.0, 0.0, 1.0, 0.0])
+    spread = _auto_with(0.85, [0.0, 0.5, 0.0, 0.5])
+    assert narrow.exits.mean == pytest.approx(spread.exits.mean)
+    assert spread.cycle_rate(3, 1) < narrow.cycle_rate(3, 1)
+    assert auto_acceptance_near(narrow, 0.85) and auto_acceptance_near(spread, 0.85)
+    assert spread.choose(batch=1) > narrow.choose(batch=1)
+
+
+def auto_acceptance_near(auto: DraftLength, acceptance: float) -> bool:
+    return abs(auto.acceptance - acceptance) < 0.01
+
+
 def _spec_rows(batches: list[ScheduledBatch], request_id: str) -> int:
     return sum(
         1

@@ -30,14 +30,55 @@ SATURATION_ROWS = 295
 AUTO_MARGIN = 1.05
 
 
+class ExitDepths:
+    """The running share of committed tokens exiting after 1..D loops (old tokens weigh
+    less; before any, every token runs all D loops), and what a cycle's passes cost under
+    it: a position drafts until its exit or the draft depth, and a cycle's verify passes
+    last until the deepest exit among the positions it decides."""
+
+    WEIGHT = 0.02  # a new token's weight
+
+    def __init__(self, total_loops: int) -> None:
+        self.total_loops = total_loops
+        self.share = [0.0] * total_loops
+        self.share[-1] = 1.0
+
+    def observe(self, loops: int) -> None:
+        keep = 1.0 - self.WEIGHT
+        self.share = [s * keep for s in self.share]
+        self.share[min(max(loops, 1), self.total_loops) - 1] += self.WEIGHT
+
+    @property
+    def mean(self) -> float:
+        return sum(e * s for e, s in enumerate(self.share, start=1))
+
+    def draft_passes(self, d: int) -> float:
+        """Expected passes one position drafts for: min(exit, d)."""
+        return sum(min(e, d) * s for e, s in enumerate(self.share, start=1))
+
+    def verify_passes(self, d: int, decided: list[float]) -> float:
+        """Expected verify passes of a cycle that decides n = i + 1 positions with
+        probability ``decided[i]``: the deepest of their exits past d (0 if all exit by d),
+        E[max (e - d)+] = sum over m > d of 1 - E[F(m - 1)^n], F the exits' distribution."""
+        total = 0.0
+        below = sum(self.share[:d])  # F(d)
+        for m in range(d + 1, self.total_loops + 1):
+            all_below = sum(p * below ** (i + 1) for i, p in enumerate(decided))
+            total += 1.0 - all_below
+            below += self.share[m - 1]
+        return total
+
+
 class DraftLength:
     """``auto``'s K per step: the K that maximises modelled decode throughput from the
-    running per-position acceptance rate, the mean exit depth and the batch's rows.
+    running per-position acceptance rate, the running exit depths and the batch's rows.
 
     Model: each draft is accepted with probability a (independently), so a cycle of K
-    drafts commits (1 - a^(K+1)) / (1 - a) tokens in (K + 1) d + (L - d) passes whose rows
-    number (K + 1) L in all (L: mean loops per token); a pass of r rows costs max(1, r /
-    SATURATION_ROWS). Plain decoding: L passes of one row per token."""
+    drafts commits (1 - a^(K+1)) / (1 - a) tokens; it drafts K + 1 positions one after the
+    other (each until its exit or loop d) and then verifies, in one pass per loop, until
+    the deepest exit among the positions it decides (up to the first rejected one); its
+    rows number (K + 1) L in all (L: mean loops per token). A pass of r rows costs max(1, r
+    / SATURATION_ROWS). Plain decoding: L passes of one row per token."""
 
     PRIOR_ACCEPTANCE = 0.6
     PRIOR_WEIGHT = 8.0
@@ -49,7 +90,7 @@ class DraftLength:
         self.total_loops = total_loops
         self._accepted = self.PRIOR_ACCEPTANCE * self.PRIOR_WEIGHT
         self._trials = self.PRIOR_WEIGHT
-        self._loops = float(total_loops)
+        self.exits = ExitDepths(total_loops)
 
     @property
     def acceptance(self) -> float:
@@ -62,7 +103,7 @@ class DraftLength:
         self._trials = self._trials * self.DECAY + accepted + (1 if accepted < drafted else 0)
 
     def observe_exit(self, loops: int) -> None:
-        self._loops = 0.98 * self._loops + 0.02 * loops
+        self.exits.observe(loops)
 
     def idle(self) -> None:
         """A step without cycles: the estimate drifts back to the prior (so a phase of poor
@@ -71,20 +112,28 @@ class DraftLength:
         self._accepted = self._accepted * self.DECAY + self.PRIOR_ACCEPTANCE * w
         self._trials = self._trials * self.DECAY + w
 
-    def choose(self, batch: int) -> int:
+    def cycle_rate(self, k: int, batch: int) -> float:
+        """Modelled tokens per unit of device time of a cycle of ``k`` drafts."""
         a = min(self.acceptance, 0.999)
-        loops = max(1.0, self._loops)
-        d = min(float(self.d), loops)
-        verify = max(0.0, loops - d)
-        plain = (1.0 / loops) / max(1.0, batch / SATURATION_ROWS)
-        best, best_k = plain * AUTO_MARGIN, 0
+        loops = max(1.0, self.exits.mean)
+        # the cycle decides positions 0..i: i the first rejected draft, or k
+        decided = [a**i * (1 - a) for i in range(k)] + [a**k]
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        passes = (k + 1) * self.exits.draft_passes(self.d) + self.exits.verify_passes(
+            self.d, decided
+        )
+        rows = (k + 1) * loops
+        return (tokens / passes) / max(1.0, batch * rows / (passes * SATURATION_ROWS))
+
+    def plain_rate(self, batch: int) -> float:
+        return (1.0 / max(1.0, self.exits.mean)) / max(1.0, batch / SATURATION_ROWS)
+
+    def choose(self, batch: int) -> int:
+        best, best_k = self.plain_rate(batch) * AUTO_MARGIN, 0
         for k in AUTO_CHOICES:
             if k == 0 or k > self.max_k:
                 continue
-            tokens = (1 - a ** (k + 1)) / (1 - a)
-            passes = (k + 1) * d + verify
-            rows = (k + 1) * loops
-            rate = (tokens / passes) / max(1.0, batch * rows / (passes * SATURATION_ROWS))
+            rate = self.cycle_rate(k, batch)
             if rate > best:
                 best, best_k = rate, k
         return best_k
