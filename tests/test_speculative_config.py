@@ -63,15 +63,14 @@ def _auto_with(acceptance: float, exits: list[float], draft_loops: int = 1) -> D
 
 
 @pytest.mark.unit
-def test_a_cycle_verifies_until_its_deepest_exit_and_exits_by_d_need_none() -> None:
+def test_a_cycle_lasts_until_its_decided_positions_have_all_exited() -> None:
     spread = _auto_with(0.8, [0.0, 0.5, 0.0, 0.5]).exits
-    # two positions decided, each exiting after 2 or 4 loops: E[max - 1] = 0.25 * 1 + 0.75 * 3
-    assert spread.verify_passes(1, [0.0, 1.0]) == pytest.approx(2.5)
-    assert spread.verify_passes(1, [1.0]) == pytest.approx(2.0)  # one position: its mean
-    assert spread.draft_passes(1) == pytest.approx(1.0)
+    assert spread.decided_after(1, 1) == pytest.approx(3.0)  # one position: its mean exit
+    # position 1 starts a pass after position 0: max(e0, 1 + e1), e in {2, 4} equally
+    assert spread.decided_after(1, 2) == pytest.approx((3 + 5 + 4 + 5) / 4)
     shallow = _auto_with(0.8, [1.0, 0.0, 0.0, 0.0]).exits
-    assert shallow.verify_passes(1, [0.0, 0.0, 1.0]) == 0.0  # every position exact
     assert shallow.draft_passes(2) == pytest.approx(1.0)  # drafting stops at the exit
+    assert shallow.decided_after(2, 3) == pytest.approx(3.0)
 
 
 @pytest.mark.unit
@@ -85,15 +84,15 @@ def test_exit_depths_follow_committed_tokens() -> None:
 
 
 @pytest.mark.unit
-def test_auto_weighs_the_deepest_exit_not_the_mean() -> None:
-    # the same mean exit depth (3 loops), the same acceptance: where exits spread, most
-    # cycles pay for a deep position's verification anyway, so longer cycles amortise it
-    narrow = _auto_with(0.85, [0.0, 0.0, 1.0, 0.0])
-    spread = _auto_with(0.85, [0.0, 0.5, 0.0, 0.5])
-    assert narrow.exits.mean == pytest.approx(spread.exits.mean)
-    assert spread.cycle_rate(3, 1) < narrow.cycle_rate(3, 1)
-    assert auto_acceptance_near(narrow, 0.85) and auto_acceptance_near(spread, 0.85)
-    assert spread.choose(batch=1) > narrow.choose(batch=1)
+def test_auto_drafts_long_where_a_rejection_costs_only_the_passes_up_to_it() -> None:
+    # a cycle ends at its first rejected draft's exit: a longer K adds no passes to the
+    # cycles that end early, so at batch 1 auto drafts as far as it may
+    auto = _auto_with(0.8, [0.0, 0.0, 0.0, 1.0])
+    assert auto_acceptance_near(auto, 0.8)
+    assert auto.cycle_rate(8, 1) > auto.cycle_rate(3, 1) > auto.cycle_rate(1, 1)
+    assert auto.choose(batch=1) == 8
+    # where rows cost (a compute-bound batch), fewer
+    assert auto.choose(batch=2048) < 8
 
 
 def auto_acceptance_near(auto: DraftLength, acceptance: float) -> bool:

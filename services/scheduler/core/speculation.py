@@ -32,9 +32,7 @@ AUTO_MARGIN = 1.05
 
 class ExitDepths:
     """The running share of committed tokens exiting after 1..D loops (old tokens weigh
-    less; before any, every token runs all D loops), and what a cycle's passes cost under
-    it: a position drafts until its exit or the draft depth, and a cycle's verify passes
-    last until the deepest exit among the positions it decides."""
+    less; before any, every token runs all D loops), and how long a cycle runs under it."""
 
     WEIGHT = 0.02  # a new token's weight
 
@@ -53,20 +51,24 @@ class ExitDepths:
         return sum(e * s for e, s in enumerate(self.share, start=1))
 
     def draft_passes(self, d: int) -> float:
-        """Expected passes one position drafts for: min(exit, d)."""
+        """Expected passes one position drafts for: until its exit or loop d."""
         return sum(min(e, d) * s for e, s in enumerate(self.share, start=1))
 
-    def verify_passes(self, d: int, decided: list[float]) -> float:
-        """Expected verify passes of a cycle that decides n = i + 1 positions with
-        probability ``decided[i]``: the deepest of their exits past d (0 if all exit by d),
-        E[max (e - d)+] = sum over m > d of 1 - E[F(m - 1)^n], F the exits' distribution."""
-        total = 0.0
-        below = sum(self.share[:d])  # F(d)
-        for m in range(d + 1, self.total_loops + 1):
-            all_below = sum(p * below ** (i + 1) for i, p in enumerate(decided))
-            total += 1.0 - all_below
-            below += self.share[m - 1]
-        return total
+    def decided_after(self, d: int, n: int) -> float:
+        """Expected passes until a cycle's first ``n`` positions are all decided. Position i
+        starts once its predecessor drafted (i steps of ``draft_passes`` in) and runs a loop
+        per pass until its exit e_i: T = max over i < n of (i step + e_i), and P(T <= t) is
+        the product over i of F(t - i step), F the exits' distribution."""
+        step = self.draft_passes(d)
+        exits = [e for e, s in enumerate(self.share, start=1) if s > 0]
+        expected = below = 0.0
+        for t in sorted({i * step + e for i in range(n) for e in exits}):
+            p = 1.0
+            for i in range(n):
+                p *= sum(s for e, s in enumerate(self.share, start=1) if e <= t - i * step + 1e-9)
+            expected += t * (p - below)
+            below = p
+        return expected
 
 
 class DraftLength:
@@ -74,15 +76,16 @@ class DraftLength:
     running per-position acceptance rate, the running exit depths and the batch's rows.
 
     Model: each draft is accepted with probability a (independently), so a cycle of K
-    drafts commits (1 - a^(K+1)) / (1 - a) tokens; it drafts K + 1 positions one after the
-    other (each until its exit or loop d) and then verifies, in one pass per loop, until
-    the deepest exit among the positions it decides (up to the first rejected one); its
-    rows number (K + 1) L in all (L: mean loops per token). A pass of r rows costs max(1, r
-    / SATURATION_ROWS). Plain decoding: L passes of one row per token."""
+    drafts commits (1 - a^(K+1)) / (1 - a) tokens. It ends once the positions up to its
+    first rejected draft (or all K + 1) are decided (``ExitDepths.decided_after``): each
+    position starts when its predecessor has drafted and runs to its exit beside the
+    later ones. A pass of r rows costs max(1, r / SATURATION_ROWS). Plain decoding: L
+    passes of one row per token (L: the mean exit depth)."""
 
     PRIOR_ACCEPTANCE = 0.6
     PRIOR_WEIGHT = 8.0
     DECAY = 0.995  # old cycles weigh less; with no cycles the estimate drifts to the prior
+    REFRESH = 32  # exits observed before a cycle's modelled length is worked out again
 
     def __init__(self, max_k: int, draft_loops: int, total_loops: int) -> None:
         self.max_k = max_k
@@ -91,6 +94,8 @@ class DraftLength:
         self._accepted = self.PRIOR_ACCEPTANCE * self.PRIOR_WEIGHT
         self._trials = self.PRIOR_WEIGHT
         self.exits = ExitDepths(total_loops)
+        self._lengths: list[float] = []  # entry n - 1: passes until n positions are decided
+        self._since_refresh = 0
 
     @property
     def acceptance(self) -> float:
@@ -104,6 +109,7 @@ class DraftLength:
 
     def observe_exit(self, loops: int) -> None:
         self.exits.observe(loops)
+        self._since_refresh += 1
 
     def idle(self) -> None:
         """A step without cycles: the estimate drifts back to the prior (so a phase of poor
@@ -112,17 +118,25 @@ class DraftLength:
         self._accepted = self._accepted * self.DECAY + self.PRIOR_ACCEPTANCE * w
         self._trials = self._trials * self.DECAY + w
 
+    def _cycle_lengths(self) -> list[float]:
+        if not self._lengths or self._since_refresh >= self.REFRESH:
+            top = max(AUTO_CHOICES) + 1
+            self._lengths = [self.exits.decided_after(self.d, n) for n in range(1, top + 1)]
+            self._since_refresh = 0
+        return self._lengths
+
     def cycle_rate(self, k: int, batch: int) -> float:
         """Modelled tokens per unit of device time of a cycle of ``k`` drafts."""
         a = min(self.acceptance, 0.999)
         loops = max(1.0, self.exits.mean)
+        step = self.exits.draft_passes(self.d)
+        lengths = self._cycle_lengths()
         # the cycle decides positions 0..i: i the first rejected draft, or k
         decided = [a**i * (1 - a) for i in range(k)] + [a**k]
         tokens = (1 - a ** (k + 1)) / (1 - a)
-        passes = (k + 1) * self.exits.draft_passes(self.d) + self.exits.verify_passes(
-            self.d, decided
-        )
-        rows = (k + 1) * loops
+        passes = sum(p * lengths[i] for i, p in enumerate(decided))
+        # rows: each position that starts before the cycle ends runs to its exit or the end
+        rows = sum(min(loops, max(0.0, passes - i * step)) for i in range(k + 1))
         return (tokens / passes) / max(1.0, batch * rows / (passes * SATURATION_ROWS))
 
     def plain_rate(self, batch: int) -> float:
