@@ -52,6 +52,53 @@ def test_auto_speculates_where_it_pays_and_not_where_it_costs() -> None:
     assert poor.choose(batch=1) > 0
 
 
+def _auto_with(acceptance: float, exits: list[float], draft_loops: int = 1) -> DraftLength:
+    auto = DraftLength(max_k=8, draft_loops=draft_loops, total_loops=len(exits))
+    right = round(20 * acceptance)
+    for _ in range(100):  # the running acceptance settles on this
+        for i in range(20):
+            auto.observe_cycle(drafted=1, accepted=1 if i < right else 0)
+    auto.exits.share = list(exits)
+    return auto
+
+
+@pytest.mark.unit
+def test_a_cycle_lasts_until_its_decided_positions_have_all_exited() -> None:
+    spread = _auto_with(0.8, [0.0, 0.5, 0.0, 0.5]).exits
+    assert spread.decided_after(1, 1) == pytest.approx(3.0)  # one position: its mean exit
+    # position 1 starts a pass after position 0: max(e0, 1 + e1), e in {2, 4} equally
+    assert spread.decided_after(1, 2) == pytest.approx((3 + 5 + 4 + 5) / 4)
+    shallow = _auto_with(0.8, [1.0, 0.0, 0.0, 0.0]).exits
+    assert shallow.draft_passes(2) == pytest.approx(1.0)  # drafting stops at the exit
+    assert shallow.decided_after(2, 3) == pytest.approx(3.0)
+
+
+@pytest.mark.unit
+def test_exit_depths_follow_committed_tokens() -> None:
+    auto = DraftLength(max_k=8, draft_loops=1, total_loops=4)
+    assert auto.exits.mean == pytest.approx(4.0)  # before any token: all D loops
+    for _ in range(1000):
+        auto.observe_exit(3)
+    assert auto.exits.mean == pytest.approx(3.0, abs=1e-6)
+    assert sum(auto.exits.share) == pytest.approx(1.0)
+
+
+@pytest.mark.unit
+def test_auto_drafts_long_where_a_rejection_costs_only_the_passes_up_to_it() -> None:
+    # a cycle ends at its first rejected draft's exit: a longer K adds no passes to the
+    # cycles that end early, so at batch 1 auto drafts as far as it may
+    auto = _auto_with(0.8, [0.0, 0.0, 0.0, 1.0])
+    assert auto_acceptance_near(auto, 0.8)
+    assert auto.cycle_rate(8, 1) > auto.cycle_rate(3, 1) > auto.cycle_rate(1, 1)
+    assert auto.choose(batch=1) == 8
+    # where rows cost (a compute-bound batch), fewer
+    assert auto.choose(batch=2048) < 8
+
+
+def auto_acceptance_near(auto: DraftLength, acceptance: float) -> bool:
+    return abs(auto.acceptance - acceptance) < 0.01
+
+
 def _spec_rows(batches: list[ScheduledBatch], request_id: str) -> int:
     return sum(
         1

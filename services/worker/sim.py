@@ -356,6 +356,8 @@ class SimRunner:
             self.last_batch_passes.append((len(active), num_rows))
             for r in active:
                 coda_rows += self._finish_loop(r)
+        if not device:
+            return 0.0  # nothing to run (a row whose request already has all its tokens)
         # the host plans pass k + 1 while the device runs pass k (launches do not wait): the
         # first plan is paid alone, then each pass takes the longer of the two
         seconds = (host[0] if host else 0.0) + sum(

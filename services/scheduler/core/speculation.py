@@ -30,18 +30,62 @@ SATURATION_ROWS = 295
 AUTO_MARGIN = 1.05
 
 
+class ExitDepths:
+    """The running share of committed tokens exiting after 1..D loops (old tokens weigh
+    less; before any, every token runs all D loops), and how long a cycle runs under it."""
+
+    WEIGHT = 0.02  # a new token's weight
+
+    def __init__(self, total_loops: int) -> None:
+        self.total_loops = total_loops
+        self.share = [0.0] * total_loops
+        self.share[-1] = 1.0
+
+    def observe(self, loops: int) -> None:
+        keep = 1.0 - self.WEIGHT
+        self.share = [s * keep for s in self.share]
+        self.share[min(max(loops, 1), self.total_loops) - 1] += self.WEIGHT
+
+    @property
+    def mean(self) -> float:
+        return sum(e * s for e, s in enumerate(self.share, start=1))
+
+    def draft_passes(self, d: int) -> float:
+        """Expected passes one position drafts for: until its exit or loop d."""
+        return sum(min(e, d) * s for e, s in enumerate(self.share, start=1))
+
+    def decided_after(self, d: int, n: int) -> float:
+        """Expected passes until a cycle's first ``n`` positions are all decided. Position i
+        starts once its predecessor drafted (i steps of ``draft_passes`` in) and runs a loop
+        per pass until its exit e_i: T = max over i < n of (i step + e_i), and P(T <= t) is
+        the product over i of F(t - i step), F the exits' distribution."""
+        step = self.draft_passes(d)
+        exits = [e for e, s in enumerate(self.share, start=1) if s > 0]
+        expected = below = 0.0
+        for t in sorted({i * step + e for i in range(n) for e in exits}):
+            p = 1.0
+            for i in range(n):
+                p *= sum(s for e, s in enumerate(self.share, start=1) if e <= t - i * step + 1e-9)
+            expected += t * (p - below)
+            below = p
+        return expected
+
+
 class DraftLength:
     """``auto``'s K per step: the K that maximises modelled decode throughput from the
-    running per-position acceptance rate, the mean exit depth and the batch's rows.
+    running per-position acceptance rate, the running exit depths and the batch's rows.
 
     Model: each draft is accepted with probability a (independently), so a cycle of K
-    drafts commits (1 - a^(K+1)) / (1 - a) tokens in (K + 1) d + (L - d) passes whose rows
-    number (K + 1) L in all (L: mean loops per token); a pass of r rows costs max(1, r /
-    SATURATION_ROWS). Plain decoding: L passes of one row per token."""
+    drafts commits (1 - a^(K+1)) / (1 - a) tokens. It ends once the positions up to its
+    first rejected draft (or all K + 1) are decided (``ExitDepths.decided_after``): each
+    position starts when its predecessor has drafted and runs to its exit beside the
+    later ones. A pass of r rows costs max(1, r / SATURATION_ROWS). Plain decoding: L
+    passes of one row per token (L: the mean exit depth)."""
 
     PRIOR_ACCEPTANCE = 0.6
     PRIOR_WEIGHT = 8.0
     DECAY = 0.995  # old cycles weigh less; with no cycles the estimate drifts to the prior
+    REFRESH = 32  # exits observed before a cycle's modelled length is worked out again
 
     def __init__(self, max_k: int, draft_loops: int, total_loops: int) -> None:
         self.max_k = max_k
@@ -49,7 +93,9 @@ class DraftLength:
         self.total_loops = total_loops
         self._accepted = self.PRIOR_ACCEPTANCE * self.PRIOR_WEIGHT
         self._trials = self.PRIOR_WEIGHT
-        self._loops = float(total_loops)
+        self.exits = ExitDepths(total_loops)
+        self._lengths: list[float] = []  # entry n - 1: passes until n positions are decided
+        self._since_refresh = 0
 
     @property
     def acceptance(self) -> float:
@@ -62,7 +108,8 @@ class DraftLength:
         self._trials = self._trials * self.DECAY + accepted + (1 if accepted < drafted else 0)
 
     def observe_exit(self, loops: int) -> None:
-        self._loops = 0.98 * self._loops + 0.02 * loops
+        self.exits.observe(loops)
+        self._since_refresh += 1
 
     def idle(self) -> None:
         """A step without cycles: the estimate drifts back to the prior (so a phase of poor
@@ -71,20 +118,36 @@ class DraftLength:
         self._accepted = self._accepted * self.DECAY + self.PRIOR_ACCEPTANCE * w
         self._trials = self._trials * self.DECAY + w
 
-    def choose(self, batch: int) -> int:
+    def _cycle_lengths(self) -> list[float]:
+        if not self._lengths or self._since_refresh >= self.REFRESH:
+            top = max(AUTO_CHOICES) + 1
+            self._lengths = [self.exits.decided_after(self.d, n) for n in range(1, top + 1)]
+            self._since_refresh = 0
+        return self._lengths
+
+    def cycle_rate(self, k: int, batch: int) -> float:
+        """Modelled tokens per unit of device time of a cycle of ``k`` drafts."""
         a = min(self.acceptance, 0.999)
-        loops = max(1.0, self._loops)
-        d = min(float(self.d), loops)
-        verify = max(0.0, loops - d)
-        plain = (1.0 / loops) / max(1.0, batch / SATURATION_ROWS)
-        best, best_k = plain * AUTO_MARGIN, 0
+        loops = max(1.0, self.exits.mean)
+        step = self.exits.draft_passes(self.d)
+        lengths = self._cycle_lengths()
+        # the cycle decides positions 0..i: i the first rejected draft, or k
+        decided = [a**i * (1 - a) for i in range(k)] + [a**k]
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        passes = sum(p * lengths[i] for i, p in enumerate(decided))
+        # rows: each position that starts before the cycle ends runs to its exit or the end
+        rows = sum(min(loops, max(0.0, passes - i * step)) for i in range(k + 1))
+        return (tokens / passes) / max(1.0, batch * rows / (passes * SATURATION_ROWS))
+
+    def plain_rate(self, batch: int) -> float:
+        return (1.0 / max(1.0, self.exits.mean)) / max(1.0, batch / SATURATION_ROWS)
+
+    def choose(self, batch: int) -> int:
+        best, best_k = self.plain_rate(batch) * AUTO_MARGIN, 0
         for k in AUTO_CHOICES:
             if k == 0 or k > self.max_k:
                 continue
-            tokens = (1 - a ** (k + 1)) / (1 - a)
-            passes = (k + 1) * d + verify
-            rows = (k + 1) * loops
-            rate = (tokens / passes) / max(1.0, batch * rows / (passes * SATURATION_ROWS))
+            rate = self.cycle_rate(k, batch)
             if rate > best:
                 best, best_k = rate, k
         return best_k

@@ -163,17 +163,23 @@ class Speculation:
         return cycle
 
     def _rows(self, index: int, cycle: SpecCycle, sampling: WorkerSampling) -> list[LiveRow]:
+        """The pass's rows of the cycle: every drafted position that has not exited runs
+        its next loop (verify rows), beside the position being drafted. A position at loop
+        j reads its predecessors' plane j, which each wrote (or filled by its exit) in an
+        earlier pass: each started earlier and runs one loop per pass."""
         sampled = sampling.temperature != 0.0
+        drafted = cycle.positions[cycle.decided : cycle.drafting]
+        rows = [
+            # verify rows keep the target's logits where a draft must be tested against them
+            self._live(index, cycle, pos, 0, sampled and pos.index < cycle.k)
+            for pos in drafted
+            if pos.exit_loops == 0
+        ]
         if cycle.drafting <= cycle.k:
             pos = cycle.positions[cycle.drafting]
             draft_end = cycle.d if pos.index < cycle.k else 0
-            return [self._live(index, cycle, pos, draft_end, sampled and draft_end > 0)]
-        return [
-            # verify rows keep the target's logits where a draft must be tested against them
-            self._live(index, cycle, pos, 0, sampled and pos.index < cycle.k)
-            for pos in cycle.positions[cycle.decided :]
-            if pos.exit_loops == 0
-        ]
+            rows.append(self._live(index, cycle, pos, draft_end, sampled and draft_end > 0))
+        return rows
 
     def _live(
         self, index: int, cycle: SpecCycle, pos: SpecPosition, coda_at: int, keep: bool
@@ -327,7 +333,7 @@ class Speculation:
 
     def _end(self, cycle: SpecCycle, cursor: RowCursor, result: RowResult) -> None:
         last = cycle.positions[cycle.decided - 1]
-        result.drafted = cycle.k
+        result.drafted = min(cycle.drafting, cycle.k)  # a rejection may end it while drafting
         result.accepted = cycle.decided - 1
         cursor.next_decode = BatchRow(
             request_id=cycle.request_id,
