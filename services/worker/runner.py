@@ -20,15 +20,15 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from kernels.kv_codec import AUTO, INT4_DELTA
+from kernels.kv_codec import AUTO
 from kernels.ops import exit_rule
 from kernels.ops.backends import select_backends
 from messages.batch import Batch, BatchKind, BatchResult
 from services.common.config import KVLayout
 from services.common.sampling import sample_batch
 from services.common.sparse_prefill import SparseSchedule
-from services.worker.kv_cache import PagedKV
 from services.worker.kv_int4.paged import Int4KV
+from services.worker.kv_storage import build_kv, decode_mode_for
 from services.worker.model.ouro import OuroModel, PassAttention
 from services.worker.passes.decode_pool import DecodePool
 from services.worker.passes.pass_inputs import DevicePass
@@ -89,40 +89,13 @@ class ModelRunner(ResultReader):
         self.block_size = block_size
         self.kv_layout = kv_layout
         self.total_loops = cfg.total_ut_steps
-        # one block past the scheduler's pool: padding rows of a static pass write there
-        shape = (
-            cfg.num_hidden_layers,
-            num_blocks + 1,
-            block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
+        self.kv = build_kv(
+            model, num_blocks, block_size, kv_layout, kv_cache_dtype, kv_int4_anchor_every
         )
-        # auto: the model dtype (bf16/fp16 on CUDA), read as is; fp8: codes and scales;
-        # int4-delta: codes, scales and full-precision tails for the open blocks
-        self.int4: Int4KV | None = None
-        if kv_cache_dtype == INT4_DELTA:
-            planes = self.total_loops if kv_layout == KVLayout.LAST_EXITED else 1
-            self.int4 = Int4KV(
-                *shape,
-                dtype=model.dtype,
-                device=model.device,
-                planes=planes,
-                anchor_every=kv_int4_anchor_every,
-            )
-        self.kv = self.int4 or PagedKV(
-            kv_cache_dtype, *shape, dtype=model.dtype, device=model.device
-        )
+        self.int4: Int4KV | None = self.kv if isinstance(self.kv, Int4KV) else None
         self.k_cache, self.v_cache = self.kv.k, self.kv.v
         self.transfer = Transfer(model.device)
-        mode = decode_mode or DecodeMode.default_for(model.device)
-        if mode is DecodeMode.GRAPHS and model.device.type != "cuda":
-            mode = DecodeMode.PADDED  # graphs need CUDA: the same static passes, eagerly
-        if self.int4 is not None:
-            mode = DecodeMode.EAGER  # each pass plans its tails and seals on the host
-        if mode is DecodeMode.GRAPHS and kv_cache_dtype != AUTO:
-            # fp8's ops are sync-free with Triton (checked under the interpreter), but no GPU
-            # run has captured them yet: the same static passes, eagerly, until one does
-            mode = DecodeMode.PADDED
+        mode = decode_mode_for(model, decode_mode, kv_cache_dtype)
         # Captured graphs read the pool's rows where they are: a pool with a row per KV block
         # never has to grow (each live request holds a block of its own), so nothing is
         # captured again while serving.
