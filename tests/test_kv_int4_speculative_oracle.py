@@ -95,7 +95,7 @@ def test_int4_speculative_greedy_equals_int4_oracle(toy_model, oracle) -> None:
 
 @pytest.mark.parametrize(
     ("draft_loops", "k", "block_size", "threshold"),
-    [(1, 4, 2, 0.7), (3, 4, 2, 0.7), (2, 8, 2, 1.0), (1, 8, 4, 0.7), (2, 3, 4, 1.0)],
+    [(1, 4, 2, 0.7), (3, 4, 2, 1.0), (2, 8, 2, 1.0), (1, 8, 4, 0.7), (2, 3, 4, 1.0)],
 )
 def test_int4_speculation_runs_rejects_and_preempts(
     toy_model, oracle, draft_loops, k, block_size, threshold
