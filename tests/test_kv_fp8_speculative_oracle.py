@@ -70,6 +70,9 @@ def _property(toy_model, oracle, padded: bool) -> None:
     totals = {"compared": 0, "produced": 0, "spec_rows": 0}
 
     @settings(
+        # fixed examples: a KV code one float32 rounding from its boundary may flip between
+        # engine and oracle (docs/kv_codecs.md, "What is exact"), so CI draws no new ones
+        derandomize=True,
         max_examples=25 if padded else 40,
         deadline=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture],

@@ -71,7 +71,12 @@ def test_int4_speculative_greedy_equals_int4_oracle(toy_model, oracle) -> None:
     totals = {"compared": 0, "produced": 0, "spec_rows": 0, "drafted": 0, "accepted": 0}
 
     @settings(
-        max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+        # fixed examples: a KV code one float32 rounding from its boundary may flip between
+        # engine and oracle (docs/kv_codecs.md, "What is exact"), so CI draws no new ones
+        derandomize=True,
+        max_examples=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
     )
     @given(data=st.data())
     def check(data: st.DataObject) -> None:
@@ -172,7 +177,12 @@ def test_int4_speculative_long_outputs_equal_int4_oracle(toy_model, oracle) -> N
     totals = {"compared": 0, "produced": 0, "drafted": 0, "accepted": 0, "preemptions": 0}
 
     @settings(
-        max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+        # fixed examples: a KV code one float32 rounding from its boundary may flip between
+        # engine and oracle (docs/kv_codecs.md, "What is exact"), so CI draws no new ones
+        derandomize=True,
+        max_examples=12,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
     )
     @given(case=long_outputs())
     def check(case: tuple[list[Arrival], SchedulerConfig]) -> None:
