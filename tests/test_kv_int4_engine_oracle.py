@@ -287,3 +287,72 @@ def test_int4_anchor_codes_frozen_and_exited_tokens_on_its_own(
     assert at_anchor and sum(at_anchor) == 0  # an anchor stores every token
     assert (sum(between) > 0) == (every == 2)  # plane 3 skips the frozen and exited
     assert compared == 7 * len(arrivals)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "last_tokens", "batched", "num_blocks"),
+    [
+        ([[1], [1], [1] * 11], 1, 3, 24),
+        ([[1], [1], [1], [1, 1, 1, 2, 14, 1]], 1, 2, 56),
+        ([[1], [1], [1], [1] * 6], 2, 2, 72),
+    ],
+)
+def test_int4_sparse_fragment_reads_and_seals_up_to_its_last_position(
+    toy_model,
+    oracle,
+    monkeypatch: pytest.MonkeyPatch,
+    prompts: list[list[int]],
+    last_tokens: int,
+    batched: int,
+    num_blocks: int,
+) -> None:
+    """A token-sparse fragment runs as ONE pass row of non-adjacent positions (the last
+    prompt's loop 2 runs e.g. positions 2, 3 and 10 of 11): its queries read, and its pass
+    seals, the blocks up to its last position, and after the batch its planes are final up
+    to there, not up to its first position plus its count (with blocks of 2 and plane 0
+    the only anchor, a block left unsealed below the last position is read as stale
+    codes, or is missing its tail when a later pass seals it)."""
+    from services.worker.kv_int4.paged import Int4KV
+
+    real = Int4KV.pass_attention
+    gaps: list[list[int]] = []  # positions of pass rows that skip positions
+
+    def spy(self: Int4KV, plan, requests):  # type: ignore[no-untyped-def]
+        for live in plan.rows:
+            at = live.positions
+            if at is not None and int(at[-1]) - int(at[0]) + 1 > at.size:
+                gaps.append(at.tolist())
+        return real(self, plan, requests)
+
+    monkeypatch.setattr(Int4KV, "pass_attention", spy)
+    params = [
+        SamplingParams(
+            max_tokens=last_tokens if i == len(prompts) - 1 else 1,
+            temperature=0.0,
+            min_loops=1,
+            max_loops=1,
+            exit_threshold=1.0,
+        )
+        for i in range(len(prompts))
+    ]
+    arrivals = [Arrival(f"r{i}", p, params[i]) for i, p in enumerate(prompts)]
+    config = SchedulerConfig(
+        max_num_seqs=1,
+        max_num_batched_tokens=batched,
+        prefill_chunk_size=1,
+        split_prefill=True,
+        block_size=2,
+        num_blocks=num_blocks,
+        kv_layout=KVLayout.LAST_EXITED,
+        kv_cache_dtype="int4-delta",
+        kv_int4_anchor_every=0,
+        refill=False,
+        token_sparse_prefill=True,
+        enable_prefix_caching=False,
+        async_scheduling=False,
+    )
+    record, compared = _compare(toy_model, oracle, config, arrivals)
+    assert gaps, "no fragment row skipped a position: the case this test is for did not occur"
+    assert record.engine is not None
+    assert record.engine.scheduler.stats.num_prefill_rows_saved > 0
+    assert compared == len(prompts) - 1 + last_tokens

@@ -242,8 +242,8 @@ class Int4KV:
             if r.request_id not in requests:
                 continue
             book = touched[r.request_id] = self.book(r.request_id)
-            end = r.token_start + r.token_count
-            book.ran(r.depth, live.depth, end)
+            # a fragment's positions skip its frozen tokens, final too (copied up first)
+            book.ran(r.depth, live.depth, live.end)
             if live.spec is not None:  # a cycle's position: its exit is on the position
                 if live.spec.exit_loops:
                     book.exited(r.token_start, live.spec.exit_loops)
@@ -306,11 +306,12 @@ class Int4KV:
 
 
 def _segments(rows: list[LiveRow]) -> list[tuple[LiveRow, int]]:
-    """Each attention segment's first row and the end of its last row's tokens (a
-    token-sparse fragment's rows join one segment)."""
+    """Each attention segment's first row and one past its last row's last position (a
+    token-sparse fragment's positions skip its frozen tokens: its last query reads, and
+    the pass seals, the blocks up to there)."""
     out: list[tuple[LiveRow, int]] = []
     for i, live in enumerate(rows):
-        end = live.row.token_start + live.row.token_count
+        end = live.end
         if live.joins_segment and i > 0:
             out[-1] = (out[-1][0], end)
         else:
