@@ -75,6 +75,26 @@ def test_shared_group_parks_only_when_last_holder_frees() -> None:
     kv.check_consistency()
 
 
+def test_releasable_blocks_count_only_what_freeing_them_all_gives_back() -> None:
+    kv = _kv()
+    kv.ensure("a", 3 * BS)
+    _publish_all(kv, "a", [11, 12])  # block 2 stays private to a
+    kv.claim_prefix("b", [11, 12])
+    kv.ensure("b", 3 * BS)  # b's block 2 is private too
+    kv.claim_prefix("c", [11])
+    # a alone: its private block; the groups stay with b (and c)
+    assert kv.releasable_blocks(["a"]) == PLANES
+    # a and b: both private blocks and group 12; group 11 stays with c
+    assert kv.releasable_blocks(["a", "b"]) == 3 * PLANES
+    assert kv.releasable_blocks(["a", "b", "c"]) == 4 * PLANES
+    assert kv.releasable_blocks(["nobody"]) == 0
+    before = kv.num_free_blocks
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_free_blocks - before == 3 * PLANES  # what the count promised
+    kv.check_consistency()
+
+
 def test_eviction_is_lru_among_cache_only_groups() -> None:
     kv = _kv(num_blocks=4 * PLANES)
     for rid, h in (("a", 1), ("b", 2), ("c", 3)):

@@ -151,3 +151,45 @@ def test_speculation_runs_and_accepts(toy_model, oracle, threshold, draft_loops)
         expected = oracle_result(oracle, a.prompt, a.params.resolve(D, 512), config)
         compared += assert_matches_oracle(record.finished[a.request_id], expected)
     assert compared >= 4 * 14 - 4  # near-ties aside, every token
+
+
+def test_speculating_request_preempts_prefix_sharers_only_when_that_frees_blocks(
+    toy_model, oracle
+) -> None:
+    """A request switching to speculation needs a block beyond its plain decode's while the
+    pool is full and its only victims share their blocks with each other (a prefix hit):
+    preempting one alone frees nothing, and its zero-cost readmission put it back in flight
+    every step, so preemption kept throwing work away and the engine made no progress. It
+    preempts only when the victims' release covers the shortfall."""
+
+    def params(max_tokens: int, min_loops: int, max_loops: int, ignore_eos: bool):
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, min_loops=min_loops, max_loops=max_loops,
+            exit_threshold=1.0, ignore_eos=ignore_eos,
+        )  # fmt: skip
+
+    shared = [112, 23, 11, 383, 151, 142, 353, 1, 1]
+    arrivals = [
+        Arrival("r0", [1], params(3, 4, 4, True), 0),
+        Arrival("r1", [*shared, 495, 218, 273, 10, 477, 77], params(7, 1, 4, False), 3),
+        Arrival("r2", [*shared, 135, 500, 105, 328, 102, 366, 31, 180], params(7, 1, 4, False)),
+        Arrival("r3", [*shared, 495, 218, 273, 10, 477, 1], params(5, 1, 1, False)),
+    ]
+    config = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=18,
+        prefill_chunk_size=1,
+        split_prefill=True,
+        block_size=2,
+        num_blocks=48,
+        kv_cache_dtype="auto",
+        enable_prefix_caching=True,
+        async_scheduling=True,
+        kv_admission=KVAdmission.INCREMENTAL,
+        token_sparse_prefill=False,
+        speculative_tokens=1,
+        draft_loops=1,
+    )
+    compared, spec_rows = _run_and_compare(toy_model, oracle, arrivals, config)
+    assert spec_rows > 0
+    assert compared == 3 + 7 + 7 + 5  # every token of every request (none stops early)

@@ -356,7 +356,7 @@ class Selector:
         if kv.ensure(request.request_id, num_tokens):
             return True
         shortfall = kv.blocks_to_grow(request.request_id, num_tokens)
-        reclaimable = sum(kv.num_held_blocks(r.request_id) for r in self._victims(request, sel))
+        reclaimable = kv.releasable_blocks([r.request_id for r in self._victims(request, sel)])
         if reclaimable < shortfall - kv.num_free_blocks:
             return False  # preempting them all would throw their work away and still not fit
         while not kv.ensure(request.request_id, num_tokens):

@@ -85,6 +85,29 @@ class KVManager:
         tables = self._tables.get(request_id)
         return sum(len(t) for t in tables) if tables else 0
 
+    def releasable_blocks(self, request_ids: Collection[str]) -> int:
+        """Blocks ``free`` of all these requests would make allocatable: their private
+        blocks and the shared groups no one else holds (a group another request still
+        holds frees nothing, so preempting for it would only throw work away)."""
+        wanted = set(request_ids)
+        private = 0
+        holders: dict[int, int] = {}  # plane-0 block of a shared group -> holders among them
+        for request_id in wanted:
+            tables = self._tables.get(request_id)
+            if not tables:
+                continue
+            for block in tables[0]:
+                if block in self._groups:
+                    holders[block] = holders.get(block, 0) + 1
+                else:
+                    private += self.num_planes
+        shared = sum(
+            len(self._groups[b].blocks)
+            for b, n in holders.items()
+            if n == self._groups[b].ref_count
+        )
+        return private + shared
+
     # allocation -----------------------------------------------------------------------
     def ensure(self, request_id: str, num_tokens: int) -> bool:
         """Grows the request's tables to cover ``num_tokens`` positions; all or nothing.
