@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"),
 ]
 
-SOAK_SECONDS = 14.0
+SOAK_SECONDS = 8.0
 
 
 async def test_pd_soak_faults_during_pulls_every_stream_exact_every_block_free(
@@ -41,7 +41,7 @@ async def test_pd_soak_faults_during_pulls_every_stream_exact_every_block_free(
             duration_s=SOAK_SECONDS,
             clients=3,
             concurrency=3,
-            fault_every_s=3.5,
+            fault_every_s=2.5,
             seed=3,
         )
     print(f"\nP/D soak: {report}")
