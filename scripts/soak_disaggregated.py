@@ -45,27 +45,13 @@ if str(ROOT) not in sys.path:
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from messages.api import FinishedEvent, TokenEvent  # noqa: E402
+from scripts.soak import ENGINE_ARGS  # noqa: E402  (the same engine as the colocated soak)
 from scripts.soak_verify import stream_problem, verify_outputs  # noqa: E402
 from services.launcher.probes import StreamCollector, client, health  # noqa: E402
 from services.launcher.processes import ServiceProcs, service_procs, wait_for  # noqa: E402
 from services.runtime import subjects  # noqa: E402
 from services.runtime.metrics import MetricsReceiver  # noqa: E402
 
-ENGINE_ARGS = [
-    "--async-scheduling",
-    "--wavefront-chunked-prefill",
-    "--prefill-chunk-size",
-    "8",
-    "--block-size",
-    "8",
-    "--num-blocks",
-    "768",
-    "--max-num-seqs",
-    "16",
-    "--max-num-batched-tokens",
-    "64",
-    "--enable-prefix-caching",
-]
 ROLES = {"0": "prefill", "1": "decode"}
 # a lost worker is noticed in 1.5 s; metrics every 0.5 s (the end's usage check)
 ENV = {
