@@ -167,6 +167,11 @@ async def _ready(http: httpx.AsyncClient) -> bool:
     return (await http.get("/health")).status_code == 200
 
 
+async def _unavailable(http: httpx.AsyncClient) -> bool:
+    r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    return r.status_code == 503
+
+
 async def test_a_stopping_gateway_ends_a_long_answer_with_an_error_frame(
     nats_server: NatsServer, toy_checkpoint: Path
 ) -> None:
@@ -308,6 +313,9 @@ async def test_refusals_keep_the_openai_error_shape_and_status(
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             err = r.json()["error"]
             assert err["code"] == "overloaded" and "overloaded" in err["message"]
+        # readiness is cached for a second, but a request that finds no admission drops it
+        await wait_for(lambda: _unavailable(http), 10, "a 503 once admission is gone")
+        assert (await http.get("/health")).status_code == 503
         async with services_up(nats_server.url, toy_checkpoint, config):
             await wait_for(lambda: _ready(http), 10, "/health ready")
             r = await http.post("/v1/completions", json={"prompt": [1, 99999], "max_tokens": 2})

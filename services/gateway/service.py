@@ -23,7 +23,7 @@ import asyncio
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +99,19 @@ class _Inbox:
 class _Stream:
     """One request's stream of events on its reply subject."""
 
-    def __init__(self, inbox: _Inbox, subject: str, queue: asyncio.Queue[Msg], rid: str) -> None:
+    def __init__(
+        self,
+        inbox: _Inbox,
+        subject: str,
+        queue: asyncio.Queue[Msg],
+        rid: str,
+        on_absent: Callable[[], None],
+    ) -> None:
         self._inbox = inbox
         self._subject = subject
         self._queue = queue
         self._rid = rid
+        self._on_absent = on_absent
 
     async def next(self, timeout: float) -> StreamEvent:
         try:
@@ -122,6 +130,7 @@ class _Stream:
 
     def _decode(self, msg: Msg) -> StreamEvent:
         if is_no_responders(msg):
+            self._on_absent()  # readiness must not go on answering from a stale cache
             return ErrorEvent(
                 request_id=self._rid,
                 code=str(ErrorCode.UNAVAILABLE),
@@ -284,20 +293,26 @@ class GatewayService(Service):
         except RecursionError:  # decoded a few frames shallower than this: at the edge
             message = "invalid JSON: nested too deeply"
             queue.put_nowait(_error_msg(request.request_id, ErrorCode.INVALID_REQUEST, message))
-            return _Stream(self.inbox, subject, queue, request.request_id)
+            return self._stream(subject, queue, request.request_id)
         if not fits(self.nc, len(data)):  # a retry would not help: say what is wrong
             message = (
                 f"the request is too large: {len(data)} bytes as JSON, over the bus's "
                 f"max_payload ({self.nc.max_payload} bytes); send a shorter prompt"
             )
             queue.put_nowait(_error_msg(request.request_id, ErrorCode.INVALID_REQUEST, message))
-            return _Stream(self.inbox, subject, queue, request.request_id)
+            return self._stream(subject, queue, request.request_id)
         try:
             await self.nc.publish(subjects.GENERATE, data, reply=subject, headers=headers)
         except Exception as exc:  # the bus is down: the client hears "unavailable"
             self.log.warning("generate not sent", error=repr(exc)[:200])
             queue.put_nowait(_no_responders(subject))
-        return _Stream(self.inbox, subject, queue, request.request_id)
+        return self._stream(subject, queue, request.request_id)
+
+    def _stream(self, subject: str, queue: asyncio.Queue[Msg], request_id: str) -> _Stream:
+        return _Stream(self.inbox, subject, queue, request_id, self._forget_readiness)
+
+    def _forget_readiness(self) -> None:
+        self._ready_cache = (float("-inf"), False, {})
 
     def abort_soon(self, request_id: str, trace_id: str) -> None:
         """Sends an abort without waiting (callable from a cancelled task's cleanup)."""
