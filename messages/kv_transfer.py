@@ -35,6 +35,8 @@ class KVBlockFormat(_Comparable, frozen=True, kw_only=True):
     num_planes: int
     # the KV codec (``--kv-cache-dtype``): a block's bytes mean K/V only under the same one
     kv_cache_dtype: str = "auto"
+    # int4-delta's anchor interval: which planes' codes are deltas (0 under other codecs)
+    kv_int4_anchor_every: int = 0
 
 
 class KVLayoutInfo(_Comparable, frozen=True, kw_only=True):
@@ -49,6 +51,7 @@ class KVLayoutInfo(_Comparable, frozen=True, kw_only=True):
     head_dim: int
     # before ``dtype``: a codec's codes have a dtype of their own, the codec is the cause
     kv_cache_dtype: str = "auto"
+    kv_int4_anchor_every: int = 0  # as ``KVBlockFormat``'s
     dtype: str
 
 

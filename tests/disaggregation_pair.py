@@ -41,6 +41,7 @@ class PullingExecutor(InProcessExecutor):
         self.unconfirmed = False  # a failed pull's abort NIXL could not confirm
         self.done: list[KVPullResult] = []
         self.bytes = 0
+        self.source_runner = None  # the prefill engine's runner (set by ``Pair.build``)
 
     def take_results(self) -> list[BatchResult]:
         if self._queued:
@@ -54,6 +55,9 @@ class PullingExecutor(InProcessExecutor):
                 transfer_id=pull.transfer_id, request_id=pull.request_id, ok=False,
                 cause="timeout", abort_unconfirmed=self.unconfirmed,
             )  # fmt: skip
+        source_int4 = getattr(self.source_runner, "int4", None)
+        if source_int4 is not None:  # only sealed blocks move: their codes are final
+            assert source_int4.store.sealed[pull.remote_blocks].all(), pull.remote_blocks
         moved = self.agent.read(
             self.source.source_info(), pull.remote_blocks, pull.local_blocks, 10.0
         )
@@ -88,6 +92,7 @@ class Pair:
             agent.register(arena, "e", arena.layout(str(config.kv_layout), planes))
             agents.append(agent)
         executor = PullingExecutor(decode.runner, agents[1], agents[0])
+        executor.source_runner = prefill.runner
         decode.core.executor = executor
         return cls(prefill, decode, executor)
 

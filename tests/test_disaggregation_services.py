@@ -203,41 +203,50 @@ async def test_prefill_and_decode_shards_equal_the_engine(
 
 
 @pytest.mark.services
-async def test_fp8_prefill_and_decode_shards_move_codes_and_scales(
-    toy_checkpoint: Path, tmp_path: Path, oracle
+@pytest.mark.parametrize("codec", ["fp8", "int4-delta"])
+async def test_codec_prefill_and_decode_shards_move_codes_and_scales(
+    toy_checkpoint: Path, tmp_path: Path, oracle, codec: str
 ) -> None:
-    """Every process under ``--kv-cache-dtype fp8``: the decode worker pulls codes and
-    scales (exactly fp8's bytes for the prompts' blocks, every plane and layer) and every
-    request, finished on the decode shard, equals the fp8 oracle, tokens and exit depths."""
-    args = [*ENGINE_ARGS, "--kv-cache-dtype", "fp8"]
+    """Every process under ``--kv-cache-dtype`` fp8 or int4-delta: the decode worker pulls
+    codes and scales (exactly the codec's bytes for the prompts' blocks, every plane and
+    layer; under int4-delta the full blocks only, and a prompt under one block prefills on
+    the decode shard) and every request, finished on the decode shard, equals the oracle
+    under the same codec, tokens and exit depths."""
+    args = [*ENGINE_ARGS, "--kv-cache-dtype", codec]
     config = engine_config_from(args)
-    assert config.kv_cache_dtype == "fp8"
+    assert config.kv_cache_dtype == codec
     with nats_server_and_procs(toy_checkpoint, tmp_path, args) as (server, procs):
         async with client(server.url) as nc:
             await _up(procs, nc)
             cases = make_cases(51, 6, max_tokens=10)
             col = await StreamCollector(nc).start()
             for i, (ids, p) in enumerate(cases):
-                await col.send(i, as_request(f"fp8-{i}", ids, p))
+                await col.send(i, as_request(f"{codec}-{i}", ids, p))
             await col.wait_done(list(range(len(cases))), 120)
             compared = 0
             for i, (ids, p) in enumerate(cases):
                 final = check_stream(col.events[i])
                 assert isinstance(final, FinishedEvent) and final.shard == "1", final
                 want = oracle_result(oracle, ids, p.resolve(4, 512), config)
-                compared += assert_matches_oracle(final, want, f"fp8-{i}")
+                compared += assert_matches_oracle(final, want, f"{codec}-{i}")
             assert compared == len(cases) * 10
             decode = await _shard_health(nc, "scheduler", "1")
             worker = await _shard_health(nc, "worker", "1")
-            assert decode["kv_pulled"] == len(cases) and decode["kv_pull_failures"] == 0
+            bs = config.block_size
+            if codec == "fp8":
+                blocks = [-(-len(ids) // bs) for ids, _ in cases]
+            else:
+                blocks = [len(ids) // bs for ids, _ in cases]
+                assert 0 in blocks and any(len(ids) % bs for ids, _ in cases)
+            pulled = sum(1 for b in blocks if b)
+            assert decode["kv_pulled"] == pulled and decode["kv_pull_failures"] == 0
             cfg = toy_config("toy")
             per_block = (
                 cfg.num_hidden_layers
                 * cfg.total_ut_steps
-                * block_bytes("fp8", config.block_size, cfg.num_key_value_heads, cfg.head_dim, 4)
+                * block_bytes(codec, bs, cfg.num_key_value_heads, cfg.head_dim, 4)
             )
-            blocks = sum(-(-len(ids) // config.block_size) for ids, _ in cases)
-            assert worker["kv_bytes_pulled"] == blocks * per_block  # codes and scales
+            assert worker["kv_bytes_pulled"] == sum(blocks) * per_block  # codes and scales
             await wait_for(lambda: _reclaimed(nc), 15, "KV back to full on both shards")
 
 

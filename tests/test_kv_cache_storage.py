@@ -94,15 +94,3 @@ def test_worker_memory_check_counts_codec_bytes(toy_checkpoint, monkeypatch) -> 
     hosts["int4-delta"].check_geometry(int4_fits, 16, "last_exited")
     with pytest.raises(MemoryError):
         hosts["int4-delta"].check_geometry(int4_fits + 2, 16, "last_exited")
-
-
-def test_pd_refuses_a_codec_it_cannot_move(toy_checkpoint) -> None:
-    """P/D moves auto and fp8 blocks (codes and scales); int4-delta is refused by name."""
-    from services.worker.service import WorkerService
-
-    int4 = SchedulerConfig(kv_cache_dtype="int4-delta")
-    with pytest.raises(ValueError, match="moves --kv-cache-dtype auto and fp8 only, not int4"):
-        WorkerService("nats://127.0.0.1:1", toy_checkpoint, int4, kv_transfer=True)
-    fp8 = SchedulerConfig(kv_cache_dtype="fp8")
-    WorkerService("nats://127.0.0.1:1", toy_checkpoint, fp8, kv_transfer=True)
-    WorkerService("nats://127.0.0.1:1", toy_checkpoint, fp8, kv_transfer=False)

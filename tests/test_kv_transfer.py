@@ -26,6 +26,7 @@ from messages.kv_transfer import KVBlockFormat, KVPull, KVSourceInfo
 from services.admission.shards import ShardTable
 from services.common.service_flags import shard_roles
 from services.worker.kv_cache import PagedKV
+from services.worker.kv_int4.paged import Int4KV
 from services.worker.kv_transfer import agent as kvt
 from services.worker.kv_transfer.agent import (
     KVArena,
@@ -179,25 +180,28 @@ def test_a_shard_of_another_codec_is_refused_by_name() -> None:
 
 
 class _Runner:
-    def __init__(self, kv: PagedKV) -> None:
+    def __init__(self, kv: PagedKV | Int4KV) -> None:
         self.kv = kv
 
 
-def _filled(codec: str, geometry: tuple[int, ...]) -> PagedKV:
-    kv = PagedKV(codec, *geometry, dtype=torch.bfloat16, device=torch.device("cpu"))
-    for t in (kv.k, kv.v, kv.k_scale, kv.v_scale):
-        if t is not None:
-            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape))
+def _empty(codec: str, geometry: tuple[int, ...]) -> PagedKV | Int4KV:
+    cpu = torch.device("cpu")
+    if codec == "int4-delta":
+        return Int4KV(*geometry, dtype=torch.bfloat16, device=cpu, planes=4)
+    return PagedKV(codec, *geometry, dtype=torch.bfloat16, device=cpu)
+
+
+def _filled(codec: str, geometry: tuple[int, ...]) -> PagedKV | Int4KV:
+    kv = _empty(codec, geometry)
+    for t in kvt.KVArena.of(kv).tensors:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape))
     return kv
 
 
 async def _pull_through_the_worker(codec: str, geometry: tuple[int, ...]) -> tuple[float, bool]:
     """One pull through a decode worker's own path (``KVPulls``: its transfer thread, its
     metrics): (``rlt:kv_transfer_bytes_total``, whether every tensor landed byte-exact)."""
-    src_kv, dst_kv = (
-        _filled(codec, geometry),
-        PagedKV(codec, *geometry, dtype=torch.bfloat16, device=torch.device("cpu")),
-    )
+    src_kv, dst_kv = _filled(codec, geometry), _empty(codec, geometry)
     source = KVTransferAgent(f"unit-pulls-src-{codec}")
     arena = kvt.KVArena.of(src_kv)
     source.register(arena, "e", arena.layout("last_exited", 4))
@@ -241,6 +245,22 @@ def test_fp8_pulls_move_codes_and_scales_at_about_half_the_bytes() -> None:
         assert per_token[codec] == want
     ratio = per_token["fp8"] / per_token["auto"]
     assert ratio == 264 / 512 and ratio <= 0.55
+
+
+@pytest.mark.unit
+@needs_nixl
+def test_int4_pulls_move_sealed_codes_scales_and_flags_at_a_third_of_the_bytes() -> None:
+    """Through the worker's pull path, an int4-delta pull lands every field of the source's
+    blocks byte for byte (packed codes, K and V scales and zero points, ``stored`` flags),
+    and the transfer counter per context token is int4-delta's share of auto's at
+    Ouro-1.4B's heads in bfloat16 (bs 16: 0.328, at most 0.35)."""
+    geometry = (2, 9, 16, 16, 128)
+    per_token, exact = asyncio.run(_pull_through_the_worker("int4-delta", geometry))
+    assert exact
+    want = bytes_per_token("int4-delta", 16, 128, planes=1, block_size=16, layers=2)
+    assert per_token == want
+    auto = bytes_per_token("auto", 16, 128, planes=1, block_size=16, layers=2)
+    assert round(per_token / auto, 3) == 0.328
 
 
 @pytest.mark.unit

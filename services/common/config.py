@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any
 
 from kernels.kv_codec import CODECS as KV_CACHE_DTYPES
+from kernels.kv_codec import INT4_DELTA
 from messages.errors import RequestError
 from messages.sampling import (
     API_DEFAULTS,
@@ -253,7 +254,7 @@ class SchedulerConfig:
                 f"kv_int4_anchor_every must be >= 0 (0: plane 0 only), "
                 f"got {self.kv_int4_anchor_every}"
             )
-        if self.kv_cache_dtype == "int4-delta" and self.kv_layout == KVLayout.SHARED:
+        if self.kv_int4 and self.kv_layout == KVLayout.SHARED:
             raise ValueError(
                 "kv_cache_dtype=int4-delta needs kv_layout=last_exited: the shared layout "
                 "overwrites its one plane every loop, so a sealed block would go stale"
@@ -283,3 +284,9 @@ class SchedulerConfig:
 
     def num_planes(self, total_ut_steps: int) -> int:
         return total_ut_steps if self.kv_layout == KVLayout.LAST_EXITED else 1
+
+    @property
+    def kv_int4(self) -> bool:
+        """int4-delta: only sealed (full) blocks hold codes; an open block's tokens are
+        exact in a tail that no other shard can read."""
+        return self.kv_cache_dtype == INT4_DELTA

@@ -68,16 +68,6 @@ class PagedKV:
             copy_kv_slots_masked(ks, vs, src, dst, mask)
 
 
-def check_transferable(codec: str, kv_transfer: bool) -> None:
-    """Raises ValueError, at start, for P/D (``--role prefill|decode``) under a codec the
-    transfer cannot move: it registers and pulls codes and fp8's scales, nothing else."""
-    if kv_transfer and codec not in (AUTO, FP8):
-        raise ValueError(
-            f"KV transfer (--role prefill|decode) moves --kv-cache-dtype auto and fp8 only, "
-            f"not {codec}"
-        )
-
-
 def bytes_per_block(
     codec: str, layers: int, block_size: int, kv_heads: int, head_dim: int, model_bytes: int
 ) -> int:

@@ -183,6 +183,9 @@ class ModelRunner(ResultReader):
                 self.constrained[new.request_id] = RequestGrammar(
                     book, compiled, new.generated_token_ids
                 )
+        if self.int4 is not None:
+            for pull in batch.kv_pulls:
+                self.int4.receive(pull.local_blocks)
         for delta in batch.block_deltas:
             state = self.requests.get(delta.request_id)
             if state is None:

@@ -20,12 +20,13 @@ from pathlib import Path
 import structlog
 import torch
 
-from kernels.kv_codec import AUTO, tail_reserve_blocks
+from kernels.kv_codec import AUTO, INT4_DELTA, tail_reserve_blocks
 from kernels.kv_codec import check as check_codec
 from services.common.config import KVLayout
 from services.common.model_config import OuroConfig
 from services.common.tokenizer import TextCodec
 from services.worker.kv_cache import PagedKV, bytes_per_block, check_storable
+from services.worker.kv_int4.paged import Int4KV
 from services.worker.kv_transfer.arena import KVArena
 from services.worker.model.ouro import OuroModel
 from services.worker.passes.static_decode import DecodeMode
@@ -183,7 +184,9 @@ class RunnerHost:
                 kv_int4_anchor_every=self.kv_int4_anchor_every,
             )
             if self.sim_kv:
-                self.runner.kv_arena = sim_arena(num_blocks, block_size, self.kv_cache_dtype)
+                self.runner.kv_arena = sim_arena(
+                    num_blocks, block_size, self.kv_cache_dtype, self.kv_int4_anchor_every
+                )
         else:
             assert self.model is not None
             runner = ModelRunner(
@@ -236,9 +239,12 @@ def kv_budget(current_kv_bytes: int, free_bytes: int, share: float, reserve_byte
     return current_kv_bytes + int(share * free_bytes) - reserve_bytes
 
 
-def sim_arena(num_blocks: int, block_size: int, codec: str = AUTO) -> KVArena:
+def sim_arena(
+    num_blocks: int, block_size: int, codec: str = AUTO, anchor_every: int = 0
+) -> KVArena:
     """Host KV arenas shaped as Ouro-1.4B's (16 KV heads x 128, bfloat16; the device the
-    simulation prices) under ``codec`` (fp8: codes and scales), with ``RLT_SIM_KV_LAYERS``
+    simulation prices) under ``codec`` (fp8: codes and scales; int4-delta: packed codes,
+    scales, zero points and flags), with ``RLT_SIM_KV_LAYERS``
     of its 24 layers (default 1, so a simulated worker holds 1/24 of the real bytes: the
     bench states the real ones beside), one block past the pool as a real runner has."""
     from services.worker.model.toy import toy_config
@@ -246,5 +252,9 @@ def sim_arena(num_blocks: int, block_size: int, codec: str = AUTO) -> KVArena:
     cfg = toy_config("1.4b")
     layers = int(os.environ.get("RLT_SIM_KV_LAYERS", "1"))
     geometry = (layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    kv = PagedKV(codec, *geometry, dtype=torch.bfloat16, device=torch.device("cpu"))
-    return KVArena.of(kv)
+    cpu = torch.device("cpu")
+    if codec == INT4_DELTA:
+        planes = cfg.total_ut_steps
+        int4 = Int4KV(*geometry, torch.bfloat16, cpu, planes, anchor_every)
+        return KVArena.of(int4)
+    return KVArena.of(PagedKV(codec, *geometry, dtype=torch.bfloat16, device=cpu))

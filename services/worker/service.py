@@ -52,7 +52,6 @@ from services.runtime.bus import Reassembler, decode_msgpack, encode_msgpack, pu
 from services.runtime.logging import BATCH_SEQ, request_fields
 from services.runtime.service import Endpoint, Service
 from services.worker.batch_queue import BatchQueue, BatchRun
-from services.worker.kv_cache import check_transferable
 from services.worker.kv_transfer.agent import TransferError
 from services.worker.kv_transfer.pulls import KVPulls
 from services.worker.kv_transfer.result_outbox import ResultOutbox
@@ -88,7 +87,6 @@ class WorkerService(Service):
         self.heartbeat_interval_s = heartbeat_interval_s
         self._batches_in = Reassembler()
         self.config = config or SchedulerConfig()
-        check_transferable(self.config.kv_cache_dtype, kv_transfer)
         self.runner_host = RunnerHost(
             checkpoint,
             device,

@@ -12,7 +12,9 @@ for the rest of its prompt and sends its worker a ``KVPull`` (in the next batch,
 carry nothing else). It runs no rows meanwhile (``RECEIVING_KV``, guarded like a request
 with work in flight, so nothing preempts it while the blocks are written). When the pull
 succeeded and the prefill side confirmed it still held the blocks, they join the request's
-tables, its prompt counts as prefilled and it decodes from the first token on. A request
+tables, its prompt counts as prefilled and it decodes from the first token on (under
+int4-delta only the prompt's full blocks move, sealed codes and scales: the tokens of a last
+block that is not full, fewer than a block, are prefilled here from them). A request
 whose landing blocks do not fit yet goes back to the waiting queue with its handoff (bounded
 like any waiting request: admission sees the queue and refuses past it) and tries again as
 KV frees, rather than prefilling here, which is the interference the split exists to
@@ -30,6 +32,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kernels.kv_codec import INT4_DELTA
 from messages.kv_transfer import KVBlockFormat, KVHandoff, KVPull, KVPullResult
 from services.common.sparse_prefill import prefill_setting
 from services.scheduler.core.request import PREFILL_STATES, Request, RequestState
@@ -49,6 +52,8 @@ FALLBACK_PULL_FAILED = "pull_failed"  # the worker's pull failed (the result nam
 FALLBACK_NOT_HELD = "not_held"  # the prefill side no longer held the blocks it read
 FALLBACK_NO_RESULT = "no_result"  # no result came long past the pull's deadline
 FALLBACK_WORKER_LOST = "worker_lost"  # this shard's worker was lost mid-pull
+# int4-delta: the prompt fills no block, so none of it is sealed (coded) to be pulled
+FALLBACK_NO_SEALED_BLOCK = "no_sealed_block"
 
 
 @dataclass
@@ -65,6 +70,7 @@ class _Pull:
     holder: str
     handoff: KVHandoff
     origin_blocks: int  # the local prefix hit: pulled from this block on
+    tokens: int  # prompt tokens whose KV is here once it landed (the rest prefill here)
     pulled: bool = False  # the worker read them; waiting for the prefill side's word
     waiting_since: float | None = None  # first seen by ``expire`` without a result
 
@@ -200,7 +206,10 @@ class Pulls:
                 continue
             bs = state.config.block_size
             origin = request.prefill_window_origin // bs
-            total = math.ceil(request.num_prompt_tokens / bs)
+            total = self.pullable_blocks(request)
+            if total <= origin:
+                self._prefill_here(request, FALLBACK_NO_SEALED_BLOCK)
+                continue
             if (total - origin) * state.kv.num_planes > state.kv.num_blocks:
                 self._prefill_here(request, FALLBACK_TOO_LARGE)
                 continue
@@ -213,7 +222,10 @@ class Pulls:
                 continue
             self._count += 1
             request.kv_source = None  # one pull per handoff: a later restart prefills
-            self._pulls[transfer_id] = _Pull(request, request.incarnation, holder, source, origin)
+            tokens = min(total * bs, request.num_prompt_tokens)
+            self._pulls[transfer_id] = _Pull(
+                request, request.incarnation, holder, source, origin, tokens
+            )
             request.state = RequestState.RECEIVING_KV
             request.inflight_batches += 1  # nothing may preempt it while blocks land
             state.pending_pulls.append(
@@ -222,7 +234,7 @@ class Pulls:
                     request_id=request.request_id,
                     worker_id=source.worker_id,
                     worker_epoch=source.worker_epoch,
-                    remote_blocks=[b for t in source.plane_blocks for b in t[origin:]],
+                    remote_blocks=[b for t in source.plane_blocks for b in t[origin:total]],
                     local_blocks=[b for t in landing for b in t],
                     timeout_s=self.timeout_s,
                     traceparent=source.traceparent,
@@ -266,11 +278,33 @@ class Pulls:
         request.inflight_batches -= 1
         kv = self._state.kv
         kv.attach(pull.holder, request.request_id)
-        prompt = request.num_prompt_tokens
-        request.reset_prefill(origin=prompt)  # every depth of the prompt is there
-        request.state = RequestState.RECURRENT
+        request.reset_prefill(origin=pull.tokens)  # every depth of these tokens is here
+        if pull.tokens < request.num_prompt_tokens:  # int4-delta's open last block
+            request.state = self._prefill_state()
+        else:
+            request.state = RequestState.RECURRENT
         self._publish(request)
         return True
+
+    def pullable_blocks(self, request: Request) -> int:
+        """Blocks of the prompt a pull moves: all of them, except under int4-delta, where
+        a last block that is not full is open on the prefill worker (its tokens exact in a
+        full-precision tail, coded only once the block fills), so its tokens, fewer than a
+        block, are prefilled here again from the sealed blocks before them. Under
+        token-sparse prefill that prefill starts where a window starts, as a prefix hit's
+        does (a window's active tokens are chosen from all of it)."""
+        bs = self.block_format.block_size
+        prompt = request.num_prompt_tokens
+        if self.block_format.kv_cache_dtype != INT4_DELTA:
+            return math.ceil(prompt / bs)
+        blocks = prompt // bs
+        if request.sparse is not None and blocks * bs < prompt:
+            blocks = request.sparse.whole_window_blocks(blocks, bs)
+        return blocks
+
+    def _prefill_state(self) -> RequestState:
+        split = self._state.config.split_prefill
+        return RequestState.PREFILLING_PRELUDE if split else RequestState.PREFILL
 
     def expire(self, now: float) -> list[str]:
         """Pulls still open long past their deadline: a result that never came (the worker
@@ -342,8 +376,7 @@ class Pulls:
             self._count_fallback(reason)
         request = pull.request
         request.inflight_batches -= 1
-        split = self._state.config.split_prefill
-        request.state = RequestState.PREFILLING_PRELUDE if split else RequestState.PREFILL
+        request.state = self._prefill_state()
 
     def _publish(self, request: Request) -> None:
         """Full prompt blocks just pulled become this shard's prefix cache too."""

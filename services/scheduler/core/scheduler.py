@@ -84,6 +84,7 @@ class Scheduler:
             block_size=config.block_size,
             num_planes=config.num_planes(self.total_ut_steps),
             kv_cache_dtype=config.kv_cache_dtype,
+            kv_int4_anchor_every=config.kv_int4_anchor_every if config.kv_int4 else 0,
         )
 
     # the shared state, read by the engine, the driver, telemetry and tests

@@ -290,6 +290,15 @@ class Int4KV:
             self._held.difference_update(block for _b, block, _s in book.held)
         self.store.close([b for table in tables for b in table])
 
+    def receive(self, blocks: list[int]) -> None:
+        """A KV pull lands codes in ``blocks``: another worker's blocks, sealed there at
+        every plane (only full blocks move), so sealed here with no tail. Nothing reads
+        them before the pull is confirmed; a failed pull's blocks are written again before
+        any read, which opens them."""
+        self._flush_closing()
+        self.store.close(blocks)
+        self.store.sealed[blocks] = True
+
     def freeze(self, request_id: str, req: RequestView, positions: np.ndarray, loop: int) -> None:
         """Token-sparse prefill froze ``positions`` at ``loop``: they store no delta there
         (nor above), and their K/V is about to be copied up from plane ``loop - 1``'s tails

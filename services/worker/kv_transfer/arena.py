@@ -1,52 +1,60 @@
 """A worker's KV arenas as a transfer sees them, and the arithmetic of their descriptors:
 one descriptor per block of each layer of each arena, each arena with its own block bytes
-(fp8's scales are arenas of their own beside the codes). No NIXL here (``agent.py``)."""
+(a codec's scales are arenas of their own beside the codes). No NIXL here (``agent.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from kernels.kv_codec import AUTO, FP8
+from kernels.kv_codec import AUTO, FP8, INT4_DELTA
 from messages.kv_transfer import KVLayoutInfo, KVSourceInfo
+from services.worker.kv_cache import PagedKV
+from services.worker.kv_int4.paged import Int4KV
 
-if TYPE_CHECKING:
-    from services.worker.kv_cache import PagedKV
+# how many tensors each codec keeps per block beside K and V
+_EXTRAS = {AUTO: 0, FP8: 2, INT4_DELTA: 5}
 
 
 @dataclass(frozen=True)
 class KVArena:
     """One worker's KV tensors, each contiguous and ``[layers, blocks, ...]``: K and V
-    ``[layers, blocks, block_size, heads, dim]`` (e4m3 codes under fp8), then, under fp8,
-    their float32 scales ``[layers, blocks, block_size, heads]``: a code means nothing
-    without its scale, so both move."""
+    ``[layers, blocks, block_size, heads, dim]`` (codes under a codec), then the codec's
+    other per-block tensors (``extras``): under fp8 the float32 scales ``[layers, blocks,
+    block_size, heads]``; under int4-delta the K scale and zero point per channel, the V
+    scale and zero point per token and group, and the ``stored`` flags. A code means
+    nothing without them, so all move."""
 
     k: torch.Tensor
     v: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
+    extras: tuple[torch.Tensor, ...] = ()
     codec: str = AUTO
+    int4_anchor_every: int = 0  # int4-delta: which planes' codes are deltas
 
     def __post_init__(self) -> None:
-        scaled = self.k_scale is not None and self.v_scale is not None
-        if scaled != (self.codec == FP8) or (self.k_scale is None) != (self.v_scale is None):
-            raise ValueError(f"KV arena: codec {self.codec} with scales {scaled}")
+        want = _EXTRAS.get(self.codec)
+        if want is None or len(self.extras) != want:
+            raise ValueError(
+                f"KV arena: codec {self.codec} with {len(self.extras)} tensors beside K and V"
+            )
 
     @classmethod
-    def of(cls, kv: PagedKV) -> KVArena:
-        """The arena of a worker's paged KV: its codes and, under fp8, its scales."""
-        if kv.codec not in (AUTO, FP8):
-            raise ValueError(f"KV transfer moves auto and fp8 blocks only, not {kv.codec}")
-        return cls(kv.k, kv.v, kv.k_scale, kv.v_scale, kv.codec)
+    def of(cls, kv: PagedKV | Int4KV) -> KVArena:
+        """The arena of a worker's KV: its codes and the codec's scales (int4-delta: its
+        sealed blocks' fields; the full-precision tails of open blocks are not moved)."""
+        if isinstance(kv, Int4KV):
+            s = kv.store
+            extras = (s.k_scale, s.k_zero, s.v_scale, s.v_zero, s.stored)
+            return cls(s.k_codes, s.v_codes, extras, INT4_DELTA, kv.anchor_every)
+        if kv.k_scale is None or kv.v_scale is None:
+            return cls(kv.k, kv.v, (), kv.codec)
+        return cls(kv.k, kv.v, (kv.k_scale, kv.v_scale), kv.codec)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        if self.k_scale is None or self.v_scale is None:
-            return [self.k, self.v]
-        return [self.k, self.v, self.k_scale, self.v_scale]
+        return [self.k, self.v, *self.extras]
 
     @property
     def num_layers(self) -> int:
@@ -80,6 +88,8 @@ class KVArena:
 
     def layout(self, kv_layout: str, num_planes: int) -> KVLayoutInfo:
         _, _, block_size, heads, dim = self.k.shape
+        if self.codec == INT4_DELTA:
+            dim *= 2  # two 4-bit codes a byte
         return KVLayoutInfo(
             kv_layout=kv_layout,
             block_size=block_size,
@@ -88,6 +98,7 @@ class KVArena:
             num_kv_heads=heads,
             head_dim=dim,
             kv_cache_dtype=self.codec,
+            kv_int4_anchor_every=self.int4_anchor_every,
             dtype=str(self.k.dtype).removeprefix("torch."),
         )
 

@@ -31,6 +31,7 @@ from messages.kv_transfer import KVPull, KVPullResult, KVSourceInfo
 from services.common.config import KVLayout
 from services.runtime.tracing import ATTR_REQUEST_ID, ATTR_SHARD, Tracer, parse_traceparent
 from services.worker.kv_cache import PagedKV
+from services.worker.kv_int4.paged import Int4KV
 from services.worker.kv_transfer import agent as kvt
 from services.worker.kv_transfer.agent import KVTransferAgent, TransferError
 from services.worker.kv_transfer.arena import KVArena
@@ -58,7 +59,7 @@ def arena_of(runner: Any) -> KVArena | None:
     if arena is not None:
         return arena
     kv = getattr(runner, "kv", None)
-    if isinstance(kv, PagedKV):
+    if isinstance(kv, PagedKV | Int4KV):
         return KVArena.of(kv)
     k, v = getattr(runner, "k_cache", None), getattr(runner, "v_cache", None)
     return KVArena(k, v) if k is not None and v is not None else None
