@@ -27,6 +27,9 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+# Keys per tile of the fp8/auto decode kernel (``attention_decode_triton.py``), its default
+# split alignment, and so the fewest keys a partition of int4-delta's split-K kernel reads.
+DECODE_BLOCK_N = 64
 # Most splits of one (segment, head)'s context in a decode grid: more only add partials.
 MAX_SPLITS = 32
 # Programs a decode grid aims for per streaming multiprocessor (a few keep HBM busy).
@@ -51,3 +54,29 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def partition_blocks(block_size: int) -> int:
+    """Blocks in one partition of a decode kernel that walks the context block by block
+    (int4-delta's split-K kernel): at least ``DECODE_BLOCK_N`` keys, as a split of the
+    fp8/auto decode kernel."""
+    return -(-DECODE_BLOCK_N // max(block_size, 1))
+
+
+def int4_decode_partitions(
+    max_query_len: int,
+    num_segs: int,
+    num_heads: int,
+    table_blocks: int,
+    block_size: int,
+    num_sms: int,
+) -> int:
+    """Partitions of each decode row's context for int4-delta's split-K kernel; 1 means the
+    plain kernel (one program per row and head). Decode passes only (``max_query_len`` 1):
+    ``decode_splits``' count for the grid, at most as many partitions of
+    ``partition_blocks`` as the block table's width (``table_blocks``, which bounds every
+    context) fills. Shapes only, never values: a captured decode bucket keeps its kernel."""
+    if max_query_len != 1:
+        return 1
+    fills = -(-table_blocks // partition_blocks(block_size))
+    return max(1, min(decode_splits(num_segs, num_heads, num_sms), fills))

@@ -12,11 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ops._triton import next_power_of_2
+from kernels.ops._triton import DECODE_BLOCK_N, next_power_of_2
 from kernels.ops.kv_fp8_triton import fp8_rows
-
-# Keys per tile of the decode kernel: K and V tiles of this many positions are loaded together.
-DECODE_BLOCK_N = 64
 
 
 @triton.jit

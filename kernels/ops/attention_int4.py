@@ -9,8 +9,9 @@ its own, each later one adding its delta to the tokens it stores. The host packs
 loop d's chain from the anchor at or below d (``kernels.kv_codec.chain_start``); with plane 0
 the only anchor, i is the plane. Rows, positions and padding are as in ``rlt::paged_attention``
 (``query_pos`` optional). Sealed blocks are decoded per segment here, not kept: a pass makes
-no dequantised copy of the cache. On CUDA the Triton kernel (``attention_int4_triton.py``)
-decodes them tile by tile inside the kernel.
+no dequantised copy of the cache. On CUDA the Triton kernels decode them tile by tile
+inside the kernel: ``attention_int4_triton.py``, and for decode passes at long context the
+split-K ``attention_int4_decode_triton.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kv_codec import value_group
-from kernels.ops._triton import triton_available
+from kernels.ops._triton import int4_decode_partitions, num_sms, triton_available
 from kernels.ops.kv_int4 import int4_decode_reference
 
 _lib = torch.library.Library("rlt", "FRAGMENT")
@@ -153,15 +154,32 @@ def _paged_attention_int4_cuda(
     max_query_len: int,
     query_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel (``attention_int4_triton.py``) where triton imports, else the
-    reference. No GPU has run it yet: it is held to the reference under the interpreter."""
+    """The Triton kernels where triton imports, else the reference: the split-K one
+    (``attention_int4_decode_triton.py``) for a decode pass whose grid would leave the GPU
+    idle (``int4_decode_partitions``), the plain one (``attention_int4_triton.py``)
+    otherwise. No GPU has run them yet: they are held to the reference under the
+    interpreter."""
     args = (q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, stored, k_tail, v_tail)
     rest = (block_tables, tail_tables, planes, context_lens, query_start, scale, max_query_len)
-    if triton_available():
-        from kernels.ops.attention_int4_triton import paged_attention_int4_triton
+    if not triton_available():
+        return paged_attention_int4_reference(*args, *rest, query_pos)
+    splits = int4_decode_partitions(
+        max_query_len,
+        block_tables.shape[0],
+        q.shape[1],
+        block_tables.shape[2],
+        k_tail.shape[1],
+        num_sms(q.device),
+    )
+    if splits > 1:
+        from kernels.ops import attention_int4_decode_triton
 
-        return paged_attention_int4_triton(*args, *rest, query_pos)
-    return paged_attention_int4_reference(*args, *rest, query_pos)
+        return attention_int4_decode_triton.paged_attention_int4_decode_triton(
+            *args, *rest, query_pos, num_splits=splits
+        )
+    from kernels.ops import attention_int4_triton
+
+    return attention_int4_triton.paged_attention_int4_triton(*args, *rest, query_pos)
 
 
 _lib.impl("paged_attention_int4", paged_attention_int4_reference, "CPU")

@@ -6,6 +6,10 @@ block comes exact from the tail. The softmax is
 online, so no dequantised copy of the context exists anywhere. Layout and the tail rule are
 ``attention_int4.py``'s; the arithmetic of the read-back is ``kv_int4.py``'s.
 
+``_attend_block`` (one block folded into a row's online softmax) and ``Int4Operands`` (the
+cache's pointers and strides in the order the kernels take them) are shared with the split-K
+decode kernel, ``attention_int4_decode_triton.py``.
+
 Uses only triton.language APIs present in triton 3.6 and 3.9, and runs under
 ``TRITON_INTERPRET=1`` on CPU tensors.
 """
@@ -58,8 +62,16 @@ def _int4_rows(
 
 
 @triton.jit
-def _attn_int4_kernel(
-    q_ptr,
+def _attend_block(
+    b,
+    seg,
+    pos,
+    plane,
+    kv_head,
+    q,
+    m_i,
+    l_i,
+    acc,
     kc_ptr,
     vc_ptr,
     ks_ptr,
@@ -71,12 +83,6 @@ def _attn_int4_kernel(
     vt_ptr,
     tables_ptr,
     tails_ptr,
-    planes_ptr,
-    row_seg_ptr,
-    row_pos_ptr,
-    out_ptr,
-    q_s0,
-    q_s1,
     c_s0,
     c_s1,
     c_s2,
@@ -92,8 +98,89 @@ def _attn_int4_kernel(
     tab_s0,
     tab_s1,
     tails_s0,
+    scale,
+    block_size,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_BS: tl.constexpr,
+    VGROUP: tl.constexpr,
+):
+    """Block ``b`` of the segment's context folded into a query's online softmax
+    (m_i, l_i, acc), its keys up to ``pos``: read back from the chain's codes before the
+    query's own block, exact from the tail for it. Returns the new (m_i, l_i, acc)."""
+    offs = tl.arange(0, BLOCK_BS)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    key_pos = b * block_size + offs
+    key_ok = (offs < block_size) & (key_pos <= pos)
+    ok = key_ok[:, None] & d_ok[None, :]
+    if b < pos // block_size:  # sealed: its chain's planes 0..plane of codes
+        k = tl.zeros([BLOCK_BS, BLOCK_D], tl.float32)
+        v = tl.zeros([BLOCK_BS, BLOCK_D], tl.float32)
+        for j in range(0, plane + 1):
+            blk = tl.load(tables_ptr + seg * tab_s0 + j * tab_s1 + b).to(tl.int64)
+            st = tl.load(stored_ptr + blk * st_s0 + offs, mask=key_ok, other=0).to(tl.float32)
+            k += _int4_rows(
+                kc_ptr, ks_ptr, kz_ptr, blk, offs, kv_head, d, d_ok, ok, st,
+                c_s0, c_s1, c_s2, kp_s0, kp_s1, 1, 1, True, VGROUP,
+            )  # fmt: skip
+            v += _int4_rows(
+                vc_ptr, vs_ptr, vz_ptr, blk, offs, kv_head, d, d_ok, ok, st,
+                c_s0, c_s1, c_s2, vp_s0, vp_s1, vp_s2, 1, False, VGROUP,
+            )  # fmt: skip
+    else:  # the query's own block: exact, from the tail
+        tail = tl.load(tails_ptr + seg * tails_s0 + b).to(tl.int64)
+        at = tail * t_s0 + offs[:, None] * t_s1 + kv_head * t_s2 + d[None, :]
+        k = tl.load(kt_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(vt_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    s = tl.sum(k * q[None, :], axis=1) * scale
+    s = tl.where(key_ok, s, float("-inf"))
+    # the block's first key is visible (b <= pos // block_size): m_new is finite
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attn_int4_kernel(
+    q_ptr,
+    out_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    stored_ptr,
+    kt_ptr,
+    vt_ptr,
+    tables_ptr,
+    tails_ptr,
+    planes_ptr,
+    row_seg_ptr,
+    row_pos_ptr,
+    q_s0,
+    q_s1,
     out_s0,
     out_s1,
+    c_s0,
+    c_s1,
+    c_s2,
+    kp_s0,
+    kp_s1,
+    vp_s0,
+    vp_s1,
+    vp_s2,
+    st_s0,
+    t_s0,
+    t_s1,
+    t_s2,
+    tab_s0,
+    tab_s1,
+    tails_s0,
     scale,
     block_size,
     group,
@@ -112,48 +199,58 @@ def _attn_int4_kernel(
     row_ok = d < tl.where(seg >= 0, HEAD_DIM, 0)  # no segment: q reads 0 (out is 0)
     q = tl.load(q_ptr + row * q_s0 + head * q_s1 + d, mask=row_ok, other=0.0)
     q = q.to(tl.float32)
-    offs = tl.arange(0, BLOCK_BS)
     plane = tl.load(planes_ptr + tl.maximum(seg, 0))
-    own = pos // block_size
     m_i = tl.max(tl.full([BLOCK_BS], float("-inf"), tl.float32), axis=0)
     l_i = tl.sum(tl.zeros([BLOCK_BS], tl.float32), axis=0)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    last = tl.where(seg >= 0, own + 1, 0)
+    last = tl.where(seg >= 0, pos // block_size + 1, 0)
     for b in range(0, last):
-        key_pos = b * block_size + offs
-        key_ok = (offs < block_size) & (key_pos <= pos)
-        ok = key_ok[:, None] & d_ok[None, :]
-        if b < own:  # sealed: its chain's planes 0..plane of codes
-            k = tl.zeros([BLOCK_BS, BLOCK_D], tl.float32)
-            v = tl.zeros([BLOCK_BS, BLOCK_D], tl.float32)
-            for j in range(0, plane + 1):
-                blk = tl.load(tables_ptr + seg * tab_s0 + j * tab_s1 + b).to(tl.int64)
-                st = tl.load(stored_ptr + blk * st_s0 + offs, mask=key_ok, other=0).to(tl.float32)
-                k += _int4_rows(
-                    kc_ptr, ks_ptr, kz_ptr, blk, offs, kv_head, d, d_ok, ok, st,
-                    c_s0, c_s1, c_s2, kp_s0, kp_s1, 1, 1, True, VGROUP,
-                )  # fmt: skip
-                v += _int4_rows(
-                    vc_ptr, vs_ptr, vz_ptr, blk, offs, kv_head, d, d_ok, ok, st,
-                    c_s0, c_s1, c_s2, vp_s0, vp_s1, vp_s2, 1, False, VGROUP,
-                )  # fmt: skip
-        else:  # the query's own block: exact, from the tail
-            tail = tl.load(tails_ptr + seg * tails_s0 + b).to(tl.int64)
-            at = tail * t_s0 + offs[:, None] * t_s1 + kv_head * t_s2 + d[None, :]
-            k = tl.load(kt_ptr + at, mask=ok, other=0.0).to(tl.float32)
-            v = tl.load(vt_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * scale
-        s = tl.where(key_ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # key 0 is visible: finite from b = 0
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            b, seg, pos, plane, kv_head, q, m_i, l_i, acc,
+            kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stored_ptr, kt_ptr, vt_ptr,
+            tables_ptr, tails_ptr,
+            c_s0, c_s1, c_s2, kp_s0, kp_s1, vp_s0, vp_s1, vp_s2, st_s0, t_s0, t_s1, t_s2,
+            tab_s0, tab_s1, tails_s0,
+            scale, block_size, HEAD_DIM, BLOCK_D, BLOCK_BS, VGROUP,
+        )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)
     tl.store(
         out_ptr + row * out_s0 + head * out_s1 + d, out.to(out_ptr.dtype.element_ty), mask=d_ok
     )
+
+
+class Int4Operands:
+    """One call's cache tensors (contiguous) as the kernels take them: ``pointers`` (codes,
+    scales, zeros, stored, tails, tables, tail tables, planes), ``strides``, and the
+    compile-time sizes ``meta``."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        fields: tuple[torch.Tensor, ...],
+        tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> None:
+        kc, vc, ks, kz, vs, vz, stored, kt, vt = (t.contiguous() for t in fields)
+        block_tables, tail_tables, planes = (t.contiguous() for t in tables)
+        self.pointers = (kc, vc, ks, kz, vs, vz, stored, kt, vt, block_tables, tail_tables, planes)
+        self.strides = (
+            *kc.stride()[:3],
+            *ks.stride()[:2],
+            *vs.stride()[:3],
+            stored.stride(0),
+            *kt.stride()[:3],
+            *block_tables.stride()[:2],
+            tail_tables.stride(0),
+        )
+        hd, bs = q.shape[2], kt.shape[1]
+        self.block_size = bs
+        self.group = q.shape[1] // kt.shape[2]
+        self.meta = {
+            "HEAD_DIM": hd,
+            "BLOCK_D": next_power_of_2(hd),
+            "BLOCK_BS": next_power_of_2(bs),
+            "VGROUP": value_group(hd),
+        }
 
 
 def paged_attention_int4_triton(
@@ -178,7 +275,7 @@ def paged_attention_int4_triton(
 ) -> torch.Tensor:
     """The reference's contract (``attention_int4.paged_attention_int4_reference``); rows no
     segment covers come out 0."""
-    t, nh, hd = q.shape
+    t, nh = q.shape[:2]
     out = torch.empty_like(q)
     if t == 0:
         return out
@@ -195,26 +292,15 @@ def paged_attention_int4_triton(
     else:
         pos = context_lens.long()[safe] - (starts[safe + 1] - rows)
     pos = torch.where(covered, pos, 0)
-    kc, vc = k_codes.contiguous(), v_codes.contiguous()
-    ks, kz = k_scale.contiguous(), k_zero.contiguous()
-    vs, vz = v_scale.contiguous(), v_zero.contiguous()
-    kt, vt = k_tail.contiguous(), v_tail.contiguous()
-    tables, tails = block_tables.contiguous(), tail_tables.contiguous()
+    ops = Int4Operands(
+        q,
+        (k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, stored, k_tail, v_tail),
+        (block_tables, tail_tables, planes),
+    )
     qc = q.contiguous()
-    bs = kt.shape[1]
     _attn_int4_kernel[(t, nh)](
-        qc, kc, vc, ks, kz, vs, vz, stored.contiguous(), kt, vt, tables, tails,
-        planes.contiguous(), seg.contiguous(), pos.contiguous(), out,
-        qc.stride(0), qc.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        ks.stride(0), ks.stride(1),
-        vs.stride(0), vs.stride(1), vs.stride(2),
-        stored.stride(0),
-        kt.stride(0), kt.stride(1), kt.stride(2),
-        tables.stride(0), tables.stride(1), tails.stride(0),
-        out.stride(0), out.stride(1),
-        scale, bs, nh // kt.shape[2],
-        HEAD_DIM=hd, BLOCK_D=next_power_of_2(hd), BLOCK_BS=next_power_of_2(bs),
-        VGROUP=value_group(hd),
+        qc, out, *ops.pointers, seg.contiguous(), pos.contiguous(),
+        qc.stride(0), qc.stride(1), out.stride(0), out.stride(1), *ops.strides,
+        scale, ops.block_size, ops.group, **ops.meta,
     )  # fmt: skip
     return out
