@@ -176,6 +176,12 @@ class ModelRunner(ResultReader):
                     self.model.device,
                 ),
             )
+            sparse = self.requests[new.request_id].sparse
+            if sparse is not None and self.int4 is not None:
+                schedule = sparse.schedule
+                self.int4.expect_freezes(
+                    new.request_id, schedule.first_sparse_loop, sparse.prompt_len, schedule.window
+                )
             constraint = new.sampling.structured_output
             if constraint is not None:
                 book = self.grammars

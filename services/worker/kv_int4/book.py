@@ -37,6 +37,11 @@ class RequestBook:
     # tails kept for uncertain blocks: (block index, block id to close, the block id whose
     # seal gave it back)
     held: list[tuple[int, int, int]] = field(default_factory=list)
+    # token-sparse prefill: the first loop that freezes prompt tokens (None: never), and
+    # the prompt's length
+    freezes_from: int | None = None
+    prompt_len: int = 0
+    window: int = 0  # its windows' length (they start at multiples of it)
 
     def __post_init__(self) -> None:
         self.final = [0] * self.planes
@@ -86,6 +91,18 @@ class RequestBook:
             return False
         start, end = block * block_size, (block + 1) * block_size
         return end > self.committed and (self.cycle_open or start < self.drafted_to)
+
+    def may_copy_up(self, plane: int, block: int, block_size: int) -> bool:
+        """Whether token-sparse prefill may copy a frozen token of ``block`` from ``plane``
+        up into the plane above (its tail there must stay until that plane is sealed)."""
+        if self.freezes_from is None:
+            return False
+        return plane + 1 >= self.freezes_from and block * block_size < self.prompt_len
+
+    def window_of(self, position: int) -> tuple[int, int]:
+        """[start, end) of the token-sparse window holding ``position``."""
+        start = position - position % self.window
+        return start, min(start + self.window, self.prompt_len)
 
     def stored(self, block: int, plane: int, block_size: int) -> np.ndarray:
         """The ``stored`` flags of one block at one plane."""

@@ -59,6 +59,7 @@ class Int4KV:
         self._closing: list[int] = []  # tails to give back once the last pass has run
         self._sealing: list[int] = []  # the blocks the last pass seals
         self._held: set[int] = set()  # tails kept for blocks a cycle may write again
+        self._releases: dict[int, list[int]] = {}  # block id to seal -> tails it gives back
 
     @property
     def k(self) -> torch.Tensor:
@@ -139,8 +140,10 @@ class Int4KV:
                 block = table[b]
                 if not self.store.sealed[block] and block not in entries:
                     entries[block] = self._entry(book, req, j, b)
+                    released = self._released_by_seal(book, req, j, b)
+                    self._releases[block] = released
                     if book.uncertain(b, self.block_size):
-                        self._hold(book, req, j, b)
+                        self._hold(book, released, b, block)
                 b += 1
             book.sealed_upto[j] = max(book.sealed_upto[j], blocks)
 
@@ -153,15 +156,24 @@ class Int4KV:
             first = start // self.block_size
             book.sealed_upto = [min(b, first) for b in book.sealed_upto]
 
-    def _hold(self, book: RequestBook, req: RequestView, plane: int, b: int) -> None:
-        """Sealing plane ``plane`` of block ``b`` gives back tails (the plane below's, and
-        the top plane's own) that a rewrite of the block needs: kept until it is certain."""
-        closes = [req.tables[plane - 1][b]] if plane else []
-        if plane == self.planes - 1:
-            closes.append(req.tables[plane][b])
-        for block in closes:
+    def _released_by_seal(
+        self, book: RequestBook, req: RequestView, plane: int, b: int
+    ) -> list[int]:
+        """The tails that sealing plane ``plane`` of block ``b`` gives back: the plane
+        below's (kept until now for token-sparse prefill's copy of a frozen token up into
+        this plane) and its own, unless such a copy may still read it (the next loop
+        freezes prompt tokens of this block)."""
+        out = [req.tables[plane - 1][b]] if plane else []
+        if plane == self.planes - 1 or not book.may_copy_up(plane, b, self.block_size):
+            out.append(req.tables[plane][b])
+        return out
+
+    def _hold(self, book: RequestBook, released: list[int], b: int, sealer: int) -> None:
+        """A seal's ``released`` tails that a rewrite of block ``b`` needs: kept until the
+        block is certain."""
+        for block in released:
             self._held.add(block)
-            book.held.append((b, block, req.tables[plane][b]))
+            book.held.append((b, block, sealer))
 
     def _release_held(self, book: RequestBook) -> None:
         """Gives back the kept tails of blocks that are certain now, where the seal that
@@ -202,11 +214,9 @@ class Int4KV:
             list(entries), self.planes, self.block_size, self.store.device, self.anchor_every
         )
         self.store.sealed[seal.block_ids] = True
-        for plane, block, _tail, chain, _stored in seal.entries:
-            if plane and chain[plane - 1] not in self._held:
-                self._closing.append(chain[plane - 1])
-            if plane == self.planes - 1 and block not in self._held:
-                self._closing.append(block)
+        for block in seal.block_ids:
+            released = self._releases.pop(block, [])
+            self._closing += [b for b in released if b not in self._held]
         self._sealing = seal.block_ids
         return seal
 
@@ -215,6 +225,7 @@ class Int4KV:
         tails kept (the batch's requests are recomputed)."""
         self.store.sealed[self._sealing] = False
         self._closing, self._sealing = [], []
+        self._releases.clear()
         for book in self.books.values():  # their cursors may have passed those blocks
             book.sealed_upto = [0] * self.planes
 
@@ -299,6 +310,15 @@ class Int4KV:
         self.store.close(blocks)
         self.store.sealed[blocks] = True
 
+    def expect_freezes(
+        self, request_id: str, first_loop: int, prompt_len: int, window: int
+    ) -> None:
+        """The request runs token-sparse prefill from loop ``first_loop`` in windows of
+        ``window`` tokens: a prompt block's tail below such a loop is kept until its
+        window's frozen tokens were copied up from it."""
+        book = self.book(request_id)
+        book.freezes_from, book.prompt_len, book.window = first_loop, prompt_len, window
+
     def freeze(self, request_id: str, req: RequestView, positions: np.ndarray, loop: int) -> None:
         """Token-sparse prefill froze ``positions`` at ``loop``: they store no delta there
         (nor above), and their K/V is about to be copied up from plane ``loop - 1``'s tails
@@ -312,6 +332,20 @@ class Int4KV:
             raise RuntimeError("int4-delta: a frozen token's plane below has no tail to copy")
         self.store.open(np.asarray(req.tables[loop], dtype=np.int64)[blocks])
         self.store.sync_tail_map()
+        self._copied_up(book, req, int(positions[0]), loop)
+
+    def _copied_up(self, book: RequestBook, req: RequestView, position: int, loop: int) -> None:
+        """The window holding ``position`` opened at ``loop``: its frozen tokens are copied
+        up before the next pass, after which no copy reads plane ``loop - 1`` of the blocks
+        wholly inside the window; the sealed ones give their tails back then (not only once
+        plane ``loop`` is sealed, which may be a whole prompt later)."""
+        start, end = book.window_of(position)
+        bs = self.block_size
+        table = req.tables[loop - 1]
+        for b in range(-(-start // bs), min(end // bs, len(table))):
+            block = table[b]
+            if self.store.sealed[block] and block not in self._held:
+                self._closing.append(block)
 
 
 def _segments(rows: list[LiveRow]) -> list[tuple[LiveRow, int]]:
