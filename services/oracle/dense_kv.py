@@ -10,6 +10,9 @@ from services.oracle.kv_codec import CODECS, fp8_round_trip, int4_delta_group
 
 # channels per int4 value scale (FlashLoop's 64, or the whole head when it is smaller)
 VALUE_GROUP = 64
+# relative rms of ``jitter_seed``'s noise: a few float32 roundings (the engine's K/V and
+# these differ by ~1e-6 relative: other summation orders, the same values)
+JITTER = 2e-6
 
 
 class DenseKV:
@@ -32,7 +35,12 @@ class DenseKV:
         codec: str = "auto",
         group_size: int = 16,
         anchor_every: int = 0,
+        jitter_seed: int | None = None,
     ) -> None:
+        """``jitter_seed``: every K/V written is perturbed by relative noise of float32's
+        resolution (``JITTER``), from this seed: the same arithmetic under other roundings,
+        so that a codec's code that sits one rounding from its boundary may land on either
+        side, as it may in the engine, whose K/V differ from these by such roundings."""
         if codec not in CODECS:
             raise ValueError(f"kv_cache_dtype must be one of {CODECS}, got {codec!r}")
         if anchor_every < 0:
@@ -48,6 +56,9 @@ class DenseKV:
         self.anchor_every = anchor_every  # int4-delta: 0 is plane 0 as the only anchor
         self.value_group = min(VALUE_GROUP, hd)
         self.top = torch.full((capacity,), planes - 1, dtype=torch.int64)
+        self._jitter: torch.Generator | None = None
+        if jitter_seed is not None:
+            self._jitter = torch.Generator().manual_seed(jitter_seed)
         # read-backs of (plane, layer, group), with the exact inputs they were made from
         self._coded: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
 
@@ -58,10 +69,17 @@ class DenseKV:
     def write(
         self, plane: int, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
+        if self._jitter is not None:
+            k, v = self._jittered(k), self._jittered(v)
         if self.codec == "fp8":
             k, v = fp8_round_trip(k), fp8_round_trip(v)
         self.k[plane][layer][positions] = k
         self.v[plane][layer][positions] = v
+
+    def _jittered(self, x: torch.Tensor) -> torch.Tensor:
+        assert self._jitter is not None
+        noise = torch.randn(x.shape, generator=self._jitter, dtype=x.dtype)
+        return x * (1.0 + JITTER * noise)
 
     def copy_up(self, position: int, src: int) -> None:
         """LAST_EXITED: propagate one token's KV at plane ``src`` to all higher planes."""

@@ -290,6 +290,7 @@ class SerialOracle:
         kv_cache_dtype: str = "auto",
         kv_block_size: int = 16,
         kv_int4_anchor_every: int = 0,
+        kv_jitter_seed: int | None = None,
     ) -> OracleResult:
         """Generate up to ``max_tokens`` tokens for one request.
 
@@ -303,7 +304,9 @@ class SerialOracle:
         ``kv_cache_dtype`` applies a KV codec (``auto``, ``fp8``, ``int4-delta``: see
         ``services/oracle/dense_kv.py``); int4-delta groups keys by ``kv_block_size``
         positions, the engine's block size, and codes every ``kv_int4_anchor_every``-th
-        plane on its own (0: plane 0 only). Unset
+        plane on its own (0: plane 0 only). ``kv_jitter_seed`` perturbs every K/V written
+        at float32's resolution (``DenseKV``): tests tell a codec's rounding flip from a
+        real difference with it. Unset
         ``max_tokens`` / ``exit_threshold`` take the checkpoint's defaults
         (generation_config.json's max_new_tokens, else 16; config.json's early_exit_threshold).
         """
@@ -333,7 +336,9 @@ class SerialOracle:
             stops.update(self.eos_token_ids)
 
         capacity = len(prompt) + max_tokens
-        kv = self._new_kv(layout, capacity, kv_cache_dtype, kv_block_size, kv_int4_anchor_every)
+        kv = self._new_kv(
+            layout, capacity, kv_cache_dtype, kv_block_size, kv_int4_anchor_every, kv_jitter_seed
+        )
         margin = math.inf
         if sparse_prefill is None:
             h_prompt = self._prefill(prompt, kv, layout, prefill_chunk_size)
@@ -395,7 +400,13 @@ class SerialOracle:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _new_kv(
-        self, layout: str, capacity: int, codec: str, block_size: int, anchor_every: int = 0
+        self,
+        layout: str,
+        capacity: int,
+        codec: str,
+        block_size: int,
+        anchor_every: int = 0,
+        jitter_seed: int | None = None,
     ) -> DenseKV:
         planes = self.total_ut_steps if layout == "last_exited" else 1
         cfg = self._cfg
@@ -410,6 +421,7 @@ class SerialOracle:
             codec,
             block_size,
             anchor_every,
+            jitter_seed,
         )
 
     def _check_sparse(self, sparse: SparseSetting, layout: str) -> None:
