@@ -384,3 +384,23 @@ def test_rejects_bad_input(oracle: SerialOracle) -> None:
         oracle.generate(PROMPT, max_tokens=1, max_loops=D + 1)
     with pytest.raises(ValueError):
         oracle.generate(PROMPT, max_tokens=200)  # beyond max_position_embeddings
+
+
+@pytest.mark.unit
+def test_kv_jitter_perturbs_at_float32_resolution_and_repeats_by_seed() -> None:
+    """``kv_jitter_seed``: every K/V written moves by ~2e-6 relative, the same values for a
+    seed, others for another seed; without a seed nothing moves."""
+    from services.oracle.dense_kv import JITTER, DenseKV
+
+    k = torch.randn(6, 2, 16)
+
+    def written(seed: int | None) -> torch.Tensor:
+        kv = DenseKV(2, 1, 6, 2, 16, "int4-delta", group_size=2, jitter_seed=seed)
+        kv.write(0, 0, torch.arange(6), k, k)
+        return kv.k[0][0].clone()
+
+    assert torch.equal(written(None), k)
+    one, again, other = written(1), written(1), written(2)
+    assert torch.equal(one, again) and not torch.equal(one, other)
+    relative = ((one - k) / k).abs()
+    assert 0 < relative.max() < 10 * JITTER and relative.mean() > JITTER / 10
