@@ -7,13 +7,18 @@ delta above their exit or freeze loop)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from messages.api import FinishedEvent, TokenEvent
 from messages.sampling import SamplingParams
 from services.common.config import KVAdmission, KVLayout, SchedulerConfig
+from services.engine.engine import LLMEngine
+from services.scheduler.core.intake import KnownOutputs
 from tests.engine_harness import Arrival, assert_matches_oracle, oracle_result, run_workload
 from tests.engine_strategies import D, max_kv_blocks, workloads
 
@@ -356,3 +361,40 @@ def test_int4_sparse_fragment_reads_and_seals_up_to_its_last_position(
     assert record.engine is not None
     assert record.engine.scheduler.stats.num_prefill_rows_saved > 0
     assert compared == len(prompts) - 1 + last_tokens
+
+
+@pytest.mark.parametrize("known", [1, 6])
+def test_a_request_resumed_on_another_int4_shard_equals_the_int4_oracle(
+    toy_model, oracle, known: int
+) -> None:
+    """A shard lost mid-generation: the request resumes on another int4-delta shard with
+    the outputs already streamed (``KnownOutputs``), prefilling prompt and known tokens into
+    blocks it seals itself. The whole run equals the int4 oracle and an uninterrupted
+    shard, tokens and exit depths; only the rest is streamed again."""
+    config = SchedulerConfig(
+        block_size=4, num_blocks=64, max_num_batched_tokens=8, prefill_chunk_size=4,
+        enable_prefix_caching=True, kv_cache_dtype="int4-delta",
+    )  # fmt: skip
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, min_loops=1, exit_threshold=0.6
+    )
+    prompt = [89, 60, 174, 57, 195, 118, 75, 6]
+    whole = LLMEngine(toy_model, config)
+    whole.core.add_request("r", prompt, params)
+    (final,) = [e for e in whole.run_until_done() if isinstance(e, FinishedEvent)]
+    expected = oracle_result(oracle, prompt, params.resolve(D, 512), config)
+    assert assert_matches_oracle(final, expected, "uninterrupted") == 12
+    auto = oracle_result(
+        oracle, prompt, params.resolve(D, 512), replace(config, kv_cache_dtype="auto")
+    )
+    assert (auto.token_ids, auto.exit_depths) != (expected.token_ids, expected.exit_depths)
+
+    resumed = LLMEngine(toy_model, config)
+    known_outputs = KnownOutputs(final.token_ids[:known], final.exit_depths[:known])
+    assert resumed.core.add_request("r", prompt, params, known_outputs=known_outputs) == []
+    events = resumed.run_until_done()
+    rest = [e for e in events if isinstance(e, TokenEvent)]
+    (end,) = [e for e in events if isinstance(e, FinishedEvent)]
+    assert [e.index for e in rest] == list(range(known, 12))
+    assert (end.token_ids, end.exit_depths) == (final.token_ids, final.exit_depths)
+    assert resumed.scheduler.kv.num_free_blocks == config.num_blocks
