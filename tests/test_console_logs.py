@@ -138,8 +138,18 @@ class _Pty:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)  # Ctrl-C: it stops its services
+            # keep reading: a process whose terminal buffer is full blocks in its next log
+            # line and never gets to handle the signal
+            deadline = time.monotonic() + 60
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                ready, _, _ = select.select([self.master], [], [], 0.2)
+                if ready:
+                    try:
+                        os.read(self.master, 65536)
+                    except OSError:  # the terminal closed: it exited
+                        break
             try:
-                self.proc.wait(60)
+                self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
