@@ -264,7 +264,7 @@ def test_int4_pulls_move_sealed_codes_scales_and_flags_at_a_third_of_the_bytes()
 
 
 @pytest.mark.unit
-def test_a_simulated_workers_fp8_arenas_are_codes_and_scales() -> None:
+def test_a_simulated_workers_codec_arenas_are_codes_and_scales() -> None:
     """``--device sim`` with ``--role``: host arenas of Ouro-1.4B's heads under the codec,
     so a simulated P/D run moves fp8's bytes (264 of 512 per token, head and layer)."""
     from services.worker.runner_host import sim_arena
@@ -275,6 +275,12 @@ def test_a_simulated_workers_fp8_arenas_are_codes_and_scales() -> None:
         "kv_cache_dtype: fp8 vs auto"
     )
     assert sum(fp8.arena_block_bytes) / sum(auto.arena_block_bytes) == 264 / 512
+    int4 = sim_arena(8, 16, "int4-delta", anchor_every=2)
+    assert len(int4.tensors) == 7 and int4.layout("last_exited", 4).head_dim == 128
+    assert int4.layout("last_exited", 4).mismatch(
+        sim_arena(8, 16, "int4-delta", anchor_every=1).layout("last_exited", 4)
+    ) == ("kv_int4_anchor_every: 2 vs 1")
+    assert round(sum(int4.arena_block_bytes) / sum(auto.arena_block_bytes), 3) == 0.328
 
 
 _PEER = textwrap.dedent(
