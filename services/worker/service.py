@@ -95,6 +95,7 @@ class WorkerService(Service):
             before_replace=self._retire_kv,
             kv_cache_dtype=self.config.kv_cache_dtype,
             kv_int4_anchor_every=self.config.kv_int4_anchor_every,
+            batch_limits=self.config.batch_limits,
         )
         self.kv_transfer = kv_transfer
         self.simulated = self.runner_host.simulated
