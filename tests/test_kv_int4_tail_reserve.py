@@ -120,3 +120,74 @@ def test_many_short_requests_never_grow_the_pool(toy_model, prefill: dict) -> No
     # between batches a request holds at most its partial block per plane (the last ones
     # to finish are released with the next batch)
     assert 0 < store.open_blocks <= planes * len(engine.runner.requests)
+
+
+def test_a_growth_past_the_reserve_is_logged_and_shown(toy_checkpoint) -> None:
+    """The pool's growth (token-sparse prefill can hold more open than the reserve) is memory
+    the geometry check did not count: a warning per growth, and the worker's gauges."""
+    import numpy as np
+    import structlog
+    import torch
+
+    from services.worker.kv_int4.store import Int4Store
+    from services.worker.runner_host import RunnerHost
+    from services.worker.telemetry import WorkerTelemetry
+
+    store = Int4Store(1, 16, 4, 1, 8, torch.float32, torch.device("cpu"), tails=2)
+    telemetry = WorkerTelemetry()
+    telemetry.watch_int4_tails(store.tail_stats)
+    with structlog.testing.capture_logs() as logs:
+        store.open(np.arange(2))
+        assert not logs
+        store.open(np.arange(2, 5))  # 2 -> 4 -> 8
+    grew = [e for e in logs if e["event"] == "int4_tail_pool_grew"]
+    assert [(e["log_level"], e["tails"], e["reserved"]) for e in grew] == [
+        ("warning", 4, 2),
+        ("warning", 8, 2),
+    ]
+    store.close([0])
+    value = telemetry.registry.get_sample_value
+    assert value("rlt:kv_int4_open_tail_blocks") == 4
+    assert value("rlt:kv_int4_tail_pool_blocks") == 8
+    assert value("rlt:kv_int4_tail_reserve_blocks") == 2
+    stats = store.tail_stats()
+    assert (stats.peak_open_blocks, stats.growths) == (5, 2)
+
+    limits = BatchLimits(max_num_seqs=2, max_num_batched_tokens=8)
+    host = RunnerHost(
+        toy_checkpoint, "cpu", torch.float32, kv_cache_dtype=INT4_DELTA, batch_limits=limits
+    )
+    host.load()
+    assert host.int4_tails() is None  # no runner yet
+    host.make_runner(256, 4, "last_exited")
+    tails = host.int4_tails()
+    assert tails is not None and tails.open_blocks == 0
+    assert tails.pool_blocks == tails.reserved_blocks == open_blocks_bound(4, 4, limits)
+
+
+def test_the_worker_reports_its_tails_in_health_and_metrics(toy_checkpoint) -> None:
+    from services.worker.service import WorkerService
+
+    config = SchedulerConfig(
+        block_size=4,
+        num_blocks=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        kv_cache_dtype=INT4_DELTA,
+    )
+    worker = WorkerService("nats://127.0.0.1:1", toy_checkpoint, config)  # never connects
+    worker.runner_host.load()
+    worker.runner_host.make_runner(256, 4, "last_exited")
+    reserve = open_blocks_bound(4, 4, config.batch_limits)
+    assert worker.health_details()["kv_int4_tails"] == {
+        "open_blocks": 0,
+        "peak_open_blocks": 0,
+        "pool_blocks": reserve,
+        "reserved_blocks": reserve,
+        "growths": 0,
+    }
+    value = worker.telemetry.registry.get_sample_value
+    assert value("rlt:kv_int4_tail_pool_blocks") == value("rlt:kv_int4_tail_reserve_blocks")
+    plain = WorkerService("nats://127.0.0.1:1", toy_checkpoint, SchedulerConfig(num_blocks=16))
+    assert "kv_int4_tails" not in plain.health_details()
+    assert plain.telemetry.registry.get_sample_value("rlt:kv_int4_tail_pool_blocks") is None

@@ -34,6 +34,7 @@ from services.common.model_config import OuroConfig
 from services.common.tokenizer import TextCodec
 from services.worker.kv_cache import PagedKV, bytes_per_block, check_storable
 from services.worker.kv_int4.paged import Int4KV
+from services.worker.kv_int4.store import TailPoolStats
 from services.worker.kv_transfer.arena import KVArena
 from services.worker.model.ouro import OuroModel
 from services.worker.passes.static_decode import DecodeMode
@@ -171,6 +172,13 @@ class RunnerHost:
         cfg = self._sim_config if self.simulated else (self.model.cfg if self.model else None)
         assert cfg is not None, "load() first"
         return cfg.total_ut_steps
+
+    def int4_tails(self) -> TailPoolStats | None:
+        """The current runner's int4-delta tail pool (None: another codec, or no runner)."""
+        runner = self.runner  # once: the compute thread may replace it meanwhile
+        if isinstance(runner, ModelRunner) and runner.int4 is not None:
+            return runner.int4.store.tail_stats()
+        return None
 
     def _kv_bytes(self) -> int:
         runner = self.runner  # once: the compute thread may replace it meanwhile

@@ -13,6 +13,8 @@ logged, as device memory nothing counted.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import structlog
 import torch
@@ -22,6 +24,17 @@ from kernels.ops.attention_int4 import Int4Cache
 from kernels.ops.kv_int4 import int4_decode, int4_encode
 
 _log = structlog.get_logger("rlt")
+
+
+@dataclass(frozen=True)
+class TailPoolStats:
+    """The tail pool as operators see it (the worker's health and ``rlt:kv_int4_*``)."""
+
+    open_blocks: int  # block ids holding a tail now
+    peak_open_blocks: int  # the most at once so far, mid-pass included
+    pool_blocks: int  # tails allocated
+    reserved_blocks: int  # what the memory accounting counts (the pool's first size)
+    growths: int  # times the pool grew past what it had (uncounted memory)
 
 
 class Int4Store:
@@ -90,6 +103,15 @@ class Int4Store:
     def pool_blocks(self) -> int:
         """Tail blocks allocated now: the reserve, or more once the pool grew past it."""
         return int(self.k_tail.shape[1])
+
+    def tail_stats(self) -> TailPoolStats:
+        return TailPoolStats(
+            self.open_blocks,
+            self.peak_open_blocks,
+            self.pool_blocks,
+            self.reserved_tails,
+            self.growths,
+        )
 
     # ------------------------------------------------------------------ tails
     def open(self, blocks: np.ndarray) -> None:
