@@ -43,8 +43,9 @@ INT4_LEVELS = 15  # codes 0..15
 VALUE_GROUP = 64
 
 _BYTES = {"uint8": 1, "float16": 2, "float32": 4}
-# int4-delta: KV memory keeps one full-precision tail block per this many block ids (one
-# open block per plane for requests of 32 blocks); the worker allocates more if it must
+# int4-delta: KV memory keeps at least one full-precision tail block per this many block ids
+# (one open block per plane for requests of 32 blocks), and at least what a batch can hold
+# open (``open_blocks_bound``); the worker allocates more if it must
 TAIL_SHARE = 32
 
 
@@ -151,9 +152,42 @@ def tail_bytes(
     return block_bytes(AUTO, block_size, kv_heads, head_dim, model_bytes) * planes * layers
 
 
-def tail_reserve_blocks(codec: str, num_blocks: int) -> int:
-    """Tail blocks (``auto`` layout) that KV memory reserves beside ``num_blocks`` block ids."""
-    return -(-num_blocks // TAIL_SHARE) if codec == INT4_DELTA else 0
+@dataclass(frozen=True)
+class BatchLimits:
+    """The scheduler's limits on its batches (``SchedulerConfig``'s, whose defaults these
+    are): how many requests run at once and how many tokens one batch takes."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+
+DEFAULT_BATCH_LIMITS = BatchLimits()
+
+
+def open_blocks_bound(planes: int, block_size: int, limits: BatchLimits) -> int:
+    """The most blocks open at once (int4-delta tails) without token-sparse prefill.
+
+    Per plane: after a batch every block whose tokens are all final is sealed, which leaves
+    each running request at most its partial last block, and a batch writes at most
+    T = ``max_num_batched_tokens`` positions in a plane (a row's tokens are charged once,
+    and written once per loop it runs). A request's row of t tokens starting at offset o of
+    its partial block opens ``(o + t - 1) // block_size`` blocks past it: one for each
+    ``block_size`` of its tokens, and one more when it straddles a block boundary it does
+    not fill up to, which takes two tokens (the last of one block, the first of the next).
+    The worst case is every request straddling: ``S + m + (T - 2m) // block_size`` with
+    ``m = min(S, T // 2)`` rows of two tokens, the rest of the budget in whole blocks."""
+    seqs, tokens = limits.max_num_seqs, limits.max_num_batched_tokens
+    straddling = min(seqs, tokens // 2)
+    return planes * (seqs + straddling + (tokens - 2 * straddling) // block_size)
+
+
+def tail_reserve_blocks(codec: str, num_blocks: int, open_bound: int) -> int:
+    """Tail blocks (``auto`` layout) that KV memory reserves beside ``num_blocks`` block ids:
+    one per ``TAIL_SHARE`` of them, and no fewer than ``open_bound`` (``open_blocks_bound``
+    of the scheduler's limits), but never more than one per block id."""
+    if codec != INT4_DELTA:
+        return 0
+    return min(num_blocks, max(-(-num_blocks // TAIL_SHARE), open_bound))
 
 
 def bytes_per_token(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_codec import block_bytes
+from kernels.kv_codec import BatchLimits, block_bytes, open_blocks_bound
 from services.common.config import SchedulerConfig
 from services.common.fit import blocks_in_memory
 from services.worker.kv_cache import PagedKV, bytes_per_block
@@ -68,8 +68,12 @@ def test_worker_memory_check_counts_codec_bytes(toy_checkpoint, monkeypatch) -> 
     check counts codes and scales, not the model dtype."""
     from services.worker.runner_host import RunnerHost
 
+    # int4-delta's batches hold few blocks open here: its tail reserve is the share
+    few_open = BatchLimits(max_num_seqs=1, max_num_batched_tokens=1)
     hosts = {
-        codec: RunnerHost(toy_checkpoint, "cpu", torch.bfloat16, kv_cache_dtype=codec)
+        codec: RunnerHost(
+            toy_checkpoint, "cpu", torch.bfloat16, kv_cache_dtype=codec, batch_limits=few_open
+        )
         for codec in ("auto", "fp8", "int4-delta")
     }
     for host in hosts.values():
@@ -91,6 +95,37 @@ def test_worker_memory_check_counts_codec_bytes(toy_checkpoint, monkeypatch) -> 
     # check counts the scratch block too, hence one block less than fit's count)
     int4_fits = blocks_in_memory(memory, bytes_per_block("int4-delta", *shape), auto_block) - 1
     assert int4_fits > fp8_fits, (int4_fits, fp8_fits)  # the toy's small heads: scales weigh more
+    planes = cfg.total_ut_steps
+    assert open_blocks_bound(planes, 16, few_open) < -(-int4_fits // 32)
     hosts["int4-delta"].check_geometry(int4_fits, 16, "last_exited")
     with pytest.raises(MemoryError):
         hosts["int4-delta"].check_geometry(int4_fits + 2, 16, "last_exited")
+
+
+def test_int4_geometry_check_reserves_the_tails_batches_hold_open(
+    toy_checkpoint, monkeypatch
+) -> None:
+    """Many requests in little memory: the reserve is what their batches can hold open (a
+    partial block per request and plane, and what a batch's tokens open), not the share."""
+    from services.worker.runner_host import RunnerHost
+
+    limits = BatchLimits(max_num_seqs=4, max_num_batched_tokens=40)
+    host = RunnerHost(
+        toy_checkpoint, "cpu", torch.bfloat16, kv_cache_dtype="int4-delta", batch_limits=limits
+    )
+    host.load()
+    cfg = host.model.cfg
+    shape = (cfg.num_hidden_layers, 16, cfg.num_key_value_heads, cfg.head_dim, 2)
+    auto_block, int4_block = bytes_per_block("auto", *shape), bytes_per_block("int4-delta", *shape)
+    memory = 100 * auto_block
+    monkeypatch.setenv("RLT_WORKER_MAX_KV_BYTES", str(memory))
+    # per plane: 4 partial blocks, 4 rows straddling a boundary, (40 - 8) // 16 more blocks
+    open_bound = open_blocks_bound(cfg.total_ut_steps, 16, limits)
+    assert open_bound == cfg.total_ut_steps * (4 + 4 + 2)
+    fits = blocks_in_memory(memory, int4_block, auto_block, open_bound)
+    assert -(-fits // 32) < open_bound  # the share alone would reserve less
+    assert fits < blocks_in_memory(memory, int4_block, auto_block)
+    assert fits == (memory - open_bound * auto_block) // int4_block
+    host.check_geometry(fits, 16, "last_exited")
+    with pytest.raises(MemoryError):
+        host.check_geometry(fits + 1, 16, "last_exited")

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.kv_codec import tail_reserve_blocks
 from services.oracle.kv_codec import int4_delta_group
 from services.worker.kv_int4.book import RequestBook
 from services.worker.kv_int4.store import Int4Store, SealBatch
@@ -19,8 +18,8 @@ pytestmark = pytest.mark.unit
 LAYERS, BLOCKS, BS, NKV, HD, PLANES = 2, 9, 4, 2, 128, 4
 
 
-def _store() -> Int4Store:
-    return Int4Store(LAYERS, BLOCKS, BS, NKV, HD, torch.float32, torch.device("cpu"))
+def _store(tails: int = 1) -> Int4Store:
+    return Int4Store(LAYERS, BLOCKS, BS, NKV, HD, torch.float32, torch.device("cpu"), tails)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -67,11 +66,11 @@ def test_sealed_planes_read_back_as_the_oracle_codes_them(seed: int) -> None:
 
 
 def test_tails_are_taken_per_open_block_and_the_pool_grows() -> None:
-    store = _store()
-    first = store.k_tail.shape[1]
-    assert first == max(1, tail_reserve_blocks("int4-delta", BLOCKS))
+    store = _store(tails=2)
+    assert store.pool_blocks == store.reserved_tails == 2
     store.open(np.asarray([3, 3, 4, 6]))
-    assert store.open_blocks == 3 and store.k_tail.shape[1] >= 3  # grew past the reserve
+    assert store.open_blocks == 3 and store.pool_blocks == 4  # grew past the reserve, once
+    assert store.growths == 1
     tail = int(store.tail_of[4])
     store.close([4])
     assert store.tail_of[4] == -1 and store.open_blocks == 2

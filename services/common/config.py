@@ -8,7 +8,7 @@ from enum import StrEnum
 from typing import Any
 
 from kernels.kv_codec import CODECS as KV_CACHE_DTYPES
-from kernels.kv_codec import INT4_DELTA
+from kernels.kv_codec import INT4_DELTA, BatchLimits
 from messages.errors import RequestError
 from messages.sampling import (
     API_DEFAULTS,
@@ -290,3 +290,8 @@ class SchedulerConfig:
         """int4-delta: only sealed (full) blocks hold codes; an open block's tokens are
         exact in a tail that no other shard can read."""
         return self.kv_cache_dtype == INT4_DELTA
+
+    @property
+    def batch_limits(self) -> BatchLimits:
+        """What bounds the blocks open at once (int4-delta's tail reserve)."""
+        return BatchLimits(self.max_num_seqs, self.max_num_batched_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.kv_codec import TAIL_SHARE
+from kernels.kv_codec import INT4_DELTA, TAIL_SHARE, tail_reserve_blocks
 from messages.errors import RequestError
 
 
@@ -30,18 +30,28 @@ class KVGeometry:
         return blocks_per_plane(num_tokens, self.block_size) * self.num_planes
 
 
-def blocks_in_memory(kv_bytes: int, block_bytes: int, tail_block_bytes: int = 0) -> int:
+def blocks_in_memory(
+    kv_bytes: int, block_bytes: int, tail_block_bytes: int = 0, open_bound: int = 0
+) -> int:
     """Block ids a KV memory of ``kv_bytes`` holds when one block id (one plane's block over
     every layer, codes and scales included) takes ``block_bytes``: a codec's real bytes, so
     fp8 holds ~1.94x the blocks of bf16 ``auto`` in the same memory. ``tail_block_bytes``
-    (int4-delta): a full-precision block, of which the memory keeps one per
-    ``TAIL_SHARE`` block ids (``kernels.kv_codec.tail_reserve_blocks``)."""
+    (int4-delta): a full-precision block, of which the memory keeps the reserve of
+    ``kernels.kv_codec.tail_reserve_blocks``: one per ``TAIL_SHARE`` block ids, and no fewer
+    than ``open_bound`` (``kernels.kv_codec.open_blocks_bound``)."""
     n = kv_bytes // block_bytes
     if tail_block_bytes:
-        n = kv_bytes * TAIL_SHARE // (TAIL_SHARE * block_bytes + tail_block_bytes)
-        while n and n * block_bytes + -(-n // TAIL_SHARE) * tail_block_bytes > kv_bytes:
+        # the reserve grows with n: the most n under each of its two terms
+        by_share = kv_bytes * TAIL_SHARE // (TAIL_SHARE * block_bytes + tail_block_bytes)
+        by_open = max(0, (kv_bytes - open_bound * tail_block_bytes) // block_bytes)
+        n = min(by_share, by_open)
+        while n and n * block_bytes + _tails(n, open_bound) * tail_block_bytes > kv_bytes:
             n -= 1
     return n
+
+
+def _tails(num_blocks: int, open_bound: int) -> int:
+    return tail_reserve_blocks(INT4_DELTA, num_blocks, open_bound)
 
 
 def kv_tokens(num_prompt: int, max_tokens: int) -> int:

@@ -69,6 +69,7 @@ class LLMEngine:
             grammars=self.grammars,
             kv_cache_dtype=config.kv_cache_dtype,
             kv_int4_anchor_every=config.kv_int4_anchor_every,
+            batch_limits=config.batch_limits,
         )
         self.core = EngineCore(
             config,

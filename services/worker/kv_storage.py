@@ -6,7 +6,7 @@ the open blocks (``Int4KV``)."""
 
 from __future__ import annotations
 
-from kernels.kv_codec import AUTO, INT4_DELTA
+from kernels.kv_codec import AUTO, DEFAULT_BATCH_LIMITS, INT4_DELTA, BatchLimits
 from services.common.config import KVLayout
 from services.worker.kv_cache import PagedKV
 from services.worker.kv_int4.paged import Int4KV
@@ -21,9 +21,10 @@ def build_kv(
     kv_layout: KVLayout,
     kv_cache_dtype: str,
     kv_int4_anchor_every: int,
+    limits: BatchLimits = DEFAULT_BATCH_LIMITS,
 ) -> PagedKV | Int4KV:
     """KV for ``num_blocks`` of the scheduler's blocks plus one: padding rows of a static
-    pass write into the last."""
+    pass write into the last. ``limits``: the scheduler's (int4-delta's tail reserve)."""
     cfg = model.cfg
     shape = (
         cfg.num_hidden_layers,
@@ -40,6 +41,7 @@ def build_kv(
             device=model.device,
             planes=planes,
             anchor_every=kv_int4_anchor_every,
+            limits=limits,
         )
     return PagedKV(kv_cache_dtype, *shape, dtype=model.dtype, device=model.device)
 

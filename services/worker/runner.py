@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from kernels.kv_codec import AUTO
+from kernels.kv_codec import AUTO, DEFAULT_BATCH_LIMITS, BatchLimits
 from kernels.ops import exit_rule
 from kernels.ops.backends import select_backends
 from messages.batch import Batch, BatchKind, BatchResult
@@ -79,18 +79,26 @@ class ModelRunner(ResultReader):
         grammars: GrammarBook | None = None,
         kv_cache_dtype: str = AUTO,
         kv_int4_anchor_every: int = 0,
+        batch_limits: BatchLimits = DEFAULT_BATCH_LIMITS,
     ) -> None:
         """``grammars``: structured outputs (the checkpoint's tokenizer); without it a
         request with one fails. ``kv_cache_dtype``: the KV codec (``services/worker/kv_cache.py``;
         ValueError for one the worker cannot store). ``kv_int4_anchor_every``: int4-delta's
-        anchor interval (``kernels/kv_codec.py``)."""
+        anchor interval (``kernels/kv_codec.py``). ``batch_limits``: the scheduler's
+        (int4-delta reserves the tails its batches can hold open)."""
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.kv_layout = kv_layout
         self.total_loops = cfg.total_ut_steps
         self.kv = build_kv(
-            model, num_blocks, block_size, kv_layout, kv_cache_dtype, kv_int4_anchor_every
+            model,
+            num_blocks,
+            block_size,
+            kv_layout,
+            kv_cache_dtype,
+            kv_int4_anchor_every,
+            batch_limits,
         )
         self.int4: Int4KV | None = self.kv if isinstance(self.kv, Int4KV) else None
         self.k_cache, self.v_cache = self.kv.k, self.kv.v

@@ -20,13 +20,21 @@ from pathlib import Path
 import structlog
 import torch
 
-from kernels.kv_codec import AUTO, INT4_DELTA, tail_reserve_blocks
+from kernels.kv_codec import (
+    AUTO,
+    DEFAULT_BATCH_LIMITS,
+    INT4_DELTA,
+    BatchLimits,
+    open_blocks_bound,
+    tail_reserve_blocks,
+)
 from kernels.kv_codec import check as check_codec
 from services.common.config import KVLayout
 from services.common.model_config import OuroConfig
 from services.common.tokenizer import TextCodec
 from services.worker.kv_cache import PagedKV, bytes_per_block, check_storable
 from services.worker.kv_int4.paged import Int4KV
+from services.worker.kv_int4.store import TailPoolStats
 from services.worker.kv_transfer.arena import KVArena
 from services.worker.model.ouro import OuroModel
 from services.worker.passes.static_decode import DecodeMode
@@ -54,15 +62,18 @@ class RunnerHost:
         before_replace: Callable[[], None] | None = None,
         kv_cache_dtype: str = AUTO,
         kv_int4_anchor_every: int = 0,
+        batch_limits: BatchLimits = DEFAULT_BATCH_LIMITS,
     ) -> None:
         """``sim_kv``: a simulated device gets host KV arenas too (no compute reads them), so
         a disaggregation bench moves real bytes between simulated workers.
         ``before_replace``: called before a runner is dropped for a new one, so that
         whatever else holds its KV (the KV transfer agent) lets go of it first.
         ``kv_cache_dtype``: the server's KV codec (every runner it builds stores it), and
-        ``kv_int4_anchor_every`` int4-delta's anchor interval."""
+        ``kv_int4_anchor_every`` int4-delta's anchor interval. ``batch_limits``: the
+        scheduler's, which bound the int4-delta tails its batches hold open."""
         check_storable(kv_cache_dtype)  # refused at start, by name
         self.kv_cache_dtype = kv_cache_dtype
+        self.batch_limits = batch_limits
         self.kv_int4_anchor_every = kv_int4_anchor_every
         self.sim_kv = sim_kv
         self.before_replace = before_replace
@@ -136,8 +147,10 @@ class RunnerHost:
             cfg.head_dim,
             elem,
         )
-        # int4-delta: and its reserve of full-precision tail blocks
-        tails = tail_reserve_blocks(self.kv_cache_dtype, num_blocks + 1)
+        # int4-delta: and its reserve of full-precision tail blocks (what Int4Store starts at)
+        planes = cfg.total_ut_steps if KVLayout(kv_layout) == KVLayout.LAST_EXITED else 1
+        open_bound = open_blocks_bound(planes, block_size, self.batch_limits)
+        tails = tail_reserve_blocks(self.kv_cache_dtype, num_blocks + 1, open_bound)
         tail_block = bytes_per_block(
             AUTO, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, elem
         )
@@ -159,6 +172,13 @@ class RunnerHost:
         cfg = self._sim_config if self.simulated else (self.model.cfg if self.model else None)
         assert cfg is not None, "load() first"
         return cfg.total_ut_steps
+
+    def int4_tails(self) -> TailPoolStats | None:
+        """The current runner's int4-delta tail pool (None: another codec, or no runner)."""
+        runner = self.runner  # once: the compute thread may replace it meanwhile
+        if isinstance(runner, ModelRunner) and runner.int4 is not None:
+            return runner.int4.store.tail_stats()
+        return None
 
     def _kv_bytes(self) -> int:
         runner = self.runner  # once: the compute thread may replace it meanwhile
@@ -185,7 +205,11 @@ class RunnerHost:
             )
             if self.sim_kv:
                 self.runner.kv_arena = sim_arena(
-                    num_blocks, block_size, self.kv_cache_dtype, self.kv_int4_anchor_every
+                    num_blocks,
+                    block_size,
+                    self.kv_cache_dtype,
+                    self.kv_int4_anchor_every,
+                    self.batch_limits,
                 )
         else:
             assert self.model is not None
@@ -197,6 +221,7 @@ class RunnerHost:
                 grammars=self.grammars,
                 kv_cache_dtype=self.kv_cache_dtype,
                 kv_int4_anchor_every=self.kv_int4_anchor_every,
+                batch_limits=self.batch_limits,
             )
             self.runner = runner
             if runner.model.device.type == "cuda":
@@ -240,7 +265,11 @@ def kv_budget(current_kv_bytes: int, free_bytes: int, share: float, reserve_byte
 
 
 def sim_arena(
-    num_blocks: int, block_size: int, codec: str = AUTO, anchor_every: int = 0
+    num_blocks: int,
+    block_size: int,
+    codec: str = AUTO,
+    anchor_every: int = 0,
+    limits: BatchLimits = DEFAULT_BATCH_LIMITS,
 ) -> KVArena:
     """Host KV arenas shaped as Ouro-1.4B's (16 KV heads x 128, bfloat16; the device the
     simulation prices) under ``codec`` (fp8: codes and scales; int4-delta: packed codes,
@@ -255,6 +284,6 @@ def sim_arena(
     cpu = torch.device("cpu")
     if codec == INT4_DELTA:
         planes = cfg.total_ut_steps
-        int4 = Int4KV(*geometry, torch.bfloat16, cpu, planes, anchor_every)
+        int4 = Int4KV(*geometry, torch.bfloat16, cpu, planes, anchor_every, limits)
         return KVArena.of(int4)
     return KVArena.of(PagedKV(codec, *geometry, dtype=torch.bfloat16, device=cpu))

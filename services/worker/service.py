@@ -24,6 +24,7 @@ simulated).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -95,6 +96,7 @@ class WorkerService(Service):
             before_replace=self._retire_kv,
             kv_cache_dtype=self.config.kv_cache_dtype,
             kv_int4_anchor_every=self.config.kv_int4_anchor_every,
+            batch_limits=self.config.batch_limits,
         )
         self.kv_transfer = kv_transfer
         self.simulated = self.runner_host.simulated
@@ -117,6 +119,8 @@ class WorkerService(Service):
         self.num_failed = 0
         self.decode_s = 0.0  # decoding the batches received (msgpack), summed
         self.telemetry = WorkerTelemetry(self.shard)
+        if self.config.kv_int4:
+            self.telemetry.watch_int4_tails(self.runner_host.int4_tails)
         self._kv_results_task: asyncio.Task[None] | None = None
         self.kv_outbox = ResultOutbox()  # pull results until their scheduler has them
         # tests only: this many publications of pull results are lost on the way
@@ -205,6 +209,7 @@ class WorkerService(Service):
     def health_details(self) -> dict[str, Any]:
         runner = self.runner
         sim = {"simulated_s": runner.simulated_s} if isinstance(runner, SimRunner) else {}
+        tails = self.runner_host.int4_tails()  # int4-delta: the pool above its reserve grew
         return {
             "worker_id": self.instance_id,
             "shard": self.shard_id,
@@ -223,6 +228,7 @@ class WorkerService(Service):
             # for metrics; a new KV geometry starts a new runner, and these from zero
             "runner": runner.stats.snapshot() if runner is not None else {},
             "decode_s": self.decode_s,
+            **({"kv_int4_tails": dataclasses.asdict(tails)} if tails is not None else {}),
             **(self.kv.health() if self.kv is not None else {}),
             **self.kv_outbox.health(),
         }

@@ -5,7 +5,11 @@ Metrics (published over NATS by the service, served on the gateway's ``/metrics`
 - ``rlt:core_passes_total``: passes of the shared core (one ``core_loop`` call each);
 - ``rlt:rows_per_core_pass`` / ``rlt:tokens_per_core_pass``: how full each pass was (rows
   at different depths share a pass: continuous depth batching);
-- ``rlt:worker_batch_execute_seconds``: time to run one batch.
+- ``rlt:worker_batch_execute_seconds``: time to run one batch;
+- int4-delta only: ``rlt:kv_int4_open_tail_blocks`` (blocks open now, their tokens exact in
+  a full-precision tail), ``rlt:kv_int4_tail_pool_blocks`` (tails allocated) and
+  ``rlt:kv_int4_tail_reserve_blocks`` (what the KV accounting counts): a pool above its
+  reserve grew into memory nothing counted.
 
 Spans: one per request per stay on this worker, from the batch that loads it to the batch
 that releases it, a child of the scheduler's span of the request (``Batch.traceparents``).
@@ -13,7 +17,9 @@ that releases it, a child of the scheduler's span of the request (``Batch.tracep
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from messages.batch import Batch
 from services.runtime.tracing import (
@@ -24,6 +30,7 @@ from services.runtime.tracing import (
     Tracer,
     parse_traceparent,
 )
+from services.worker.kv_int4.store import TailPoolStats
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384)
@@ -59,6 +66,17 @@ class WorkerTelemetry:
             buckets=EXECUTE_BUCKETS,
             registry=r,
         )
+
+    def watch_int4_tails(self, stats: Callable[[], TailPoolStats | None]) -> None:
+        """Gauges of the int4-delta tail pool, read from ``stats`` when collected."""
+        gauges = (
+            ("rlt:kv_int4_open_tail_blocks", "Blocks open: tokens exact in a tail.", "open"),
+            ("rlt:kv_int4_tail_pool_blocks", "Full-precision tail blocks allocated.", "pool"),
+            ("rlt:kv_int4_tail_reserve_blocks", "Tail blocks KV accounting counts.", "reserved"),
+        )
+        for name, doc, field in gauges:
+            gauge = Gauge(name, doc, registry=self.registry)
+            gauge.set_function(lambda field=field: _tail_figure(stats(), field))
 
     def on_executed(self, passes: list[tuple[int, int]], execute_s: float) -> None:
         self.execute.observe(execute_s)
@@ -99,3 +117,9 @@ class WorkerTelemetry:
         for span in self._spans.values():
             span.end()
         self._spans.clear()
+
+
+def _tail_figure(stats: TailPoolStats | None, field: str) -> float:
+    if stats is None:  # no runner yet
+        return 0.0
+    return float(getattr(stats, f"{field}_blocks"))

@@ -28,11 +28,14 @@ from typing import Any
 from kernels.kv_codec import (
     AUTO,
     CODECS,
+    DEFAULT_BATCH_LIMITS,
     FP8,
     INT4_DELTA,
+    BatchLimits,
     block_bytes,
     bytes_per_token,
     codec_name,
+    open_blocks_bound,
 )
 from messages.api import TokenEvent
 from messages.sampling import SamplingParams
@@ -96,13 +99,29 @@ def capacity(s: dict[str, int], kv_bytes: int) -> dict[str, int]:
     for codec in CODECS:
         block_id = s["layers"] * block_bytes(codec, BLOCK_SIZE, s["kv_heads"], s["head_dim"], 2)
         tail = s["layers"] * block_bytes(AUTO, BLOCK_SIZE, s["kv_heads"], s["head_dim"], 2)
-        blocks = blocks_in_memory(kv_bytes, block_id, tail if codec == INT4_DELTA else 0)
-        geometry = KVGeometry(BLOCK_SIZE, blocks, s["planes"])
-        # a request of CONTEXT KV tokens: prompt CONTEXT - 127, 128 tokens out; its open
-        # blocks (one per plane) are within the reserve (one tail per 32 block ids)
-        footprint = geometry.blocks_for(kv_tokens(CONTEXT - 127, 128))
-        out[codec] = geometry.num_blocks // footprint
+        # a request of CONTEXT KV tokens (prompt CONTEXT - 127, 128 tokens out) under the
+        # scheduler's fit rule
+        fit = KVGeometry(BLOCK_SIZE, 0, s["planes"])
+        footprint = fit.blocks_for(kv_tokens(CONTEXT - 127, 128))
+        requests = blocks_in_memory(kv_bytes, block_id) // footprint
+        if codec == INT4_DELTA:
+            requests = _int4_requests(kv_bytes, block_id, tail, footprint, s["planes"])
+        out[codec] = requests
     return out
+
+
+def _int4_requests(kv_bytes: int, block_id: int, tail: int, footprint: int, planes: int) -> int:
+    """The most requests that fit beside the tail reserve of a server that runs that many
+    at once (``max_num_seqs``; the default batch of tokens): one tail per ``TAIL_SHARE``
+    block ids or what their batches can hold open, whichever is more."""
+    requests = blocks_in_memory(kv_bytes, block_id, tail) // footprint  # the share alone
+    while True:
+        limits = BatchLimits(requests, DEFAULT_BATCH_LIMITS.max_num_batched_tokens)
+        bound = open_blocks_bound(planes, BLOCK_SIZE, limits)
+        fits = blocks_in_memory(kv_bytes, block_id, tail, bound) // footprint
+        if fits >= requests:
+            return requests
+        requests = fits
 
 
 def simulated_decode() -> list[dict[str, Any]]:

@@ -18,7 +18,15 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-from kernels.kv_codec import INT4_DELTA, chain_start, check
+from kernels.kv_codec import (
+    DEFAULT_BATCH_LIMITS,
+    INT4_DELTA,
+    BatchLimits,
+    chain_start,
+    check,
+    open_blocks_bound,
+    tail_reserve_blocks,
+)
 from kernels.ops import copy_kv_slots_masked, rope_write_kv
 from kernels.ops.attention_int4 import paged_attention_int4
 from services.worker.kv_int4.book import RequestBook
@@ -46,12 +54,20 @@ class Int4KV:
         device: torch.device,
         planes: int,
         anchor_every: int = 0,
+        limits: BatchLimits = DEFAULT_BATCH_LIMITS,
     ) -> None:
-        """``anchor_every``: every this many planes one is coded on its own (0: plane 0)."""
+        """``anchor_every``: every this many planes one is coded on its own (0: plane 0).
+        ``limits``: the scheduler's, which bound the tails open at once (the pool's reserve,
+        ``kernels.kv_codec.tail_reserve_blocks``)."""
         check(INT4_DELTA, head_dim, block_size)
         chain_start(0, anchor_every)  # a negative interval fails here, by name
         self.anchor_every = anchor_every
-        self.store = Int4Store(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
+        tails = tail_reserve_blocks(
+            INT4_DELTA, num_blocks, open_blocks_bound(planes, block_size, limits)
+        )
+        self.store = Int4Store(
+            layers, num_blocks, block_size, kv_heads, head_dim, dtype, device, tails
+        )
         self.layers = layers
         self.planes = planes
         self.block_size = block_size

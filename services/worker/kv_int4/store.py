@@ -5,23 +5,41 @@ Every block id has codes, scales, zero points and ``stored`` flags for every lay
 that is not sealed yet keeps its tokens exact in a *tail* block of the ``auto`` layout
 (model dtype); a tail is taken when the block is first written and given back when it is
 sealed, so the tail pool holds the open blocks only. It starts at the reserve the memory
-accounting counts (``kernels.kv_codec.tail_reserve_blocks``) and grows on demand, in
-doublings, up to one tail per block id (it can never need more).
+accounting counts (``kernels.kv_codec.tail_reserve_blocks``), which holds what a batch can
+leave open without token-sparse prefill; past it (token-sparse prefill keeps more) it grows
+on demand, in doublings, up to one tail per block id (it can never need more), each growth
+logged, as device memory nothing counted.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import structlog
 import torch
 
-from kernels.kv_codec import INT4_DELTA, chain_start, tail_reserve_blocks, value_group
+from kernels.kv_codec import chain_start, value_group
 from kernels.ops.attention_int4 import Int4Cache
 from kernels.ops.kv_int4 import int4_decode, int4_encode
+
+_log = structlog.get_logger("rlt")
+
+
+@dataclass(frozen=True)
+class TailPoolStats:
+    """The tail pool as operators see it (the worker's health and ``rlt:kv_int4_*``)."""
+
+    open_blocks: int  # block ids holding a tail now
+    peak_open_blocks: int  # the most at once so far, mid-pass included
+    pool_blocks: int  # tails allocated
+    reserved_blocks: int  # what the memory accounting counts (the pool's first size)
+    growths: int  # times the pool grew past what it had (uncounted memory)
 
 
 class Int4Store:
     """Codes of ``num_blocks`` block ids (the scheduler's, plus the scratch block) and the
-    tail pool, for every layer."""
+    tail pool, ``tails`` blocks at first, for every layer."""
 
     def __init__(
         self,
@@ -32,6 +50,7 @@ class Int4Store:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        tails: int,
     ) -> None:
         self.block_size = block_size
         self.group = value_group(head_dim)
@@ -48,14 +67,17 @@ class Int4Store:
         self.stored = torch.zeros(
             (layers, num_blocks, block_size), dtype=torch.uint8, device=device
         )
-        first = max(1, tail_reserve_blocks(INT4_DELTA, num_blocks))
-        tail = (layers, first, block_size, kv_heads, head_dim)
+        self.reserved_tails = max(1, tails)
+        tail = (layers, self.reserved_tails, block_size, kv_heads, head_dim)
         self.k_tail = torch.zeros(tail, dtype=dtype, device=device)
         self.v_tail = torch.zeros_like(self.k_tail)
         # host: sealed block ids, and each block id's tail block (-1: none)
         self.sealed = np.zeros(num_blocks, dtype=np.bool_)
         self.tail_of = np.full(num_blocks, -1, dtype=np.int64)
         self._free_tails = list(range(self.k_tail.shape[1] - 1, -1, -1))
+        self.growths = 0  # times the pool grew past what it had
+        self.open_blocks = 0  # block ids holding a tail now
+        self.peak_open_blocks = 0  # the most at once, mid-pass included
         # the device's copy of tail_of, refreshed before each pass that writes
         self.tail_map = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
 
@@ -78,9 +100,18 @@ class Int4Store:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
-    def open_blocks(self) -> int:
-        """Block ids holding a tail block now."""
-        return int((self.tail_of >= 0).sum())
+    def pool_blocks(self) -> int:
+        """Tail blocks allocated now: the reserve, or more once the pool grew past it."""
+        return int(self.k_tail.shape[1])
+
+    def tail_stats(self) -> TailPoolStats:
+        return TailPoolStats(
+            self.open_blocks,
+            self.peak_open_blocks,
+            self.pool_blocks,
+            self.reserved_tails,
+            self.growths,
+        )
 
     # ------------------------------------------------------------------ tails
     def open(self, blocks: np.ndarray) -> None:
@@ -90,6 +121,8 @@ class Int4Store:
             self.sealed[block] = False
             if self.tail_of[block] < 0:
                 self.tail_of[block] = self._take_tail()
+                self.open_blocks += 1
+        self.peak_open_blocks = max(self.peak_open_blocks, self.open_blocks)
 
     def close(self, blocks: list[int]) -> None:
         """Gives back the tails of ``blocks`` (sealed, or dropped without being sealed)."""
@@ -98,6 +131,7 @@ class Int4Store:
             if tail >= 0:
                 self._free_tails.append(tail)
                 self.tail_of[block] = -1
+                self.open_blocks -= 1
 
     def _take_tail(self) -> int:
         if not self._free_tails:
@@ -114,6 +148,14 @@ class Int4Store:
         self.k_tail = torch.cat([self.k_tail, self.k_tail.new_zeros(pad)], dim=1)
         self.v_tail = torch.cat([self.v_tail, self.v_tail.new_zeros(pad)], dim=1)
         self._free_tails.extend(range(have + more - 1, have - 1, -1))
+        self.growths += 1
+        # memory the geometry check did not count: on a GPU this can run out mid-run
+        _log.warning(
+            "int4_tail_pool_grew",
+            tails=have + more,
+            reserved=self.reserved_tails,
+            added_mib=round(2 * self.k_tail[:, have:].nbytes / 2**20, 1),
+        )
 
     def sync_tail_map(self) -> None:
         self.tail_map.copy_(torch.from_numpy(self.tail_of), non_blocking=False)
