@@ -223,9 +223,8 @@ class Int4KV:
     def _seal_batch(
         self, entries: Iterable[tuple[int, int, int, list[int], np.ndarray]]
     ) -> SealBatch:
-        """Marks the entries sealed. A sealed block keeps its tail until the plane above it
-        is sealed too (token-sparse prefill copies a frozen token's exact K/V up from it);
-        the top plane's block gives its own back."""
+        """Marks the entries sealed; each gives back the tails its seal releases
+        (``_released_by_seal``), unless a block a cycle may write again holds them."""
         seal = SealBatch(
             list(entries), self.planes, self.block_size, self.store.device, self.anchor_every
         )
