@@ -271,6 +271,7 @@ async def run_pd_soak(
     decode_blocks: int = 256,
     seed: int = 0,
     settle_s: float = 90.0,
+    engine_args: list[str] = ENGINE_ARGS,
 ) -> PDSoakReport:
     report = PDSoakReport()
     rng = random.Random(seed)
@@ -332,7 +333,7 @@ async def run_pd_soak(
             report.idle_after_s = round(time.monotonic() - ended, 1)
         except TimeoutError:
             report.kv_reclaimed = False
-    await asyncio.to_thread(verify_outputs, done, checkpoint, ENGINE_ARGS, report)
+    await asyncio.to_thread(verify_outputs, done, checkpoint, engine_args, report)
     report.verified_tokens = sum(len(f.token_ids) for f, _ in done)
     report.seconds = round(time.monotonic() - t0, 1)
     return report
@@ -392,13 +393,14 @@ async def run_main(args: argparse.Namespace) -> int:
     from services.launcher.nats_servers import NatsServer, free_port
     from services.worker.model.toy import write_toy_checkpoint
 
+    engine_args = [*ENGINE_ARGS, "--kv-cache-dtype", args.kv_cache_dtype]
     with tempfile.TemporaryDirectory(prefix="rlt-pd-soak-") as tmp:
         work = Path(args.workdir or tmp)  # --workdir: the services' logs are kept there
         work.mkdir(parents=True, exist_ok=True)
         ckpt = write_toy_checkpoint(work / "ckpt", seed=0, size="toy")
         with (
             NatsServer(port=free_port()) as server,
-            service_procs(server.url, ckpt, work, ENGINE_ARGS) as procs,
+            service_procs(server.url, ckpt, work, engine_args) as procs,
         ):
             await start_pd(procs, args.decode_blocks)
             async with client(server.url) as nc:
@@ -413,6 +415,7 @@ async def run_main(args: argparse.Namespace) -> int:
                 fault_every_s=args.fault_every,
                 decode_blocks=args.decode_blocks,
                 seed=args.seed,
+                engine_args=engine_args,
             )
     print(json.dumps(report.__dict__, indent=2))
     return 0 if report.ok() else 1
@@ -428,6 +431,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default="", help="keep the services' logs here")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", help="both shards' KV codec (auto, fp8, int4-delta)"
+    )
 
 
 def main() -> int:

@@ -100,7 +100,7 @@ def describe(
     (``services``) and the in-process engine's (``engine``) first differ, and the oracle's
     gaps and exit margin there (``services/oracle/near_tie.py``, ``Divergence``)."""
     from services.common.config import KVLayout
-    from services.oracle.near_tie import explain_divergence
+    from services.oracle.near_tie import KVCodecArgs, explain_divergence
 
     shared = config.kv_layout == KVLayout.SHARED
     n = len(got.token_ids) if got.finish_reason == "abort" else len(want.token_ids)
@@ -112,6 +112,7 @@ def describe(
         (want.token_ids[:n], want.exit_depths[:n]),
         kv_layout=config.kv_layout.value,
         prefill_chunk_size=config.prefill_chunk_size if shared else None,
+        kv_codec=KVCodecArgs(config.kv_cache_dtype, config.block_size, config.kv_int4_anchor_every),
     )
     assert found is not None, "only outputs that differ are described"
     return {

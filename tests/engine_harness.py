@@ -13,7 +13,7 @@ from services.common.config import KVLayout, SchedulerConfig
 from services.common.sparse_prefill import resolve_sparse_prefill
 from services.engine.engine import LLMEngine
 from services.oracle import SerialOracle, SparseSetting
-from services.oracle.near_tie import compare_with_oracle
+from services.oracle.near_tie import JITTER_SEEDS, compare_with_oracle
 from services.oracle.results import OracleResult
 from services.scheduler.core.batch import ScheduledBatch
 from services.scheduler.core.kv.kv_admission import Commitment
@@ -136,12 +136,6 @@ def sparse_setting(
     return SparseSetting(window=schedule.window, retention=schedule.retention)
 
 
-# a codec's code one float32 rounding from its boundary may land on the other side in the
-# engine: the oracle's K/V perturbed at float32's resolution tries this many times to land
-# it there too (docs/kv_codecs.md, "What is exact")
-JITTER_SEEDS = 16
-
-
 @dataclass
 class CodecExpectation(OracleResult):
     """The oracle's result under a KV codec, with the same run under K/V perturbed at
@@ -187,10 +181,11 @@ def oracle_result(
 def assert_matches_oracle(finished: FinishedEvent, expected, label: str = "") -> int:
     """Tokens and exit depths must equal the oracle's; the comparison may stop early only at
     the oracle's own near-ties (``services/oracle/near_tie.py``). Under a KV codec a
-    mismatch may come from a code one float32 rounding from its boundary: the oracle's run
-    under K/V perturbed at float32's resolution must then give the engine's tokens, every
-    one of them (a real difference, such as a wrong code or chain, is far beyond such
-    noise). Returns how many tokens were compared."""
+    mismatch may come from a code one float32 rounding from its boundary: one of
+    ``JITTER_SEEDS`` oracle runs under K/V perturbed at float32's resolution must then give
+    the engine's tokens, every one of them (a real difference, such as a wrong code or
+    chain, is far beyond such noise; docs/kv_codecs.md, "What is exact"). Returns how many
+    tokens were compared."""
     comparison = compare_with_oracle(finished, expected)
     replay = getattr(expected, "replay", None)
     if comparison.mismatch is not None and replay is not None:

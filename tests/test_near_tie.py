@@ -17,6 +17,7 @@ from services.oracle import SerialOracle, near_tie
 from services.oracle.near_tie import (
     TIE_EPS,
     ChoiceSampler,
+    KVCodecArgs,
     compare_with_oracle,
     explain_divergence,
     first_difference,
@@ -235,3 +236,36 @@ def test_the_gaps_are_measured_on_the_runs_path_not_the_oracles_own(
         oracle, PROMPT, GREEDY, (tokens, depths), ([*tokens[:i], b[0][i], *tokens[i + 1 :]], depths)
     )
     assert own is not None and abs(own.top2_gap - found.top2_gap) > 1e-6
+
+
+@pytest.mark.oracle
+def test_a_codec_rounding_flip_is_named_and_a_real_difference_is_not(
+    oracle: SerialOracle,
+) -> None:
+    """Under int4-delta, two choices the oracle makes both of once its K/V move at float32's
+    resolution are a codec rounding flip (a value group one rounding from its boundary);
+    a token it never chooses is not, nor is the same difference without the codec."""
+    prompt = [74, 1, 376, 1, 58, 1, 1, 27]
+    params = SamplingParams(max_tokens=3, temperature=0.0, min_loops=1, exit_threshold=1.0)
+    codec = KVCodecArgs("int4-delta", kv_block_size=2, kv_int4_anchor_every=0)
+    runs = set()
+    for seed in (None, *range(16)):
+        r = oracle.generate(
+            prompt, max_tokens=3, min_loops=1, exit_threshold=1.0, kv_cache_dtype="int4-delta",
+            kv_block_size=2, kv_jitter_seed=seed,
+        )  # fmt: skip
+        runs.add((tuple(r.token_ids), tuple(r.exit_depths)))
+    assert len(runs) >= 2, "this prompt's third token sits on a value group's boundary"
+    (ta, da), (tb, db) = sorted(runs)[:2]
+    i = first_difference((ta, da), (tb, db))
+    assert i is not None
+    found = explain_divergence(oracle, prompt, params, (ta, da), (tb, db), kv_codec=codec)
+    assert found is not None and "int4-delta rounding flip" in (found.near_tie or "")
+    assert found.pair_gap > TIE_EPS  # far from a logit near-tie: only the codec explains it
+    plain = explain_divergence(oracle, prompt, params, (ta, da), (tb, db))
+    assert plain is not None and plain.near_tie is None
+    never = oracle.generate(prompt, max_tokens=3, min_loops=1, exit_threshold=1.0).steps[i]
+    other = next(t for t, _ in never.top_logprobs[5:] if t not in (ta[i], tb[i]))
+    altered = ([*ta[:i], other, *ta[i + 1 :]], da)
+    found = explain_divergence(oracle, prompt, params, (ta, da), altered, kv_codec=codec)
+    assert found is not None and found.near_tie is None

@@ -26,6 +26,8 @@ from services.oracle.serial import SerialOracle
 
 # a choice this close (in logits, draw scores or cdf) may go either way under reordering
 TIE_EPS = 1e-5
+# perturbed oracle runs that look for a KV codec's rounding flip (``explain_divergence``)
+JITTER_SEEDS = 16
 
 
 def near_tie(gap: float, exit_margin: float, depths_agree: bool) -> str | None:
@@ -183,10 +185,15 @@ def explain_divergence(
     *,
     kv_layout: str = "last_exited",
     prefill_chunk_size: int | None = None,
+    kv_codec: KVCodecArgs | None = None,
 ) -> Divergence | None:
     """Names the first token where runs ``a`` and ``b`` (token ids, exit depths) of one
     request differ and measures, with the oracle forced along their common path, how close
-    the choice there was. None when the runs are equal. ``params``: resolved (seed set)."""
+    the choice there was. None when the runs are equal. ``params``: resolved (seed set).
+    ``kv_codec``: the runs' KV codec, which the oracle applies too; under fp8 or int4-delta
+    a difference where the oracle itself chooses either run's token and exit once its K/V
+    are perturbed at float32's resolution is a codec rounding flip (a code that sits one
+    rounding from its boundary), a near-tie of its own."""
     i = first_difference(a, b)
     if i is None:
         return None
@@ -204,19 +211,29 @@ def explain_divergence(
     # the agreed exit depths cap the oracle's loops before token i; a cap the exit rule would
     # not reach ends the token there, as the forced depth
     caps = [depths, *(min(d, max_loops) for d in da[1:i]), max_loops]
-    sampler = ChoiceSampler(params, forced=ta[:i])
-    replay = oracle.generate(
-        prompt,
-        max_tokens=i + 1,
-        min_loops=params.min_loops,
-        max_loops=max_loops,
-        exit_threshold=params.exit_threshold,
-        ignore_eos=True,  # both runs went on past every token before i
-        kv_layout=kv_layout,
-        prefill_chunk_size=prefill_chunk_size,
-        sampler=sampler,
-        max_loops_per_token=caps,
-    )
+    codec = kv_codec or KVCodecArgs()
+
+    def forced_replay(jitter_seed: int | None) -> tuple[OracleResult, ChoiceSampler]:
+        sampler = ChoiceSampler(params, forced=ta[:i])
+        replay = oracle.generate(
+            prompt,
+            max_tokens=i + 1,
+            min_loops=params.min_loops,
+            max_loops=max_loops,
+            exit_threshold=params.exit_threshold,
+            ignore_eos=True,  # both runs went on past every token before i
+            kv_layout=kv_layout,
+            prefill_chunk_size=prefill_chunk_size,
+            sampler=sampler,
+            max_loops_per_token=caps,
+            kv_cache_dtype=codec.kv_cache_dtype,
+            kv_block_size=codec.kv_block_size,
+            kv_int4_anchor_every=codec.kv_int4_anchor_every,
+            kv_jitter_seed=jitter_seed,
+        )
+        return replay, sampler
+
+    replay, sampler = forced_replay(None)
     left = first_difference((replay.token_ids[:i], replay.exit_depths[:i]), (ta[:i], da[:i]))
     if left is not None:
         found.note = f"the oracle left the agreed path at token {left} (exit depth)"
@@ -228,4 +245,21 @@ def explain_divergence(
     if ta[i] != tb[i]:
         found.pair_gap = abs(float(sampler.scores[ta[i]] - sampler.scores[tb[i]]))
     found.near_tie = near_tie(found.pair_gap, found.exit_margin, da[i] == db[i])
+    if found.near_tie is None and codec.kv_cache_dtype != "auto":
+        chosen = {(replay.token_ids[i], replay.exit_depths[i])}
+        for seed in range(JITTER_SEEDS):
+            jittered, _ = forced_replay(seed)
+            if jittered.token_ids[:i] == list(ta[:i]) and jittered.exit_depths[:i] == list(da[:i]):
+                chosen.add((jittered.token_ids[i], jittered.exit_depths[i]))
+        if {(ta[i], da[i]), (tb[i], db[i])} <= chosen:
+            found.near_tie = f"{codec.kv_cache_dtype} rounding flip (the oracle chose both)"
     return found
+
+
+@dataclass(frozen=True)
+class KVCodecArgs:
+    """A run's KV codec, as ``SerialOracle.generate`` takes it."""
+
+    kv_cache_dtype: str = "auto"
+    kv_block_size: int = 16
+    kv_int4_anchor_every: int = 0
