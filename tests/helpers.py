@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -245,3 +249,17 @@ def assert_equals_masked_oracle(
     comparison = compare_with_oracle(done, expected, gaps)
     assert comparison.mismatch is None, (label, comparison.mismatch, done.token_ids, expected)
     return comparison.compared
+
+
+def assert_passes_under_triton_interpreter(module: str, *args: str) -> None:
+    """Runs ``python -m module args`` with ``TRITON_INTERPRET=1`` in a fresh process (the
+    interpreter is chosen when triton decorates a kernel): its own checks must pass."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout}\n{proc.stderr[-4000:]}"

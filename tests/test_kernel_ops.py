@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels.ops as ops
 from kernels.ops import activation, attention, norms, rope_kv
+from tests.helpers import assert_passes_under_triton_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
@@ -930,15 +931,7 @@ INTERPRETER_CHECKS: dict[str, Callable[[list[str]], None]] = {
 def test_triton_kernels_match_references_under_interpreter(group: str) -> None:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_kernel_ops", group],
-        cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"{group}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert_passes_under_triton_interpreter("tests.test_kernel_ops", group)
 
 
 # --- every Triton kernel compiled for Hopper, without a GPU ---------------------------------

@@ -9,9 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ import torch
 from kernels.ops import kv_int4
 from kernels.ops.attention_int4 import Int4Cache, paged_attention_int4
 from services.oracle import kv_codec as oracle_codec
+from tests.helpers import assert_passes_under_triton_interpreter
 
 PLANES, BS, NKV, GROUP, HD = 4, 8, 2, 2, 16
 
@@ -179,15 +178,7 @@ def _triton_checks() -> list[str]:
 def test_triton_int4_attention_equals_the_reference() -> None:
     """Under TRITON_INTERPRET=1 in a fresh process (the interpreter is chosen when triton
     decorates a kernel)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_kv_attention_int4"],
-        cwd=Path(__file__).resolve().parents[1],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert_passes_under_triton_interpreter("tests.test_kv_attention_int4")
 
 
 if __name__ == "__main__":

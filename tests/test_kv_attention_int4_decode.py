@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from kernels.ops._triton import (
     int4_decode_partitions,
     partition_blocks,
 )
+from tests.helpers import assert_passes_under_triton_interpreter
 
 PLANES, BS = 4, 8
 
@@ -181,15 +180,7 @@ def test_partitions_are_for_decode_rows_at_long_context() -> None:
 def test_split_k_int4_decode_equals_the_reference() -> None:
     """Under TRITON_INTERPRET=1 in a fresh process (the interpreter is chosen when triton
     decorates a kernel)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_kv_attention_int4_decode"],
-        cwd=Path(__file__).resolve().parents[1],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert_passes_under_triton_interpreter("tests.test_kv_attention_int4_decode")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import importlib.util
 import math
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from kernels import kv_codec
 from kernels.ops import attention, kv_fp8, kv_int4
 from services.oracle import SerialOracle, SparseSetting
 from services.oracle import kv_codec as oracle_codec
+from tests.helpers import assert_passes_under_triton_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 OURO = {"num_kv_heads": 16, "head_dim": 128, "planes": 4, "layers": 24}
@@ -364,15 +364,7 @@ def _interpreter_checks() -> list[str]:
 def test_triton_fp8_kernels_match_references_under_interpreter() -> None:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_kv_codec"],
-        cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert_passes_under_triton_interpreter("tests.test_kv_codec")
 
 
 @pytest.mark.unit

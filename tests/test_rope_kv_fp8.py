@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 from kernels.ops import kv_copy, rope_kv, rope_kv_fp8
 from kernels.ops.kv_fp8 import fp8_quantize_reference
+from tests.helpers import assert_passes_under_triton_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 NH, NKV, HD, BS, BLOCKS = 4, 2, 16, 4, 6
@@ -74,15 +74,7 @@ def test_op_passes_opcheck() -> None:
 def test_triton_kernel_matches_reference_under_interpreter() -> None:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_rope_kv_fp8"],
-        cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert_passes_under_triton_interpreter("tests.test_rope_kv_fp8")
 
 
 def _interpreter_checks() -> list[str]:
